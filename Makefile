@@ -1,0 +1,33 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+
+.PHONY: run test install models clean
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -r requirements.txt
+	$(VPY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+models: $(STAMP)
+	$(VENV)/bin/forerun models fetch
+
+# The main job: speculative generation on the default pair, with speed and acceptance figures.
+run: models
+	$(VENV)/bin/forerun generate --chat --max-tokens 128 \
+		--prompt "Write a Python function that checks whether a string is a palindrome." \
+		--model qwen2.5-coder-1.5b-instruct \
+		--speculative-model qwen2.5-coder-0.5b-instruct --num-speculative-tokens 5
+
+test: models
+	$(VPY) -m pytest -q -rs
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,108 @@
+"""The vLLM-shaped Python API: LLM(model=..., speculative_model=...).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from forerun import drafters
+from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.engine import Engine, RequestOutput
+from forerun.errors import ForerunError
+from forerun.metrics import SpecMetrics
+from forerun.models.load import LoadedModel, load_model
+
+
+@dataclass
+class CompletionOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+@dataclass
+class GenerationResult:
+    prompt: str | list[dict] | list[int]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]      # one completion per prompt (vLLM's shape)
+    elapsed_s: float                     # generation only, model loading excluded
+    first_token_s: float
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+class LLM:
+    """A target model, optionally with a drafter, ready to generate.
+
+    speculative_method picks the drafter by name; speculative_model implies "draft". Any further
+    keyword arguments in `speculative_options` go to the drafter alone.
+    """
+
+    def __init__(self, model: str | LoadedModel, speculative_model: str | LoadedModel | None = None,
+                 num_speculative_tokens: int = 5, speculative_method: str | None = None,
+                 speculative_options: dict | None = None, dtype: str = "bfloat16", device: str = "cpu") -> None:
+        self.target = model if isinstance(model, LoadedModel) else load_model(model, dtype, device)
+        options = dict(speculative_options or {})
+        if speculative_model is not None:
+            if speculative_method not in (None, "draft"):
+                raise ForerunError(f"speculative_model is a draft model, but speculative_method is {speculative_method!r}")
+            speculative_method = "draft"
+            options.setdefault("model", speculative_model)
+            options.setdefault("dtype", dtype)
+            options.setdefault("device", device)
+        self.spec = SpeculativeConfig(speculative_method, num_speculative_tokens, options)
+        if speculative_method is not None and num_speculative_tokens > self.target.decoder.cfg.max_position:
+            raise ForerunError(f"num_speculative_tokens {num_speculative_tokens} is beyond the model's context")
+        drafter = drafters.create(speculative_method, self.target, options) if speculative_method else None
+        self.engine = Engine(self.target, drafter, num_speculative_tokens)
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def _prompt_ids(self, prompt: str | list[int] | list[dict]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ForerunError("this model has no tokenizer: pass token ids instead of text")
+            return self.tokenizer.encode(prompt)
+        if prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.apply_chat(list(prompt))
+        return [int(t) for t in prompt]
+
+    def generate(self, prompts: str | Sequence, params: SamplingParams | None = None) -> list[GenerationResult]:
+        """Prompts are strings, token-id lists, or chat message lists."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return [self._run(p, params) for p in prompts]
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None) -> list[GenerationResult]:
+        """One conversation (a list of {"role", "content"}) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return [self._run(list(c), params or SamplingParams()) for c in conversations]
+
+    def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None) -> Iterator[str]:
+        """Text pieces as they become final."""
+        for step in self.engine.stream(self._prompt_ids(prompt), params or SamplingParams()):
+            if step.text:
+                yield step.text
+
+    def _run(self, prompt, params: SamplingParams) -> GenerationResult:
+        ids = self._prompt_ids(prompt)
+        out: RequestOutput = self.engine.generate(ids, params)
+        return GenerationResult(prompt, ids, [CompletionOutput(out.text, out.token_ids, out.finish_reason)],
+                                out.elapsed_s, out.first_token_s, out.metrics)

@@ -1,0 +1,48 @@
+"""User-facing settings as frozen dataclasses; each checks its own values and names the bad field."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from forerun.errors import ForerunError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0          # 0 means greedy (argmax)
+    top_p: float = 1.0                # nucleus mass kept, in (0, 1]
+    top_k: int = 0                    # keep the k likeliest tokens; 0 keeps all
+    max_tokens: int = 128             # most new tokens to generate
+    stop: tuple[str, ...] = ()        # strings that end generation (not included in the text)
+    seed: int | None = None           # seeds the sampler; None draws a fresh seed
+    ignore_eos: bool = False          # keep going past stop tokens (benchmarks)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if not self.temperature >= 0:
+            raise ForerunError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ForerunError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ForerunError(f"top_k must be >= 0 (0 keeps every token), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ForerunError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise ForerunError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str | None = None          # drafter name in the registry; None is plain decoding
+    num_speculative_tokens: int = 5    # K: draft length (most tokens proposed per step)
+    options: dict = field(default_factory=dict)  # the drafter's own settings, passed to it alone
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.num_speculative_tokens < 1:
+            raise ForerunError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")

@@ -1,0 +1,56 @@
+"""Drafters: anything that proposes tokens. Found by name in a registry, never by an if/elif chain."""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from forerun.config import SamplingParams
+from forerun.errors import ForerunError
+from forerun.kv_cache import KVCache
+from forerun.tree import DraftTree
+
+
+class Drafter(Protocol):
+    """Propose, then hear how many were accepted (the two-method interface of assisted generation)."""
+
+    def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
+        """A new request begins; `target_cache` is the target's cache (self-speculation reads it)."""
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> DraftTree | None:
+        """Up to k draft tokens following `context` (prompt + output so far); None when it has no guess."""
+
+    def observe(self, num_accepted: int) -> None:
+        """How many of the last proposal's tokens the target kept."""
+
+
+DrafterFactory = Callable[..., Drafter]
+_REGISTRY: dict[str, DrafterFactory] = {}
+
+
+def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
+    def add(factory: DrafterFactory) -> DrafterFactory:
+        _REGISTRY[name] = factory
+        return factory
+    return add
+
+
+def available() -> list[str]:
+    _import_all()
+    return sorted(_REGISTRY)
+
+
+def create(name: str, target, options: dict) -> Drafter:
+    """Build drafter `name` for `target` (a LoadedModel) from its own settings alone."""
+    _import_all()
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ForerunError(f"unknown speculative method {name!r}; choose one of {', '.join(sorted(_REGISTRY))}") from None
+    return factory(target, **options)
+
+
+def _import_all() -> None:
+    # Each module registers itself on import.
+    from forerun.drafters import draft_model  # noqa: F401

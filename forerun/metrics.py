@@ -1,0 +1,76 @@
+"""Speculation counters per request and summed over a run, with the textbook prediction beside them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    num_speculative_tokens: int = 0   # K
+    num_drafts: int = 0               # steps in which a draft was proposed
+    num_draft_tokens: int = 0         # draft tokens proposed
+    num_accepted_tokens: int = 0      # draft tokens kept (and emitted)
+    num_emitted_tokens: int = 0       # every token emitted, first token and bonus/recovered included
+    num_target_forwards: int = 0      # target passes, prefill included
+    accepted_per_position: list[int] = field(default_factory=list)  # [K] kept counts by draft position
+
+    def record_step(self, drafted: int, accepted: int, emitted: int) -> None:
+        """One target forward that verified `drafted` tokens, kept `accepted`, emitted `emitted`."""
+        self.num_target_forwards += 1
+        self.num_emitted_tokens += emitted
+        if drafted:
+            self.num_drafts += 1
+            self.num_draft_tokens += drafted
+        counted = min(accepted, emitted)  # a stop inside the run: what was not emitted does not count
+        self.num_accepted_tokens += counted
+        if len(self.accepted_per_position) < self.num_speculative_tokens:
+            self.accepted_per_position += [0] * (self.num_speculative_tokens - len(self.accepted_per_position))
+        for i in range(min(counted, len(self.accepted_per_position))):
+            self.accepted_per_position[i] += 1
+
+    def merge(self, other: "SpecMetrics") -> None:
+        self.num_speculative_tokens = max(self.num_speculative_tokens, other.num_speculative_tokens)
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_emitted_tokens += other.num_emitted_tokens
+        self.num_target_forwards += other.num_target_forwards
+        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        mine = self.accepted_per_position + [0] * (width - len(self.accepted_per_position))
+        theirs = other.accepted_per_position + [0] * (width - len(other.accepted_per_position))
+        self.accepted_per_position = [a + b for a, b in zip(mine, theirs)]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.num_emitted_tokens / self.num_target_forwards if self.num_target_forwards else 0.0
+
+    @property
+    def efficiency(self) -> float:
+        slots = self.num_drafts * (self.num_speculative_tokens + 1)
+        return self.num_emitted_tokens / slots if slots else 0.0
+
+    @property
+    def predicted_mean_accepted_length(self) -> float:
+        """(1 - a^(K+1)) / (1 - a): tokens per step if each draft were kept independently with rate a."""
+        a, k = self.acceptance_rate, self.num_speculative_tokens
+        if a >= 1.0:
+            return float(k + 1)
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def to_dict(self) -> dict:
+        return {
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_emitted_tokens": self.num_emitted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "efficiency": round(self.efficiency, 4),
+            "predicted_mean_accepted_length": round(self.predicted_mean_accepted_length, 4),
+        }

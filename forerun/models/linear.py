@@ -1,0 +1,51 @@
+"""The one wrapper every weight matrix sits behind, so other numeric formats drop in unchanged."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T + bias, with weight [out_features, in_features] in the model's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 (per output row scale): half the bytes per pass, for a decode-bound draft.
+
+    Exactness never depends on it: only drafters use it, and the target verifies every token.
+    """
+
+    def __init__(self, source: Linear) -> None:
+        super().__init__()
+        w = source.weight.detach().float()                        # [out, in]
+        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0      # [out]
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8))
+        self.register_buffer("scale", scale.to(source.weight.dtype))
+        self.bias = source.bias
+        self.out_dtype = source.weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.out_dtype),
+                                               self.qweight, self.scale)
+        y = y.reshape(*shape[:-1], -1)
+        return y + self.bias if self.bias is not None else y
+
+
+def quantize_int8_(module: nn.Module) -> nn.Module:
+    """Replace every Linear inside `module` by its Int8Linear, in place; returns `module`."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, Linear):
+            setattr(module, name, Int8Linear(child))
+        else:
+            quantize_int8_(child)
+    return module

@@ -1,0 +1,247 @@
+"""Turn a model name or path into a ready decoder and tokenizer, converting and caching once.
+
+Accepted everywhere a model is named: an embedded name, a `.gguf` file, a Hugging Face model
+folder (config.json, *.safetensors, tokenizer files), or a hub id when a network is there.
+GGUF weights are dequantized once and cached as safetensors keyed by the file's sha256, so every
+later load is a memory map.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from forerun.errors import ForerunError
+from forerun.models import fetch as fetching
+from forerun.models.decoder import SUPPORTED_ARCHITECTURES, Decoder, DecoderConfig
+from forerun.models.embedded import EMBEDDED
+from forerun.models.tokenizer import Tokenizer
+from forerun.paths import converted_dir
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class ModelSource:
+    kind: str      # "gguf" or "hf"
+    path: Path     # the .gguf file or the model folder
+    name: str      # what the user called it
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    decoder: Decoder
+    tokenizer: Tokenizer | None
+    source: ModelSource
+    load_seconds: float = 0.0
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ForerunError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "cpu"):
+        return torch.device("cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ForerunError("--device cuda was asked for, but no CUDA GPU is available; use --device cpu")
+        return torch.device(device)
+    raise ForerunError(f"unknown device {device!r}; use cpu or cuda")
+
+
+def resolve(spec: str) -> ModelSource:
+    """Find the weights behind `spec`, fetching an embedded model if needed."""
+    if spec in EMBEDDED:
+        return ModelSource("gguf", fetching.fetch(spec), spec)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ForerunError(f"{path} is not a .gguf file; pass a .gguf file or a model folder")
+        return ModelSource("gguf", path, spec)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ForerunError(f"{path} has no config.json; a model folder needs config.json, "
+                               "*.safetensors and tokenizer files")
+        return ModelSource("hf", path, spec)
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return ModelSource("hf", _hub_download(spec), spec)
+    known = ", ".join(sorted(EMBEDDED))
+    raise ForerunError(f"unknown model {spec!r}: not an embedded name ({known}), "
+                       "not an existing .gguf file or model folder, and not a hub id (owner/name)")
+
+
+def _hub_download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"])
+    except Exception as exc:
+        raise ForerunError(
+            f"could not download {repo_id!r} from the Hugging Face hub ({type(exc).__name__}). "
+            "Without a network, pass a local path instead: a .gguf file or a model folder."
+        ) from None
+    return Path(folder)
+
+
+def load_model(spec: str, dtype: str | torch.dtype = "bfloat16", device: str | None = "cpu",
+               with_tokenizer: bool = True) -> LoadedModel:
+    start = time.perf_counter()
+    source = resolve(spec)
+    torch_dtype, torch_device = parse_dtype(dtype), resolve_device(device)
+    if source.kind == "gguf":
+        cfg, state, tok_dir = _load_gguf(source.path, torch_dtype, with_tokenizer)
+    else:
+        cfg, state, tok_dir = _load_hf_folder(source.path, torch_dtype)
+    decoder = build_decoder(cfg, state, torch_device)
+    tokenizer = load_tokenizer(tok_dir, source) if with_tokenizer else None
+    return LoadedModel(source.name, decoder, tokenizer, source, time.perf_counter() - start)
+
+
+def build_decoder(cfg: DecoderConfig, state: dict[str, torch.Tensor], device: torch.device) -> Decoder:
+    with torch.device("meta"):
+        decoder = Decoder(cfg)
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    missing = set(decoder.state_dict()) - set(state)
+    if missing:
+        raise ForerunError(f"the weights lack {len(missing)} tensors the model needs, e.g. {sorted(missing)[:3]}")
+    decoder.load_state_dict({k: state[k] for k in decoder.state_dict()}, assign=True, strict=True)
+    decoder.tie_weights()
+    return decoder.to(device).eval()
+
+
+# --- GGUF -------------------------------------------------------------------------------------
+
+
+def _gguf_checksum(path: Path) -> str:
+    """sha256 of a GGUF file, remembered per (path, size, mtime) so a rerun skips the hashing."""
+    for model in EMBEDDED.values():
+        if path.resolve() == fetching.model_file(model).resolve():
+            return model.sha256
+    st = path.stat()
+    index_file = converted_dir() / "checksums.json"
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError):
+        index = {}
+    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    if key not in index:
+        index[key] = fetching.sha256_of(path)
+        _atomic_write_text(index_file, json.dumps(index))
+    return index[key]
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool):
+    from safetensors.torch import load_file, save_file
+
+    from forerun.models import gguf_loader
+
+    cache = converted_dir() / _gguf_checksum(path)[:24]
+    cache.mkdir(parents=True, exist_ok=True)
+    weights = cache / f"weights-{str(dtype).removeprefix('torch.')}.safetensors"
+    config_file = cache / "config.json"
+    tok_dir = cache / "tokenizer"
+    if not weights.is_file() or not config_file.is_file():
+        reader = gguf_loader.open_reader(path)
+        cfg = gguf_loader.read_config(reader)
+        state = dict(gguf_loader.iter_tensors(reader, cfg, dtype))
+        tmp = weights.with_name(f".{weights.name}.{os.getpid()}.tmp")
+        save_file(state, str(tmp))
+        os.replace(tmp, weights)
+        _atomic_write_text(config_file, json.dumps(asdict(cfg), indent=1))
+    cfg = DecoderConfig(**json.loads(config_file.read_text()))
+    if with_tokenizer and not (tok_dir / "tokenizer_config.json").is_file():
+        _convert_gguf_tokenizer(path, tok_dir)
+    return cfg, load_file(str(weights)), tok_dir
+
+
+def _convert_gguf_tokenizer(path: Path, tok_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:
+        raise ForerunError(f"cannot build a tokenizer from {path} ({type(exc).__name__}: {exc})") from None
+    tmp = tok_dir.with_name(f".{tok_dir.name}.{os.getpid()}.tmp")
+    tok.save_pretrained(str(tmp))
+    if tok_dir.exists():
+        import shutil
+
+        shutil.rmtree(tok_dir)
+    os.replace(tmp, tok_dir)
+
+
+# --- Hugging Face folders ---------------------------------------------------------------------
+
+
+def config_from_hf(raw: dict) -> DecoderConfig:
+    arch = raw.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ForerunError(f"unsupported architecture {arch!r} in config.json; "
+                           f"forerun supports: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    scaling = raw.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise ForerunError(f"rope scaling {scaling!r} is not supported yet; use a model without rope_scaling")
+    heads = raw["num_attention_heads"]
+    return DecoderConfig(
+        architecture=arch,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position=raw.get("max_position_embeddings", 4096),
+        attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+    )
+
+
+def _load_hf_folder(folder: Path, dtype: torch.dtype):
+    from safetensors.torch import load_file
+
+    cfg = config_from_hf(json.loads((folder / "config.json").read_text()))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ForerunError(f"{folder} has no *.safetensors weights (forerun never loads pickled .bin files)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
+    return cfg, state, folder
+
+
+def load_tokenizer(tok_dir: Path, source: ModelSource) -> Tokenizer | None:
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(tok_dir))
+    except Exception as exc:
+        raise ForerunError(f"cannot load the tokenizer of {source.name} from {tok_dir} ({exc})") from None
+    extra: list[int] = []
+    gen_cfg = tok_dir / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        extra = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return Tokenizer(hf, extra)

@@ -1,0 +1,43 @@
+"""Logits to probabilities (temperature, top-k, top-p) and seeded sampling.
+
+The target and every drafter go through the same `probabilities`, so the acceptance rule compares
+processed distributions and the output follows the target's processed distribution exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+from forerun.config import SamplingParams
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [N, V] -> probabilities [N, V] (float32). Greedy gives a one-hot at the argmax."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]          # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Keep a token while the mass before it is below top_p: the smallest set reaching top_p.
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """probs [N, V] -> token ids [N]."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen

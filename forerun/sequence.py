@@ -1,0 +1,66 @@
+"""One request's output as it grows: stop tokens, stop strings, max_tokens, and streamable text."""
+from __future__ import annotations
+
+from forerun.config import SamplingParams
+from forerun.models.tokenizer import Tokenizer
+
+
+class Sequence:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
+                 stop_ids: frozenset[int]) -> None:
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.tokenizer = tokenizer
+        self.stop_ids = frozenset() if params.ignore_eos else stop_ids
+        self.finish_reason: str | None = None
+        self.text = ""        # decoded output, cut before a stop string
+        self._streamed = 0    # characters of `text` already handed out
+        if params.stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int) -> bool:
+        """Add one token; returns True when it ends the sequence (then nothing more may be appended)."""
+        self.output_ids.append(token)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif self.tokenizer is not None:
+            self.text = self.tokenizer.decode(self.output_ids)
+            self._check_stop_strings()
+        if self.finish_reason is None and len(self.output_ids) >= self.params.max_tokens:
+            self.finish_reason = "length"
+        return self.finished
+
+    def _check_stop_strings(self) -> None:
+        # Only the tail can hold a new match: the text before it was checked at the last token.
+        longest = max((len(s) for s in self.params.stop), default=0)
+        tail_from = max(0, self._streamed - longest)
+        hits = [i for i in (self.text.find(s, tail_from) for s in self.params.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.finish_reason = "stop"
+
+    def take_text(self) -> str:
+        """Text not handed out yet that can no longer change: unfinished UTF-8 and a possible
+        stop-string prefix stay back until the sequence ends."""
+        end = len(self.text)
+        if not self.finished:
+            if self.text.endswith("\ufffd"):
+                end = len(self.text.rstrip("\ufffd"))
+            for s in self.params.stop:
+                for n in range(min(len(s) - 1, end), 0, -1):
+                    if self.text[:end].endswith(s[:n]):
+                        end -= n
+                        break
+        end = max(end, self._streamed)
+        piece = self.text[self._streamed:end]
+        self._streamed = end
+        return piece
