@@ -9,6 +9,7 @@ from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.engine import Engine, RequestOutput
 from forerun.errors import ForerunError
 from forerun.metrics import SpecMetrics
+from forerun.models.linear import quantize_int8_
 from forerun.models.load import LoadedModel, load_model
 
 
@@ -54,8 +55,14 @@ class LLM:
 
     def __init__(self, model: str | LoadedModel, speculative_model: str | LoadedModel | None = None,
                  num_speculative_tokens: int = 5, speculative_method: str | None = None,
-                 speculative_options: dict | None = None, dtype: str = "bfloat16", device: str = "cpu") -> None:
+                 speculative_options: dict | None = None, dtype: str = "bfloat16", device: str = "cpu",
+                 quantization: str | None = None) -> None:
         self.target = model if isinstance(model, LoadedModel) else load_model(model, dtype, device)
+        if quantization == "int8":
+            quantize_int8_(self.target.decoder)
+        elif quantization is not None:
+            raise ForerunError(f"unknown quantization {quantization!r}; use int8 or leave it out")
+        self.last_result: GenerationResult | None = None
         options = dict(speculative_options or {})
         if speculative_model is not None:
             if speculative_method not in (None, "draft"):
@@ -96,13 +103,20 @@ class LLM:
         return [self._run(list(c), params or SamplingParams()) for c in conversations]
 
     def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None) -> Iterator[str]:
-        """Text pieces as they become final."""
-        for step in self.engine.stream(self._prompt_ids(prompt), params or SamplingParams()):
+        """Text pieces as they become final; the finished result is then in `last_result`."""
+        ids = self._prompt_ids(prompt)
+        done: list[RequestOutput] = []
+        for step in self.engine.stream(ids, params or SamplingParams(), done):
             if step.text:
                 yield step.text
+        self.last_result = self._result(prompt, ids, done[0])
 
     def _run(self, prompt, params: SamplingParams) -> GenerationResult:
         ids = self._prompt_ids(prompt)
-        out: RequestOutput = self.engine.generate(ids, params)
+        self.last_result = self._result(prompt, ids, self.engine.generate(ids, params))
+        return self.last_result
+
+    @staticmethod
+    def _result(prompt, ids: list[int], out: RequestOutput) -> GenerationResult:
         return GenerationResult(prompt, ids, [CompletionOutput(out.text, out.token_ids, out.finish_reason)],
                                 out.elapsed_s, out.first_token_s, out.metrics)

@@ -1,0 +1,1 @@
+"""Subcommands of `forerun`; a module here with a `register(subparsers)` function becomes one."""

@@ -1,0 +1,102 @@
+"""Flags shared by the commands that load models and generate: model, speculation, sampling, prompts."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from forerun.config import SamplingParams
+from forerun.errors import ForerunError
+
+# Each method's own settings: flag destination -> drafter keyword. A drafter receives only its own.
+METHOD_OPTIONS: dict[str, dict[str, str]] = {
+    "draft": {"speculative_model": "model", "speculative_quantization": "quantize",
+              "draft_min_confidence": "min_confidence"},
+    "ngram": {"ngram_max": "ngram_max", "ngram_min": "ngram_min"},
+    "early-exit": {"early_exit_layer": "layer", "skip_layers": "skip_layers"},
+    "lookahead": {"lookahead_window": "window", "lookahead_ngram": "ngram", "lookahead_guesses": "guesses"},
+}
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="embedded name, .gguf file, model folder or hub id")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="store the target's weights in int8 (plain and speculative runs alike)")
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculation")
+    g.add_argument("--speculative-method", default=None, help="draft, ngram, early-exit or lookahead")
+    g.add_argument("--speculative-model", default=None, help="draft model (implies --speculative-method draft)")
+    g.add_argument("--speculative-quantization", default=None, choices=["int8"],
+                   help="store the draft model's weights in int8 (cheaper drafts; output stays exact)")
+    g.add_argument("--draft-min-confidence", type=float, default=0.0,
+                   help="end a draft early when the draft model's top probability falls below this")
+    g.add_argument("--num-speculative-tokens", type=int, default=5, help="K: tokens drafted per step")
+    g.add_argument("--ngram-max", type=int, default=3, help="prompt lookup: longest suffix to match")
+    g.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest suffix to match")
+    g.add_argument("--early-exit-layer", type=int, default=None, help="early exit: draft with the first L layers")
+    g.add_argument("--skip-layers", type=int, nargs="+", default=None, help="early exit: layers the draft skips")
+    g.add_argument("--lookahead-window", type=int, default=4, help="lookahead: Jacobi window W")
+    g.add_argument("--lookahead-ngram", type=int, default=4, help="lookahead: n-gram size N")
+    g.add_argument("--lookahead-guesses", type=int, default=4, help="lookahead: candidate n-grams G per step")
+
+
+def spec_from_args(args: argparse.Namespace, method: str | None = None) -> tuple[str | None, dict]:
+    """(method, that method's options) from parsed flags; `method` overrides --speculative-method."""
+    method = method or args.speculative_method or ("draft" if args.speculative_model else None)
+    if method is None:
+        return None, {}
+    if method == "draft" and not args.speculative_model:
+        raise ForerunError("--speculative-method draft needs --speculative-model")
+    names = METHOD_OPTIONS.get(method, {})
+    options = {kw: getattr(args, dest) for dest, kw in names.items() if getattr(args, dest, None) is not None}
+    if method == "draft":
+        options.update(dtype=args.dtype, device=args.device)
+    return method, options
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", nargs="+", default=[], help="stop strings")
+    g.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens regardless of stop tokens")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, stop=tuple(args.stop), seed=args.seed,
+                          ignore_eos=args.ignore_eos)
+
+
+def read_prompts_file(path: str | Path) -> list[dict]:
+    """JSONL records with `prompt` (or `turns`, whose first item is used); other fields are kept."""
+    path = Path(path)
+    if not path.is_file():
+        raise ForerunError(f"prompts file {path} does not exist")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ForerunError(f"{path}, line {number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise ForerunError(f"{path}, line {number}: expected a JSON object with 'prompt' or 'turns'")
+        if isinstance(obj.get("prompt"), str):
+            text = obj["prompt"]
+        elif isinstance(obj.get("turns"), list) and obj["turns"] and isinstance(obj["turns"][0], str):
+            text = obj["turns"][0]
+        else:
+            raise ForerunError(f"{path}, line {number}: missing 'prompt' (a string) or 'turns' (a list of strings)")
+        records.append({**obj, "prompt": text})
+    if not records:
+        raise ForerunError(f"prompts file {path} holds no prompts")
+    return records

@@ -1,0 +1,72 @@
+"""`forerun generate`: plain or speculative generation from the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from forerun.api import LLM
+from forerun.commands.common import (add_model_args, add_sampling_args, add_spec_args, read_prompts_file,
+                                     sampling_from_args, spec_from_args)
+from forerun.errors import ForerunError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="generate text, with or without speculation")
+    add_model_args(p)
+    p.add_argument("--prompt", nargs="+", default=[], help="one or more prompts")
+    p.add_argument("--prompts-file", default=None, help="JSONL with 'prompt' or 'turns' per line")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    add_sampling_args(p)
+    add_spec_args(p)
+    p.set_defaults(func=run)
+
+
+def build_llm(args: argparse.Namespace, method: str | None = None) -> LLM:
+    method, options = spec_from_args(args, method)
+    return LLM(model=args.model, speculative_method=method, speculative_options=options,
+               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
+               quantization=args.quantization)
+
+
+def run(args: argparse.Namespace) -> int:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        prompts += [r["prompt"] for r in read_prompts_file(args.prompts_file)]
+    if not prompts:
+        raise ForerunError("no prompt given: use --prompt TEXT or --prompts-file F.jsonl")
+    params = sampling_from_args(args)
+    llm = build_llm(args)
+    speculative = llm.spec.method is not None
+    for index, text in enumerate(prompts):
+        prompt = [{"role": "user", "content": text}] if args.chat else text
+        if args.json:
+            result = llm.generate([prompt], params)[0]
+            record = {"prompt_index": index, "text": result.text, "token_ids": result.token_ids,
+                      "num_prompt_tokens": len(result.prompt_token_ids),
+                      "num_generated_tokens": len(result.token_ids), "finish_reason": result.finish_reason,
+                      "elapsed_s": round(result.elapsed_s, 4), "tokens_per_s": round(result.tokens_per_s, 3)}
+            if speculative:
+                record["spec"] = result.metrics.to_dict()
+            print(json.dumps(record), flush=True)
+            continue
+        result = None
+        for piece in llm.stream(prompt, params):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        result = llm.last_result
+        print()
+        print(summary_line(result, speculative), file=sys.stderr)
+    return 0
+
+
+def summary_line(result, speculative: bool) -> str:
+    line = (f"[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s, {result.tokens_per_s:.2f} tok/s, "
+            f"finish: {result.finish_reason}")
+    if speculative:
+        m = result.metrics
+        line += (f"; K={m.num_speculative_tokens}, acceptance {m.acceptance_rate:.2f}, "
+                 f"mean accepted length {m.mean_accepted_length:.2f} "
+                 f"(predicted {m.predicted_mean_accepted_length:.2f})")
+    return line + "]"
