@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from numbers import Integral
 
 from forerun.errors import ForerunError
 
@@ -25,10 +26,13 @@ class SamplingParams:
             raise ForerunError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ForerunError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ForerunError(f"top_k must be >= 0 (0 keeps every token), got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ForerunError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        # Whole numbers only: a float slips past `< 0` (NaN always does) and fails deep in torch later.
+        if not isinstance(self.top_k, Integral) or self.top_k < 0:
+            raise ForerunError(f"top_k must be a whole number >= 0 (0 keeps every token), got {self.top_k!r}")
+        if not isinstance(self.max_tokens, Integral) or self.max_tokens < 1:
+            raise ForerunError(f"max_tokens must be a whole number >= 1, got {self.max_tokens!r}")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise ForerunError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(not s for s in self.stop):
             raise ForerunError("stop strings must not be empty")
 

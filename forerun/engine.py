@@ -9,7 +9,7 @@ import torch
 
 from forerun.accept import accept
 from forerun.config import SamplingParams
-from forerun.drafters import Drafter
+from forerun.drafters import Drafter, rows_per_step
 from forerun.errors import ForerunError
 from forerun.metrics import SpecMetrics
 from forerun.models.load import LoadedModel
@@ -45,6 +45,7 @@ class Engine:
         self.target = target
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
+        self.rows = rows_per_step(drafter, self.k)   # most cache slots a step uses after the root
         tok = target.tokenizer
         self.stop_ids = tok.stop_ids if tok is not None else frozenset()
 
@@ -58,7 +59,7 @@ class Engine:
             raise ForerunError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
                                f"is {need} tokens, beyond the model's context of {limit}; "
                                "shorten the prompt or lower max_tokens")
-        return need + self.k + 1
+        return need + self.rows + 1
 
     def stream(self, prompt_ids: list[int], params: SamplingParams,
                result: list[RequestOutput] | None = None) -> Iterator[StepOutput]:
@@ -94,19 +95,19 @@ class Engine:
         tree = None
         if self.drafter is not None and room > 1:
             tree = self.drafter.propose(context, min(self.k, room - 1), seq.params, gen)
+        base = cache.length                      # slots before the root
         ver = verify(self.target.decoder, cache, root, tree, seq.params)
         if tree is None or len(tree) == 0:
             tokens, path = [int(sample(ver.probs[:1], gen)[0])], []
         else:
             acc = accept(ver.probs, tree, gen, seq.params.greedy)
             tokens, path = acc.tokens, acc.path
-        base = cache.length - (len(tree) if tree else 0) - 1   # slots before the root
-        if path == list(range(len(path))):     # a chain prefix: rollback is a length change
+        if path == list(range(len(path))):     # a chain prefix: rollback is a length change (aux rows go too)
             cache.truncate(base + 1 + len(path))
         else:
             cache.keep(list(range(base + 1)) + [base + 1 + node for node in path])
         if self.drafter is not None and tree is not None:
-            self.drafter.observe(len(path))
+            self.drafter.observe(len(path), ver.aux_logits)
         emitted = []
         for token in tokens:
             emitted.append(token)

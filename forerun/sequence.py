@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from forerun.config import SamplingParams
+from forerun.errors import ForerunError
 from forerun.models.tokenizer import Tokenizer
 
 
@@ -17,7 +18,8 @@ class Sequence:
         self.text = ""        # decoded output, cut before a stop string
         self._streamed = 0    # characters of `text` already handed out
         if params.stop and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
+            raise ForerunError("stop strings need a tokenizer to match text, and this model has none: "
+                               "leave out stop, or load the model with its tokenizer")
 
     @property
     def context(self) -> list[int]:

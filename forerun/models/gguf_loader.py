@@ -46,26 +46,46 @@ def _field(reader, key: str, default=None):
     return field.contents()
 
 
+def _float32_value(value) -> float:
+    """The number a float32 field was written from: 1e-6 is stored as 9.99999997e-07; read back 1e-6."""
+    return float(str(np.float32(value)))
+
+
 def read_config(reader) -> DecoderConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ForerunError(f"unsupported architecture {arch!r} in GGUF file; "
                            f"forerun supports: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
     names = {t.name for t in reader.tensors}
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none") or "rope_freqs.weight" in names:
+        # Plain rope on a model trained with scaled rope gives fluent-looking but wrong output.
+        raise ForerunError(f"rope scaling ({scaling or 'rope_freqs'}) is not supported yet; "
+                           "use a model without rope scaling")
+
+    def need(key: str) -> int:
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ForerunError(f"the GGUF file lacks the metadata key {arch}.{key}; it may be corrupt or "
+                               "written by an incompatible converter")
+        return int(value)
+
+    if "token_embd.weight" not in names:
+        raise ForerunError("the GGUF file has no token_embd.weight tensor; it is not a complete model")
+    heads = need("attention.head_count")
+    hidden = need("embedding_length")
     emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
     return DecoderConfig(
         architecture=arch,
-        vocab_size=int(emb.shape[1]),
+        vocab_size=int(emb.shape[1]),   # GGUF shapes run fastest dimension first: [hidden, vocab]
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=need("feed_forward_length"),
+        num_layers=need("block_count"),
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=_float32_value(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=_float32_value(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         max_position=int(_field(reader, f"{arch}.context_length", 4096)),
         attention_bias="blk.0.attn_q.bias" in names,
         tie_embeddings="output.weight" not in names,
@@ -85,9 +105,14 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    # llama.cpp stores llama q/k rows interleaved for its rope; undo that for rotate-half rope.
+    """Undo llama.cpp's q/k row interleaving (its rope pairs rows 2i, 2i+1; ours pairs i, i + D/2).
+
+    llama.cpp's converter writes reshape(H, 2, D/2).swapaxes(1, 2); the inverse is
+    reshape(H, D/2, 2).swapaxes(1, 2). The two differ (the permutation is not its own inverse).
+    Works for weights [rows, in] and biases [rows] alike.
+    """
     rows = w.shape[0]
-    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def iter_tensors(reader, cfg: DecoderConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -100,12 +125,12 @@ def iter_tensors(reader, cfg: DecoderConfig, dtype: torch.dtype) -> Iterator[tup
             continue
         try:
             array = gguf.quants.dequantize(t.data, t.tensor_type)
+            array = np.array(array, dtype=np.float32, copy=True).reshape([int(d) for d in reversed(t.shape)])
         except Exception as exc:
             raise ForerunError(f"cannot read tensor {t.name} ({exc}); the GGUF file may be corrupt") from None
-        array = np.array(array, dtype=np.float32, copy=True).reshape([int(d) for d in reversed(t.shape)])
         if cfg.architecture in ("llama", "mistral"):
-            if name.endswith("q_proj.weight"):
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
                 array = _unpermute(array, cfg.num_heads)
-            elif name.endswith("k_proj.weight"):
+            elif name.endswith(("k_proj.weight", "k_proj.bias")):
                 array = _unpermute(array, cfg.num_kv_heads)
         yield name, torch.from_numpy(array).to(dtype)

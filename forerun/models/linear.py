@@ -6,6 +6,19 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _cpu_has_native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# Without native bf16 matrix units (AVX2-only CPUs), a bf16 product costs time linear in its rows;
+# from this many rows on (prefill) upcasting the weight to float32 is several times faster.
+_UPCAST_ROWS = 48
+_UPCAST_BF16 = not _cpu_has_native_bf16()
+
+
 class Linear(nn.Module):
     """y = x @ weight.T + bias, with weight [out_features, in_features] in the model's dtype."""
 
@@ -15,6 +28,10 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (_UPCAST_BF16 and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and x.numel() >= _UPCAST_ROWS * x.shape[-1]):
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -35,6 +52,11 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if x.device.type == "cpu" and x.numel() >= _UPCAST_ROWS * shape[-1]:
+            # Many rows (prefill): the int8 kernel's cost grows with rows; a float32 product does not.
+            w = self.qweight.float() * self.scale.float()[:, None]
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), w, bias).to(x.dtype)
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.out_dtype),
                                                self.qweight, self.scale)
         y = y.reshape(*shape[:-1], -1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,9 +75,12 @@ def resolve(spec: str) -> ModelSource:
             raise ForerunError(f"{path} has no config.json; a model folder needs config.json, "
                                "*.safetensors and tokenizer files")
         return ModelSource("hf", path, spec)
-    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        return ModelSource("hf", _hub_download(spec), spec)
     known = ", ".join(sorted(EMBEDDED))
+    if path.suffix == ".gguf" or spec.startswith((".", "/", "~")):
+        raise ForerunError(f"{spec}: no such file or folder. Pass an existing .gguf file or model folder, "
+                           f"or an embedded model name ({known})")
+    if spec.count("/") == 1:
+        return ModelSource("hf", _hub_download(spec), spec)
     raise ForerunError(f"unknown model {spec!r}: not an embedded name ({known}), "
                        "not an existing .gguf file or model folder, and not a hub id (owner/name)")
 
@@ -118,7 +122,10 @@ def build_decoder(cfg: DecoderConfig, state: dict[str, torch.Tensor], device: to
     missing = set(decoder.state_dict()) - set(state)
     if missing:
         raise ForerunError(f"the weights lack {len(missing)} tensors the model needs, e.g. {sorted(missing)[:3]}")
-    decoder.load_state_dict({k: state[k] for k in decoder.state_dict()}, assign=True, strict=True)
+    try:
+        decoder.load_state_dict({k: state[k] for k in decoder.state_dict()}, assign=True, strict=True)
+    except RuntimeError as exc:  # shapes that contradict the config
+        raise ForerunError(f"the weights do not match the model's configuration: {str(exc).strip()[-300:]}") from None
     decoder.tie_weights()
     return decoder.to(device).eval()
 
@@ -146,8 +153,20 @@ def _gguf_checksum(path: Path) -> str:
 
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _check_gguf_magic(path: Path) -> None:
+    """A cheap first look, before hashing a large file that is not GGUF at all."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != b"GGUF":
+        raise ForerunError(f"{path} is not a GGUF file: it starts with {head!r}, not b'GGUF'. "
+                           "Pass a .gguf model file (for an embedded model, `forerun models fetch --force NAME`).")
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool):
@@ -155,18 +174,23 @@ def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool):
 
     from forerun.models import gguf_loader
 
+    _check_gguf_magic(path)
     cache = converted_dir() / _gguf_checksum(path)[:24]
-    cache.mkdir(parents=True, exist_ok=True)
     weights = cache / f"weights-{str(dtype).removeprefix('torch.')}.safetensors"
     config_file = cache / "config.json"
     tok_dir = cache / "tokenizer"
     if not weights.is_file() or not config_file.is_file():
+        # Read everything before writing anything: a bad file leaves no cache entry behind.
         reader = gguf_loader.open_reader(path)
         cfg = gguf_loader.read_config(reader)
         state = dict(gguf_loader.iter_tensors(reader, cfg, dtype))
+        cache.mkdir(parents=True, exist_ok=True)
         tmp = weights.with_name(f".{weights.name}.{os.getpid()}.tmp")
-        save_file(state, str(tmp))
-        os.replace(tmp, weights)
+        try:
+            save_file(state, str(tmp))
+            os.replace(tmp, weights)
+        finally:
+            tmp.unlink(missing_ok=True)
         _atomic_write_text(config_file, json.dumps(asdict(cfg), indent=1))
     cfg = DecoderConfig(**json.loads(config_file.read_text()))
     if with_tokenizer and not (tok_dir / "tokenizer_config.json").is_file():
@@ -182,12 +206,13 @@ def _convert_gguf_tokenizer(path: Path, tok_dir: Path) -> None:
     except Exception as exc:
         raise ForerunError(f"cannot build a tokenizer from {path} ({type(exc).__name__}: {exc})") from None
     tmp = tok_dir.with_name(f".{tok_dir.name}.{os.getpid()}.tmp")
-    tok.save_pretrained(str(tmp))
-    if tok_dir.exists():
-        import shutil
-
-        shutil.rmtree(tok_dir)
-    os.replace(tmp, tok_dir)
+    try:
+        tok.save_pretrained(str(tmp))
+        if tok_dir.exists():
+            shutil.rmtree(tok_dir)
+        os.replace(tmp, tok_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --- Hugging Face folders ---------------------------------------------------------------------

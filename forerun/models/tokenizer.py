@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from forerun.errors import ForerunError
+
 # Special tokens that end a turn or a document in the common families; llama.cpp stops on the same.
 _STOP_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>", "<|EOT|>"}
 
@@ -31,7 +33,8 @@ class Tokenizer:
 
     def apply_chat(self, messages: list[dict]) -> list[int]:
         if not getattr(self.hf, "chat_template", None):
-            raise ValueError("this model has no chat template; pass a plain prompt instead of messages")
+            raise ForerunError("this model has no chat template; pass a plain prompt instead of messages "
+                               "(drop --chat)")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.hf.encode(text, add_special_tokens=False))
 

@@ -1,0 +1,76 @@
+"""What the bench times: forerun's plain and speculative runs behind one small interface.
+
+A contender is one (method, K) configuration with its models already loaded; `run` generates for
+one prompt and returns what was measured. The transformers peers (peers.py) have the same shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from forerun.api import LLM
+from forerun.config import SamplingParams
+from forerun.models.load import LoadedModel
+
+PLAIN = "plain"
+
+
+@dataclass
+class Measurement:
+    token_ids: list[int]          # generated tokens, prompt excluded
+    text: str
+    finish_reason: str
+    elapsed_s: float              # prefill to last token; loading excluded
+    first_token_s: float          # time to the first generated token
+    spec: dict | None = None      # speculation counters (SpecMetrics.to_dict + forwards); None for plain/peers
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+class Contender(Protocol):
+    method: str       # "plain", a drafter name, or a peer's name such as "hf-assisted"
+    engine: str       # "forerun" or "transformers"
+    k: int            # draft length; 0 for plain decoding
+    options: dict     # the method's own settings, as recorded in results.jsonl
+
+    def run(self, prompt_ids: list[int], params: SamplingParams) -> Measurement: ...
+
+
+class ForerunContender:
+    engine = "forerun"
+
+    def __init__(self, target: LoadedModel, method: str, k: int, options: dict) -> None:
+        self.method, self.k = method, k
+        self.options = recordable(options)
+        speculative = method != PLAIN
+        self.llm = LLM(target, speculative_method=method if speculative else None,
+                       speculative_options=options if speculative else None,
+                       num_speculative_tokens=k if speculative else 5)
+
+    def run(self, prompt_ids: list[int], params: SamplingParams) -> Measurement:
+        result = self.llm.generate([prompt_ids], params)[0]
+        spec = None
+        if self.method != PLAIN:
+            # to_dict lacks the forward count, which pooling mean accepted length over prompts needs.
+            spec = {**result.metrics.to_dict(), "num_target_forwards": result.metrics.num_target_forwards}
+        return Measurement(result.token_ids, result.text, result.finish_reason, result.elapsed_s,
+                           result.first_token_s, spec)
+
+
+def build_forerun_contenders(target: LoadedModel, methods: list[str], ks: list[int],
+                             method_options: dict[str, dict]) -> list[ForerunContender]:
+    """Plain decoding first (every other run is compared with it), then each method at each K."""
+    contenders = [ForerunContender(target, PLAIN, 0, {})]
+    for method in methods:
+        if method == PLAIN:
+            continue
+        for k in ks:
+            contenders.append(ForerunContender(target, method, k, method_options.get(method, {})))
+    return contenders
+
+
+def recordable(options: dict) -> dict:
+    """Options as JSON can hold them: a loaded model is recorded by its name."""
+    return {key: value.name if isinstance(value, LoadedModel) else value for key, value in sorted(options.items())}

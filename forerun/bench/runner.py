@@ -1,0 +1,244 @@
+"""The bench loop: load once, warm up, run every method back to back on each prompt, record, report.
+
+Per prompt the order is forerun plain, then each method at each K, then the peers; so slow drift in
+the machine (thermal, other load) touches every method alike, and each method's speedup is a ratio
+to a plain run made moments before on the same prompt.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from forerun import drafters
+from forerun.bench import machine
+from forerun.bench.contenders import PLAIN, Contender, Measurement, build_forerun_contenders
+from forerun.bench.dataset import Prompt, load_prompts, task_order
+from forerun.bench.peers import PEERS, transformers_contenders
+from forerun.bench.plots import draw_all
+from forerun.bench.report import ReportContext, write_report
+from forerun.bench.store import ResultStore
+from forerun.bench.summary import by_task
+from forerun.config import SamplingParams
+from forerun.errors import ForerunError
+from forerun.models.linear import quantize_int8_
+from forerun.models.load import LoadedModel, load_model
+
+WARMUP_TOKENS = 16
+
+
+@dataclass
+class BenchConfig:
+    model: str                                   # target: embedded name, .gguf, folder or hub id
+    out: Path                                    # results.jsonl, report.md and the plots go here
+    methods: list[str] = field(default_factory=lambda: [PLAIN])  # "plain" and drafter names
+    method_options: dict[str, dict] = field(default_factory=dict)  # each drafter's own settings
+    speculative_model: str | None = None         # the draft model, for "draft" and hf-assisted
+    dataset: str = "spec-bench"                  # "spec-bench" or a JSONL path
+    categories: list[str] | None = None          # None keeps all
+    limit_per_category: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    ks: list[int] = field(default_factory=lambda: [5])   # K values; more than one is a sweep
+    peers: list[str] = field(default_factory=list)       # e.g. ["transformers"]
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    quantization: str | None = None              # "int8": the target's weights in int8
+    chat: bool = True                            # wrap prompts in the chat template when there is one
+    warmup: bool = True
+    progress: bool = True                        # a tqdm bar on stderr
+    command: str = "forerun bench"               # shown at the top of report.md
+
+
+@dataclass
+class Case:
+    prompt: Prompt
+    ids: list[int]           # the prompt as token ids, the same for every contender
+
+
+@dataclass
+class BenchResult:
+    out: Path
+    records: list[dict]      # this command's records (prompts and contenders it names)
+    ran: int                 # runs made now; the rest came from an earlier, interrupted run
+    notes: list[str]
+
+
+def valid_methods() -> list[str]:
+    return [PLAIN] + drafters.available()
+
+
+def check_methods(methods: list[str], speculative_model: str | None) -> None:
+    valid = valid_methods()
+    for method in methods:
+        if method not in valid:
+            raise ForerunError(f"unknown method {method!r}; valid methods: {', '.join(valid)}")
+    if "draft" in methods and not speculative_model:
+        raise ForerunError("method draft needs a draft model: add --speculative-model")
+
+
+def check_config(cfg: BenchConfig) -> None:
+    check_methods(cfg.methods, cfg.speculative_model)
+    for peer in cfg.peers:
+        if peer not in PEERS:
+            raise ForerunError(f"unknown peer {peer!r}; valid peers: {', '.join(PEERS)}")
+    if not cfg.ks or any(k < 1 for k in cfg.ks):
+        raise ForerunError(f"every K must be at least 1, got {cfg.ks}")
+
+
+def run_bench(cfg: BenchConfig) -> BenchResult:
+    check_config(cfg)
+    prompts = load_prompts(cfg.dataset, cfg.categories, cfg.limit_per_category)
+    if not prompts:
+        raise ForerunError(f"no prompts left in {cfg.dataset} after filtering by category")
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    store = ResultStore(cfg.out / "results.jsonl", settings_of(cfg))
+    target = _load_target(cfg)
+    notes: list[str] = []
+    cases = _encode(prompts, target, cfg, notes)
+    contenders = _contenders(cfg, target, notes)
+    for c in contenders:
+        store.check_options(c.method, c.k, c.options)
+    pending = [(case, c) for case in cases for c in contenders if not store.has(case.prompt.prompt_id, c.method, c.k)]
+    ran = 0
+    try:
+        if pending and cfg.warmup:
+            _warm_up(contenders, pending[0][0].ids, cfg.sampling)
+        with tqdm(total=len(pending), desc="bench", unit="run", disable=not cfg.progress, file=sys.stderr) as bar:
+            for case, c in pending:
+                bar.set_postfix_str(f"{case.prompt.task} {c.method}" + (f" K={c.k}" if c.k else ""))
+                store.append(_measure(case, c, _params_for(case.prompt, cfg.sampling), store))
+                ran += 1
+                bar.update()
+    except KeyboardInterrupt:
+        notes.append(f"interrupted after {ran} of {len(pending)} runs; the same command resumes where it stopped")
+        write_outputs(cfg, store, cases, contenders, notes)
+        raise
+    records = write_outputs(cfg, store, cases, contenders, notes)
+    return BenchResult(cfg.out, records, ran, notes)
+
+
+def settings_of(cfg: BenchConfig) -> dict:
+    """What shapes every number: a resumed run must match these exactly."""
+    s = cfg.sampling
+    settings = {"model": cfg.model, "speculative_model": cfg.speculative_model, "dataset": cfg.dataset,
+                "chat": cfg.chat, "dtype": cfg.dtype, "device": cfg.device, "quantization": cfg.quantization,
+                "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                "seed": s.seed, "stop": list(s.stop), "ignore_eos": s.ignore_eos}
+    return json.loads(json.dumps(settings))
+
+
+def _load_target(cfg: BenchConfig) -> LoadedModel:
+    target = load_model(cfg.model, cfg.dtype, cfg.device)
+    if target.tokenizer is None:
+        raise ForerunError(f"model {cfg.model} has no tokenizer; the bench needs one to encode its prompts")
+    if cfg.quantization == "int8":
+        quantize_int8_(target.decoder)       # once, shared by every method
+    elif cfg.quantization is not None:
+        raise ForerunError(f"unknown quantization {cfg.quantization!r}; use int8 or leave it out")
+    return target
+
+
+def _encode(prompts: list[Prompt], target: LoadedModel, cfg: BenchConfig, notes: list[str]) -> list[Case]:
+    tok = target.tokenizer
+    chat = cfg.chat and bool(getattr(tok.hf, "chat_template", None))
+    if cfg.chat and not chat:
+        notes.append("the model has no chat template: prompts were given as plain text")
+    limit = target.decoder.cfg.max_position
+    cases, too_long = [], []
+    for p in prompts:
+        ids = tok.apply_chat([{"role": "user", "content": p.text}]) if chat else tok.encode(p.text)
+        if len(ids) + cfg.sampling.max_tokens > limit:
+            too_long.append(p.prompt_id)
+        else:
+            cases.append(Case(p, ids))
+    if too_long:
+        notes.append(f"{len(too_long)} prompts left out: prompt plus max tokens exceeds the model's context "
+                     f"of {limit} tokens (ids {', '.join(too_long[:10])}{', ...' if len(too_long) > 10 else ''})")
+    if not cases:
+        raise ForerunError(f"every prompt is longer than the model's context of {limit} tokens minus max tokens")
+    return cases
+
+
+def _contenders(cfg: BenchConfig, target: LoadedModel, notes: list[str]) -> list[Contender]:
+    options = {m: dict(o) for m, o in cfg.method_options.items()}
+    if "draft" in cfg.methods:
+        draft_opts = options.setdefault("draft", {})
+        draft_opts["model"] = load_model(cfg.speculative_model, cfg.dtype, cfg.device)   # loaded once
+        draft_opts.setdefault("dtype", cfg.dtype)
+        draft_opts.setdefault("device", cfg.device)
+    contenders: list[Contender] = list(build_forerun_contenders(target, cfg.methods, cfg.ks, options))
+    if "transformers" in cfg.peers:
+        confidence = float(options.get("draft", {}).get("min_confidence", 0.0))
+        setup = transformers_contenders(cfg.model, cfg.speculative_model, cfg.ks, cfg.dtype, cfg.device,
+                                        target.tokenizer, confidence)
+        for note in setup.notes:
+            print(f"note: {note}", file=sys.stderr)
+        notes.extend(setup.notes)
+        if setup.contenders and cfg.quantization:
+            notes.append("transformers peers run the target's weights unquantized")
+        contenders += setup.contenders
+    return contenders
+
+
+def _warm_up(contenders: list[Contender], ids: list[int], sampling: SamplingParams) -> None:
+    params = replace(sampling, max_tokens=min(WARMUP_TOKENS, sampling.max_tokens))
+    for c in contenders:
+        c.run(ids, params)
+
+
+def _params_for(prompt: Prompt, sampling: SamplingParams) -> SamplingParams:
+    # Sampled runs: one seed per prompt, the same for every method, stable across resumed runs.
+    if sampling.greedy:
+        return sampling
+    return replace(sampling, seed=(sampling.seed or 0) + zlib.crc32(prompt.prompt_id.encode()))
+
+
+def _measure(case: Case, c: Contender, params: SamplingParams, store: ResultStore) -> dict:
+    m: Measurement = c.run(case.ids, params)
+    plain = store.get(case.prompt.prompt_id, PLAIN, 0)
+    is_plain = c.method == PLAIN
+    speedup = 1.0 if is_plain else (m.tokens_per_s / plain["tokens_per_s"] if plain and plain["tokens_per_s"] else None)
+    identical = True if is_plain else (m.token_ids == plain["output_token_ids"] if plain else None)
+    return {"prompt_id": case.prompt.prompt_id, "category": case.prompt.category, "task": case.prompt.task,
+            "method": c.method, "engine": c.engine, "k": c.k, "options": c.options,
+            "num_prompt_tokens": len(case.ids), "num_generated_tokens": len(m.token_ids),
+            "elapsed_s": round(m.elapsed_s, 6), "first_token_s": round(m.first_token_s, 6),
+            "tokens_per_s": round(m.tokens_per_s, 4), "finish_reason": m.finish_reason,
+            "speedup_vs_plain": round(speedup, 4) if speedup is not None else None,
+            "identical_to_plain": identical, "spec": m.spec, "output_token_ids": m.token_ids, "text": m.text,
+            "settings": store.settings, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def write_outputs(cfg: BenchConfig, store: ResultStore, cases: list[Case], contenders: list[Contender],
+                  notes: list[str]) -> list[dict]:
+    """report.md, the plots and run.json, from this command's records only."""
+    wanted_prompts = {case.prompt.prompt_id for case in cases}
+    wanted = {(c.method, c.k) for c in contenders}
+    records = [r for r in store.records if r["prompt_id"] in wanted_prompts and (r["method"], r["k"]) in wanted]
+    tasks = task_order([case.prompt for case in cases])
+    plots = draw_all(cfg.out, by_task(records, tasks)) if records else {}
+    ctx = ReportContext(cfg.command, machine.describe(cfg.dtype, cfg.device, cfg.quantization,
+                                                      "transformers" in cfg.peers),
+                        _settings_lines(cfg, cases), tasks, plots, notes)
+    write_report(cfg.out / "report.md", records, ctx)
+    (cfg.out / "run.json").write_text(json.dumps({"command": cfg.command, "machine": ctx.machine,
+                                                  "settings": store.settings, "notes": notes}, indent=1))
+    return records
+
+
+def _settings_lines(cfg: BenchConfig, cases: list[Case]) -> list[tuple[str, str]]:
+    counts: dict[str, int] = {}
+    for case in cases:
+        counts[case.prompt.task] = counts.get(case.prompt.task, 0) + 1
+    s = cfg.sampling
+    sampling = "greedy (temperature 0)" if s.greedy else f"temperature {s.temperature}, top-p {s.top_p}, top-k {s.top_k}"
+    return [("model", cfg.model), ("draft model", cfg.speculative_model or "none"),
+            ("dataset", f"{cfg.dataset}: {len(cases)} prompts (" +
+             ", ".join(f"{t} {n}" for t, n in counts.items()) + ")"),
+            ("sampling", f"{sampling}, max tokens {s.max_tokens}" + (", EOS ignored" if s.ignore_eos else "")),
+            ("K", ", ".join(map(str, cfg.ks))), ("chat template", "yes" if cfg.chat else "no")]

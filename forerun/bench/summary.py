@@ -1,0 +1,96 @@
+"""From results.jsonl records to the numbers a report shows: one row per method x K, per task kind.
+
+Speedup is the median over prompts of each prompt's ratio tokens/s(method) / tokens/s(plain), both
+measured back to back on that prompt. Acceptance counters are pooled over prompts (sums, then
+ratios), so long outputs weigh more than short ones, as in Spec-Bench.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from forerun.bench.contenders import PLAIN
+
+OVERALL = "overall"
+
+
+@dataclass
+class Row:
+    method: str
+    engine: str                          # "forerun" or "transformers"
+    k: int                               # 0 for plain decoding
+    prompts: int
+    speedup: float | None                # median per-prompt ratio to forerun plain
+    tokens_per_s: float                  # all generated tokens / all generation time
+    ttft_ms: float                       # median time to first token
+    mean_accepted_length: float | None   # tokens per target forward, pooled; None without speculation counters
+    predicted_length: float | None       # (1 - a^(K+1)) / (1 - a) from the pooled a and K
+    acceptance_rate: float | None        # accepted / drafted, pooled
+    per_position: list[float] = field(default_factory=list)  # [K] share of drafts whose i-th token was kept
+    identical: float | None = None       # share of prompts whose output equals plain's
+
+    @property
+    def label(self) -> str:
+        return self.method if self.k == 0 else f"{self.method} K={self.k}"
+
+
+def contender_order(records: list[dict]) -> list[tuple[str, int]]:
+    """(method, K) in a stable reading order: forerun plain, forerun methods, then peers."""
+    seen = list(dict.fromkeys((r["method"], r["k"], r.get("engine", "forerun")) for r in records))
+    seen.sort(key=lambda m: (m[2] != "forerun", m[0] != PLAIN, m[0], m[1]))
+    return [(method, k) for method, k, _ in seen]
+
+
+def summarize(records: list[dict]) -> list[Row]:
+    """One row per (method, K) present in `records`, in contender order."""
+    rows = []
+    for method, k in contender_order(records):
+        group = [r for r in records if r["method"] == method and r["k"] == k]
+        rows.append(_row(method, k, group))
+    return rows
+
+
+def by_task(records: list[dict], tasks: list[str]) -> dict[str, list[Row]]:
+    """Rows per task kind (in the order given), then the overall rows under OVERALL."""
+    table = {task: summarize([r for r in records if r["task"] == task]) for task in tasks}
+    table[OVERALL] = summarize(records)
+    return {task: rows for task, rows in table.items() if rows}
+
+
+def _row(method: str, k: int, group: list[dict]) -> Row:
+    speedups = [r["speedup_vs_plain"] for r in group if r.get("speedup_vs_plain") is not None]
+    tokens = sum(r["num_generated_tokens"] for r in group)
+    seconds = sum(r["elapsed_s"] for r in group)
+    identical = [bool(r["identical_to_plain"]) for r in group if r.get("identical_to_plain") is not None]
+    row = Row(method=method, engine=group[0].get("engine", "forerun"), k=k, prompts=len(group),
+              speedup=statistics.median(speedups) if speedups else None,
+              tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+              ttft_ms=1000 * statistics.median(r["first_token_s"] for r in group),
+              mean_accepted_length=None, predicted_length=None, acceptance_rate=None,
+              identical=sum(identical) / len(identical) if identical else None)
+    specs = [r["spec"] for r in group if r.get("spec")]
+    if specs:
+        _add_acceptance(row, specs)
+    return row
+
+
+def _add_acceptance(row: Row, specs: list[dict]) -> None:
+    drafted = sum(s["num_draft_tokens"] for s in specs)
+    accepted = sum(s["num_accepted_tokens"] for s in specs)
+    forwards = sum(s["num_target_forwards"] for s in specs)
+    drafts = sum(s["num_drafts"] for s in specs)
+    alpha = accepted / drafted if drafted else 0.0
+    row.acceptance_rate = alpha
+    row.mean_accepted_length = sum(s["num_emitted_tokens"] for s in specs) / forwards if forwards else 0.0
+    row.predicted_length = predicted_length(alpha, row.k)
+    width = max(len(s["accepted_per_position"]) for s in specs)
+    kept = [sum(s["accepted_per_position"][i] for s in specs if i < len(s["accepted_per_position"]))
+            for i in range(width)]
+    row.per_position = [c / drafts if drafts else 0.0 for c in kept]
+
+
+def predicted_length(alpha: float, k: int) -> float:
+    """Textbook tokens per target step when each of K drafts is kept independently with rate alpha."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)

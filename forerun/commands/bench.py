@@ -1,0 +1,98 @@
+"""`forerun bench`: acceptance and speedup per task kind for each method, beside the peers."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from forerun.commands.common import (add_model_args, add_sampling_args, add_spec_args, sampling_from_args,
+                                     spec_from_args)
+from forerun.errors import ForerunError
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(part) for part in _names(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, got {text!r}") from None
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="measure acceptance and speedup per task kind, beside the peers",
+                       description="Run each method back to back on every prompt and write results.jsonl, "
+                                   "report.md and PNG plots to --out. An interrupted run resumes where it stopped.")
+    add_model_args(p)
+    g = p.add_argument_group("bench")
+    g.add_argument("--methods", type=_names, default=None,
+                   help="comma-separated: plain and registered drafters (draft, ngram, early-exit, lookahead); "
+                        "default: all that can run")
+    g.add_argument("--dataset", default="spec-bench",
+                   help="spec-bench (bundled) or a JSONL file: 'prompt' or 'turns' per line, optional 'category'")
+    g.add_argument("--categories", type=_names, default=None,
+                   help="comma-separated categories (or task kinds, e.g. mt_bench) to keep")
+    g.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
+    g.add_argument("--sweep-k", type=_ints, default=None,
+                   help="comma-separated K values, each method run at every one (instead of --num-speculative-tokens)")
+    g.add_argument("--peers", type=_names, default=[], help="other engines to run beside forerun: transformers")
+    g.add_argument("--out", default="bench-out", help="folder for results.jsonl, report.md and plots")
+    g.add_argument("--no-chat", dest="chat", action="store_false",
+                   help="give prompts as plain text, not wrapped in the chat template")
+    g.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up runs")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    add_sampling_args(p)
+    add_spec_args(p)
+    p.set_defaults(func=run, bench_parser=p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from forerun.bench import BenchConfig, run_bench, valid_methods
+    from forerun.bench.runner import check_methods
+
+    if args.speculative_method:
+        raise ForerunError("forerun bench takes --methods (comma-separated), not --speculative-method")
+    methods = args.methods or default_methods(valid_methods(), args.speculative_model)
+    if "plain" not in methods:
+        methods = ["plain"] + methods          # every speedup is a ratio to plain decoding
+    check_methods(methods, args.speculative_model)   # before spec_from_args, for the clearer message
+    options = {m: spec_from_args(args, m)[1] for m in methods if m != "plain"}
+    cfg = BenchConfig(model=args.model, out=Path(args.out), methods=methods, method_options=options,
+                      speculative_model=args.speculative_model, dataset=args.dataset, categories=args.categories,
+                      limit_per_category=args.limit_per_category, sampling=sampling_from_args(args),
+                      ks=args.sweep_k or [args.num_speculative_tokens], peers=args.peers, dtype=args.dtype,
+                      device=args.device, quantization=args.quantization, chat=args.chat, warmup=args.warmup,
+                      progress=args.progress, command=command_line(args))
+    result = run_bench(cfg)
+    print(f"{result.ran} runs made, {len(result.records)} in the report; see {result.out / 'report.md'}",
+          file=sys.stderr)
+    return 0
+
+
+def default_methods(available: list[str], speculative_model: str | None) -> list[str]:
+    """plain and every registered drafter that can run with the flags given (draft needs a draft model)."""
+    return ["plain"] + [m for m in available if m != "draft" or speculative_model]
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command as typed, rebuilt from the parsed flags that differ from their defaults."""
+    words = ["forerun", "bench"]
+    for action in args.bench_parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        if action.nargs == 0:                       # store_true / store_false
+            words.append(flag)
+        elif isinstance(value, (list, tuple)) and action.type in (_names, _ints):
+            words += [flag, ",".join(map(str, value))]
+        elif isinstance(value, (list, tuple)):
+            words += [flag, *map(str, value)]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)

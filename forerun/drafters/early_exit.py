@@ -1,0 +1,81 @@
+"""Self-speculation: the target with fewer layers drafts for the full target.
+
+The draft runs either the first L layers (`layer=L`, early exit) or every layer but a chosen set
+(`skip_layers=[...]`, as in Draft & Verify and SWIFT), then the target's own final norm and LM
+head. It needs no second model, no extra memory and no extra prefill: it reads and writes the
+target's KV cache for the layers it runs. For a prefix of layers those entries are exactly what
+the draft would compute itself; for a skip set a kept layer's earlier entries come from the full
+model, a close approximation that only costs acceptance, since verification keeps the output exact.
+The draft's entries are provisional: the cache length is reset after drafting and verification
+overwrites those slots with the full model's.
+
+The draft tokens are sampled from the draft's processed distribution q (argmax under greedy) and
+q goes to the acceptance rule, so sampling stays exact.
+
+Where it loses: each draft token still costs a sequential forward of L/num_layers of the model plus
+the full LM head, so a shallow exit drafts cheaply but is rarely accepted and a deep one is accepted
+but costs almost a target forward; on models whose layers all matter (small models, or sampling at
+high temperature) no setting pays. `forerun tune-skip` measures a few settings so you can pick one.
+"""
+from __future__ import annotations
+
+import torch
+
+from forerun.config import SamplingParams
+from forerun.drafters import register
+from forerun.errors import ForerunError
+from forerun.kv_cache import KVCache
+from forerun.sampling import probabilities, sample
+from forerun.tree import DraftTree
+
+
+def draft_layers(num_layers: int, layer: int | None = None, skip_layers: list[int] | None = None) -> list[int]:
+    """The layers the draft runs, checked: a prefix (`layer`), everything but `skip_layers`, or by
+    default the first half."""
+    if layer is not None and skip_layers is not None:
+        raise ForerunError("give either --early-exit-layer or --skip-layers, not both")
+    if skip_layers is not None:
+        bad = [i for i in skip_layers if not 0 <= i < num_layers]
+        if bad:
+            raise ForerunError(f"--skip-layers {bad} are outside the model's layers 0..{num_layers - 1}")
+        kept = [i for i in range(num_layers) if i not in set(skip_layers)]
+        if not kept:
+            raise ForerunError("--skip-layers skips every layer; keep at least one")
+        return kept
+    if layer is None:
+        layer = max(1, num_layers // 2)
+    if not 1 <= layer <= num_layers:
+        raise ForerunError(f"--early-exit-layer must be between 1 and the model's {num_layers} layers, got {layer}")
+    return list(range(layer))
+
+
+@register("early-exit")
+class EarlyExitDrafter:
+    def __init__(self, target, layer: int | None = None, skip_layers: list[int] | None = None) -> None:
+        self.decoder = target.decoder
+        self.layers = draft_layers(self.decoder.cfg.num_layers, layer, skip_layers)
+        self.cache: KVCache | None = None
+
+    def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
+        self.cache = target_cache
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> DraftTree:
+        decoder, cache = self.decoder, self.cache
+        base = cache.length                  # the target cache holds context[:-1]; the root comes next
+        token = context[-1]
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for i in range(k):
+            ids = torch.tensor([token], device=decoder.device)
+            pos = torch.tensor([base + i], device=decoder.device)
+            logits = decoder(ids, pos, cache, last_only=True, layers=self.layers).logits[0]   # [1, V]
+            q = probabilities(logits, params)                                                   # [1, V]
+            token = int(q.argmax()) if params.greedy else int(sample(q, generator)[0])
+            tokens.append(token)
+            probs.append(q[0])
+        cache.truncate(base)                 # provisional entries: verification overwrites them
+        return DraftTree.chain(tokens, None if params.greedy else torch.stack(probs))
+
+    def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
+        pass

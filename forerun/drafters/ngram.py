@@ -1,0 +1,85 @@
+"""Prompt lookup: propose what followed the last time the context's current suffix appeared.
+
+The suffix of the context (prompt and accepted output) of length n, from `ngram_max` down to
+`ngram_min`, is looked up among earlier n-grams; the longest length that matches wins, and among
+its matches the most recent one. The tokens that followed it (continuing into the proposal itself
+when the match is near the end, so a repeating pattern keeps repeating) are the draft, up to K.
+
+The draft is deterministic, so it goes to the acceptance rule as one-hot: x is kept with
+probability p_target(x) and a rejection samples from the target with x removed. That is exact for
+sampling as well as greedy.
+
+Cost: an index from every n-gram to the position after its latest occurrence, extended by the
+tokens that arrived since the last call; a proposal is a few dictionary look-ups, no model call.
+
+Where it loses: text that does not repeat its context (open-ended prose, creative sampling) finds
+no match or a wrong one, so steps fall back to one token or pay a verification of rejected tokens.
+It shines on code edits, retrieval answers and summaries that quote their input, and on loops.
+"""
+from __future__ import annotations
+
+import torch
+
+from forerun.config import SamplingParams
+from forerun.drafters import register
+from forerun.errors import ForerunError
+from forerun.kv_cache import KVCache
+from forerun.tree import DraftTree
+
+
+class NgramIndex:
+    """n-gram (n in [n_min, n_max]) -> index of the token right after its latest occurrence.
+
+    Only occurrences with a follower are indexed, so the context's own suffix never matches itself.
+    """
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []
+        self.follower: dict[tuple[int, ...], int] = {}
+
+    def extend(self, context: list[int]) -> None:
+        """Catch up with `context`, which extends the tokens seen so far."""
+        if len(context) < len(self.tokens) or (self.tokens and context[len(self.tokens) - 1] != self.tokens[-1]):
+            self.tokens, self.follower = [], {}     # not a continuation: a new text, start over
+        old = len(self.tokens)
+        self.tokens.extend(context[old:])
+        toks = self.tokens
+        # n-grams ending at position `end` gain a follower once token end+1 exists.
+        for end in range(max(old - 1, 0), len(toks) - 1):
+            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
+                self.follower[tuple(toks[end - n + 1:end + 1])] = end + 1
+
+    def lookup(self, k: int) -> list[int]:
+        """Up to k tokens that followed the longest matching suffix; [] when nothing matches."""
+        toks = self.tokens
+        for n in range(min(self.n_max, len(toks)), self.n_min - 1, -1):
+            at = self.follower.get(tuple(toks[len(toks) - n:]))
+            if at is not None:
+                draft: list[int] = []
+                for i in range(at, at + k):
+                    draft.append(toks[i] if i < len(toks) else draft[i - len(toks)])
+                return draft
+        return []
+
+
+@register("ngram")
+class NgramDrafter:
+    def __init__(self, target, ngram_max: int = 3, ngram_min: int = 1) -> None:
+        if ngram_min < 1:
+            raise ForerunError(f"--ngram-min must be at least 1, got {ngram_min}")
+        if ngram_max < ngram_min:
+            raise ForerunError(f"--ngram-max ({ngram_max}) must be at least --ngram-min ({ngram_min})")
+        self.index = NgramIndex(ngram_min, ngram_max)
+
+    def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
+        self.index = NgramIndex(self.index.n_min, self.index.n_max)
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> DraftTree | None:
+        self.index.extend(context)
+        draft = self.index.lookup(k)
+        return DraftTree.chain(draft) if draft else None
+
+    def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
+        pass  # accepted tokens arrive with the next context
