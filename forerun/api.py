@@ -93,7 +93,7 @@ class LLM:
     def generate(self, prompts: str | Sequence, params: SamplingParams | None = None) -> list[GenerationResult]:
         """Prompts are strings, token-id lists, or chat message lists."""
         params = params or SamplingParams()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         return [self._run(p, params) for p in prompts]
 

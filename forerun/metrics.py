@@ -12,6 +12,7 @@ class SpecMetrics:
     num_accepted_tokens: int = 0      # draft tokens kept (and emitted)
     num_emitted_tokens: int = 0       # every token emitted, first token and bonus/recovered included
     num_target_forwards: int = 0      # target passes, prefill included
+    num_emitted_in_drafts: int = 0    # tokens emitted by the steps that verified a draft
     accepted_per_position: list[int] = field(default_factory=list)  # [K] kept counts by draft position
 
     def record_step(self, drafted: int, accepted: int, emitted: int) -> None:
@@ -21,6 +22,7 @@ class SpecMetrics:
         if drafted:
             self.num_drafts += 1
             self.num_draft_tokens += drafted
+            self.num_emitted_in_drafts += emitted
         counted = min(accepted, emitted)  # a stop inside the run: what was not emitted does not count
         self.num_accepted_tokens += counted
         if len(self.accepted_per_position) < self.num_speculative_tokens:
@@ -35,6 +37,7 @@ class SpecMetrics:
         self.num_accepted_tokens += other.num_accepted_tokens
         self.num_emitted_tokens += other.num_emitted_tokens
         self.num_target_forwards += other.num_target_forwards
+        self.num_emitted_in_drafts += other.num_emitted_in_drafts
         width = max(len(self.accepted_per_position), len(other.accepted_per_position))
         mine = self.accepted_per_position + [0] * (width - len(self.accepted_per_position))
         theirs = other.accepted_per_position + [0] * (width - len(other.accepted_per_position))
@@ -50,8 +53,10 @@ class SpecMetrics:
 
     @property
     def efficiency(self) -> float:
+        """Emitted over the most a drafting step could emit (vLLM's system efficiency), in [0, 1].
+        Only drafting steps count: the prefill token and undrafted steps have no slots."""
         slots = self.num_drafts * (self.num_speculative_tokens + 1)
-        return self.num_emitted_tokens / slots if slots else 0.0
+        return self.num_emitted_in_drafts / slots if slots else 0.0
 
     @property
     def predicted_mean_accepted_length(self) -> float:

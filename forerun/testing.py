@@ -86,7 +86,8 @@ def save_hf_folder(model: LoadedModel, folder: Path) -> Path:
               "attention_bias": cfg.attention_bias, "architectures": ["Qwen2ForCausalLM"]}
     (folder / "config.json").write_text(json.dumps(config))
     state = {f"model.{k}" if k != "lm_head.weight" else k: v.contiguous()
-             for k, v in model.decoder.state_dict().items()}
+             for k, v in model.decoder.state_dict().items()
+             if not (cfg.tie_embeddings and k == "lm_head.weight")}
     save_file(state, str(folder / "model.safetensors"))
     tiny_tokenizer_folder(folder)
     return folder

@@ -184,6 +184,8 @@ def test_prompts_file_with_invalid_json_or_missing_file_exits_2(capsys, folder: 
     assert_user_error(*generate(capsys, folder, "--prompts-file", str(prompts))[::2], "line 2", "not valid JSON")
     assert_user_error(*generate(capsys, folder, "--prompts-file", str(tmp_path / "none.jsonl"))[::2],
                       "does not exist")
+    prompts.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    assert_user_error(*generate(capsys, folder, "--prompts-file", str(prompts))[::2], "not UTF-8")
 
 
 def test_negative_temperature_names_temperature(capsys, folder: Path) -> None:

@@ -187,6 +187,39 @@ def test_second_load_of_a_gguf_reads_the_converted_cache(home: Path, tmp_path: P
         load_model(str(path), dtype="bfloat16", with_tokenizer=False)
 
 
+def _downgrade_cache_to_version_1(cache: Path) -> None:
+    """Make a cache look as the first converter left it: no version field, and (for llama) the
+    wrongly un-permuted q/k rows it wrote; here simply zeros, which no correct conversion gives."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((cache / "config.json").read_text())
+    assert config.pop("conversion") == 2
+    (cache / "config.json").write_text(json.dumps(config))
+    weights = cache / "weights-float32.safetensors"
+    save_file({k: torch.zeros_like(v) for k, v in load_file(str(weights)).items()}, str(weights))
+
+
+def test_llama_cache_from_the_old_converter_is_rebuilt(home: Path, tmp_path: Path) -> None:
+    original = tiny_model(seed=19, architecture="llama")
+    path = write_gguf(original, tmp_path / "llama.gguf")
+    load_model(str(path), dtype="float32", with_tokenizer=False)
+    cache = home / "converted" / loading.fetching.sha256_of(path)[:24]
+    _downgrade_cache_to_version_1(cache)
+    loaded = load_model(str(path), dtype="float32", with_tokenizer=False)
+    torch.testing.assert_close(logits_of(loaded, IDS), logits_of(original, IDS), rtol=0, atol=1e-5)
+    assert json.loads((cache / "config.json").read_text())["conversion"] == 2
+
+
+def test_qwen2_cache_from_the_old_converter_stays_in_use(home: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_gguf(tiny_model(seed=20), tmp_path / "qwen.gguf")
+    load_model(str(path), dtype="float32", with_tokenizer=False)
+    _downgrade_cache_to_version_1(home / "converted" / loading.fetching.sha256_of(path)[:24])
+    monkeypatch.setattr(gguf_loader, "open_reader", lambda *a: pytest.fail("a valid qwen2 cache was rebuilt"))
+    loaded = load_model(str(path), dtype="float32", with_tokenizer=False)
+    assert float(loaded.decoder.embed_tokens.weight.abs().sum()) == 0.0      # the cached (zeroed) weights
+
+
 def test_changed_gguf_at_the_same_path_is_converted_again(home: Path, tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
     write_gguf(tiny_model(seed=7), path)
@@ -207,7 +240,11 @@ def test_hf_folder_loads_with_tokenizer_and_matches(home: Path, tmp_path: Path) 
     assert loaded.source.kind == "hf" and loaded.decoder.cfg == original.decoder.cfg
     torch.testing.assert_close(logits_of(loaded, IDS), logits_of(original, IDS), rtol=0, atol=0)
     tok = loaded.tokenizer
-    assert tok.decode(tok.encode("hello")) == "hello"
+    # The folder's tokenizer.json is used as written (character-level: one token per character,
+    # spaces and newlines included), not rebuilt by the class transformers registers for qwen2.
+    text = "def f(a, b):\n    return a b"
+    assert tok.encode(text) == [tok.hf.convert_tokens_to_ids(c) for c in text]
+    assert tok.decode(tok.encode(text)) == text
     assert {tok.hf.convert_tokens_to_ids("<|im_end|>"), tok.hf.convert_tokens_to_ids("<|endoftext|>")} <= tok.stop_ids
     assert _cache_files(home) == []            # a folder is already in a fast format: nothing converted
 

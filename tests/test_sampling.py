@@ -75,6 +75,13 @@ def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
     torch.testing.assert_close(probs, expected / expected.sum())
 
 
+@pytest.mark.parametrize("top_p,kept", [(0.25, 1), (0.5, 2), (0.5000001, 3), (0.75, 3), (1.0, 4)])
+def test_top_p_stops_as_soon_as_the_mass_is_reached_exactly(top_p, kept):
+    # Four equal logits: softmax is exactly 0.25 each, so the cumulative masses are exact.
+    probs = probabilities(torch.zeros(1, 4), SamplingParams(temperature=1.0, top_p=top_p))[0]
+    assert int((probs > 0).sum()) == kept
+
+
 def test_top_p_applies_after_top_k_and_temperature():
     # top_k=3 leaves [0.4, 0.3, 0.15] / 0.85; top_p=0.8 then needs 0.4/0.85 + 0.3/0.85 = 0.82 -> two tokens.
     probs = probabilities(LOGITS, SamplingParams(temperature=1.0, top_k=3, top_p=0.8))[0]

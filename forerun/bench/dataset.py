@@ -36,7 +36,8 @@ def load_prompts(dataset: str, categories: list[str] | None = None,
     if not is_spec_bench and not path.is_file():
         raise ForerunError(f"dataset {dataset!r} is neither 'spec-bench' nor an existing JSONL file")
     records = read_prompts_file(path)
-    prompts = [Prompt(_prompt_id(records, i), _category(r), _task(_category(r), is_spec_bench), r["prompt"])
+    ids = _prompt_ids(records)
+    prompts = [Prompt(ids[i], _category(r), _task(_category(r), is_spec_bench), r["prompt"])
                for i, r in enumerate(records)]
     if categories:
         wanted = _expand_categories(categories, prompts)
@@ -63,12 +64,12 @@ def _task(category: str, is_spec_bench: bool) -> str:
     return MT_BENCH if is_spec_bench and category in MT_BENCH_CATEGORIES else category
 
 
-def _prompt_id(records: list[dict], index: int) -> str:
+def _prompt_ids(records: list[dict]) -> list[str]:
     # question_id only when every record has a distinct one; otherwise the 1-based record number.
-    ids = [r.get("question_id") for r in records]
-    if None not in ids and len(set(map(str, ids))) == len(ids):
-        return str(ids[index])
-    return str(index + 1)
+    ids = [str(r.get("question_id")) for r in records]
+    if all(r.get("question_id") is not None for r in records) and len(set(ids)) == len(ids):
+        return ids
+    return [str(i + 1) for i in range(len(records))]
 
 
 def _expand_categories(asked: list[str], prompts: list[Prompt]) -> set[str]:

@@ -50,7 +50,10 @@ class TransformersContender:
             self.assistant.generation_config.assistant_confidence_threshold = self.assistant_confidence
             extra["assistant_model"] = self.assistant
         if params.stop:
-            extra["tokenizer"] = self.tokenizer.hf
+            # As a criterion, not config.stop_strings: the assistant's own generate would demand a tokenizer.
+            from transformers import StoppingCriteriaList, StopStringCriteria
+
+            extra["stopping_criteria"] = StoppingCriteriaList([StopStringCriteria(self.tokenizer.hf, list(params.stop))])
         ids = torch.tensor([prompt_ids], device=self.model.device)          # [1, prompt_len]
         clock = _first_token_clock()
         if params.seed is not None:
@@ -62,8 +65,9 @@ class TransformersContender:
             tokens = out[0, len(prompt_ids):].tolist()                       # .tolist() waits for the device
             elapsed = time.perf_counter() - start
         first = (clock.first - start) if clock.first is not None else elapsed
-        stopped = not params.ignore_eos and bool(tokens) and tokens[-1] in self.tokenizer.stop_ids
-        return Measurement(tokens, self.tokenizer.decode(tokens), "stop" if stopped else "length", elapsed, first)
+        text, cut = _cut_at_stop(self.tokenizer.decode(tokens), params.stop)
+        stopped = cut or (not params.ignore_eos and bool(tokens) and tokens[-1] in self.tokenizer.stop_ids)
+        return Measurement(tokens, text, "stop" if stopped else "length", elapsed, first)
 
     def _generation_config(self, params: SamplingParams):
         from transformers import GenerationConfig
@@ -77,8 +81,6 @@ class TransformersContender:
             fields.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         if self.method == HF_LOOKUP:
             fields["prompt_lookup_num_tokens"] = self.k
-        if params.stop:
-            fields["stop_strings"] = list(params.stop)
         return GenerationConfig(**fields)
 
 
@@ -144,6 +146,12 @@ def quiet() -> Iterator[None]:
         hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def _cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
+    """Text before the first stop string, as forerun reports it; and whether one was found."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return (text[:min(found)], True) if found else (text, False)
 
 
 def _first_token_clock():

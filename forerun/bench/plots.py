@@ -34,7 +34,7 @@ def speedup_by_task(path: Path, table: dict[str, list[Row]]) -> bool:
     if not shown:
         return False
     tasks = list(table)
-    fig, ax = _figure(max(6.0, 1.2 * len(tasks) + 2), 4.5)
+    fig, ax = _figure(max(7.0, 1.2 * len(tasks) + 4), 4.5)
     width = 0.8 / len(shown)
     for i, label in enumerate(shown):
         values = [next((r.speedup or 0.0 for r in table[t] if r.label == label), 0.0) for t in tasks]
@@ -43,7 +43,7 @@ def speedup_by_task(path: Path, table: dict[str, list[Row]]) -> bool:
     ax.set_xticks(range(len(tasks)), tasks, rotation=20)
     ax.set_ylabel("speedup over plain (median)")
     ax.set_title("Speedup by task kind")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     _save(fig, path)
     return True
 
@@ -59,6 +59,7 @@ def acceptance_by_position(path: Path, rows: list[Row]) -> bool:
     fig, ax = _figure(6.0, 4.0)
     for r in largest.values():
         ax.plot(range(1, len(r.per_position) + 1), r.per_position, marker="o", label=r.label)
+    ax.set_xticks(range(1, max(len(r.per_position) for r in largest.values()) + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("share of drafts kept at this position")
     ax.set_ylim(0, 1.05)
@@ -73,8 +74,9 @@ def sweep(path: Path, rows: list[Row]) -> bool:
     methods: dict[str, list[Row]] = {}
     for r in rows:
         if r.k > 0:
-            methods.setdefault(f"{r.method}", []).append(r)
-    if len({r.k for group in methods.values() for r in group}) < 2:
+            methods.setdefault(r.method, []).append(r)
+    ks_all = sorted({r.k for group in methods.values() for r in group})
+    if len(ks_all) < 2:
         return False
     fig = Figure(figsize=(11.0, 4.0))
     FigureCanvasAgg(fig)
@@ -85,20 +87,20 @@ def sweep(path: Path, rows: list[Row]) -> bool:
         line, = speed.plot(ks, [r.tokens_per_s for r in group], marker="o", label=method)
         if group[0].mean_accepted_length is not None:
             length.plot(ks, [r.mean_accepted_length for r in group], marker="o", color=line.get_color(),
-                        label=f"{method} measured")
-            length.plot(ks, [r.predicted_length for r in group], linestyle="--", color=line.get_color(),
-                        label=f"{method} predicted")
+                        label=method)
+            length.plot(ks, [r.predicted_length for r in group], linestyle="--", color=line.get_color())
     for r in rows:
         if r.k == 0:
             speed.axhline(r.tokens_per_s, linestyle=":", color="gray" if r.method == PLAIN else "silver")
             speed.annotate(r.method, (speed.get_xlim()[0], r.tokens_per_s), fontsize="small", va="bottom")
-    speed.set_xlabel("K (draft tokens per step)")
+    for ax in (speed, length):
+        ax.set_xticks(ks_all)
+        ax.set_xlabel("K (draft tokens per step)")
+        ax.legend(fontsize="small", loc="best")
     speed.set_ylabel("tokens/s")
-    speed.legend(fontsize="small")
-    length.set_xlabel("K (draft tokens per step)")
+    speed.set_title("Tokens/s against K")
     length.set_ylabel("mean accepted length")
-    length.legend(fontsize="small")
-    fig.suptitle("Sweep over K")
+    length.set_title("Mean accepted length against K (dashed: predicted from α, K)", fontsize="medium")
     _save(fig, path)
     return True
 

@@ -61,7 +61,7 @@ def _detail(rows: list[Row]) -> list[str]:
     lines = [DETAIL_HEADER, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         cells = [f"{r.method} ({r.engine})" if r.engine != "forerun" else r.method, str(r.k) if r.k else "–",
-                 _speedup(r.speedup), f"{r.tokens_per_s:.1f}", f"{r.ttft_ms:.0f}",
+                 _speedup(r.speedup), _rate(r.tokens_per_s), f"{r.ttft_ms:.0f}",
                  _num(r.mean_accepted_length), _num(r.predicted_length), _num(r.acceptance_rate),
                  f"{100 * r.identical:.0f}%" if r.identical is not None else "–", str(r.prompts)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -99,6 +99,10 @@ def _explanations() -> list[str]:
 
 def _speedup(value: float | None) -> str:
     return f"{value:.2f}×" if value is not None else "–"
+
+
+def _rate(value: float) -> str:
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}"
 
 
 def _num(value: float | None) -> str:

@@ -92,6 +92,7 @@ def check_config(cfg: BenchConfig) -> None:
 
 def run_bench(cfg: BenchConfig) -> BenchResult:
     check_config(cfg)
+    cfg = replace(cfg, ks=sorted(set(cfg.ks)))
     prompts = load_prompts(cfg.dataset, cfg.categories, cfg.limit_per_category)
     if not prompts:
         raise ForerunError(f"no prompts left in {cfg.dataset} after filtering by category")

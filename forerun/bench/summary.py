@@ -9,8 +9,6 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from forerun.bench.contenders import PLAIN
-
 OVERALL = "overall"
 
 
@@ -37,7 +35,7 @@ class Row:
 def contender_order(records: list[dict]) -> list[tuple[str, int]]:
     """(method, K) in a stable reading order: forerun plain, forerun methods, then peers."""
     seen = list(dict.fromkeys((r["method"], r["k"], r.get("engine", "forerun")) for r in records))
-    seen.sort(key=lambda m: (m[2] != "forerun", m[0] != PLAIN, m[0], m[1]))
+    seen.sort(key=lambda m: (m[2] != "forerun", m[1] != 0, m[0], m[1]))   # each engine's plain first
     return [(method, k) for method, k, _ in seen]
 
 

@@ -80,8 +80,12 @@ def read_prompts_file(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise ForerunError(f"prompts file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ForerunError(f"prompts file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

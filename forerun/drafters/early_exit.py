@@ -25,6 +25,7 @@ from forerun.config import SamplingParams
 from forerun.drafters import register
 from forerun.errors import ForerunError
 from forerun.kv_cache import KVCache
+from forerun.models.load import LoadedModel
 from forerun.sampling import probabilities, sample
 from forerun.tree import DraftTree
 
@@ -51,7 +52,7 @@ def draft_layers(num_layers: int, layer: int | None = None, skip_layers: list[in
 
 @register("early-exit")
 class EarlyExitDrafter:
-    def __init__(self, target, layer: int | None = None, skip_layers: list[int] | None = None) -> None:
+    def __init__(self, target: LoadedModel, layer: int | None = None, skip_layers: list[int] | None = None) -> None:
         self.decoder = target.decoder
         self.layers = draft_layers(self.decoder.cfg.num_layers, layer, skip_layers)
         self.cache: KVCache | None = None

@@ -34,6 +34,7 @@ from forerun.config import SamplingParams
 from forerun.drafters import register
 from forerun.errors import ForerunError
 from forerun.kv_cache import KVCache
+from forerun.models.load import LoadedModel
 from forerun.tree import DraftTree
 
 
@@ -82,7 +83,7 @@ class NgramPool:
 
 @register("lookahead")
 class LookaheadDrafter:
-    def __init__(self, target, window: int = 4, ngram: int = 4, guesses: int = 4) -> None:
+    def __init__(self, target: LoadedModel | None, window: int = 4, ngram: int = 4, guesses: int = 4) -> None:
         if window < 1:
             raise ForerunError(f"--lookahead-window must be at least 1, got {window}")
         if ngram < 2:

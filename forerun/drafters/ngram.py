@@ -24,6 +24,7 @@ from forerun.config import SamplingParams
 from forerun.drafters import register
 from forerun.errors import ForerunError
 from forerun.kv_cache import KVCache
+from forerun.models.load import LoadedModel
 from forerun.tree import DraftTree
 
 
@@ -65,7 +66,7 @@ class NgramIndex:
 
 @register("ngram")
 class NgramDrafter:
-    def __init__(self, target, ngram_max: int = 3, ngram_min: int = 1) -> None:
+    def __init__(self, target: LoadedModel | None, ngram_max: int = 3, ngram_min: int = 1) -> None:
         if ngram_min < 1:
             raise ForerunError(f"--ngram-min must be at least 1, got {ngram_min}")
         if ngram_max < ngram_min:

@@ -160,6 +160,15 @@ def _atomic_write_text(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+# Version of what a GGUF conversion writes, kept in the cached config.json. Version 1 (no field)
+# un-permuted llama/mistral q/k rows wrongly; its qwen2 caches are right and stay in use.
+_CONVERSION = 2
+
+
+def _is_stale(raw: dict) -> bool:
+    return raw.get("conversion", 1) < 2 and raw.get("architecture") in ("llama", "mistral")
+
+
 def _check_gguf_magic(path: Path) -> None:
     """A cheap first look, before hashing a large file that is not GGUF at all."""
     with open(path, "rb") as f:
@@ -179,6 +188,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool):
     weights = cache / f"weights-{str(dtype).removeprefix('torch.')}.safetensors"
     config_file = cache / "config.json"
     tok_dir = cache / "tokenizer"
+    if config_file.is_file() and _is_stale(json.loads(config_file.read_text())):
+        for old in [config_file, *cache.glob("weights-*.safetensors")]:
+            old.unlink(missing_ok=True)
     if not weights.is_file() or not config_file.is_file():
         # Read everything before writing anything: a bad file leaves no cache entry behind.
         reader = gguf_loader.open_reader(path)
@@ -191,8 +203,10 @@ def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool):
             os.replace(tmp, weights)
         finally:
             tmp.unlink(missing_ok=True)
-        _atomic_write_text(config_file, json.dumps(asdict(cfg), indent=1))
-    cfg = DecoderConfig(**json.loads(config_file.read_text()))
+        _atomic_write_text(config_file, json.dumps({**asdict(cfg), "conversion": _CONVERSION}, indent=1))
+    raw = json.loads(config_file.read_text())
+    raw.pop("conversion", None)
+    cfg = DecoderConfig(**raw)
     if with_tokenizer and not (tok_dir / "tokenizer_config.json").is_file():
         _convert_gguf_tokenizer(path, tok_dir)
     return cfg, load_file(str(weights)), tok_dir
@@ -257,11 +271,22 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype):
     return cfg, state, folder
 
 
-def load_tokenizer(tok_dir: Path, source: ModelSource) -> Tokenizer | None:
-    from transformers import AutoTokenizer
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
+
+def load_tokenizer(tok_dir: Path, source: ModelSource) -> Tokenizer | None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    # A folder whose tokenizer_config names the generic class means "exactly this tokenizer.json".
+    # AutoTokenizer would instead pick the class registered for config.json's model_type (qwen2 ->
+    # Qwen2Tokenizer), which rebuilds its own pre-tokenizer and can tokenize differently.
     try:
-        hf = AutoTokenizer.from_pretrained(str(tok_dir))
+        declared = json.loads((tok_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        declared = None
+    generic = declared in _GENERIC_TOKENIZER_CLASSES and (tok_dir / "tokenizer.json").is_file()
+    try:
+        hf = (PreTrainedTokenizerFast if generic else AutoTokenizer).from_pretrained(str(tok_dir))
     except Exception as exc:
         raise ForerunError(f"cannot load the tokenizer of {source.name} from {tok_dir} ({exc})") from None
     extra: list[int] = []

@@ -1,0 +1,270 @@
+"""`forerun bench` end to end on a tiny random model and a three-prompt JSONL, plus its bad inputs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from forerun.bench import BenchConfig, run_bench, valid_methods
+from forerun.bench import runner
+from forerun.bench.dataset import MT_BENCH, SPEC_BENCH_FILE, load_prompts
+from forerun.bench.summary import OVERALL, by_task, predicted_length
+from forerun.cli import main
+from forerun.config import SamplingParams
+from forerun.errors import ForerunError
+from forerun.testing import save_hf_folder, tiny_model
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PROMPTS = [{"prompt": "abc abc abc abc abc abc", "category": "code"},
+           {"turns": ["the cat the cat the cat", "and then?"], "category": "chat"},
+           {"prompt": "hello hello hello hello", "category": "chat"}]
+KS = (1, 2)
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bench")
+    dataset = root / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return {"root": root, "target": save_hf_folder(tiny_model(seed=0), root / "target"),
+            "draft": save_hf_folder(tiny_model(seed=0, num_layers=1), root / "draft"), "dataset": dataset}
+
+
+def bench_args(folders: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    return ["bench", "--model", str(folders["target"]), "--dtype", "float32", "--dataset", str(folders["dataset"]),
+            "--max-tokens", str(MAX_TOKENS), "--out", str(out), "--no-progress", *extra]
+
+
+@pytest.fixture(scope="module")
+def full_run(folders: dict[str, Path]) -> Path:
+    """Every registered method at K = 1 and 2, with the transformers peers, once for the module."""
+    out = folders["root"] / "full"
+    code = main(bench_args(folders, out, "--methods", ",".join(valid_methods()), "--speculative-model",
+                           str(folders["draft"]), "--sweep-k", ",".join(map(str, KS)), "--peers", "transformers"))
+    assert code == 0
+    return out
+
+
+def read_records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def section(report: str, heading: str) -> str:
+    """The text under `### heading` (or `## heading`) up to the next heading of any level."""
+    start = report.index(f"{heading}\n")
+    rest = report[start + len(heading) + 1:]
+    return rest.split("\n#", 1)[0]
+
+
+# --- a whole run ------------------------------------------------------------------------------
+
+
+def test_results_hold_one_line_per_prompt_method_and_k(full_run: Path) -> None:
+    records = read_records(full_run)
+    speculative = len(valid_methods()) - 1
+    peers = 1 + 2 * len(KS)                       # hf-plain, then hf-assisted and hf-prompt-lookup per K
+    assert len(records) == len(PROMPTS) * (1 + speculative * len(KS) + peers)
+    keys = {(r["prompt_id"], r["method"], r["k"]) for r in records}
+    assert len(keys) == len(records)
+    draft = next(r for r in records if r["method"] == "draft")
+    assert {"num_accepted_tokens", "num_target_forwards", "accepted_per_position"} <= set(draft["spec"])
+    assert {"tokens_per_s", "first_token_s", "speedup_vs_plain", "identical_to_plain", "settings"} <= set(draft)
+
+
+def test_runs_of_a_prompt_are_interleaved_with_plain_first(full_run: Path) -> None:
+    order = [(r["prompt_id"], r["method"]) for r in read_records(full_run)]
+    prompt_ids = [p for p, _ in order]
+    blocks = [prompt_ids[i] for i in range(len(prompt_ids)) if i == 0 or prompt_ids[i] != prompt_ids[i - 1]]
+    assert blocks == ["1", "2", "3"]                   # each prompt's runs back to back
+    firsts = [m for i, (p, m) in enumerate(order) if i == 0 or order[i - 1][0] != p]
+    assert firsts == ["plain"] * len(PROMPTS)
+
+
+def test_greedy_outputs_of_every_forerun_method_equal_plain(full_run: Path) -> None:
+    records = [r for r in read_records(full_run) if r["engine"] == "forerun"]
+    assert {r["method"] for r in records} == set(valid_methods())
+    assert all(r["identical_to_plain"] for r in records)
+    overall = section((full_run / "report.md").read_text(), "## Overall")
+    for line in overall.splitlines():
+        if line.startswith("| ") and "(transformers)" not in line and not line.startswith("| method"):
+            assert "| 100% |" in line, line
+
+
+def test_transformers_peers_run_on_the_same_prompts(full_run: Path) -> None:
+    records = read_records(full_run)
+    peers = {(r["method"], r["k"]) for r in records if r["engine"] == "transformers"}
+    assert peers == {("hf-plain", 0)} | {(m, k) for m in ("hf-assisted", "hf-prompt-lookup") for k in KS}
+    hf_plain = [r for r in records if r["method"] == "hf-plain"]
+    assert all(r["num_generated_tokens"] == MAX_TOKENS or r["finish_reason"] == "stop" for r in hf_plain)
+
+
+def test_report_starts_with_the_command_and_the_machine(full_run: Path, folders: dict[str, Path]) -> None:
+    report = (full_run / "report.md").read_text()
+    command = report.split("```sh\n", 1)[1].split("\n", 1)[0]
+    assert command.startswith(f"forerun bench --model {folders['target']} --dtype float32")
+    assert "--sweep-k 1,2" in command and "--peers transformers" in command
+    for field in ("| CPU |", "| threads |", "| torch |", "| dtype | float32 |"):
+        assert field in report
+
+
+def test_report_has_a_row_per_method_in_every_category_and_overall(full_run: Path) -> None:
+    report = (full_run / "report.md").read_text()
+    for heading in ("### code", "### chat", "## Overall"):
+        table = section(report, heading)
+        assert "| plain | – | 1.00× |" in table
+        for method in valid_methods()[1:]:
+            for k in KS:
+                assert f"| {method} | {k} |" in table, (heading, method, k)
+        assert "| hf-plain (transformers) |" in table
+    matrix = section(report, "## Speedup over plain decoding, by task kind")
+    assert "| method | code | chat | overall |" in matrix
+    assert "| draft K=2 |" in matrix
+
+
+def test_plots_are_png_files_that_open(full_run: Path) -> None:
+    for name in ("speedup_by_task.png", "acceptance_by_position.png", "sweep_k.png"):
+        path = full_run / name
+        assert path.read_bytes()[:8] == PNG_SIGNATURE, name
+        assert matplotlib.image.imread(str(path)).ndim == 3
+        assert f"]({name})" in (full_run / "report.md").read_text()
+
+
+def test_a_second_identical_run_makes_no_new_runs(full_run: Path, folders: dict[str, Path]) -> None:
+    before = (full_run / "results.jsonl").read_text()
+    code = main(bench_args(folders, full_run, "--methods", ",".join(valid_methods()), "--speculative-model",
+                           str(folders["draft"]), "--sweep-k", "1,2"))   # peers left out: their lines stay
+    assert code == 0
+    assert (full_run / "results.jsonl").read_text() == before
+    assert "(transformers)" not in (full_run / "report.md").read_text()   # the report covers this command
+
+
+# --- resuming ---------------------------------------------------------------------------------
+
+
+def small_config(folders: dict[str, Path], out: Path, **changes) -> BenchConfig:
+    fields = dict(model=str(folders["target"]), out=out, methods=["plain", "draft"],
+                  speculative_model=str(folders["draft"]), dataset=str(folders["dataset"]),
+                  sampling=SamplingParams(max_tokens=MAX_TOKENS), ks=[2], dtype="float32", warmup=False,
+                  progress=False)
+    return BenchConfig(**{**fields, **changes})
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(folders: dict[str, Path], tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    measured = runner._measure
+    calls = []
+
+    def stop_after_three(*args):
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return measured(*args)
+
+    monkeypatch.setattr(runner, "_measure", stop_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(small_config(folders, tmp_path))
+    assert len(read_records(tmp_path)) == 3
+    assert "interrupted after 3 of 6 runs" in (tmp_path / "report.md").read_text()
+    with (tmp_path / "results.jsonl").open("a") as f:
+        f.write('{"prompt_id": "3", "meth')          # a write torn by the interruption
+    monkeypatch.setattr(runner, "_measure", measured)
+    first_three = (tmp_path / "results.jsonl").read_text().splitlines()[:3]
+    result = run_bench(small_config(folders, tmp_path))
+    assert result.ran == 3
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert lines[:3] == first_three and len(lines) == 6
+    assert all(r["identical_to_plain"] for r in read_records(tmp_path))
+
+
+def test_resuming_with_other_settings_names_what_differs(folders: dict[str, Path], tmp_path: Path) -> None:
+    run_bench(small_config(folders, tmp_path, methods=["plain"]))
+    with pytest.raises(ForerunError, match=r"max_tokens: 8 there, 4 now"):
+        run_bench(small_config(folders, tmp_path, methods=["plain"], sampling=SamplingParams(max_tokens=4)))
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+def test_unknown_method_lists_the_valid_ones(capsys, folders: dict[str, Path], tmp_path: Path) -> None:
+    assert main(bench_args(folders, tmp_path, "--methods", "plain,medusa-x")) == 2
+    err = capsys.readouterr().err
+    assert "unknown method 'medusa-x'" in err
+    assert all(m in err for m in valid_methods())
+    assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_unknown_category_lists_the_valid_ones(capsys, folders: dict[str, Path], tmp_path: Path) -> None:
+    assert main(bench_args(folders, tmp_path, "--categories", "chat,poetry")) == 2
+    err = capsys.readouterr().err
+    assert "unknown category 'poetry'" in err and "code, chat" in err
+
+
+def test_dataset_line_without_prompt_or_turns_names_the_line(capsys, folders: dict[str, Path],
+                                                             tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n\n{"category": "chat", "text": "no prompt here"}\n')
+    assert main(bench_args(folders, tmp_path / "out", "--dataset", str(bad))) == 2
+    err = capsys.readouterr().err
+    assert "line 3" in err and "'prompt'" in err and "'turns'" in err
+
+
+def test_draft_method_without_a_draft_model_says_so(capsys, folders: dict[str, Path], tmp_path: Path) -> None:
+    assert main(bench_args(folders, tmp_path, "--methods", "plain,draft")) == 2
+    assert "--speculative-model" in capsys.readouterr().err
+
+
+def test_transformers_peer_on_a_model_it_cannot_load_is_noted_and_the_rest_runs(
+        capsys, folders: dict[str, Path], tmp_path: Path) -> None:
+    # forerun reads any *.safetensors in the folder; transformers looks for model.safetensors only.
+    odd = save_hf_folder(tiny_model(seed=0), tmp_path / "odd")
+    (odd / "model.safetensors").rename(odd / "weights.safetensors")
+    args = bench_args(folders, tmp_path / "out", "--methods", "plain,draft", "--speculative-model",
+                      str(folders["draft"]), "--peers", "transformers", "--no-warmup")
+    args[args.index("--model") + 1] = str(odd)
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "transformers peer left out: it could not load the model" in err
+    records = read_records(tmp_path / "out")
+    assert {r["method"] for r in records} == {"plain", "draft"} and len(records) == 2 * len(PROMPTS)
+    assert "could not load the model" in (tmp_path / "out" / "report.md").read_text()
+
+
+# --- the bundled data set and the sums --------------------------------------------------------
+
+
+def test_spec_bench_is_bundled_with_its_licence_and_filters_by_task_kind() -> None:
+    assert "Apache License" in (SPEC_BENCH_FILE.parent / "SPEC_BENCH_LICENSE").read_text()[:100]
+    assert "Apache" in (SPEC_BENCH_FILE.parent / "SPEC_BENCH_NOTICE").read_text()
+    prompts = load_prompts("spec-bench")
+    assert len(prompts) == 480
+    mt = load_prompts("spec-bench", [MT_BENCH])
+    assert len(mt) == 80 and {p.task for p in mt} == {MT_BENCH} and len({p.category for p in mt}) == 8
+    two_each = load_prompts("spec-bench", ["translation", "writing"], limit_per_category=2)
+    assert [p.category for p in two_each] == ["writing", "writing", "translation", "translation"]
+    assert two_each[0].prompt_id == "81"                  # Spec-Bench's own question_id
+
+
+def test_summary_takes_median_speedup_and_pools_acceptance() -> None:
+    def rec(prompt: str, method: str, k: int, speedup: float, spec: dict | None) -> dict:
+        return {"prompt_id": prompt, "task": "t", "method": method, "engine": "forerun", "k": k,
+                "num_generated_tokens": 10, "elapsed_s": 1.0, "first_token_s": 0.1,
+                "speedup_vs_plain": speedup, "identical_to_plain": True, "spec": spec}
+
+    def spec(drafted: int, accepted: int, forwards: int, per_position: list[int]) -> dict:
+        return {"num_draft_tokens": drafted, "num_accepted_tokens": accepted, "num_target_forwards": forwards,
+                "num_emitted_tokens": 10, "num_drafts": drafted // 2, "accepted_per_position": per_position}
+
+    records = [rec("1", "plain", 0, 1.0, None), rec("2", "plain", 0, 1.0, None), rec("3", "plain", 0, 1.0, None),
+               rec("1", "ngram", 2, 1.0, spec(8, 6, 5, [4, 2])), rec("2", "ngram", 2, 3.0, spec(4, 0, 10, [0, 0])),
+               rec("3", "ngram", 2, 1.5, spec(4, 2, 8, [2, 0]))]
+    rows = {r.label: r for r in by_task(records, ["t"])[OVERALL]}
+    ngram = rows["ngram K=2"]
+    assert ngram.speedup == 1.5
+    assert ngram.acceptance_rate == pytest.approx(8 / 16)
+    assert ngram.mean_accepted_length == pytest.approx(30 / 23)
+    assert ngram.predicted_length == pytest.approx(predicted_length(0.5, 2)) == pytest.approx(1.75)
+    assert ngram.per_position == pytest.approx([6 / 8, 2 / 8])
+    assert rows["plain"].tokens_per_s == pytest.approx(10.0) and rows["plain"].acceptance_rate is None
