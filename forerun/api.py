@@ -57,11 +57,12 @@ class LLM:
                  num_speculative_tokens: int = 5, speculative_method: str | None = None,
                  speculative_options: dict | None = None, dtype: str = "bfloat16", device: str = "cpu",
                  quantization: str | None = None) -> None:
-        self.target = model if isinstance(model, LoadedModel) else load_model(model, dtype, device)
-        if quantization == "int8":
-            quantize_int8_(self.target.decoder)
-        elif quantization is not None:
-            raise ForerunError(f"unknown quantization {quantization!r}; use int8 or leave it out")
+        if isinstance(model, LoadedModel):
+            self.target = model
+            if quantization is not None:
+                quantize_int8_(self.target.decoder)
+        else:
+            self.target = load_model(model, dtype, device, quantization=quantization)
         self.last_result: GenerationResult | None = None
         options = dict(speculative_options or {})
         if speculative_model is not None:

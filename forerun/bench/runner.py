@@ -26,7 +26,6 @@ from forerun.bench.store import ResultStore
 from forerun.bench.summary import by_task
 from forerun.config import SamplingParams
 from forerun.errors import ForerunError
-from forerun.models.linear import quantize_int8_
 from forerun.models.load import LoadedModel, load_model
 
 WARMUP_TOKENS = 16
@@ -134,13 +133,9 @@ def settings_of(cfg: BenchConfig) -> dict:
 
 
 def _load_target(cfg: BenchConfig) -> LoadedModel:
-    target = load_model(cfg.model, cfg.dtype, cfg.device)
+    target = load_model(cfg.model, cfg.dtype, cfg.device, quantization=cfg.quantization)  # once, for every method
     if target.tokenizer is None:
         raise ForerunError(f"model {cfg.model} has no tokenizer; the bench needs one to encode its prompts")
-    if cfg.quantization == "int8":
-        quantize_int8_(target.decoder)       # once, shared by every method
-    elif cfg.quantization is not None:
-        raise ForerunError(f"unknown quantization {cfg.quantization!r}; use int8 or leave it out")
     return target
 
 

@@ -44,16 +44,18 @@ class DraftModelDrafter:
                  device: str | None = None, quantize: str | None = None, min_confidence: float = 0.0) -> None:
         """`quantize="int8"` stores the draft's weights in int8 (half the bytes per draft token);
         `min_confidence` ends a draft early once the draft's top probability falls below it."""
-        self.model = model if isinstance(model, LoadedModel) else load_model(
-            model, dtype, device or str(target.decoder.device))
+        if quantize not in (None, "int8"):
+            raise ForerunError(f"unknown draft quantization {quantize!r}; use int8 or leave it out")
+        if isinstance(model, LoadedModel):
+            self.model = model
+            if quantize:
+                quantize_int8_(self.model.decoder)
+        else:
+            self.model = load_model(model, dtype, device or str(target.decoder.device), quantization=quantize)
         check_same_vocabulary(target, self.model)
-        if _num_params(self.model.decoder) > _num_params(target.decoder):
+        if _num_weights(self.model.decoder) > _num_weights(target.decoder):
             warnings.warn(f"draft {self.model.name} is larger than target {target.name}: "
                           "speculation will likely be slower than plain decoding", stacklevel=2)
-        if quantize == "int8":
-            quantize_int8_(self.model.decoder)
-        elif quantize is not None:
-            raise ForerunError(f"unknown draft quantization {quantize!r}; use int8 or none")
         self.min_confidence = min_confidence
         self.cache: KVCache | None = None
         self.fed: list[int] = []   # tokens whose keys/values sit in self.cache, in order
@@ -98,5 +100,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _num_params(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+def _num_weights(module: torch.nn.Module) -> int:
+    """Weights in any format: parameters and int8 buffers alike."""
+    return sum(t.numel() for t in [*module.parameters(), *module.buffers()])

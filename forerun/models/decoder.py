@@ -131,7 +131,7 @@ class Decoder(nn.Module):
         return self.embed_tokens.weight.device
 
     def tie_weights(self) -> None:
-        if self.cfg.tie_embeddings:
+        if self.cfg.tie_embeddings and isinstance(self.lm_head, Linear):
             self.lm_head.weight = self.embed_tokens.weight
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:

@@ -41,12 +41,18 @@ class Int8Linear(nn.Module):
     Exactness never depends on it: only drafters use it, and the target verifies every token.
     """
 
-    def __init__(self, source: Linear) -> None:
+    def __init__(self, source: Linear, from_meta: bool = False) -> None:
+        """`from_meta`: only shape the buffers (on the meta device); a cached state dict fills them."""
         super().__init__()
-        w = source.weight.detach().float()                        # [out, in]
-        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0      # [out]
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8))
-        self.register_buffer("scale", scale.to(source.weight.dtype))
+        w = source.weight.detach()                                # [out, in]
+        if from_meta:
+            self.register_buffer("qweight", torch.empty(w.shape, dtype=torch.int8, device="meta"))
+            self.register_buffer("scale", torch.empty(w.shape[0], dtype=w.dtype, device="meta"))
+        else:
+            w = w.float()
+            scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
+            self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8))
+            self.register_buffer("scale", scale.to(source.weight.dtype))
         self.bias = source.bias
         self.out_dtype = source.weight.dtype
 
@@ -63,11 +69,11 @@ class Int8Linear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-def quantize_int8_(module: nn.Module) -> nn.Module:
+def quantize_int8_(module: nn.Module, from_meta: bool = False) -> nn.Module:
     """Replace every Linear inside `module` by its Int8Linear, in place; returns `module`."""
     for name, child in list(module.named_children()):
         if isinstance(child, Linear):
-            setattr(module, name, Int8Linear(child))
+            setattr(module, name, Int8Linear(child, from_meta))
         else:
-            quantize_int8_(child)
+            quantize_int8_(child, from_meta)
     return module

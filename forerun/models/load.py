@@ -20,6 +20,7 @@ from forerun.errors import ForerunError
 from forerun.models import fetch as fetching
 from forerun.models.decoder import SUPPORTED_ARCHITECTURES, Decoder, DecoderConfig
 from forerun.models.embedded import EMBEDDED
+from forerun.models.linear import quantize_int8_
 from forerun.models.tokenizer import Tokenizer
 from forerun.paths import converted_dir
 
@@ -98,23 +99,55 @@ def _hub_download(repo_id: str) -> Path:
     return Path(folder)
 
 
+QUANTIZATIONS = ("int8",)
+
+
 def load_model(spec: str, dtype: str | torch.dtype = "bfloat16", device: str | None = "cpu",
-               with_tokenizer: bool = True) -> LoadedModel:
+               with_tokenizer: bool = True, quantization: str | None = None) -> LoadedModel:
+    """`quantization="int8"` stores every linear weight in int8; for a GGUF source the quantized
+    weights are cached beside the converted ones, so only the first such load pays for it."""
     start = time.perf_counter()
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ForerunError(f"unknown quantization {quantization!r}; use {', '.join(QUANTIZATIONS)} or leave it out")
     source = resolve(spec)
     torch_dtype, torch_device = parse_dtype(dtype), resolve_device(device)
     if source.kind == "gguf":
-        cfg, state, tok_dir = _load_gguf(source.path, torch_dtype, with_tokenizer)
+        cfg, weights, tok_dir = _load_gguf(source.path, torch_dtype, with_tokenizer)
+        decoder = _build_cached(cfg, weights, quantization, torch_device)
     else:
         cfg, state, tok_dir = _load_hf_folder(source.path, torch_dtype)
-    decoder = build_decoder(cfg, state, torch_device)
+        decoder = build_decoder(cfg, state, torch_device)
+        if quantization:
+            quantize_int8_(decoder)
     tokenizer = load_tokenizer(tok_dir, source) if with_tokenizer else None
     return LoadedModel(source.name, decoder, tokenizer, source, time.perf_counter() - start)
 
 
-def build_decoder(cfg: DecoderConfig, state: dict[str, torch.Tensor], device: torch.device) -> Decoder:
+def _build_cached(cfg: DecoderConfig, weights: Path, quantization: str | None, device: torch.device) -> Decoder:
+    from safetensors.torch import load_file, save_file
+
+    if quantization is None:
+        return build_decoder(cfg, load_file(str(weights)), device)
+    quantized = weights.with_name(f"{weights.stem}-{quantization}.safetensors")
+    if quantized.is_file():
+        return build_decoder(cfg, load_file(str(quantized)), device, int8=True)
+    decoder = quantize_int8_(build_decoder(cfg, load_file(str(weights)), device))
+    tmp = quantized.with_name(f".{quantized.name}.{os.getpid()}.tmp")
+    try:
+        save_file({k: v.contiguous() for k, v in decoder.state_dict().items()}, str(tmp))
+        os.replace(tmp, quantized)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return decoder
+
+
+def build_decoder(cfg: DecoderConfig, state: dict[str, torch.Tensor], device: torch.device,
+                  int8: bool = False) -> Decoder:
+    """Build on the meta device and adopt `state` without copying; `int8`: state holds Int8Linear weights."""
     with torch.device("meta"):
         decoder = Decoder(cfg)
+        if int8:
+            quantize_int8_(decoder, from_meta=True)
     state = {k.removeprefix("model."): v for k, v in state.items()}
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
@@ -209,7 +242,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool):
     cfg = DecoderConfig(**raw)
     if with_tokenizer and not (tok_dir / "tokenizer_config.json").is_file():
         _convert_gguf_tokenizer(path, tok_dir)
-    return cfg, load_file(str(weights)), tok_dir
+    return cfg, weights, tok_dir
 
 
 def _convert_gguf_tokenizer(path: Path, tok_dir: Path) -> None:

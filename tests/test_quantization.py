@@ -1,0 +1,79 @@
+"""int8 weights: close to the full-precision layer, cached once per GGUF, and exact under speculation."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from forerun import LLM, SamplingParams
+from forerun.errors import ForerunError
+from forerun.models import load as loading
+from forerun.models.linear import Int8Linear, Linear, quantize_int8_
+from forerun.models.load import load_model
+from forerun.testing import tiny_model
+from tests.test_load import IDS, logits_of, write_gguf
+
+
+def test_int8_linear_is_close_to_the_float_layer() -> None:
+    torch.manual_seed(0)
+    layer = Linear(64, 32, bias=True)
+    layer.weight.data = torch.randn(32, 64)
+    layer.bias.data = torch.randn(32)
+    x = torch.randn(5, 64)
+    q = Int8Linear(layer)
+    error = (q(x) - layer(x)).abs().max() / layer(x).abs().max()
+    assert q.qweight.dtype == torch.int8 and error < 0.02
+
+
+def test_int8_rows_are_computed_independently_of_how_many_rows_come_along() -> None:
+    # Verification feeds K+1 rows where plain decoding feeds one: each row must come out the same.
+    torch.manual_seed(1)
+    layer = Linear(64, 48)
+    layer.weight.data = torch.randn(48, 64)
+    q = Int8Linear(layer)
+    x = torch.randn(6, 64)
+    alone = torch.cat([q(x[i:i + 1]) for i in range(6)])
+    torch.testing.assert_close(q(x), alone, rtol=0, atol=0)
+
+
+def test_quantize_replaces_every_linear_of_the_decoder() -> None:
+    decoder = quantize_int8_(tiny_model(seed=2).decoder)
+    kinds = {type(m) for m in decoder.modules()}
+    assert Int8Linear in kinds and Linear not in kinds
+
+
+def test_int8_gguf_load_is_cached_and_reloads_identically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
+    path = write_gguf(tiny_model(seed=3), tmp_path / "tiny.gguf")
+    first = load_model(str(path), dtype="float32", with_tokenizer=False, quantization="int8")
+    cached = list((tmp_path / "home" / "converted").rglob("weights-float32-int8.safetensors"))
+    assert len(cached) == 1
+
+    def no_requantizing(module, from_meta=False):
+        if not from_meta:   # shaping empty int8 buffers for the cached weights is fine
+            raise AssertionError("the weights were quantized again although an int8 copy is cached")
+        return quantize_int8_(module, from_meta)
+
+    monkeypatch.setattr(loading, "quantize_int8_", no_requantizing)
+    second = load_model(str(path), dtype="float32", with_tokenizer=False, quantization="int8")
+    assert isinstance(second.decoder.lm_head, Int8Linear)
+    torch.testing.assert_close(logits_of(second, IDS), logits_of(first, IDS), rtol=0, atol=0)
+
+
+def test_unknown_quantization_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ForerunError, match="int4"):
+        load_model("anything", quantization="int4")
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_speculation_with_int8_target_and_draft_equals_plain_int8(k: int) -> None:
+    target, draft = tiny_model(seed=4), tiny_model(seed=4)
+    quantize_int8_(target.decoder)
+    params = SamplingParams(max_tokens=24)
+    prompt = [[5, 9, 14, 2 + 1, 40]]
+    plain = LLM(target).generate(prompt, params)[0]
+    spec = LLM(target, speculative_model=draft, num_speculative_tokens=k,
+               speculative_options={"quantize": "int8"}).generate(prompt, params)[0]
+    assert spec.token_ids == plain.token_ids
+    assert spec.metrics.num_accepted_tokens > 0
