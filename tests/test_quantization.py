@@ -43,11 +43,13 @@ def test_quantize_replaces_every_linear_of_the_decoder() -> None:
     assert Int8Linear in kinds and Linear not in kinds
 
 
-def test_int8_gguf_load_is_cached_and_reloads_identically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_gguf_load_is_cached_and_reloads_identically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          dtype: str) -> None:
     monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
     path = write_gguf(tiny_model(seed=3), tmp_path / "tiny.gguf")
-    first = load_model(str(path), dtype="float32", with_tokenizer=False, quantization="int8")
-    cached = list((tmp_path / "home" / "converted").rglob("weights-float32-int8.safetensors"))
+    first = load_model(str(path), dtype=dtype, with_tokenizer=False, quantization="int8")
+    cached = list((tmp_path / "home" / "converted").rglob(f"weights-{dtype}-int8.safetensors"))
     assert len(cached) == 1
 
     def no_requantizing(module, from_meta=False):
@@ -56,7 +58,7 @@ def test_int8_gguf_load_is_cached_and_reloads_identically(tmp_path: Path, monkey
         return quantize_int8_(module, from_meta)
 
     monkeypatch.setattr(loading, "quantize_int8_", no_requantizing)
-    second = load_model(str(path), dtype="float32", with_tokenizer=False, quantization="int8")
+    second = load_model(str(path), dtype=dtype, with_tokenizer=False, quantization="int8")
     assert isinstance(second.decoder.lm_head, Int8Linear)
     torch.testing.assert_close(logits_of(second, IDS), logits_of(first, IDS), rtol=0, atol=0)
 

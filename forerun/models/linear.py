@@ -54,7 +54,6 @@ class Int8Linear(nn.Module):
             self.register_buffer("qweight", torch.round(w / scale[:, None]).to(torch.int8))
             self.register_buffer("scale", scale.to(source.weight.dtype))
         self.bias = source.bias
-        self.out_dtype = source.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -63,7 +62,7 @@ class Int8Linear(nn.Module):
             w = self.qweight.float() * self.scale.float()[:, None]
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), w, bias).to(x.dtype)
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.out_dtype),
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.scale.dtype),
                                                self.qweight, self.scale)
         y = y.reshape(*shape[:-1], -1)
         return y + self.bias if self.bias is not None else y
