@@ -58,6 +58,12 @@ def spec_from_args(args: argparse.Namespace, method: str | None = None) -> tuple
     return method, options
 
 
+def add_prompt_args(p: argparse.ArgumentParser, prompt_help: str = "one or more prompts") -> None:
+    p.add_argument("--prompt", nargs="+", default=[], help=prompt_help)
+    p.add_argument("--prompts-file", default=None, help="JSONL with 'prompt' or 'turns' per line")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=128)

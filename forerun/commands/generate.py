@@ -6,17 +6,15 @@ import json
 import sys
 
 from forerun.api import LLM
-from forerun.commands.common import (add_model_args, add_sampling_args, add_spec_args, read_prompts_file,
-                                     sampling_from_args, spec_from_args)
+from forerun.commands.common import (add_model_args, add_prompt_args, add_sampling_args, add_spec_args,
+                                     read_prompts_file, sampling_from_args, spec_from_args)
 from forerun.errors import ForerunError
 
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text, with or without speculation")
     add_model_args(p)
-    p.add_argument("--prompt", nargs="+", default=[], help="one or more prompts")
-    p.add_argument("--prompts-file", default=None, help="JSONL with 'prompt' or 'turns' per line")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
+    add_prompt_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     add_sampling_args(p)
     add_spec_args(p)

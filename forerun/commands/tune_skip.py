@@ -7,7 +7,8 @@ import json
 from dataclasses import dataclass
 
 from forerun.api import LLM
-from forerun.commands.common import add_model_args, add_sampling_args, read_prompts_file, sampling_from_args
+from forerun.commands.common import (add_model_args, add_prompt_args, add_sampling_args, read_prompts_file,
+                                     sampling_from_args)
 from forerun.config import SamplingParams
 from forerun.drafters.early_exit import draft_layers
 from forerun.errors import ForerunError
@@ -43,9 +44,7 @@ class Measurement:
 def register(sub) -> None:
     p = sub.add_parser("tune-skip", help="measure early-exit / skip-layer settings to pick the fastest")
     add_model_args(p)
-    p.add_argument("--prompt", nargs="+", default=[], help="prompts to measure on (default: a built-in handful)")
-    p.add_argument("--prompts-file", default=None, help="JSONL with 'prompt' or 'turns' per line")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
+    add_prompt_args(p, "prompts to measure on (default: a built-in handful)")
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="K: tokens drafted per step")
     p.add_argument("--layers", type=int, nargs="+", default=None,
                    help="early-exit depths L to try (default: a quarter, half and three quarters of the model)")
