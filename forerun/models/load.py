@@ -124,7 +124,7 @@ def load_model(spec: str, dtype: str | torch.dtype = "bfloat16", device: str | N
 
 
 def _build_cached(cfg: DecoderConfig, weights: Path, quantization: str | None, device: torch.device) -> Decoder:
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     if quantization is None:
         return build_decoder(cfg, load_file(str(weights)), device)
@@ -132,12 +132,7 @@ def _build_cached(cfg: DecoderConfig, weights: Path, quantization: str | None, d
     if quantized.is_file():
         return build_decoder(cfg, load_file(str(quantized)), device, int8=True)
     decoder = quantize_int8_(build_decoder(cfg, load_file(str(weights)), device))
-    tmp = quantized.with_name(f".{quantized.name}.{os.getpid()}.tmp")
-    try:
-        save_file({k: v.contiguous() for k, v in decoder.state_dict().items()}, str(tmp))
-        os.replace(tmp, quantized)
-    finally:
-        tmp.unlink(missing_ok=True)
+    _atomic_save_tensors({k: v.contiguous() for k, v in decoder.state_dict().items()}, quantized)
     return decoder
 
 
@@ -184,6 +179,18 @@ def _gguf_checksum(path: Path) -> str:
     return index[key]
 
 
+def _atomic_save_tensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Write a safetensors file under a temporary name and rename it: never a half-written cache."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(state, str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -212,8 +219,6 @@ def _check_gguf_magic(path: Path) -> None:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool):
-    from safetensors.torch import load_file, save_file
-
     from forerun.models import gguf_loader
 
     _check_gguf_magic(path)
@@ -230,12 +235,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool):
         cfg = gguf_loader.read_config(reader)
         state = dict(gguf_loader.iter_tensors(reader, cfg, dtype))
         cache.mkdir(parents=True, exist_ok=True)
-        tmp = weights.with_name(f".{weights.name}.{os.getpid()}.tmp")
-        try:
-            save_file(state, str(tmp))
-            os.replace(tmp, weights)
-        finally:
-            tmp.unlink(missing_ok=True)
+        _atomic_save_tensors(state, weights)
         _atomic_write_text(config_file, json.dumps({**asdict(cfg), "conversion": _CONVERSION}, indent=1))
     raw = json.loads(config_file.read_text())
     raw.pop("conversion", None)
