@@ -37,6 +37,24 @@ def test_int8_rows_are_computed_independently_of_how_many_rows_come_along() -> N
     torch.testing.assert_close(q(x), alone, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_many_row_products_through_the_shared_float_buffer_match_row_by_row(int8: bool) -> None:
+    # Prefill takes the float32 path (one scratch buffer shared by every layer): two layers used in turn
+    # must each see their own weight, and agree with the few-row path up to rounding.
+    torch.manual_seed(2)
+    layers = []
+    for out in (40, 24):
+        layer = Linear(64, out, bias=True)
+        layer.weight.data, layer.bias.data = torch.randn(out, 64), torch.randn(out)
+        layer = layer.to(torch.bfloat16)
+        layers.append(Int8Linear(layer) if int8 else layer)
+    x = torch.randn(80, 64, dtype=torch.bfloat16)
+    for layer in layers + layers:
+        many = layer(x).float()
+        few = torch.cat([layer(x[i:i + 4]) for i in range(0, 80, 4)]).float()
+        assert (many - few).abs().max() <= 0.02 * few.abs().max()
+
+
 def test_quantize_replaces_every_linear_of_the_decoder() -> None:
     decoder = quantize_int8_(tiny_model(seed=2).decoder)
     kinds = {type(m) for m in decoder.modules()}
