@@ -232,6 +232,20 @@ def test_transformers_peer_on_a_model_it_cannot_load_is_noted_and_the_rest_runs(
     assert "could not load the model" in (tmp_path / "out" / "report.md").read_text()
 
 
+def test_peers_can_name_single_transformers_contenders(folders: dict[str, Path], tmp_path: Path) -> None:
+    args = bench_args(folders, tmp_path / "out", "--methods", "plain,ngram", "--num-speculative-tokens", "2",
+                      "--peers", "hf-prompt-lookup", "--no-warmup")
+    assert main(args) == 0
+    methods = {(r["engine"], r["method"], r["k"]) for r in read_records(tmp_path / "out")}
+    assert methods == {("forerun", "plain", 0), ("forerun", "ngram", 2), ("transformers", "hf-prompt-lookup", 2)}
+
+
+def test_unknown_peer_is_refused_with_the_valid_names(capsys, folders: dict[str, Path], tmp_path: Path) -> None:
+    assert main(bench_args(folders, tmp_path / "out", "--methods", "plain", "--peers", "vllm")) == 2
+    err = capsys.readouterr().err
+    assert "unknown peer 'vllm'" in err and "hf-prompt-lookup" in err
+
+
 # --- the bundled data set and the sums --------------------------------------------------------
 
 

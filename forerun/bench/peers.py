@@ -21,8 +21,9 @@ from forerun.config import SamplingParams
 from forerun.models.load import parse_dtype, resolve, resolve_device
 from forerun.models.tokenizer import Tokenizer
 
-PEERS = ("transformers",)
 HF_PLAIN, HF_ASSISTED, HF_LOOKUP = "hf-plain", "hf-assisted", "hf-prompt-lookup"
+HF_METHODS = (HF_PLAIN, HF_ASSISTED, HF_LOOKUP)
+PEERS = ("transformers",) + HF_METHODS   # "transformers" names all three of its contenders
 
 
 @dataclass
@@ -85,16 +86,23 @@ class TransformersContender:
 
 
 def transformers_contenders(model_spec: str, draft_spec: str | None, ks: list[int], dtype: str, device: str,
-                            tokenizer: Tokenizer, draft_min_confidence: float = 0.0) -> PeerSetup:
-    """Load the target (and draft) in transformers; a model it cannot load becomes a note, not an error."""
+                            tokenizer: Tokenizer, draft_min_confidence: float = 0.0,
+                            methods: tuple[str, ...] = HF_METHODS) -> PeerSetup:
+    """Load the target (and draft) in transformers; a model it cannot load becomes a note, not an error.
+
+    `methods`: which of hf-plain, hf-assisted and hf-prompt-lookup to run.
+    """
     setup = PeerSetup()
     target, problem = load_in_transformers(model_spec, dtype, device)
     if target is None:
         setup.notes.append(f"transformers peer left out: it could not load the model {model_spec!r} ({problem})")
         return setup
-    setup.contenders.append(TransformersContender(HF_PLAIN, 0, target, tokenizer))
+    if HF_PLAIN in methods:
+        setup.contenders.append(TransformersContender(HF_PLAIN, 0, target, tokenizer))
     assistant = None
-    if draft_spec is None:
+    if HF_ASSISTED not in methods:
+        pass
+    elif draft_spec is None:
         setup.notes.append("transformers assisted generation left out: no --speculative-model to assist with")
     else:
         assistant, problem = load_in_transformers(draft_spec, dtype, device)
@@ -105,7 +113,8 @@ def transformers_contenders(model_spec: str, draft_spec: str | None, ks: list[in
         if assistant is not None:
             setup.contenders.append(TransformersContender(HF_ASSISTED, k, target, tokenizer, assistant,
                                                           draft_min_confidence))
-        setup.contenders.append(TransformersContender(HF_LOOKUP, k, target, tokenizer))
+        if HF_LOOKUP in methods:
+            setup.contenders.append(TransformersContender(HF_LOOKUP, k, target, tokenizer))
     return setup
 
 

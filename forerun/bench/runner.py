@@ -19,7 +19,7 @@ from forerun import drafters
 from forerun.bench import machine
 from forerun.bench.contenders import PLAIN, Contender, Measurement, build_forerun_contenders
 from forerun.bench.dataset import Prompt, load_prompts, task_order
-from forerun.bench.peers import PEERS, transformers_contenders
+from forerun.bench.peers import HF_METHODS, PEERS, transformers_contenders
 from forerun.bench.plots import draw_all
 from forerun.bench.report import ReportContext, write_report
 from forerun.bench.store import ResultStore
@@ -168,10 +168,11 @@ def _contenders(cfg: BenchConfig, target: LoadedModel, notes: list[str]) -> list
         draft_opts.setdefault("dtype", cfg.dtype)
         draft_opts.setdefault("device", cfg.device)
     contenders: list[Contender] = list(build_forerun_contenders(target, cfg.methods, cfg.ks, options))
-    if "transformers" in cfg.peers:
+    hf_methods = HF_METHODS if "transformers" in cfg.peers else tuple(m for m in HF_METHODS if m in cfg.peers)
+    if hf_methods:
         confidence = float(options.get("draft", {}).get("min_confidence", 0.0))
         setup = transformers_contenders(cfg.model, cfg.speculative_model, cfg.ks, cfg.dtype, cfg.device,
-                                        target.tokenizer, confidence)
+                                        target.tokenizer, confidence, hf_methods)
         for note in setup.notes:
             print(f"note: {note}", file=sys.stderr)
         notes.extend(setup.notes)
@@ -219,7 +220,7 @@ def write_outputs(cfg: BenchConfig, store: ResultStore, cases: list[Case], conte
     tasks = task_order([case.prompt for case in cases])
     plots = draw_all(cfg.out, by_task(records, tasks)) if records else {}
     ctx = ReportContext(cfg.command, machine.describe(cfg.dtype, cfg.device, cfg.quantization,
-                                                      "transformers" in cfg.peers),
+                                                      bool(cfg.peers)),
                         _settings_lines(cfg, cases), tasks, plots, notes)
     write_report(cfg.out / "report.md", records, ctx)
     (cfg.out / "run.json").write_text(json.dumps({"command": cfg.command, "machine": ctx.machine,
