@@ -12,6 +12,7 @@ from forerun.config import SamplingParams
 from forerun.drafters import Drafter, rows_per_step
 from forerun.errors import ForerunError
 from forerun.metrics import SpecMetrics
+from forerun.models import linear
 from forerun.models.load import LoadedModel
 from forerun.sampling import make_generator, probabilities, sample
 from forerun.sequence import Sequence
@@ -71,11 +72,13 @@ class Engine:
         gen = make_generator(params.seed, decoder.device)
         start = time.perf_counter()
         cache = decoder.new_cache(max_len)
-        if self.drafter is not None:
-            self.drafter.start(seq.prompt_ids, cache, max_len)
-        # Prefill the whole prompt; only the last position's logits are needed.
         ids = torch.tensor(prompt_ids, device=decoder.device)
-        logits = decoder(ids, torch.arange(len(prompt_ids), device=decoder.device), cache, last_only=True).logits[0]
+        with linear.prefill():
+            if self.drafter is not None:
+                self.drafter.start(seq.prompt_ids, cache, max_len)
+            # Prefill the whole prompt; only the last position's logits are needed.
+            logits = decoder(ids, torch.arange(len(prompt_ids), device=decoder.device), cache,
+                             last_only=True).logits[0]
         first = int(sample(probabilities(logits, params), gen)[0])
         metrics.record_step(0, 0, 1)
         seq.append(first)

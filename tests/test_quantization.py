@@ -9,6 +9,7 @@ import torch
 from forerun import LLM, SamplingParams
 from forerun.errors import ForerunError
 from forerun.models import load as loading
+from forerun.models import linear
 from forerun.models.linear import Int8Linear, Linear, quantize_int8_
 from forerun.models.load import load_model
 from forerun.testing import tiny_model
@@ -50,9 +51,23 @@ def test_many_row_products_through_the_shared_float_buffer_match_row_by_row(int8
         layers.append(Int8Linear(layer) if int8 else layer)
     x = torch.randn(80, 64, dtype=torch.bfloat16)
     for layer in layers + layers:
-        many = layer(x).float()
+        with linear.prefill():
+            many = layer(x).float()
         few = torch.cat([layer(x[i:i + 4]) for i in range(0, 80, 4)]).float()
         assert (many - few).abs().max() <= 0.02 * few.abs().max()
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_outside_a_prefill_many_rows_come_out_exactly_as_one_row(int8: bool) -> None:
+    # Verification of a big tree: every row must equal what one-row decoding computes.
+    torch.manual_seed(3)
+    layer = Linear(64, 32)
+    layer.weight.data = torch.randn(32, 64)
+    layer = layer.to(torch.bfloat16)
+    layer = Int8Linear(layer) if int8 else layer
+    x = torch.randn(80, 64, dtype=torch.bfloat16)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(80)])
+    torch.testing.assert_close(layer(x), alone, rtol=0, atol=0)
 
 
 def test_quantize_replaces_every_linear_of_the_decoder() -> None:

@@ -1,6 +1,10 @@
 """The one wrapper every weight matrix sits behind, so other numeric formats drop in unchanged."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,14 +17,16 @@ def _cpu_has_native_bf16() -> bool:
         return False
 
 
-# Without native bf16 matrix units (AVX2-only CPUs), a bf16 product costs time linear in its rows;
-# from this many rows on, upcasting the weight to float32 is faster (measured on a 1.5B model:
-# 8 rows 1.1 s vs 1.3 s, 16 rows 2.4 s vs 1.8 s, 48 rows 6.6 s vs 2.4 s per forward).
+# Without native bf16 matrix units (AVX2-only CPUs), a bf16 product costs time linear in its rows.
+# During a prefill (and only then) a product of this many rows or more upcasts the weight to float32
+# instead (measured on a 1.5B model: 8 rows 1.1 s vs 1.3 s, 16 rows 2.4 s vs 1.8 s, 48 rows 6.6 s vs
+# 2.4 s per forward). Verification never does: its rows must come out exactly as one-row decoding's.
 _UPCAST_ROWS = 12
 # The int8 kernel's cost grows more slowly with rows: float32 wins only from about 64 rows on
 # (48 rows: 2.3 s in the kernel vs 2.6 s through float32).
 _INT8_FLOAT_ROWS = 64
 _UPCAST_BF16 = not _cpu_has_native_bf16()
+_prefill: contextvars.ContextVar[bool] = contextvars.ContextVar("forerun_prefill", default=False)
 _scratch: dict[torch.device, torch.Tensor] = {}
 _SCRATCH_MAX = 1 << 26   # elements (256 MB): a vocabulary-sized LM head gets a temporary instead
 
@@ -38,6 +44,20 @@ def _float_weight(weight: torch.Tensor) -> torch.Tensor:
     return buf[:weight.numel()].view(weight.shape).copy_(weight)
 
 
+@contextlib.contextmanager
+def prefill() -> Iterator[None]:
+    """Inside this block many-row products may take the float32 path (prompt processing only)."""
+    token = _prefill.set(True)
+    try:
+        yield
+    finally:
+        _prefill.reset(token)
+
+
+def _float_path(x: torch.Tensor, min_rows: int) -> bool:
+    return x.device.type == "cpu" and x.numel() >= min_rows * x.shape[-1] and _prefill.get()
+
+
 class Linear(nn.Module):
     """y = x @ weight.T + bias, with weight [out_features, in_features] in the model's dtype."""
 
@@ -47,8 +67,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (_UPCAST_BF16 and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-                and x.numel() >= _UPCAST_ROWS * x.shape[-1]):
+        if _UPCAST_BF16 and x.dtype == torch.bfloat16 and _float_path(x, _UPCAST_ROWS):
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), _float_weight(self.weight), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
@@ -76,8 +95,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        if x.device.type == "cpu" and x.numel() >= _INT8_FLOAT_ROWS * shape[-1]:
-            # Many rows (prefill): the int8 kernel's cost grows with rows; a float32 product does not.
+        if _float_path(x, _INT8_FLOAT_ROWS):
             y = F.linear(x.float(), _float_weight(self.qweight)) * self.scale.float()
             return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.scale.dtype),
