@@ -99,6 +99,18 @@ def test_transformers_peers_run_on_the_same_prompts(full_run: Path) -> None:
     assert peers == {("hf-plain", 0)} | {(m, k) for m in ("hf-assisted", "hf-prompt-lookup") for k in KS}
     hf_plain = [r for r in records if r["method"] == "hf-plain"]
     assert all(r["num_generated_tokens"] == MAX_TOKENS or r["finish_reason"] == "stop" for r in hf_plain)
+    # The target's forwards are counted: plain takes one per token; greedy assisted generation keeps
+    # the same drafts as forerun's draft method, so it takes the same number of forwards; prompt
+    # lookup keeps some copies on these repetitive prompts, so it takes fewer than one per token.
+    for r in hf_plain:
+        assert r["spec"] == {"num_target_forwards": r["num_generated_tokens"],
+                             "num_emitted_tokens": r["num_generated_tokens"]}
+    forwards = {(r["prompt_id"], r["method"], r["k"]): r["spec"]["num_target_forwards"] for r in records if r["spec"]}
+    for (prompt, method, k), count in forwards.items():
+        if method == "hf-assisted":
+            assert count == forwards[(prompt, "draft", k)]
+    lookup = [r for r in records if r["method"] == "hf-prompt-lookup"]
+    assert sum(r["spec"]["num_target_forwards"] for r in lookup) < sum(r["num_generated_tokens"] for r in lookup)
 
 
 def test_report_starts_with_the_command_and_the_machine(full_run: Path, folders: dict[str, Path]) -> None:

@@ -59,16 +59,23 @@ class TransformersContender:
         clock = _first_token_clock()
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        with quiet():
-            start = time.perf_counter()
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                                      streamer=clock, **extra)               # [1, prompt_len + new]
-            tokens = out[0, len(prompt_ids):].tolist()                       # .tolist() waits for the device
-            elapsed = time.perf_counter() - start
+        forwards = [0]
+        counter = self.model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+        try:
+            with quiet():
+                start = time.perf_counter()
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                          streamer=clock, **extra)           # [1, prompt_len + new]
+                tokens = out[0, len(prompt_ids):].tolist()                   # .tolist() waits for the device
+                elapsed = time.perf_counter() - start
+        finally:
+            counter.remove()
         first = (clock.first - start) if clock.first is not None else elapsed
         text, cut = _cut_at_stop(self.tokenizer.decode(tokens), params.stop)
         stopped = cut or (not params.ignore_eos and bool(tokens) and tokens[-1] in self.tokenizer.stop_ids)
-        return Measurement(tokens, text, "stop" if stopped else "length", elapsed, first)
+        # Target forwards (prefill included) give tokens per forward, as forerun reports it.
+        spec = {"num_target_forwards": forwards[0], "num_emitted_tokens": len(tokens)}
+        return Measurement(tokens, text, "stop" if stopped else "length", elapsed, first, spec)
 
     def _generation_config(self, params: SamplingParams):
         from transformers import GenerationConfig

@@ -93,7 +93,9 @@ def _explanations() -> list[str]:
         "tokens equal forerun plain's (expected 100% for greedy decoding; sampled runs agree only in "
         "distribution).",
         "transformers peers (hf-*) get the same token ids, stop tokens and max tokens; hf-assisted uses "
-        "the same draft model with a constant K; hf-prompt-lookup uses transformers' own n-gram sizes.",
+        "the same draft model with a constant K; hf-prompt-lookup uses transformers' own n-gram sizes. "
+        "Their mean accepted length counts the target's forwards with a hook; their drafts are not "
+        "visible from outside, so α stays blank.",
     ]
 
 

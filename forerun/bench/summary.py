@@ -73,13 +73,19 @@ def _row(method: str, k: int, group: list[dict]) -> Row:
 
 
 def _add_acceptance(row: Row, specs: list[dict]) -> None:
+    """Tokens per target forward from every record; α and per-position rates where drafts were counted.
+
+    Peers count only their target's forwards: their drafts are not visible from outside.
+    """
+    forwards = sum(s["num_target_forwards"] for s in specs)
+    row.mean_accepted_length = sum(s["num_emitted_tokens"] for s in specs) / forwards if forwards else 0.0
+    if not all("num_draft_tokens" in s for s in specs):
+        return
     drafted = sum(s["num_draft_tokens"] for s in specs)
     accepted = sum(s["num_accepted_tokens"] for s in specs)
-    forwards = sum(s["num_target_forwards"] for s in specs)
     drafts = sum(s["num_drafts"] for s in specs)
     alpha = accepted / drafted if drafted else 0.0
     row.acceptance_rate = alpha
-    row.mean_accepted_length = sum(s["num_emitted_tokens"] for s in specs) / forwards if forwards else 0.0
     row.predicted_length = predicted_length(alpha, row.k)
     width = max(len(s["accepted_per_position"]) for s in specs)
     kept = [sum(s["accepted_per_position"][i] for s in specs if i < len(s["accepted_per_position"]))
