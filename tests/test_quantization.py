@@ -1,6 +1,7 @@
 """int8 weights: close to the full-precision layer, cached once per GGUF, and exact under speculation."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,24 @@ def test_many_row_products_through_the_shared_float_buffer_match_row_by_row(int8
             many = layer(x).float()
         few = torch.cat([layer(x[i:i + 4]) for i in range(0, 80, 4)]).float()
         assert (many - few).abs().max() <= 0.02 * few.abs().max()
+
+
+def test_prefills_in_two_threads_do_not_share_the_float_buffer() -> None:
+    # Two requests prefilling at once must not overwrite each other's float32 copy of a weight.
+    weight = torch.randn(40, 64, dtype=torch.bfloat16)
+    pointers = []
+    both_done = threading.Barrier(2)
+
+    def work() -> None:
+        pointers.append(linear._float_weight(weight).data_ptr())
+        both_done.wait()          # both threads (and their buffers) alive until both have looked
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(pointers)) == 2
 
 
 @pytest.mark.parametrize("int8", [False, True])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from typing import Iterator
 
 import torch
@@ -27,20 +28,21 @@ _UPCAST_ROWS = 12
 _INT8_FLOAT_ROWS = 64
 _UPCAST_BF16 = not _cpu_has_native_bf16()
 _prefill: contextvars.ContextVar[bool] = contextvars.ContextVar("forerun_prefill", default=False)
-_scratch: dict[torch.device, torch.Tensor] = {}
+_scratch = threading.local()   # per thread: two requests prefilling at once never share a buffer
 _SCRATCH_MAX = 1 << 26   # elements (256 MB): a vocabulary-sized LM head gets a temporary instead
 
 
 def _float_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` as float32 in one scratch buffer reused by every layer (valid until the next call).
+    """`weight` as float32 in one scratch buffer reused by every layer (valid until this thread's next call).
 
     A fresh multi-megabyte tensor per product costs more in page faults than the conversion itself.
     """
     if weight.numel() > _SCRATCH_MAX:
         return weight.float()
-    buf = _scratch.get(weight.device)
+    buffers = _scratch.__dict__.setdefault("by_device", {})
+    buf = buffers.get(weight.device)
     if buf is None or buf.numel() < weight.numel():
-        buf = _scratch[weight.device] = torch.empty(weight.numel(), dtype=torch.float32, device=weight.device)
+        buf = buffers[weight.device] = torch.empty(weight.numel(), dtype=torch.float32, device=weight.device)
     return buf[:weight.numel()].view(weight.shape).copy_(weight)
 
 
@@ -74,9 +76,10 @@ class Linear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8 (per output row scale): half the bytes per pass, for a decode-bound draft.
+    """Weight-only int8 (per output row scale): half the bytes per pass, for a decode-bound model.
 
-    Exactness never depends on it: only drafters use it, and the target verifies every token.
+    A quantized target is the target: plain and speculative runs use the same int8 numbers, and the
+    kernel computes each row independently of how many rows come along.
     """
 
     def __init__(self, source: Linear, from_meta: bool = False) -> None:
