@@ -59,8 +59,8 @@ class TransformersContender:
         clock = _first_token_clock()
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        forwards = [0]
-        counter = self.model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+        forwards: list[None] = []                                            # one entry per target forward
+        counter = self.model.register_forward_pre_hook(lambda *_: forwards.append(None))
         try:
             with quiet():
                 start = time.perf_counter()
@@ -74,7 +74,7 @@ class TransformersContender:
         text, cut = _cut_at_stop(self.tokenizer.decode(tokens), params.stop)
         stopped = cut or (not params.ignore_eos and bool(tokens) and tokens[-1] in self.tokenizer.stop_ids)
         # Target forwards (prefill included) give tokens per forward, as forerun reports it.
-        spec = {"num_target_forwards": forwards[0], "num_emitted_tokens": len(tokens)}
+        spec = {"num_target_forwards": len(forwards), "num_emitted_tokens": len(tokens)}
         return Measurement(tokens, text, "stop" if stopped else "length", elapsed, first, spec)
 
     def _generation_config(self, params: SamplingParams):

@@ -57,7 +57,8 @@ def prefill() -> Iterator[None]:
 
 
 def _float_path(x: torch.Tensor, min_rows: int) -> bool:
-    return x.device.type == "cpu" and x.numel() >= min_rows * x.shape[-1] and _prefill.get()
+    # The flag first: every decode-step product asks, and outside a prefill the answer is no.
+    return _prefill.get() and x.device.type == "cpu" and x.numel() >= min_rows * x.shape[-1]
 
 
 class Linear(nn.Module):
