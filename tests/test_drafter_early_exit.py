@@ -36,8 +36,9 @@ def prefilled(target: LoadedModel, context: list[int]):
 
 
 def test_the_layers_the_draft_runs() -> None:
-    assert draft_layers(4) == [0, 1]                       # default: the first half
-    assert draft_layers(5) == [0, 1]
+    assert draft_layers(4) == [0, 1, 2]                    # default: the first three quarters
+    assert draft_layers(5) == [0, 1, 2]
+    assert draft_layers(28) == list(range(21))
     assert draft_layers(1) == [0]
     assert draft_layers(4, layer=3) == [0, 1, 2]
     assert draft_layers(6, skip_layers=[1, 3, 4]) == [0, 2, 5]

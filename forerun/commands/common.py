@@ -37,7 +37,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=5, help="K: tokens drafted per step")
     g.add_argument("--ngram-max", type=int, default=3, help="prompt lookup: longest suffix to match")
     g.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest suffix to match")
-    g.add_argument("--early-exit-layer", type=int, default=None, help="early exit: draft with the first L layers")
+    g.add_argument("--early-exit-layer", type=int, default=None, help="early exit: draft with the first L layers (default: three quarters of them)")
     g.add_argument("--skip-layers", type=int, nargs="+", default=None, help="early exit: layers the draft skips")
     g.add_argument("--lookahead-window", type=int, default=4, help="lookahead: Jacobi window W")
     g.add_argument("--lookahead-ngram", type=int, default=4, help="lookahead: n-gram size N")
