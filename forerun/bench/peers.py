@@ -107,13 +107,14 @@ def transformers_contenders(model_spec: str, draft_spec: str | None, ks: list[in
     if HF_PLAIN in methods:
         setup.contenders.append(TransformersContender(HF_PLAIN, 0, target, tokenizer))
     assistant = None
-    if HF_ASSISTED in methods and draft_spec is None:
-        setup.notes.append("transformers assisted generation left out: no --speculative-model to assist with")
-    elif HF_ASSISTED in methods:
-        assistant, problem = load_in_transformers(draft_spec, dtype, device)
-        if assistant is None:
-            setup.notes.append(f"transformers assisted generation left out: it could not load the draft "
-                               f"{draft_spec!r} ({problem})")
+    if HF_ASSISTED in methods:
+        if draft_spec is None:
+            setup.notes.append("transformers assisted generation left out: no --speculative-model to assist with")
+        else:
+            assistant, problem = load_in_transformers(draft_spec, dtype, device)
+            if assistant is None:
+                setup.notes.append(f"transformers assisted generation left out: it could not load the draft "
+                                   f"{draft_spec!r} ({problem})")
     for k in ks:
         if assistant is not None:
             setup.contenders.append(TransformersContender(HF_ASSISTED, k, target, tokenizer, assistant,

@@ -28,7 +28,16 @@ _UPCAST_ROWS = 12
 _INT8_FLOAT_ROWS = 64
 _UPCAST_BF16 = not _cpu_has_native_bf16()
 _prefill: contextvars.ContextVar[bool] = contextvars.ContextVar("forerun_prefill", default=False)
-_scratch = threading.local()   # per thread: two requests prefilling at once never share a buffer
+
+
+class _Scratch(threading.local):
+    """Per thread, so two requests prefilling at once never share a buffer."""
+
+    def __init__(self) -> None:
+        self.by_device: dict[torch.device, torch.Tensor] = {}
+
+
+_scratch = _Scratch()
 _SCRATCH_MAX = 1 << 26   # elements (256 MB): a vocabulary-sized LM head gets a temporary instead
 
 
@@ -39,10 +48,9 @@ def _float_weight(weight: torch.Tensor) -> torch.Tensor:
     """
     if weight.numel() > _SCRATCH_MAX:
         return weight.float()
-    buffers = _scratch.__dict__.setdefault("by_device", {})
-    buf = buffers.get(weight.device)
+    buf = _scratch.by_device.get(weight.device)
     if buf is None or buf.numel() < weight.numel():
-        buf = buffers[weight.device] = torch.empty(weight.numel(), dtype=torch.float32, device=weight.device)
+        buf = _scratch.by_device[weight.device] = torch.empty(weight.numel(), dtype=torch.float32, device=weight.device)
     return buf[:weight.numel()].view(weight.shape).copy_(weight)
 
 
