@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from forerun.sampling import sample
 from forerun.tree import DraftTree
 
 
@@ -65,7 +66,7 @@ def accept_chain(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_p
         mass = residual.sum(-1, keepdim=True)
         # Zero mass happens only when p == q, where a rejection cannot occur; keep p then.
         final[r] = torch.where(mass > 0, residual / mass.clamp_min(1e-30), final[r])
-    return num, torch.multinomial(final, 1, generator=generator).squeeze(-1)
+    return num, sample(final, generator)
 
 
 def accept(target_probs: torch.Tensor, tree: DraftTree, generator: torch.Generator | None,
@@ -107,7 +108,7 @@ def _accept_tree(target_probs: torch.Tensor, tree: DraftTree, generator: torch.G
                 if mass > 0:
                     p = residual / mass
             if chosen is None:
-                token = int(torch.multinomial(p, 1, generator=generator))
+                token = int(sample(p[None], generator)[0])
                 return Acceptance(path, [tree.tokens[i] for i in path] + [token])
         path.append(chosen)
         node = chosen

@@ -9,7 +9,7 @@ from forerun.config import SamplingParams, SpeculativeConfig
 from forerun.engine import Engine, RequestOutput
 from forerun.errors import ForerunError
 from forerun.metrics import SpecMetrics
-from forerun.models.linear import quantize_int8_
+from forerun.models import formats
 from forerun.models.load import LoadedModel, load_model
 
 
@@ -45,6 +45,13 @@ class GenerationResult:
     def tokens_per_s(self) -> float:
         return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first over the time after the first: the decode rate alone, as
+        llama.cpp reports it (its prompt processing is the time to the first token)."""
+        decode_s = self.elapsed_s - self.first_token_s
+        return (len(self.token_ids) - 1) / decode_s if len(self.token_ids) > 1 and decode_s > 0 else 0.0
+
 
 class LLM:
     """A target model, optionally with a drafter, ready to generate.
@@ -60,7 +67,7 @@ class LLM:
         if isinstance(model, LoadedModel):
             self.target = model
             if quantization is not None:
-                quantize_int8_(self.target.decoder)
+                formats.quantize_(self.target.decoder, quantization)
         else:
             self.target = load_model(model, dtype, device, quantization=quantization)
         self.last_result: GenerationResult | None = None

@@ -16,6 +16,9 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [layers, B, kv_heads, max_len, head_dim]
         self.length = 0  # slots [0, length) hold valid entries
         self.max_len = max_len
+        # Per layer, the first sequence's keys and values [kv_heads, max_len, head_dim]: views made once.
+        self.layer_k = list(self.k[:, 0].unbind(0))
+        self.layer_v = list(self.v[:, 0].unbind(0))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, kv_heads, T, head_dim] at slots [length, length+T) of `layer`.
@@ -29,6 +32,15 @@ class KVCache:
         self.k[layer, :, :, self.length:end] = k
         self.v[layer, :, :, self.length:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def write_first(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`write` for a batch of one, k, v [kv_heads, T, head_dim], returning nothing (the hot path
+        of decoding: row-exact attention reads `layer_k` / `layer_v` directly)."""
+        end = self.length + k.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_len} allocated")
+        self.layer_k[layer][:, self.length:end] = k
+        self.layer_v[layer][:, self.length:end] = v
 
     def advance(self, num_tokens: int) -> None:
         self.length += num_tokens

@@ -7,6 +7,7 @@ import torch
 
 from forerun.config import SamplingParams
 from forerun.kv_cache import KVCache
+from forerun.models.attention import RowLayout
 from forerun.models.decoder import Decoder
 from forerun.sampling import probabilities
 from forerun.tree import DraftTree
@@ -24,8 +25,9 @@ def verify(target: Decoder, cache: KVCache, root: int, tree: DraftTree | None,
     """Feed the root (last accepted token, at slot and position cache.length), the tree's nodes,
     then its aux rows.
 
-    A chain needs no explicit mask (causal); a tree or aux rows get one built from the tree. Slots
-    past the accepted path (aux rows included) are left for the caller to drop with cache.keep /
+    The root and every node are computed row-exactly (each comes out as it would alone, so greedy
+    speculation equals plain decoding); aux rows see what the tree's mask allows. Slots past the
+    accepted path (aux rows included) are left for the caller to drop with cache.keep /
     cache.truncate.
     """
     start = cache.length
@@ -33,9 +35,21 @@ def verify(target: Decoder, cache: KVCache, root: int, tree: DraftTree | None,
     tree = tree if tree is not None else DraftTree([], [])
     tokens = torch.tensor([root] + tree.tokens + tree.aux_tokens, device=device)   # [R]
     positions = tree.positions(start).to(device)                                     # [R]
-    mask = tree.attention_mask(start).to(device) if tree.needs_mask else None       # [R, start+R]
-    out = target(tokens, positions, cache, mask, output_hidden=True)
+    out = target(tokens, positions, cache, layout=row_layout(tree, start), output_hidden=True)
     n = len(tree) + 1
     logits = out.logits[0]                                                           # [R, vocab]
     return Verification(probs=probabilities(logits[:n], params), hidden=out.hidden[0, :n],
                         aux_logits=logits[n:] if tree.aux_tokens else None)
+
+
+def row_layout(tree: DraftTree, start: int) -> RowLayout:
+    """The root at slot `start`, node i at slot start + 1 + i, aux rows after the nodes."""
+    n = len(tree) + 1
+    leaves = [i for i in range(len(tree)) if not tree.children(i)]
+    paths = [[0] + [1 + node for node in tree.path_to(leaf)] for leaf in leaves] or [[0]]
+    layout = RowLayout.from_paths(start, paths, n)
+    if tree.aux_tokens:
+        visible = tree.attention_mask(start)[n:]                                     # [A, start+R]
+        layout.add_masked_rows(list(range(n, n + len(tree.aux_tokens))),
+                               [start + o for o in tree.aux_offsets], visible)
+    return layout

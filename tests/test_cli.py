@@ -13,7 +13,7 @@ from forerun.models.embedded import EMBEDDED
 from forerun.testing import save_hf_folder, tiny_model
 
 RECORD_FIELDS = {"prompt_index", "text", "token_ids", "num_prompt_tokens", "num_generated_tokens",
-                 "finish_reason", "elapsed_s", "tokens_per_s"}
+                 "finish_reason", "elapsed_s", "tokens_per_s", "first_token_s", "decode_tokens_per_s"}
 SPEC_FIELDS = {"num_speculative_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                "num_emitted_tokens", "accepted_per_position", "acceptance_rate", "mean_accepted_length",
                "efficiency", "predicted_mean_accepted_length"}
@@ -73,6 +73,11 @@ def test_generate_json_prints_one_record_per_prompt_matching_the_api(capsys, fol
         assert row["num_generated_tokens"] == len(row["token_ids"]) <= 6
         assert row["finish_reason"] == ("length" if len(row["token_ids"]) == 6 else "stop")
         assert row["elapsed_s"] >= 0 and row["tokens_per_s"] >= 0
+        assert 0 <= row["first_token_s"] <= row["elapsed_s"]
+        # The decode rate counts the tokens after the first over the time after the first.
+        decode_s = row["elapsed_s"] - row["first_token_s"]
+        if row["num_generated_tokens"] > 1 and decode_s > 0.005:   # both times are rounded to 0.1 ms
+            assert row["decode_tokens_per_s"] == pytest.approx((row["num_generated_tokens"] - 1) / decode_s, rel=0.05)
 
 
 def test_generate_reads_prompts_file_with_prompt_and_turns_records(capsys, folder: Path, tmp_path: Path) -> None:

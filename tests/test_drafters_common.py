@@ -75,7 +75,9 @@ GREEDY = SamplingParams(max_tokens=32)
 
 @pytest.fixture(scope="module")
 def greedy_case(target4: LoadedModel) -> tuple[list[int], list[int]]:
-    prompt = self_prompt(target4, 1, 30)
+    # A prompt on which every setting both keeps and rejects drafts (skip-layer drafts on a tiny
+    # random model rarely agree with it; on some sampled prompts never).
+    prompt = self_prompt(target4, 2, 30)
     return prompt, Engine(target4).generate(prompt, GREEDY).token_ids
 
 

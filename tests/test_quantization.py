@@ -1,6 +1,7 @@
 """int8 weights: close to the full-precision layer, cached once per GGUF, and exact under speculation."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import torch
 
 from forerun import LLM, SamplingParams
 from forerun.errors import ForerunError
-from forerun.models import load as loading
+from forerun.models import formats
 from forerun.models import linear
 from forerun.models.linear import Int8Linear, Linear, quantize_int8_
 from forerun.models.load import load_model
@@ -104,19 +105,17 @@ def test_int8_gguf_load_is_cached_and_reloads_identically(tmp_path: Path, monkey
     cached = list((tmp_path / "home" / "converted").rglob(f"weights-{dtype}-int8.safetensors"))
     assert len(cached) == 1
 
-    def no_requantizing(module, from_meta=False):
-        if not from_meta:   # shaping empty int8 buffers for the cached weights is fine
-            raise AssertionError("the weights were quantized again although an int8 copy is cached")
-        return quantize_int8_(module, from_meta)
+    def no_requantizing(module):
+        raise AssertionError("the weights were quantized again although an int8 copy is cached")
 
-    monkeypatch.setattr(loading, "quantize_int8_", no_requantizing)
+    monkeypatch.setitem(formats.FORMATS, "int8", dataclasses.replace(formats.FORMATS["int8"], quantize=no_requantizing))
     second = load_model(str(path), dtype=dtype, with_tokenizer=False, quantization="int8")
     assert isinstance(second.decoder.lm_head, Int8Linear)
     torch.testing.assert_close(logits_of(second, IDS), logits_of(first, IDS), rtol=0, atol=0)
 
 
 def test_unknown_quantization_is_refused_by_name(tmp_path: Path) -> None:
-    with pytest.raises(ForerunError, match="int4"):
+    with pytest.raises(ForerunError, match="int4.*int8, w8a8"):
         load_model("anything", quantization="int4")
 
 

@@ -7,11 +7,12 @@ from pathlib import Path
 
 from forerun.config import SamplingParams
 from forerun.errors import ForerunError
+from forerun.models.load import QUANTIZATIONS
 
 # Each method's own settings: flag destination -> drafter keyword. A drafter receives only its own.
 METHOD_OPTIONS: dict[str, dict[str, str]] = {
     "draft": {"speculative_model": "model", "speculative_quantization": "quantize",
-              "draft_min_confidence": "min_confidence"},
+              "draft_min_confidence": "min_confidence", "draft_vocab": "draft_vocab"},
     "ngram": {"ngram_max": "ngram_max", "ngram_min": "ngram_min"},
     "early-exit": {"early_exit_layer": "layer", "skip_layers": "skip_layers"},
     "lookahead": {"lookahead_window": "window", "lookahead_ngram": "ngram", "lookahead_guesses": "guesses"},
@@ -22,18 +23,23 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="embedded name, .gguf file, model folder or hub id")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="store the target's weights in int8 (plain and speculative runs alike)")
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
+                   help="the target's numeric format, plain and speculative runs alike: int8 (weights), w8a8 "
+                        "(weights and activations; rows bit-identical alone or batched) or auto (the fastest "
+                        "exact one for this CPU, said on stderr)")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--speculative-method", default=None, help="draft, ngram, early-exit or lookahead")
     g.add_argument("--speculative-model", default=None, help="draft model (implies --speculative-method draft)")
-    g.add_argument("--speculative-quantization", default=None, choices=["int8"],
-                   help="store the draft model's weights in int8 (cheaper drafts; output stays exact)")
+    g.add_argument("--speculative-quantization", default=None, choices=list(QUANTIZATIONS),
+                   help="the draft model's numeric format (cheaper drafts; output stays exact): int8, w8a8 or auto")
     g.add_argument("--draft-min-confidence", type=float, default=0.0,
                    help="end a draft early when the draft model's top probability falls below this")
+    g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="the draft model scores only the N tokens the target writes most (e.g. 32768): cheaper "
+                        "draft tokens, output unchanged")
     g.add_argument("--num-speculative-tokens", type=int, default=5, help="K: tokens drafted per step")
     g.add_argument("--ngram-max", type=int, default=3, help="prompt lookup: longest suffix to match")
     g.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest suffix to match")

@@ -44,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
             record = {"prompt_index": index, "text": result.text, "token_ids": result.token_ids,
                       "num_prompt_tokens": len(result.prompt_token_ids),
                       "num_generated_tokens": len(result.token_ids), "finish_reason": result.finish_reason,
-                      "elapsed_s": round(result.elapsed_s, 4), "tokens_per_s": round(result.tokens_per_s, 3)}
+                      "elapsed_s": round(result.elapsed_s, 4), "tokens_per_s": round(result.tokens_per_s, 3),
+                      "first_token_s": round(result.first_token_s, 4),
+                      "decode_tokens_per_s": round(result.decode_tokens_per_s, 3)}
             if speculative:
                 record["spec"] = result.metrics.to_dict()
             print(json.dumps(record), flush=True)
@@ -60,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summary_line(result, speculative: bool) -> str:
-    line = (f"[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s, {result.tokens_per_s:.2f} tok/s, "
+    line = (f"[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s, {result.tokens_per_s:.2f} tok/s "
+            f"(first token {result.first_token_s:.2f} s, then {result.decode_tokens_per_s:.2f} tok/s), "
             f"finish: {result.finish_reason}")
     if speculative:
         m = result.metrics

@@ -7,9 +7,11 @@ import torch
 
 from forerun.config import SamplingParams
 from forerun.drafters import register
+from forerun.drafters.draft_vocab import draft_vocabulary, reduced_head
 from forerun.errors import ForerunError
 from forerun.kv_cache import KVCache
-from forerun.models.linear import quantize_int8_
+from forerun.models import formats
+from forerun.models.attention import RowLayout
 from forerun.models.load import LoadedModel, load_model
 from forerun.models.tokenizer import Tokenizer
 from forerun.sampling import probabilities, sample
@@ -41,15 +43,17 @@ def _compare_tokenizers(t: Tokenizer, d: Tokenizer, t_name: str, d_name: str) ->
 @register("draft")
 class DraftModelDrafter:
     def __init__(self, target: LoadedModel, model: str | LoadedModel, dtype: str = "bfloat16",
-                 device: str | None = None, quantize: str | None = None, min_confidence: float = 0.0) -> None:
-        """`quantize="int8"` stores the draft's weights in int8 (half the bytes per draft token);
-        `min_confidence` ends a draft early once the draft's top probability falls below it."""
-        if quantize not in (None, "int8"):
-            raise ForerunError(f"unknown draft quantization {quantize!r}; use int8 or leave it out")
+                 device: str | None = None, quantize: str | None = None, min_confidence: float = 0.0,
+                 draft_vocab: int | None = None) -> None:
+        """`quantize` ("int8", "w8a8") stores the draft's products in that format (fewer bytes per
+        draft token); `min_confidence` ends a draft early once the draft's top probability falls below
+        it; `draft_vocab` N scores only the N tokens the target writes most (draft_vocab.py)."""
+        if quantize not in (None, formats.AUTO):
+            formats.get(quantize)
         if isinstance(model, LoadedModel):
             self.model = model
             if quantize:
-                quantize_int8_(self.model.decoder)
+                formats.quantize_(self.model.decoder, quantize)
         else:
             self.model = load_model(model, dtype, device or str(target.decoder.device), quantization=quantize)
         check_same_vocabulary(target, self.model)
@@ -57,6 +61,10 @@ class DraftModelDrafter:
             warnings.warn(f"draft {self.model.name} is larger than target {target.name}: "
                           "speculation will likely be slower than plain decoding", stacklevel=2)
         self.min_confidence = min_confidence
+        self.vocab = draft_vocabulary(target, draft_vocab) if draft_vocab else None   # [N] token ids
+        # The shared draft model keeps its full head; this drafter scores with its own rows of it.
+        self.head = reduced_head(self.model.decoder.lm_head, self.vocab) if self.vocab is not None else None
+        self.vocab_size = target.decoder.cfg.vocab_size
         self.cache: KVCache | None = None
         self.fed: list[int] = []   # tokens whose keys/values sit in self.cache, in order
 
@@ -77,12 +85,17 @@ class DraftModelDrafter:
         for _ in range(k):
             ids = torch.tensor(pending, device=decoder.device)
             pos = torch.arange(len(self.fed), len(self.fed) + len(pending), device=decoder.device)
-            logits = decoder(ids, pos, cache, last_only=True).logits[0]            # [1, V]
+            layout = RowLayout.chain(len(self.fed), len(pending))
+            logits = decoder(ids, pos, cache, layout=layout, last_only=True, head=self.head).logits[0]  # [1, N]
             self.fed += pending
-            q = probabilities(logits, params)                                       # [1, V]
-            token = int(q.argmax()) if params.greedy else int(sample(q, generator)[0])
+            if params.greedy:
+                choice = int(logits.argmax())
+            else:
+                q = probabilities(logits, params)                                   # [1, N]
+                choice = int(sample(q, generator)[0])
+                probs.append(self._full_vocabulary(q[0]))
+            token = choice if self.vocab is None else int(self.vocab[choice])
             tokens.append(token)
-            probs.append(q[0])
             pending = [token]
             if self.min_confidence and float(logits.softmax(-1).max()) < self.min_confidence:
                 break
@@ -90,6 +103,12 @@ class DraftModelDrafter:
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
         pass  # the next propose() rolls back by comparing contexts
+
+    def _full_vocabulary(self, q: torch.Tensor) -> torch.Tensor:
+        """q over the draft vocabulary [N] as a distribution over every token [V] (0 outside it)."""
+        if self.vocab is None:
+            return q
+        return torch.zeros(self.vocab_size, dtype=q.dtype, device=q.device).index_copy_(0, self.vocab.to(q.device), q)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -1,8 +1,10 @@
 """The lean decoder: one implementation of the Llama family (llama, mistral, qwen2).
 
-Module names follow Hugging Face's, so a safetensors state dict loads as it is. One forward serves
-prefill, one-token decode, chain verification and tree verification: it takes explicit rope
-positions and an optional attention mask over the cache plus the new tokens.
+Module names follow Hugging Face's, so a safetensors state dict loads as it is (a numeric format
+may then fuse q/k/v and gate/up into one product each). One forward serves prefill, one-token
+decode, chain verification and tree verification: it takes explicit rope positions and either an
+attention mask over the cache plus the new tokens (prefill, drafters) or a `RowLayout` (decoding and
+verification), whose attention computes every row exactly as it would come out alone.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forerun.kv_cache import KVCache
+from forerun.models.attention import RowLayout, attend, key_length
 from forerun.models.linear import Linear
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -50,14 +53,46 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 as the reference implementations do; bf16 variance drifts.
+        if x.dtype == torch.float32:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class Rope:
+    """cos and sin tables for every position up to the longest seen, built once and grown by doubling.
+
+    The sin table carries rotate_half's sign, so x·cos + roll(x, D/2)·sin is the usual
+    x·cos + rotate_half(x)·sin with one op fewer.
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        self.head_dim, self.theta = head_dim, theta
+        self.cos = self.sin = torch.empty(0, head_dim)        # [P, D]
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions` [B, T], shaped [B, T, 1, D] to broadcast over heads."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self.cos.shape[0] or self.cos.device != positions.device or self.cos.dtype != dtype:
+            self._build(max(need, 2 * self.cos.shape[0], 256), positions.device, dtype)
+        return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+
+    def _build(self, length: int, device: torch.device, dtype: torch.dtype) -> None:
+        d = self.head_dim
+        exponent = torch.arange(0, d, 2, dtype=torch.float32, device=device) / d
+        inv_freq = 1.0 / (self.theta ** exponent)                                     # [D/2]
+        freqs = torch.arange(length, device=device).float()[:, None] * inv_freq       # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                                        # [P, D]
+        sign = torch.ones(d, device=device)
+        sign[: d // 2] = -1.0
+        self.cos = emb.cos().to(dtype)
+        self.sin = (emb.sin() * sign).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, D]; cos, sin [B, T, 1, D]."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class Attention(nn.Module):
@@ -68,20 +103,34 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj: nn.Module | None = None   # q, k and v in one product, when a format fuses them
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+                mask: torch.Tensor | None, causal: bool, layout: RowLayout | None) -> torch.Tensor:
         b, t, _ = x.shape
         cfg = self.cfg
-        q = self.q_proj(x).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)      # [B, H, T, D]
-        k = self.k_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)   # [B, KVH, T, D]
-        v = self.v_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)   # [B, KVH, T, D]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        keys, values = cache.write(layer, k, v)                                           # [B, KVH, S, D]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
-                                             enable_gqa=cfg.num_kv_heads != cfg.num_heads)  # [B, H, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, cfg.num_heads * cfg.head_dim))
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x).view(b, t, h + 2 * kvh, d)
+            qk = apply_rope(qkv[:, :, :h + kvh], cos, sin)                              # [B, T, H+KVH, D]
+            q, k, v = qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + kvh:]
+        else:
+            q = apply_rope(self.q_proj(x).view(b, t, h, d), cos, sin)                  # [B, T, H, D]
+            k = apply_rope(self.k_proj(x).view(b, t, kvh, d), cos, sin)                # [B, T, KVH, D]
+            v = self.v_proj(x).view(b, t, kvh, d)                                       # [B, T, KVH, D]
+        if layout is not None:
+            if b != 1:
+                raise ValueError("row-exact attention takes one sequence per forward")
+            cache.write_first(layer, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            q = q[0] if q.dtype == torch.float32 else q[0].float()
+            out = attend(q * d ** -0.5, cache.layer_k[layer], cache.layer_v[layer], layout)[None]   # [1, T, H*D]
+            out = out if x.dtype == torch.float32 else out.to(x.dtype)
+        else:
+            keys, values = cache.write(layer, k.transpose(1, 2), v.transpose(1, 2))      # [B, KVH, S, D]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                                 is_causal=causal, enable_gqa=kvh != h)     # [B, H, T, D]
+            out = out.transpose(1, 2).reshape(b, t, h * d)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -90,8 +139,12 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj: nn.Module | None = None   # gate and up in one product, when a format fuses them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate).mul_(up))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -103,8 +156,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache, layer, mask, causal):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, causal)
+    def forward(self, x, cos, sin, cache, layer, mask, causal, layout):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, causal, layout)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -120,11 +173,13 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        self._inv_freq: torch.Tensor | None = None
+        self.activation_dtype: torch.dtype | None = None   # None: the weights' dtype; a format may set float32
+        self._rope = Rope(cfg.head_dim, cfg.rope_theta)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        """The dtype activations and the KV cache are computed in."""
+        return self.activation_dtype or self.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:
@@ -135,48 +190,46 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        """A cache of at least `max_len` slots, rounded up so row-exact attention can reduce over
+        whole key blocks."""
         cfg = self.cfg
-        return KVCache(cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, self.dtype, self.device)
-
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for `positions` [B, T], shaped [B, 1, T, head_dim] to broadcast over heads."""
-        if self._inv_freq is None or self._inv_freq.device != positions.device:
-            d = self.cfg.head_dim
-            exponent = torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d
-            self._inv_freq = 1.0 / (self.cfg.rope_theta ** exponent)              # [D/2]
-        freqs = positions.float()[..., None] * self._inv_freq                   # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]                       # [B, 1, T, D]
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return KVCache(cfg.num_layers, batch, cfg.num_kv_heads, key_length(max_len - 1), cfg.head_dim,
+                       self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                attention_mask: torch.Tensor | None = None, *, last_only: bool = False,
-                output_hidden: bool = False, hidden_layer: int | None = None,
-                layers: list[int] | range | None = None) -> DecoderOutput:
+                attention_mask: torch.Tensor | None = None, *, layout: RowLayout | None = None,
+                last_only: bool = False, output_hidden: bool = False, hidden_layer: int | None = None,
+                layers: list[int] | range | None = None, head: nn.Module | None = None) -> DecoderOutput:
         """Run the new tokens against the cache and append their keys and values to it.
 
         tokens, positions: [B, T] (or [T]). attention_mask: bool, True where a new token may attend,
-        [T, S] or [B, T, S] with S = cache.length + T; None means causal. `layers` runs a subset of
-        layers (self-speculation); the cache entries of skipped layers are left untouched.
+        [T, S] or [B, T, S] with S = cache.length + T; None means causal. `layout` (one sequence)
+        instead computes every row exactly as it would come out alone (decoding, verification).
+        `layers` runs a subset of layers (self-speculation); the cache entries of skipped layers are
+        left untouched. `head` scores with another head than lm_head (a draft's reduced vocabulary).
         """
         if tokens.dim() == 1:
             tokens = tokens[None]
         if positions.dim() == 1:
             positions = positions[None].expand(tokens.shape[0], -1)
         t = tokens.shape[1]
-        cos, sin = self.rope(positions)
-        mask, causal = self._mask(attention_mask, cache.length, t, tokens.device)
-        x = self.embed_tokens(tokens)                                              # [B, T, hidden]
+        dtype = self.dtype
+        cos, sin = self._rope.tables(positions, dtype)                             # [B, T, 1, D]
+        mask, causal = (None, False) if layout is not None else self._mask(attention_mask, cache.length, t,
+                                                                             tokens.device)
+        x = self.embed_tokens(tokens).to(dtype)                                    # [B, T, hidden]
         layer_hidden = None
         for i in (range(self.cfg.num_layers) if layers is None else layers):
-            x = self.layers[i](x, cos, sin, cache, i, mask, causal)
+            x = self.layers[i](x, cos, sin, cache, i, mask, causal, layout)
             if i == hidden_layer:
                 layer_hidden = x
         cache.advance(t)
         if last_only:
             x = x[:, -1:]
         x = self.norm(x)
-        return DecoderOutput(logits=self.lm_head(x).float(), hidden=x if output_hidden else None,
+        return DecoderOutput(logits=(self.lm_head if head is None else head)(x).float(),
+                             hidden=x if output_hidden else None,
                              layer_hidden=layer_hidden)
 
     @staticmethod

@@ -7,9 +7,11 @@ later load is a memory map.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from forerun.errors import ForerunError
 from forerun.models import fetch as fetching
 from forerun.models.decoder import SUPPORTED_ARCHITECTURES, Decoder, DecoderConfig
 from forerun.models.embedded import EMBEDDED
-from forerun.models.linear import quantize_int8_
+from forerun.models import formats
 from forerun.models.tokenizer import Tokenizer
 from forerun.paths import converted_dir
 
@@ -41,6 +43,20 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     source: ModelSource
     load_seconds: float = 0.0
+
+
+def model_identity(model: LoadedModel) -> str | None:
+    """What names these weights across runs, for caches of things measured on a model: a GGUF
+    file's sha256, a model folder's path with its config's and weights' sizes and times; None for a
+    model built in memory (nothing to cache against)."""
+    source = model.source
+    if source.kind == "gguf":
+        return _gguf_checksum(source.path)
+    if source.kind == "hf":
+        stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                 for f in sorted(source.path.glob("*.safetensors")) + [source.path / "config.json"]]
+        return hashlib.sha256(f"{source.path.resolve()}:{stats}".encode()).hexdigest()
+    return None
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -99,18 +115,22 @@ def _hub_download(repo_id: str) -> Path:
     return Path(folder)
 
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = (*formats.FORMATS, formats.AUTO)
 
 
 def load_model(spec: str, dtype: str | torch.dtype = "bfloat16", device: str | None = "cpu",
                with_tokenizer: bool = True, quantization: str | None = None) -> LoadedModel:
-    """`quantization="int8"` stores every linear weight in int8; for a GGUF source the quantized
-    weights are cached beside the converted ones, so only the first such load pays for it."""
+    """`quantization` (see forerun/models/formats.py) stores every product in that format; for a
+    GGUF source the quantized weights are cached beside the converted ones, so only the first such
+    load pays for it."""
     start = time.perf_counter()
-    if quantization not in (None, *QUANTIZATIONS):
-        raise ForerunError(f"unknown quantization {quantization!r}; use {', '.join(QUANTIZATIONS)} or leave it out")
+    if quantization not in (None, formats.AUTO):
+        formats.get(quantization)                   # an unknown name fails before any work
     source = resolve(spec)
     torch_dtype, torch_device = parse_dtype(dtype), resolve_device(device)
+    quantization = formats.resolve(quantization, torch_device)
+    if quantization is not None:
+        formats.check_device(quantization, torch_device)
     if source.kind == "gguf":
         cfg, weights, tok_dir = _load_gguf(source.path, torch_dtype, with_tokenizer)
         decoder = _build_cached(cfg, weights, quantization, torch_device)
@@ -118,7 +138,7 @@ def load_model(spec: str, dtype: str | torch.dtype = "bfloat16", device: str | N
         cfg, state, tok_dir = _load_hf_folder(source.path, torch_dtype)
         decoder = build_decoder(cfg, state, torch_device)
         if quantization:
-            quantize_int8_(decoder)
+            formats.quantize_(decoder, quantization)
     tokenizer = load_tokenizer(tok_dir, source) if with_tokenizer else None
     return LoadedModel(source.name, decoder, tokenizer, source, time.perf_counter() - start)
 
@@ -130,20 +150,27 @@ def _build_cached(cfg: DecoderConfig, weights: Path, quantization: str | None, d
         return build_decoder(cfg, load_file(str(weights)), device)
     quantized = weights.with_name(f"{weights.stem}-{quantization}.safetensors")
     if quantized.is_file():
-        return build_decoder(cfg, load_file(str(quantized)), device, int8=True)
-    decoder = quantize_int8_(build_decoder(cfg, load_file(str(weights)), device))
+        return build_decoder(cfg, load_file(str(quantized)), device, quantization)
+    print(f"forerun: storing the model's weights as {quantization} (once; cached in {quantized.parent})",
+          file=sys.stderr, flush=True)
+    decoder = formats.quantize_(build_decoder(cfg, load_file(str(weights)), device), quantization, progress=True)
     _atomic_save_tensors({k: v.contiguous() for k, v in decoder.state_dict().items()}, quantized)
     return decoder
 
 
 def build_decoder(cfg: DecoderConfig, state: dict[str, torch.Tensor], device: torch.device,
-                  int8: bool = False) -> Decoder:
-    """Build on the meta device and adopt `state` without copying; `int8`: state holds Int8Linear weights."""
+                  quantization: str | None = None) -> Decoder:
+    """Build on the meta device and adopt `state` without copying; `quantization`: state holds that
+    format's cached weights."""
     with torch.device("meta"):
         decoder = Decoder(cfg)
-        if int8:
-            quantize_int8_(decoder, from_meta=True)
     state = {k.removeprefix("model."): v for k, v in state.items()}
+    if quantization is not None:
+        try:
+            return formats.get(quantization).load(decoder, state).to(device).eval()
+        except (KeyError, RuntimeError) as exc:
+            raise ForerunError(f"the cached {quantization} weights do not fit the model ({str(exc)[-300:]}); "
+                               "delete them and load again") from None
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
         state["lm_head.weight"] = state["embed_tokens.weight"]

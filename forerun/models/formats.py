@@ -1,0 +1,122 @@
+"""The numeric formats a model's products can be stored in, which devices run each, and how a
+float decoder becomes one (in place) or is rebuilt from a cached state dict of one."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from forerun.errors import ForerunError
+from forerun.models import w8a8
+from forerun.models.linear import quantize_int8_
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    summary: str                                        # one line for --help and errors
+    quantize: Callable[[nn.Module], nn.Module]          # float decoder -> this format, in place
+    load: Callable[[nn.Module, dict], nn.Module]        # meta decoder + its cached state dict -> ready
+    devices: tuple[str, ...]                            # device types that run it
+    shows_progress: bool = False                        # quantize takes progress=
+
+
+def _load_int8(decoder: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    quantize_int8_(decoder, from_meta=True)
+    decoder.load_state_dict({k: state[k] for k in decoder.state_dict()}, assign=True, strict=True)
+    return decoder
+
+
+FORMATS: dict[str, Format] = {
+    "int8": Format("int8", "int8 weights, activations in the model's dtype (PyTorch's weight-only kernel)",
+                   quantize_int8_, _load_int8, ("cpu", "cuda")),
+    "w8a8": Format("w8a8", "int8 weights and per-row int8 activations (fbgemm): flat cost to ~8 rows, "
+                           "rows bit-identical alone or batched",
+                   w8a8.quantize_decoder_, w8a8.load_decoder_, ("cpu",), shows_progress=True),
+}
+
+
+AUTO = "auto"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def choose_auto(device: torch.device | str) -> tuple[str | None, str]:
+    """(format or None for the weights' own dtype, why) for `--quantization auto`.
+
+    Measured (docs/benchmarks.md, ../shared/docs/models.md): on CPUs with AMX a bf16 pass over 16 rows
+    costs about one row, so bf16 keeps the weights exact and verification nearly free; without native
+    bf16 matrix units (AVX2) bf16 rows cost linearly and w8a8 is the fastest format whose rows stay flat.
+    """
+    kind = torch.device(device).type
+    if kind != "cpu":
+        return None, f"on {kind} the weights stay in their dtype"
+    flags = cpu_flags()
+    if {"amx_bf16", "amx_tile"} <= flags:
+        return None, "this CPU has AMX bf16 matrix units: bf16 rows are nearly free, so the weights stay bf16"
+    if w8a8.available(device):
+        return "w8a8", (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16 matrix units: "
+                        "w8a8, int8 products whose cost is flat to ~8 rows")
+    return "int8", "no fbgemm in this PyTorch: int8 weights"
+
+
+def resolve(name: str | None, device: torch.device | str) -> str | None:
+    """`name` with "auto" replaced by the choice for `device` (which is said on stderr once)."""
+    if name != AUTO:
+        return name
+    chosen, why = choose_auto(device)
+    _say_once(f"--quantization auto: {chosen or 'none'} ({why})")
+    return chosen
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        print(f"forerun: {message}", file=sys.stderr, flush=True)
+
+
+def get(name: str) -> Format:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ForerunError(f"unknown quantization {name!r}; use one of {', '.join(FORMATS)}, {AUTO} "
+                           "or leave it out") from None
+
+
+def check_device(name: str, device: torch.device | str) -> None:
+    """A clear error when `device` cannot run format `name`, naming the formats it can."""
+    kind = torch.device(device).type
+    fmt = get(name)
+    runs = kind in fmt.devices and (name != "w8a8" or w8a8.available(device))
+    if not runs:
+        usable = [f.name for f in FORMATS.values() if kind in f.devices and (f.name != "w8a8" or w8a8.available(device))]
+        raise ForerunError(f"--quantization {name} does not run on {kind} (it needs "
+                           f"{' or '.join(fmt.devices)}{' with fbgemm' if name == 'w8a8' else ''}); on {kind} use "
+                           f"{' or '.join(usable) if usable else 'no quantization'}, or leave --quantization out")
+
+
+def quantize_(decoder: nn.Module, name: str, progress: bool = False) -> nn.Module:
+    """`decoder` (float weights) to format `name`, in place; `progress`: a bar on stderr where the
+    format can show one (a 1.5B model takes minutes)."""
+    name = resolve(name, decoder.device)
+    if name is None:
+        return decoder
+    check_device(name, decoder.device)
+    fmt = get(name)
+    return fmt.quantize(decoder, progress=progress) if fmt.shows_progress else fmt.quantize(decoder)

@@ -1,0 +1,141 @@
+"""A draft model scoring a reduced vocabulary: chosen from the target's own choices, cached, and exact.
+
+Tokens outside the draft's vocabulary get draft probability 0; the target decides every token, so
+greedy output equals plain decoding and sampled output follows the target's distribution, even when
+the target likes tokens the draft cannot propose.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import forerun.engine as engine_module
+from forerun.config import SamplingParams
+from forerun.drafters import draft_vocab
+from forerun.drafters.draft_model import DraftModelDrafter
+from forerun.engine import Engine
+from forerun.models.load import LoadedModel, ModelSource
+from forerun.models.w8a8 import quantize_decoder_
+from forerun.testing import tiny_model
+from tests.conftest import perturbed
+from tests.test_drafters_common import (CONTROL_RUNS, RUNS, SAMPLING, exact_marginals, keep_every_draft, self_prompt,
+                                        speculative_samples, total_variation)
+
+
+def test_the_choice_keeps_stop_tokens_then_the_most_chosen_then_the_lowest_ids() -> None:
+    counts = torch.zeros(20, dtype=torch.long)
+    counts[[17, 9, 12]] = torch.tensor([5, 9, 5])
+    ids = draft_vocab.choose(counts, 6, always=[19])
+    # 19 (a stop), 9 (most chosen), 12 and 17 (tied: lower id first), then ids 0 and 1.
+    assert ids.tolist() == [0, 1, 9, 12, 17, 19]
+
+
+def test_a_vocabulary_as_large_as_the_targets_means_no_reduction(target_tok: LoadedModel) -> None:
+    assert draft_vocab.draft_vocabulary(target_tok, target_tok.decoder.cfg.vocab_size) is None
+
+
+def test_the_vocabulary_comes_from_the_targets_top_choices_on_held_out_prompts(target_tok: LoadedModel) -> None:
+    prompts = draft_vocab.calibration_prompts(target_tok)
+    assert prompts and all(0 < len(p) <= draft_vocab.MAX_PROMPT_TOKENS for p in prompts)
+    counts = draft_vocab.target_choice_counts(target_tok, prompts)
+    assert int(counts.sum()) == draft_vocab.TOP * min(sum(map(len, prompts)), draft_vocab.MAX_POSITIONS)
+    ids = draft_vocab.draft_vocabulary(target_tok, 40)
+    top = torch.argsort(-counts, stable=True)[:30].tolist()
+    assert len(ids) == 40 and set(target_tok.tokenizer.stop_ids) <= set(ids.tolist())
+    assert len(set(top) & set(ids.tolist())) >= 25
+
+
+def test_the_choice_is_cached_per_target_and_size(target_tok: LoadedModel, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FORERUN_HOME", str(tmp_path))
+    monkeypatch.setattr(draft_vocab, "model_identity", lambda model: "tiny-target")
+    first = draft_vocab.draft_vocabulary(target_tok, 50)
+    cached = tmp_path / "draft-vocab" / "tiny-target-50.json"
+    assert cached.is_file()
+    measured = []
+    real = draft_vocab.target_choice_counts
+    monkeypatch.setattr(draft_vocab, "target_choice_counts", lambda *a: measured.append(1) or real(*a))
+    assert torch.equal(draft_vocab.draft_vocabulary(target_tok, 50), first) and not measured
+    cached.write_text("{not json")                        # a damaged cache is measured again, not a crash
+    assert torch.equal(draft_vocab.draft_vocabulary(target_tok, 50), first) and measured == [1]
+
+
+@pytest.mark.parametrize("quantize", [None, "w8a8"])
+def test_the_reduced_head_scores_exactly_the_rows_it_keeps(quantize) -> None:
+    model = tiny_model(seed=3)
+    if quantize:
+        quantize_decoder_(model.decoder)
+    ids = torch.tensor([0, 5, 17, 60, 98])
+    head = draft_vocab.reduced_head(model.decoder.lm_head, ids)
+    x = torch.randn(3, model.decoder.cfg.hidden_size)
+    assert torch.equal(head(x), model.decoder.lm_head(x)[:, ids])
+
+
+# --- exactness ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target2() -> LoadedModel:
+    return tiny_model(0, name="target2", num_layers=2)
+
+
+def restricted_drafter(target: LoadedModel, draft: LoadedModel, ids: list[int],
+                       monkeypatch: pytest.MonkeyPatch, **options) -> DraftModelDrafter:
+    """A draft model restricted to `ids`, whatever the calibration would choose."""
+    monkeypatch.setattr("forerun.drafters.draft_model.draft_vocabulary", lambda t, n: torch.tensor(ids))
+    drafter = DraftModelDrafter(target, draft, draft_vocab=len(ids), **options)
+    assert drafter.vocab.tolist() == ids
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def case(target2: LoadedModel) -> tuple[list[int], torch.Tensor, torch.Tensor, list[int]]:
+    """A prompt, the exact marginals of the 2nd and 3rd tokens, and a vocabulary that keeps only
+    some of the tokens the target samples there."""
+    prompt = self_prompt(target2, 1, 60)
+    second, third = exact_marginals(target2, prompt, SAMPLING)
+    likely = ((second + third) > 0).nonzero().flatten().tolist()
+    kept = likely[::2]                                         # half of the target's candidates out
+    ids = sorted(set(kept) | set(range(0, 99, 3)) - set(likely[1::2]))
+    return prompt, second, third, ids
+
+
+def test_sampled_tokens_follow_the_target_with_a_reduced_draft_vocabulary(target2, case, monkeypatch) -> None:
+    prompt, second, third, ids = case
+    drafter = restricted_drafter(target2, perturbed(target2, 0.05), ids, monkeypatch)
+    samples, metrics = speculative_samples(target2, drafter, 2, prompt, RUNS)
+    for position, exact in ((0, second), (1, third)):
+        tv, tolerance = total_variation([s[position] for s in samples], exact)
+        assert tv < tolerance, f"token {position + 2}: TV {tv:.4f} >= {tolerance:.4f}"
+    emitted = {s[i] for s in samples for i in (0, 1)}
+    assert emitted - set(ids), "the target's own tokens outside the draft vocabulary must still appear"
+    assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
+
+
+def test_negative_control_an_always_accepting_rule_fails_with_the_reduced_vocabulary(target2, case,
+                                                                                      monkeypatch) -> None:
+    prompt, second, third, ids = case
+    monkeypatch.setattr(engine_module, "accept", keep_every_draft)
+    drafter = restricted_drafter(target2, perturbed(target2, 0.05), ids, monkeypatch)
+    samples, _ = speculative_samples(target2, drafter, 2, prompt, CONTROL_RUNS)
+    failures = [total_variation([s[i] for s in samples], exact) for i, exact in ((0, second), (1, third))]
+    assert any(tv >= tolerance for tv, tolerance in failures)
+
+
+@pytest.mark.parametrize("quantize", [None, "w8a8"])
+def test_greedy_output_with_a_reduced_draft_vocabulary_equals_plain(quantize, monkeypatch) -> None:
+    target = tiny_model(seed=2, name="target", num_layers=4)
+    if quantize:
+        quantize_decoder_(target.decoder)
+    prompt = self_prompt(target, 1, 30)
+    params = SamplingParams(max_tokens=32)
+    plain = Engine(target).generate(prompt, params).token_ids
+    ids = sorted(set(range(0, 99, 2)) | set(plain[:10]))
+    draft = perturbed(tiny_model(seed=2, name="draft", num_layers=4), 0.1)
+    drafter = restricted_drafter(target, draft, ids, monkeypatch, quantize=quantize)
+    out = Engine(target, drafter, 3).generate(prompt, params)
+    assert out.token_ids == plain
+    assert 0 < out.metrics.num_accepted_tokens < out.metrics.num_draft_tokens
+    assert set(plain) - set(ids), "some of the target's tokens lie outside the draft vocabulary"
