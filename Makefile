@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test install models clean
+.PHONY: run test install models peers clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,11 @@ run: models
 		--model qwen2.5-coder-1.5b-instruct --quantization int8 \
 		--speculative-model qwen2.5-coder-0.5b-instruct --speculative-quantization int8 \
 		--num-speculative-tokens 3
+
+# llama.cpp for `forerun bench --peers llama.cpp`, built once under FORERUN_HOME (~10 minutes on 2
+# cores). Never needed by `make test`; the bench builds it on first use when this was not run.
+peers: $(STAMP)
+	$(VPY) -c 'import sys; from forerun.bench.llamacpp import main; sys.exit(main())'
 
 test: models
 	$(VPY) -m pytest -q -rs

@@ -136,6 +136,18 @@ def test_report_has_a_row_per_method_in_every_category_and_overall(full_run: Pat
     assert "| draft K=2 |" in matrix
 
 
+def test_every_record_has_its_decode_rate_and_the_report_shows_it(full_run: Path) -> None:
+    records = read_records(full_run)
+    for r in records:
+        n, after_first = r["num_generated_tokens"], r["elapsed_s"] - r["first_token_s"]
+        expected = (n - 1) / after_first if n > 1 and after_first > 0 else None
+        assert r["decode_tokens_per_s"] == pytest.approx(expected, rel=1e-3), r["method"]
+    assert any(r["decode_tokens_per_s"] for r in records)
+    overall = section((full_run / "report.md").read_text(), "## Overall")
+    assert "| tokens/s | decode tok/s | TTFT ms |" in overall
+    assert "× llama.cpp plain" not in overall          # no llama.cpp in this run
+
+
 def test_plots_are_png_files_that_open(full_run: Path) -> None:
     for name in ("speedup_by_task.png", "acceptance_by_position.png", "sweep_k.png"):
         path = full_run / name
@@ -189,6 +201,23 @@ def test_an_interrupted_run_resumes_where_it_stopped(folders: dict[str, Path], t
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     assert lines[:3] == first_three and len(lines) == 6
     assert all(r["identical_to_plain"] for r in read_records(tmp_path))
+
+
+def test_a_quantized_draft_is_loaded_quantized_once_and_recorded(folders: dict[str, Path], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from forerun.models import formats
+
+    loads, quantized = [], []
+    load, quantize = runner.load_model, formats.quantize_
+    monkeypatch.setattr(runner, "load_model", lambda *a, **kw: loads.append(kw.get("quantization")) or load(*a, **kw))
+    monkeypatch.setattr(formats, "quantize_", lambda *a: quantized.append(a[1]) or quantize(*a))
+    options = {"draft": {"quantize": "int8", "min_confidence": 0.0}}
+    run_bench(small_config(folders, tmp_path, method_options=options, ks=[1, 2]))
+    assert loads == [None, "int8"]                 # the target as asked, the draft in int8
+    assert quantized == ["int8"]                   # once, while loading: not again per drafter
+    drafts = [r for r in read_records(tmp_path) if r["method"] == "draft"]
+    assert drafts and all(r["options"]["quantize"] == "int8" for r in drafts)
+    assert all(r["identical_to_plain"] for r in drafts)
 
 
 def test_resuming_with_other_settings_names_what_differs(folders: dict[str, Path], tmp_path: Path) -> None:

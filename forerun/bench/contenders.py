@@ -1,11 +1,12 @@
 """What the bench times: forerun's plain and speculative runs behind one small interface.
 
 A contender is one (method, K) configuration with its models already loaded; `run` generates for
-one prompt and returns what was measured. The transformers peers (peers.py) have the same shape.
+one prompt and returns what was measured. The peers (peers.py for transformers, llamacpp.py for
+llama.cpp) have the same shape; one that holds a process has `close()`, called when the bench ends.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from forerun.api import LLM
@@ -22,16 +23,34 @@ class Measurement:
     finish_reason: str
     elapsed_s: float              # prefill to last token; loading excluded
     first_token_s: float          # time to the first generated token
-    spec: dict | None = None      # speculation counters (SpecMetrics.to_dict + forwards); None for plain/peers
+    spec: dict | None = None      # speculation counters (SpecMetrics.to_dict + forwards); None for plain
+    engine_timings: dict | None = None   # a peer's own timing report, as it gave it (llama.cpp's `timings`)
 
     @property
     def tokens_per_s(self) -> float:
         return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first over the time after the first: the rate once the prompt is done."""
+        return decode_rate(len(self.token_ids), self.elapsed_s, self.first_token_s)
+
+
+def decode_rate(generated: int, elapsed_s: float, first_token_s: float) -> float | None:
+    """(generated − 1) / (elapsed − first token time); None with one token or no time after it."""
+    after_first = elapsed_s - first_token_s
+    return (generated - 1) / after_first if generated > 1 and after_first > 0 else None
+
+
+@dataclass
+class PeerSetup:
+    contenders: list = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)   # why a peer is missing, for the report
+
 
 class Contender(Protocol):
     method: str       # "plain", a drafter name, or a peer's name such as "hf-assisted"
-    engine: str       # "forerun" or "transformers"
+    engine: str       # "forerun", "transformers" or "llama.cpp"
     k: int            # draft length; 0 for plain decoding
     options: dict     # the method's own settings, as recorded in results.jsonl
 
@@ -41,9 +60,10 @@ class Contender(Protocol):
 class ForerunContender:
     engine = "forerun"
 
-    def __init__(self, target: LoadedModel, method: str, k: int, options: dict) -> None:
+    def __init__(self, target: LoadedModel, method: str, k: int, options: dict, recorded: dict | None = None) -> None:
+        """`recorded`: the options as results.jsonl should hold them, when they differ from those handed on."""
         self.method, self.k = method, k
-        self.options = recordable(options)
+        self.options = recordable(options if recorded is None else recorded)
         speculative = method != PLAIN
         self.llm = LLM(target, speculative_method=method if speculative else None,
                        speculative_options=options if speculative else None,
@@ -59,15 +79,20 @@ class ForerunContender:
                            result.first_token_s, spec)
 
 
-def build_forerun_contenders(target: LoadedModel, methods: list[str], ks: list[int],
-                             method_options: dict[str, dict]) -> list[ForerunContender]:
-    """Plain decoding first (every other run is compared with it), then each method at each K."""
+def build_forerun_contenders(target: LoadedModel, methods: list[str], ks: list[int], method_options: dict[str, dict],
+                             recorded_options: dict[str, dict] | None = None) -> list[ForerunContender]:
+    """Plain decoding first (every other run is compared with it), then each method at each K.
+
+    `recorded_options`: per method, the options to record where they differ from those handed on.
+    """
+    recorded_options = recorded_options or {}
     contenders = [ForerunContender(target, PLAIN, 0, {})]
     for method in methods:
         if method == PLAIN:
             continue
         for k in ks:
-            contenders.append(ForerunContender(target, method, k, method_options.get(method, {})))
+            contenders.append(ForerunContender(target, method, k, method_options.get(method, {}),
+                                               recorded_options.get(method)))
     return contenders
 
 

@@ -4,32 +4,29 @@ Three contenders: plain `generate`, assisted generation with the same draft mode
 (`assistant_model=`), and prompt lookup (`prompt_lookup_num_tokens=`). Each gets the prompt as the
 same token ids forerun sees, the same stop tokens and the same number of new tokens. Generation
 settings from the model's hub files (repetition penalty and the like) are cleared, so both engines
-compute the same thing.
+compute the same thing. `PEERS` lists every name `--peers` takes; llama.cpp's contenders live in
+llamacpp.py.
 """
 from __future__ import annotations
 
 import contextlib
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
-from forerun.bench.contenders import Measurement
+from forerun.bench.contenders import Measurement, PeerSetup
+from forerun.bench.llamacpp import LLAMA_METHODS
+from forerun.bench.llamacpp import PEER as LLAMA_PEER
 from forerun.config import SamplingParams
 from forerun.models.load import parse_dtype, resolve, resolve_device
 from forerun.models.tokenizer import Tokenizer
 
 HF_PLAIN, HF_ASSISTED, HF_LOOKUP = "hf-plain", "hf-assisted", "hf-prompt-lookup"
 HF_METHODS = (HF_PLAIN, HF_ASSISTED, HF_LOOKUP)
-PEERS = ("transformers",) + HF_METHODS   # "transformers" names all three of its contenders
-
-
-@dataclass
-class PeerSetup:
-    contenders: list = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)   # why a peer is missing, for the report
+# "transformers" and "llama.cpp" each name all three of their contenders.
+PEERS = ("transformers",) + HF_METHODS + (LLAMA_PEER,) + LLAMA_METHODS
 
 
 class TransformersContender:

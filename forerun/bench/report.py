@@ -1,4 +1,4 @@
-"""report.md: the command that made it, the machine, then speedup and acceptance tables per task kind."""
+"""report.md: the command that made it, the machine, then speedup, decode-rate and acceptance tables per task kind."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,8 +6,8 @@ from pathlib import Path
 
 from forerun.bench.summary import OVERALL, Row, by_task
 
-DETAIL_HEADER = ("| method | K | speedup | tokens/s | TTFT ms | mean accepted length | predicted from α, K "
-                 "| α | identical to plain | prompts |")
+DETAIL_HEADER = ("| method | K | speedup | tokens/s | decode tok/s | TTFT ms | mean accepted length "
+                 "| predicted from α, K | α | identical to plain | prompts |")
 
 
 @dataclass
@@ -31,7 +31,11 @@ def render(records: list[dict], ctx: ReportContext) -> str:
     out += [f"- {what}: {value}" for what, value in ctx.settings] + [""]
     if not records:
         return "\n".join(out + ["No results yet.", ""])
-    out += ["## Speedup over plain decoding, by task kind", ""] + _speedup_matrix(table) + [""]
+    out += ["## Speedup over plain decoding, by task kind", ""] + _matrix(table, "speedup") + [""]
+    if any(row.vs_llama_plain is not None for row in table[OVERALL]):
+        out += ["## Decode rate × llama.cpp plain, by task kind", "",
+                "Median over prompts of decode tok/s(method) / decode tok/s(llama-plain) on the same prompt.", ""]
+        out += _matrix(table, "vs_llama_plain") + [""]
     out += ["## Overall", ""] + _detail(table[OVERALL]) + [""]
     out += ["## By task kind", ""]
     for task in ctx.tasks:
@@ -40,11 +44,12 @@ def render(records: list[dict], ctx: ReportContext) -> str:
     out += _positions(table[OVERALL])
     if ctx.plots:
         out += ["## Plots", ""] + [f"![{caption}]({name})\n" for name, caption in ctx.plots.items()]
-    out += ["## How to read this", ""] + [f"- {line}" for line in _explanations() + ctx.notes] + [""]
+    out += ["## How to read this", ""] + [f"- {line}" for line in _explanations(records) + ctx.notes] + [""]
     return "\n".join(out)
 
 
-def _speedup_matrix(table: dict[str, list[Row]]) -> list[str]:
+def _matrix(table: dict[str, list[Row]], field: str) -> list[str]:
+    """One row per method, one column per task kind and overall, cells the ratio `field` of each Row."""
     columns = list(table)            # task kinds, then overall
     rows: dict[str, dict[str, Row]] = {}
     for task, task_rows in table.items():
@@ -52,16 +57,17 @@ def _speedup_matrix(table: dict[str, list[Row]]) -> list[str]:
             rows.setdefault(row.label, {})[task] = row
     lines = ["| method | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
     for label, cells in rows.items():
-        values = [_speedup(cells[c].speedup) if c in cells else "–" for c in columns]
+        values = [_speedup(getattr(cells[c], field)) if c in cells else "–" for c in columns]
         lines.append(f"| {label} | " + " | ".join(values) + " |")
     return lines
 
 
 def _detail(rows: list[Row]) -> list[str]:
-    lines = [DETAIL_HEADER, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [DETAIL_HEADER, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         cells = [f"{r.method} ({r.engine})" if r.engine != "forerun" else r.method, str(r.k) if r.k else "–",
-                 _speedup(r.speedup), _rate(r.tokens_per_s), f"{r.ttft_ms:.0f}",
+                 _speedup(r.speedup), _rate(r.tokens_per_s),
+                 _rate(r.decode_tokens_per_s) if r.decode_tokens_per_s is not None else "–", f"{r.ttft_ms:.0f}",
                  _num(r.mean_accepted_length), _num(r.predicted_length), _num(r.acceptance_rate),
                  f"{100 * r.identical:.0f}%" if r.identical is not None else "–", str(r.prompts)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -82,21 +88,27 @@ def _positions(rows: list[Row]) -> list[str]:
     return lines + [""]
 
 
-def _explanations() -> list[str]:
-    return [
+def _explanations(records: list[dict]) -> list[str]:
+    lines = [
         "speedup: median over prompts of tokens/s(method) / tokens/s(forerun plain), each prompt's runs "
-        "made back to back after a warm-up; models loaded once, loading never timed.",
+        "made back to back after a warm-up; models loaded once, loading never timed. tokens/s counts the "
+        "whole request, prompt processing included.",
+        "decode tok/s: (generated tokens − 1) / (elapsed − time to first token), pooled over prompts: the "
+        "rate once the prompt is processed. × llama.cpp plain: median over prompts of its ratio to "
+        "llama-plain's decode rate on the same prompt.",
         "mean accepted length: tokens emitted per target forward (prefill included), pooled over prompts; "
         "predicted from α, K: (1 − α^(K+1)) / (1 − α), what it would be if every draft token were kept "
         "independently with rate α.",
         "α: accepted draft tokens / drafted tokens. identical to plain: share of prompts whose output "
         "tokens equal forerun plain's (expected 100% for greedy decoding; sampled runs agree only in "
         "distribution).",
-        "transformers peers (hf-*) get the same token ids, stop tokens and max tokens; hf-assisted uses "
-        "the same draft model with a constant K; hf-prompt-lookup uses transformers' own n-gram sizes. "
-        "Their mean accepted length counts the target's forwards with a hook; their drafts are not "
-        "visible from outside, so α stays blank.",
     ]
+    if any(r.get("engine") == "transformers" for r in records):
+        lines.append("transformers peers (hf-*) get the same token ids, stop tokens and max tokens; hf-assisted "
+                     "uses the same draft model with a constant K; hf-prompt-lookup uses transformers' own n-gram "
+                     "sizes. Their mean accepted length counts the target's forwards with a hook; their drafts "
+                     "are not visible from outside, so α stays blank.")
+    return lines
 
 
 def _speedup(value: float | None) -> str:

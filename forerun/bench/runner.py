@@ -1,6 +1,7 @@
 """The bench loop: load once, warm up, run every method back to back on each prompt, record, report.
 
-Per prompt the order is forerun plain, then each method at each K, then the peers; so slow drift in
+Per prompt the order is forerun plain, then each method at each K, then the peers (transformers,
+then llama.cpp, whose servers are started once and stopped on every way out); so slow drift in
 the machine (thermal, other load) touches every method alike, and each method's speedup is a ratio
 to a plain run made moments before on the same prompt.
 """
@@ -13,10 +14,11 @@ import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from forerun import drafters
-from forerun.bench import machine
+from forerun.bench import llamacpp, machine
 from forerun.bench.contenders import PLAIN, Contender, Measurement, build_forerun_contenders
 from forerun.bench.dataset import Prompt, load_prompts, task_order
 from forerun.bench.peers import HF_METHODS, PEERS, transformers_contenders
@@ -29,6 +31,7 @@ from forerun.errors import ForerunError
 from forerun.models.load import LoadedModel, load_model
 
 WARMUP_TOKENS = 16
+LLAMA_CONTEXT_SLACK = 16      # llama-server's context beyond prompt + max tokens
 
 
 @dataclass
@@ -43,7 +46,7 @@ class BenchConfig:
     limit_per_category: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     ks: list[int] = field(default_factory=lambda: [5])   # K values; more than one is a sweep
-    peers: list[str] = field(default_factory=list)       # e.g. ["transformers"]
+    peers: list[str] = field(default_factory=list)       # e.g. ["transformers", "llama.cpp"]
     dtype: str = "bfloat16"
     device: str = "cpu"
     quantization: str | None = None              # "int8": the target's weights in int8
@@ -100,24 +103,28 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     target = _load_target(cfg)
     notes: list[str] = []
     cases = _encode(prompts, target, cfg, notes)
-    contenders = _contenders(cfg, target, notes)
-    for c in contenders:
-        store.check_options(c.method, c.k, c.options)
-    pending = [(case, c) for case in cases for c in contenders if not store.has(case.prompt.prompt_id, c.method, c.k)]
+    contenders = _contenders(cfg, target, notes, context=max(len(case.ids) for case in cases) + cfg.sampling.max_tokens)
     ran = 0
     try:
-        if pending and cfg.warmup:
-            _warm_up(contenders, pending[0][0].ids, cfg.sampling)
-        with tqdm(total=len(pending), desc="bench", unit="run", disable=not cfg.progress, file=sys.stderr) as bar:
-            for case, c in pending:
-                bar.set_postfix_str(f"{case.prompt.task} {c.method}" + (f" K={c.k}" if c.k else ""))
-                store.append(_measure(case, c, _params_for(case.prompt, cfg.sampling), store))
-                ran += 1
-                bar.update()
-    except KeyboardInterrupt:
-        notes.append(f"interrupted after {ran} of {len(pending)} runs; the same command resumes where it stopped")
-        write_outputs(cfg, store, cases, contenders, notes)
-        raise
+        for c in contenders:
+            store.check_options(c.method, c.k, c.options)
+        pending = [(case, c) for case in cases for c in contenders
+                   if not store.has(case.prompt.prompt_id, c.method, c.k)]
+        try:
+            if pending and cfg.warmup:
+                _warm_up(contenders, pending[0][0].ids, cfg.sampling)
+            with tqdm(total=len(pending), desc="bench", unit="run", disable=not cfg.progress, file=sys.stderr) as bar:
+                for case, c in pending:
+                    bar.set_postfix_str(f"{case.prompt.task} {c.method}" + (f" K={c.k}" if c.k else ""))
+                    store.append(_measure(case, c, _params_for(case.prompt, cfg.sampling), store))
+                    ran += 1
+                    bar.update()
+        except KeyboardInterrupt:
+            notes.append(f"interrupted after {ran} of {len(pending)} runs; the same command resumes where it stopped")
+            write_outputs(cfg, store, cases, contenders, notes)
+            raise
+    finally:
+        _close(contenders)               # llama-server processes stop on every way out
     records = write_outputs(cfg, store, cases, contenders, notes)
     return BenchResult(cfg.out, records, ran, notes)
 
@@ -160,14 +167,20 @@ def _encode(prompts: list[Prompt], target: LoadedModel, cfg: BenchConfig, notes:
     return cases
 
 
-def _contenders(cfg: BenchConfig, target: LoadedModel, notes: list[str]) -> list[Contender]:
+def _contenders(cfg: BenchConfig, target: LoadedModel, notes: list[str], context: int) -> list[Contender]:
+    """forerun's methods, then the peers asked for. `context`: the longest prompt plus max tokens."""
     options = {m: dict(o) for m, o in cfg.method_options.items()}
+    recorded = {m: dict(o) for m, o in options.items()}
     if "draft" in cfg.methods:
         draft_opts = options.setdefault("draft", {})
-        draft_opts["model"] = load_model(cfg.speculative_model, cfg.dtype, cfg.device)   # loaded once
+        # Loaded once, already in its format (a cached quantized copy when there is one); the
+        # drafter must not quantize it again, but the record keeps the setting.
+        quantize = draft_opts.pop("quantize", None)
+        draft_opts["model"] = load_model(cfg.speculative_model, cfg.dtype, cfg.device, quantization=quantize)
         draft_opts.setdefault("dtype", cfg.dtype)
         draft_opts.setdefault("device", cfg.device)
-    contenders: list[Contender] = list(build_forerun_contenders(target, cfg.methods, cfg.ks, options))
+        recorded["draft"] = {**draft_opts, **({"quantize": quantize} if quantize else {})}
+    contenders: list[Contender] = list(build_forerun_contenders(target, cfg.methods, cfg.ks, options, recorded))
     hf_methods = HF_METHODS if "transformers" in cfg.peers else tuple(m for m in HF_METHODS if m in cfg.peers)
     if hf_methods:
         confidence = float(options.get("draft", {}).get("min_confidence", 0.0))
@@ -179,7 +192,27 @@ def _contenders(cfg: BenchConfig, target: LoadedModel, notes: list[str]) -> list
         if setup.contenders and cfg.quantization:
             notes.append("transformers peers run the target's weights unquantized")
         contenders += setup.contenders
+    llama_methods = llamacpp.LLAMA_METHODS if llamacpp.PEER in cfg.peers else \
+        tuple(m for m in llamacpp.LLAMA_METHODS if m in cfg.peers)
+    if llama_methods:
+        ngram = int(options.get("ngram", {}).get("ngram_max", 3))   # look up as long a suffix as forerun's ngram
+        setup = llamacpp.llamacpp_contenders(cfg.model, cfg.speculative_model, cfg.ks, target.tokenizer,
+                                             torch.get_num_threads(), context + LLAMA_CONTEXT_SLACK,
+                                             llama_methods, ngram)
+        for note in setup.notes:
+            print(f"note: {note}", file=sys.stderr)
+        notes.extend(setup.notes)
+        if setup.contenders:
+            notes.append(llamacpp.describe(setup.contenders))
+        contenders += setup.contenders
     return contenders
+
+
+def _close(contenders: list[Contender]) -> None:
+    for c in contenders:
+        close = getattr(c, "close", None)
+        if close is not None:
+            close()
 
 
 def _warm_up(contenders: list[Contender], ids: list[int], sampling: SamplingParams) -> None:
@@ -198,6 +231,7 @@ def _params_for(prompt: Prompt, sampling: SamplingParams) -> SamplingParams:
 def _measure(case: Case, c: Contender, params: SamplingParams, store: ResultStore) -> dict:
     m: Measurement = c.run(case.ids, params)
     plain = store.get(case.prompt.prompt_id, PLAIN, 0)
+    decode = m.decode_tokens_per_s
     is_plain = c.method == PLAIN
     speedup = 1.0 if is_plain else (m.tokens_per_s / plain["tokens_per_s"] if plain and plain["tokens_per_s"] else None)
     identical = True if is_plain else (m.token_ids == plain["output_token_ids"] if plain else None)
@@ -205,9 +239,12 @@ def _measure(case: Case, c: Contender, params: SamplingParams, store: ResultStor
             "method": c.method, "engine": c.engine, "k": c.k, "options": c.options,
             "num_prompt_tokens": len(case.ids), "num_generated_tokens": len(m.token_ids),
             "elapsed_s": round(m.elapsed_s, 6), "first_token_s": round(m.first_token_s, 6),
-            "tokens_per_s": round(m.tokens_per_s, 4), "finish_reason": m.finish_reason,
+            "tokens_per_s": round(m.tokens_per_s, 4),
+            "decode_tokens_per_s": round(decode, 4) if decode is not None else None,
+            "finish_reason": m.finish_reason,
             "speedup_vs_plain": round(speedup, 4) if speedup is not None else None,
-            "identical_to_plain": identical, "spec": m.spec, "output_token_ids": m.token_ids, "text": m.text,
+            "identical_to_plain": identical, "spec": m.spec, "engine_timings": m.engine_timings,
+            "output_token_ids": m.token_ids, "text": m.text,
             "settings": store.settings, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
@@ -219,8 +256,8 @@ def write_outputs(cfg: BenchConfig, store: ResultStore, cases: list[Case], conte
     records = [r for r in store.records if r["prompt_id"] in wanted_prompts and (r["method"], r["k"]) in wanted]
     tasks = task_order([case.prompt for case in cases])
     plots = draw_all(cfg.out, by_task(records, tasks)) if records else {}
-    ctx = ReportContext(cfg.command, machine.describe(cfg.dtype, cfg.device, cfg.quantization,
-                                                      bool(cfg.peers)),
+    with_transformers = any(p == "transformers" or p in HF_METHODS for p in cfg.peers)
+    ctx = ReportContext(cfg.command, machine.describe(cfg.dtype, cfg.device, cfg.quantization, with_transformers),
                         _settings_lines(cfg, cases), tasks, plots, notes)
     write_report(cfg.out / "report.md", records, ctx)
     (cfg.out / "run.json").write_text(json.dumps({"command": cfg.command, "machine": ctx.machine,

@@ -1,13 +1,17 @@
 """From results.jsonl records to the numbers a report shows: one row per method x K, per task kind.
 
 Speedup is the median over prompts of each prompt's ratio tokens/s(method) / tokens/s(plain), both
-measured back to back on that prompt. Acceptance counters are pooled over prompts (sums, then
-ratios), so long outputs weigh more than short ones, as in Spec-Bench.
+measured back to back on that prompt; "× llama.cpp plain" is the same for decode rates, with
+llama.cpp's plain run as the base. Acceptance counters are pooled over prompts (sums, then ratios),
+so long outputs weigh more than short ones, as in Spec-Bench.
 """
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+
+from forerun.bench.contenders import decode_rate
+from forerun.bench.llamacpp import LLAMA_PLAIN
 
 OVERALL = "overall"
 
@@ -20,12 +24,14 @@ class Row:
     prompts: int
     speedup: float | None                # median per-prompt ratio to forerun plain
     tokens_per_s: float                  # all generated tokens / all generation time
+    decode_tokens_per_s: float | None    # tokens after the first / time after the first, pooled
     ttft_ms: float                       # median time to first token
     mean_accepted_length: float | None   # tokens per target forward, pooled; None without speculation counters
     predicted_length: float | None       # (1 - a^(K+1)) / (1 - a) from the pooled a and K
     acceptance_rate: float | None        # accepted / drafted, pooled
     per_position: list[float] = field(default_factory=list)  # [K] share of drafts whose i-th token was kept
     identical: float | None = None       # share of prompts whose output equals plain's
+    vs_llama_plain: float | None = None  # median per-prompt ratio of decode rates to llama.cpp plain
 
     @property
     def label(self) -> str:
@@ -33,18 +39,19 @@ class Row:
 
 
 def contender_order(records: list[dict]) -> list[tuple[str, int]]:
-    """(method, K) in a stable reading order: forerun plain, forerun methods, then peers."""
+    """(method, K) in a stable reading order: forerun plain, forerun methods, then each peer's."""
     seen = list(dict.fromkeys((r["method"], r["k"], r.get("engine", "forerun")) for r in records))
-    seen.sort(key=lambda m: (m[2] != "forerun", m[1] != 0, m[0], m[1]))   # each engine's plain first
+    seen.sort(key=lambda m: (m[2] != "forerun", m[2], m[1] != 0, m[0], m[1]))   # each engine's plain first
     return [(method, k) for method, k, _ in seen]
 
 
 def summarize(records: list[dict]) -> list[Row]:
     """One row per (method, K) present in `records`, in contender order."""
+    base = {r["prompt_id"]: _decode(r) for r in records if r["method"] == LLAMA_PLAIN and r["k"] == 0}
     rows = []
     for method, k in contender_order(records):
         group = [r for r in records if r["method"] == method and r["k"] == k]
-        rows.append(_row(method, k, group))
+        rows.append(_row(method, k, group, base))
     return rows
 
 
@@ -55,38 +62,61 @@ def by_task(records: list[dict], tasks: list[str]) -> dict[str, list[Row]]:
     return {task: rows for task, rows in table.items() if rows}
 
 
-def _row(method: str, k: int, group: list[dict]) -> Row:
+def _row(method: str, k: int, group: list[dict], llama_plain: dict[str, float | None]) -> Row:
     speedups = [r["speedup_vs_plain"] for r in group if r.get("speedup_vs_plain") is not None]
     tokens = sum(r["num_generated_tokens"] for r in group)
     seconds = sum(r["elapsed_s"] for r in group)
     identical = [bool(r["identical_to_plain"]) for r in group if r.get("identical_to_plain") is not None]
+    ratios = [_decode(r) / llama_plain[r["prompt_id"]] for r in group
+              if _decode(r) is not None and llama_plain.get(r["prompt_id"])]
     row = Row(method=method, engine=group[0].get("engine", "forerun"), k=k, prompts=len(group),
               speedup=statistics.median(speedups) if speedups else None,
               tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+              decode_tokens_per_s=_pooled_decode(group),
               ttft_ms=1000 * statistics.median(r["first_token_s"] for r in group),
               mean_accepted_length=None, predicted_length=None, acceptance_rate=None,
-              identical=sum(identical) / len(identical) if identical else None)
+              identical=sum(identical) / len(identical) if identical else None,
+              vs_llama_plain=statistics.median(ratios) if ratios else None)
     specs = [r["spec"] for r in group if r.get("spec")]
     if specs:
         _add_acceptance(row, specs)
     return row
 
 
-def _add_acceptance(row: Row, specs: list[dict]) -> None:
-    """Tokens per target forward from every record; α and per-position rates where drafts were counted.
+def _decode(record: dict) -> float | None:
+    """A record's decode rate: its own field, or worked out for records written before it existed."""
+    if "decode_tokens_per_s" in record:
+        return record["decode_tokens_per_s"]
+    return decode_rate(record["num_generated_tokens"], record["elapsed_s"], record["first_token_s"])
 
-    Peers count only their target's forwards: their drafts are not visible from outside.
+
+def _pooled_decode(group: list[dict]) -> float | None:
+    """Tokens after the first over time after the first, summed over the prompts that have both."""
+    timed = [r for r in group if _decode(r) is not None]
+    tokens = sum(r["num_generated_tokens"] - 1 for r in timed)
+    seconds = sum(r["elapsed_s"] - r["first_token_s"] for r in timed)
+    return tokens / seconds if timed and seconds > 0 else None
+
+
+def _add_acceptance(row: Row, specs: list[dict]) -> None:
+    """What the counters of every record allow: tokens per target forward, α, per-position rates.
+
+    transformers peers count only their target's forwards (their drafts are not visible from
+    outside); llama.cpp counts its drafts but not its verification steps.
     """
-    forwards = sum(s["num_target_forwards"] for s in specs)
-    row.mean_accepted_length = sum(s["num_emitted_tokens"] for s in specs) / forwards if forwards else 0.0
+    if all("num_target_forwards" in s for s in specs):
+        forwards = sum(s["num_target_forwards"] for s in specs)
+        row.mean_accepted_length = sum(s["num_emitted_tokens"] for s in specs) / forwards if forwards else 0.0
     if not all("num_draft_tokens" in s for s in specs):
         return
     drafted = sum(s["num_draft_tokens"] for s in specs)
     accepted = sum(s["num_accepted_tokens"] for s in specs)
-    drafts = sum(s["num_drafts"] for s in specs)
     alpha = accepted / drafted if drafted else 0.0
     row.acceptance_rate = alpha
     row.predicted_length = predicted_length(alpha, row.k)
+    if not all("num_drafts" in s and "accepted_per_position" in s for s in specs):
+        return
+    drafts = sum(s["num_drafts"] for s in specs)
     width = max(len(s["accepted_per_position"]) for s in specs)
     kept = [sum(s["accepted_per_position"][i] for s in specs if i < len(s["accepted_per_position"]))
             for i in range(width)]

@@ -38,8 +38,10 @@ def register(sub) -> None:
     g.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
     g.add_argument("--sweep-k", type=_ints, default=None,
                    help="comma-separated K values, each method run at every one (instead of --num-speculative-tokens)")
-    g.add_argument("--peers", type=_names, default=[], help="other engines to run beside forerun: transformers (all of its contenders), "
-                        "or some of hf-plain, hf-assisted, hf-prompt-lookup")
+    g.add_argument("--peers", type=_names, default=[],
+                   help="other engines to run beside forerun: transformers (all of its contenders) or some of "
+                        "hf-plain, hf-assisted, hf-prompt-lookup; llama.cpp (built on first use, ~10 minutes, "
+                        "or ahead with `make peers`) or some of llama-plain, llama-draft, llama-ngram")
     g.add_argument("--out", default="bench-out", help="folder for results.jsonl, report.md and plots")
     g.add_argument("--no-chat", dest="chat", action="store_false",
                    help="give prompts as plain text, not wrapped in the chat template")
