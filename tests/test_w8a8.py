@@ -107,6 +107,32 @@ def test_auto_picks_the_fastest_exact_format_for_the_cpu_it_finds(monkeypatch, c
     assert formats.resolve("int8", device) == "int8" and formats.resolve(None, device) is None
 
 
+def test_a_quantized_decoder_stays_close_to_its_float_original() -> None:
+    # Norm gains far from 1 and a prefill plus row-exact steps: a product that forgot a folded norm
+    # gain or q's 1/sqrt(head_dim) would be far off.
+    import copy
+
+    model = tiny_model(seed=1, num_layers=3).decoder
+    gen = torch.Generator().manual_seed(0)
+    for block in model.layers:
+        block.input_layernorm.weight.data = torch.rand(64, generator=gen) * 2 + 0.2
+        block.post_attention_layernorm.weight.data = torch.rand(64, generator=gen) * 2 + 0.2
+    quantized = quantize_decoder_(copy.deepcopy(model))
+    ids = torch.randint(0, 99, (40,), generator=gen)
+
+    def logits(decoder: Decoder) -> torch.Tensor:
+        """A 30-token prefill, then 10 row-exact steps: [40, V]."""
+        cache = decoder.new_cache(40)
+        rows = [decoder(ids[:30], torch.arange(30), cache).logits[0]]
+        for i in range(30, 40):
+            rows.append(decoder(ids[i:i + 1], torch.tensor([i]), cache, layout=RowLayout.chain(i, 1)).logits[0])
+        return torch.cat(rows)
+
+    exact, approx = logits(model), logits(quantized)
+    assert (approx - exact).norm() / exact.norm() < 0.06
+    assert (approx.argmax(-1) == exact.argmax(-1)).float().mean() > 0.85
+
+
 # --- the whole forward ---------------------------------------------------------------------------
 
 
@@ -182,7 +208,7 @@ def test_w8a8_gguf_load_is_cached_and_reloads_identically(tmp_path: Path, monkey
     monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
     path = write_gguf(tiny_model(seed=3), tmp_path / "tiny.gguf")
     first = load_model(str(path), dtype="float32", with_tokenizer=False, quantization="w8a8")
-    assert len(list((tmp_path / "home" / "converted").rglob("weights-float32-w8a8.safetensors"))) == 1
+    assert len(list((tmp_path / "home" / "converted").rglob("weights-float32-w8a8v2.safetensors"))) == 1
 
     def no_requantizing(decoder):
         raise AssertionError("the weights were quantized again although a w8a8 copy is cached")

@@ -104,6 +104,7 @@ class Attention(nn.Module):
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.qkv_proj: nn.Module | None = None   # q, k and v in one product, when a format fuses them
+        self.q_prescaled = False                  # q already carries 1/sqrt(head_dim) (folded into the weights)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
                 mask: torch.Tensor | None, causal: bool, layout: RowLayout | None) -> torch.Tensor:
@@ -118,17 +119,18 @@ class Attention(nn.Module):
             q = apply_rope(self.q_proj(x).view(b, t, h, d), cos, sin)                  # [B, T, H, D]
             k = apply_rope(self.k_proj(x).view(b, t, kvh, d), cos, sin)                # [B, T, KVH, D]
             v = self.v_proj(x).view(b, t, kvh, d)                                       # [B, T, KVH, D]
+        scale = 1.0 if self.q_prescaled else d ** -0.5
         if layout is not None:
             if b != 1:
                 raise ValueError("row-exact attention takes one sequence per forward")
             cache.write_first(layer, k[0].transpose(0, 1), v[0].transpose(0, 1))
             q = q[0] if q.dtype == torch.float32 else q[0].float()
-            out = attend(q * d ** -0.5, cache.layer_k[layer], cache.layer_v[layer], layout)[None]   # [1, T, H*D]
-            out = out if x.dtype == torch.float32 else out.to(x.dtype)
+            out = attend(q if scale == 1.0 else q * scale, cache.layer_k[layer], cache.layer_v[layer], layout)[None]
+            out = out if x.dtype == torch.float32 else out.to(x.dtype)                 # [1, T, H*D]
         else:
             keys, values = cache.write(layer, k.transpose(1, 2), v.transpose(1, 2))      # [B, KVH, S, D]
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                                 is_causal=causal, enable_gqa=kvh != h)     # [B, H, T, D]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal,
+                                                 scale=scale, enable_gqa=kvh != h)          # [B, H, T, D]
             out = out.transpose(1, 2).reshape(b, t, h * d)
         return self.o_proj(out)
 
@@ -157,8 +159,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, cache, layer, mask, causal, layout):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, causal, layout)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # .forward directly: nn.Module's call machinery costs microseconds per call, per layer, per step.
+        x = x + self.self_attn.forward(self.input_layernorm(x), cos, sin, cache, layer, mask, causal, layout)
+        return x + self.mlp.forward(self.post_attention_layernorm(x))
 
 
 class Decoder(nn.Module):
@@ -220,8 +223,9 @@ class Decoder(nn.Module):
                                                                              tokens.device)
         x = self.embed_tokens(tokens).to(dtype)                                    # [B, T, hidden]
         layer_hidden = None
+        blocks = self.layers
         for i in (range(self.cfg.num_layers) if layers is None else layers):
-            x = self.layers[i](x, cos, sin, cache, i, mask, causal, layout)
+            x = blocks[i].forward(x, cos, sin, cache, i, mask, causal, layout)
             if i == hidden_layer:
                 layer_hidden = x
         cache.advance(t)

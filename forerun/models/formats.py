@@ -22,6 +22,11 @@ class Format:
     load: Callable[[nn.Module, dict], nn.Module]        # meta decoder + its cached state dict -> ready
     devices: tuple[str, ...]                            # device types that run it
     shows_progress: bool = False                        # quantize takes progress=
+    cache_name: str = ""                                # file tag of cached weights; bumped when their layout changes
+
+    @property
+    def cache_tag(self) -> str:
+        return self.cache_name or self.name
 
 
 def _load_int8(decoder: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
@@ -35,7 +40,8 @@ FORMATS: dict[str, Format] = {
                    quantize_int8_, _load_int8, ("cpu", "cuda")),
     "w8a8": Format("w8a8", "int8 weights and per-row int8 activations (fbgemm): flat cost to ~8 rows, "
                            "rows bit-identical alone or batched",
-                   w8a8.quantize_decoder_, w8a8.load_decoder_, ("cpu",), shows_progress=True),
+                   w8a8.quantize_decoder_, w8a8.load_decoder_, ("cpu",), shows_progress=True,
+                   cache_name="w8a8v2"),   # v2: norms folded into the fused products, q prescaled
 }
 
 

@@ -148,7 +148,7 @@ def _build_cached(cfg: DecoderConfig, weights: Path, quantization: str | None, d
 
     if quantization is None:
         return build_decoder(cfg, load_file(str(weights)), device)
-    quantized = weights.with_name(f"{weights.stem}-{quantization}.safetensors")
+    quantized = weights.with_name(f"{weights.stem}-{formats.get(quantization).cache_tag}.safetensors")
     if quantized.is_file():
         return build_decoder(cfg, load_file(str(quantized)), device, quantization)
     print(f"forerun: storing the model's weights as {quantization} (once; cached in {quantized.parent})",
