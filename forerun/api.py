@@ -6,6 +6,8 @@ from typing import Iterator, Sequence
 
 from forerun import drafters
 from forerun.config import SamplingParams, SpeculativeConfig
+from forerun.cost_model import DraftLengthPolicy, pass_costs
+from forerun.drafters.draft_model import DRAFT_MODEL_METHODS
 from forerun.engine import Engine, RequestOutput
 from forerun.errors import ForerunError
 from forerun.metrics import SpecMetrics
@@ -56,14 +58,16 @@ class GenerationResult:
 class LLM:
     """A target model, optionally with a drafter, ready to generate.
 
-    speculative_method picks the drafter by name; speculative_model implies "draft". Any further
-    keyword arguments in `speculative_options` go to the drafter alone.
+    speculative_method picks the drafter by name; speculative_model implies "auto". Any further
+    keyword arguments in `speculative_options` go to the drafter alone. num_speculative_tokens is
+    the most a step drafts: with speculative_k_policy "adaptive" each step drafts the length that
+    pays best (0 when drafts keep failing; forerun/cost_model.py), with "fixed" always that many.
     """
 
     def __init__(self, model: str | LoadedModel, speculative_model: str | LoadedModel | None = None,
                  num_speculative_tokens: int = 5, speculative_method: str | None = None,
                  speculative_options: dict | None = None, dtype: str = "bfloat16", device: str = "cpu",
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, speculative_k_policy: str = "adaptive") -> None:
         if isinstance(model, LoadedModel):
             self.target = model
             if quantization is not None:
@@ -73,17 +77,21 @@ class LLM:
         self.last_result: GenerationResult | None = None
         options = dict(speculative_options or {})
         if speculative_model is not None:
-            if speculative_method not in (None, "draft"):
-                raise ForerunError(f"speculative_model is a draft model, but speculative_method is {speculative_method!r}")
-            speculative_method = "draft"
+            if speculative_method not in (None, *DRAFT_MODEL_METHODS):
+                raise ForerunError(f"speculative_model is a draft model, but speculative_method {speculative_method!r} "
+                                   f"runs none; use {' or '.join(DRAFT_MODEL_METHODS)}, or leave it out")
+            speculative_method = speculative_method or "auto"
             options.setdefault("model", speculative_model)
             options.setdefault("dtype", dtype)
             options.setdefault("device", device)
-        self.spec = SpeculativeConfig(speculative_method, num_speculative_tokens, options)
+        self.spec = SpeculativeConfig(speculative_method, num_speculative_tokens, options, speculative_k_policy)
         if speculative_method is not None and num_speculative_tokens > self.target.decoder.cfg.max_position:
             raise ForerunError(f"num_speculative_tokens {num_speculative_tokens} is beyond the model's context")
         drafter = drafters.create(speculative_method, self.target, options) if speculative_method else None
-        self.engine = Engine(self.target, drafter, num_speculative_tokens)
+        policy = None
+        if drafter is not None and speculative_k_policy == "adaptive":
+            policy = DraftLengthPolicy(pass_costs(self.target), num_speculative_tokens)
+        self.engine = Engine(self.target, drafter, num_speculative_tokens, policy)
 
     @property
     def tokenizer(self):

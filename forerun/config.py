@@ -44,9 +44,12 @@ class SamplingParams:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str | None = None          # drafter name in the registry; None is plain decoding
-    num_speculative_tokens: int = 5    # K: draft length (most tokens proposed per step)
+    num_speculative_tokens: int = 5    # K: the most tokens a step drafts (every step's length when fixed)
     options: dict = field(default_factory=dict)  # the drafter's own settings, passed to it alone
+    k_policy: str = "adaptive"         # adaptive: each step's length from costs and acceptance; fixed: always K
 
     def __post_init__(self) -> None:
         if self.method is not None and self.num_speculative_tokens < 1:
             raise ForerunError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.k_policy not in ("adaptive", "fixed"):
+            raise ForerunError(f"speculative_k_policy must be adaptive or fixed, got {self.k_policy!r}")

@@ -9,6 +9,7 @@ import torch
 
 from forerun.accept import accept
 from forerun.config import SamplingParams
+from forerun.cost_model import DraftLengthPolicy
 from forerun.drafters import Drafter, rows_per_step
 from forerun.errors import ForerunError
 from forerun.metrics import SpecMetrics
@@ -42,10 +43,17 @@ class RequestOutput:
 
 
 class Engine:
-    def __init__(self, target: LoadedModel, drafter: Drafter | None = None, num_speculative_tokens: int = 0) -> None:
+    """Runs requests one at a time. With a drafter, each step drafts `num_speculative_tokens`, or,
+    given a `policy` (forerun/cost_model.py), the length that policy chooses up to it (0: a plain step)."""
+
+    def __init__(self, target: LoadedModel, drafter: Drafter | None = None, num_speculative_tokens: int = 0,
+                 policy: DraftLengthPolicy | None = None) -> None:
         self.target = target
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
+        self.policy = policy if drafter is not None and self.k > 0 else None
+        # Free, stateless proposals can be made beside a plain step to keep measuring acceptance.
+        self.can_shadow = bool(getattr(drafter, "stateless", False))
         self.rows = rows_per_step(drafter, self.k)   # most cache slots a step uses after the root
         tok = target.tokenizer
         self.stop_ids = tok.stop_ids if tok is not None else frozenset()
@@ -73,6 +81,8 @@ class Engine:
         start = time.perf_counter()
         cache = decoder.new_cache(max_len)
         ids = torch.tensor(prompt_ids, device=decoder.device)
+        if self.policy is not None:
+            self.policy.start()
         with linear.prefill():
             if self.drafter is not None:
                 self.drafter.start(seq.prompt_ids, cache, max_len)
@@ -95,16 +105,25 @@ class Engine:
         context = seq.context
         root = context[-1]                       # emitted last step, not in the cache yet
         room = seq.params.max_tokens - len(seq.output_ids)
-        tree = None
+        tree = shadow = None
+        k, probe = self.k, False
+        if self.policy is not None:
+            k, probe = self.policy.choose(self.can_shadow)
         if self.drafter is not None and room > 1:
-            tree = self.drafter.propose(context, min(self.k, room - 1), seq.params, gen)
+            if k > 0:
+                tree = self._propose(context, min(k, room - 1), seq.params, gen)
+            elif self.can_shadow and self.policy.free:
+                shadow = self._propose(context, 1, seq.params, gen)
         base = cache.length                      # slots before the root
         ver = verify(self.target.decoder, cache, root, tree, seq.params)
         if tree is None or len(tree) == 0:
-            tokens, path = [int(sample(ver.probs[:1], gen)[0])], []
+            first = ver.probs[0].argmax() if seq.params.greedy else sample(ver.probs[:1], gen)[0]
+            tokens, path = [int(first)], []
         else:
             acc = accept(ver.probs, tree, gen, seq.params.greedy)
             tokens, path = acc.tokens, acc.path
+        if self.policy is not None:
+            self._tell_policy(tree, shadow, path, probe, ver.probs[0])
         if path == list(range(len(path))):     # a chain prefix: rollback is a length change (aux rows go too)
             cache.truncate(base + 1 + len(path))
         else:
@@ -118,6 +137,25 @@ class Engine:
                 break
         metrics.record_step(len(tree) if tree else 0, len(path), len(emitted))
         return emitted
+
+    def _propose(self, context: list[int], k: int, params: SamplingParams, gen: torch.Generator):
+        start = time.perf_counter()
+        tree = self.drafter.propose(context, k, params, gen)
+        if self.policy is not None:
+            self.policy.time_proposal(time.perf_counter() - start, k, len(tree) if tree is not None else 0)
+        return tree
+
+    def _tell_policy(self, tree, shadow, path: list[int], probe: bool, root_probs: torch.Tensor) -> None:
+        """What the step showed about acceptance: a verified draft, a shadow proposal's first
+        tokens against the target's distribution after the root, or nothing (a plain step)."""
+        if tree is not None and len(tree):
+            self.policy.drafted(max(tree.depths), len(path), probe)
+        elif shadow is not None and len(shadow):
+            # One-hot siblings are kept with their summed target probability (one at most under greedy).
+            firsts = torch.tensor([shadow.tokens[i] for i in shadow.children(-1)], device=root_probs.device)
+            self.policy.shadow(min(float(root_probs[firsts].sum()), 1.0))
+        else:
+            self.policy.plain()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
         result: list[RequestOutput] = []

@@ -133,7 +133,7 @@ def test_report_has_a_row_per_method_in_every_category_and_overall(full_run: Pat
         assert "| hf-plain (transformers) |" in table
     matrix = section(report, "## Speedup over plain decoding, by task kind")
     assert "| method | code | chat | overall |" in matrix
-    assert "| draft K=2 |" in matrix
+    assert "| draft K≤2 |" in matrix            # adaptive by default: K is the most a step drafts
 
 
 def test_every_record_has_its_decode_rate_and_the_report_shows_it(full_run: Path) -> None:
@@ -323,3 +323,7 @@ def test_summary_takes_median_speedup_and_pools_acceptance() -> None:
     assert ngram.predicted_length == pytest.approx(predicted_length(0.5, 2)) == pytest.approx(1.75)
     assert ngram.per_position == pytest.approx([6 / 8, 2 / 8])
     assert rows["plain"].tokens_per_s == pytest.approx(10.0) and rows["plain"].acceptance_rate is None
+    # Records of the adaptive policy say so in their label.
+    for r in records[3:]:
+        r["options"] = {"k_policy": "adaptive"}
+    assert "ngram K≤2" in {r.label for r in by_task(records, ["t"])[OVERALL]}

@@ -31,6 +31,8 @@ from forerun.testing import save_hf_folder, tiny_model
 from forerun.tree import DraftTree
 
 SETTINGS = [
+    ("suffix", {}),
+    ("suffix", {"min_match": 1, "branch_ratio": 0.3, "min_prob": 0.0}),
     ("ngram", {}),
     ("ngram", {"ngram_max": 2, "ngram_min": 2}),
     ("early-exit", {}),
@@ -41,8 +43,9 @@ SETTINGS = [
     ("lookahead", {"window": 2, "ngram": 2, "guesses": 1}),
     ("lookahead", {"window": 5, "ngram": 3, "guesses": 6}),
 ]
-ONE_EACH = [("ngram", {}), ("early-exit", {"layer": 3}), ("lookahead", {})]             # on target4
-ONE_EACH_SAMPLING = [("ngram", {}), ("early-exit", {"layer": 1}), ("lookahead", {})]    # on target2
+ONE_EACH = [("ngram", {}), ("suffix", {}), ("early-exit", {"layer": 3}), ("lookahead", {})]          # on target4
+ONE_EACH_SAMPLING = [("ngram", {}), ("suffix", {"min_match": 1}), ("early-exit", {"layer": 1}),
+                     ("lookahead", {})]                                                            # on target2
 
 
 def setting_id(setting) -> str:
@@ -234,9 +237,9 @@ def stop_inside_a_run(steps: list[list[int]]) -> tuple[int, int] | None:
 @pytest.mark.parametrize("setting", ONE_EACH, ids=setting_id)
 def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(target4, setting, temperature) -> None:
     params = SamplingParams(temperature=temperature, max_tokens=30, seed=3)
-    engine = Engine(target4, drafters.create(setting[0], target4, setting[1]), 4)
     for prompt_seed in (1, 2, 3):
         prompt = self_prompt(target4, prompt_seed, 30)
+        engine = Engine(target4, drafters.create(setting[0], target4, setting[1]), 4)
         steps = [step.token_ids for step in engine.stream(prompt, params)]
         found = stop_inside_a_run(steps)
         if found is not None:
@@ -244,6 +247,9 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(target4, sett
     assert found is not None, "no accepted run to stop inside; pick other prompts"
     full = [t for step in steps for t in step]
     stop, at = found
+    # A fresh drafter: the suffix drafter remembers earlier outputs, so a repeat in the same one
+    # would draft differently and, sampled, draw different (equally distributed) tokens.
+    engine = Engine(target4, drafters.create(setting[0], target4, setting[1]), 4)
     engine.stop_ids = frozenset({stop})
     out = engine.generate(prompt, params)
     assert out.token_ids == full[:at + 1] and out.finish_reason == "stop"
@@ -258,7 +264,7 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(target4, sett
 
 
 def test_every_method_is_in_the_registry() -> None:
-    assert {"draft", "ngram", "early-exit", "lookahead"} <= set(drafters.available())
+    assert {"auto", "draft", "suffix", "ngram", "early-exit", "lookahead"} <= set(drafters.available())
 
 
 @pytest.mark.parametrize("setting", ONE_EACH, ids=setting_id)
@@ -300,6 +306,7 @@ def _cli(argv: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("flags", [
     ["--speculative-method", "ngram", "--ngram-max", "2"],
+    ["--speculative-method", "suffix", "--suffix-min-match", "1", "--suffix-branch-ratio", "0.3"],
     ["--speculative-method", "early-exit", "--early-exit-layer", "2"],
     ["--speculative-method", "early-exit", "--skip-layers", "1"],
     ["--speculative-method", "lookahead", "--lookahead-window", "3", "--lookahead-guesses", "2"],

@@ -60,14 +60,17 @@ class Contender(Protocol):
 class ForerunContender:
     engine = "forerun"
 
-    def __init__(self, target: LoadedModel, method: str, k: int, options: dict, recorded: dict | None = None) -> None:
-        """`recorded`: the options as results.jsonl should hold them, when they differ from those handed on."""
+    def __init__(self, target: LoadedModel, method: str, k: int, options: dict, recorded: dict | None = None,
+                 k_policy: str = "adaptive") -> None:
+        """`recorded`: the options as results.jsonl should hold them, when they differ from those handed
+        on; `k_policy`: adaptive (K is the most a step drafts) or fixed, recorded with them."""
         self.method, self.k = method, k
-        self.options = recordable(options if recorded is None else recorded)
         speculative = method != PLAIN
+        self.options = recordable({**(options if recorded is None else recorded),
+                                   **({"k_policy": k_policy} if speculative else {})})
         self.llm = LLM(target, speculative_method=method if speculative else None,
                        speculative_options=options if speculative else None,
-                       num_speculative_tokens=k if speculative else 5)
+                       num_speculative_tokens=k if speculative else 5, speculative_k_policy=k_policy)
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> Measurement:
         result = self.llm.generate([prompt_ids], params)[0]
@@ -80,7 +83,8 @@ class ForerunContender:
 
 
 def build_forerun_contenders(target: LoadedModel, methods: list[str], ks: list[int], method_options: dict[str, dict],
-                             recorded_options: dict[str, dict] | None = None) -> list[ForerunContender]:
+                             recorded_options: dict[str, dict] | None = None,
+                             k_policy: str = "adaptive") -> list[ForerunContender]:
     """Plain decoding first (every other run is compared with it), then each method at each K.
 
     `recorded_options`: per method, the options to record where they differ from those handed on.
@@ -92,7 +96,7 @@ def build_forerun_contenders(target: LoadedModel, methods: list[str], ks: list[i
             continue
         for k in ks:
             contenders.append(ForerunContender(target, method, k, method_options.get(method, {}),
-                                               recorded_options.get(method)))
+                                               recorded_options.get(method), k_policy))
     return contenders
 
 

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from forerun import drafters
+from forerun.drafters.draft_model import DRAFT_MODEL_METHODS
 from forerun.bench import llamacpp, machine
 from forerun.bench.contenders import PLAIN, Contender, Measurement, build_forerun_contenders
 from forerun.bench.dataset import Prompt, load_prompts, task_order
@@ -46,6 +47,7 @@ class BenchConfig:
     limit_per_category: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     ks: list[int] = field(default_factory=lambda: [5])   # K values; more than one is a sweep
+    k_policy: str = "adaptive"                   # adaptive: K is the most a step drafts; fixed: every step's
     peers: list[str] = field(default_factory=list)       # e.g. ["transformers", "llama.cpp"]
     dtype: str = "bfloat16"
     device: str = "cpu"
@@ -79,8 +81,9 @@ def check_methods(methods: list[str], speculative_model: str | None) -> None:
     for method in methods:
         if method not in valid:
             raise ForerunError(f"unknown method {method!r}; valid methods: {', '.join(valid)}")
-    if "draft" in methods and not speculative_model:
-        raise ForerunError("method draft needs a draft model: add --speculative-model")
+    for method in DRAFT_MODEL_METHODS:
+        if method in methods and not speculative_model:
+            raise ForerunError(f"method {method} needs a draft model: add --speculative-model")
 
 
 def check_config(cfg: BenchConfig) -> None:
@@ -171,16 +174,20 @@ def _contenders(cfg: BenchConfig, target: LoadedModel, notes: list[str], context
     """forerun's methods, then the peers asked for. `context`: the longest prompt plus max tokens."""
     options = {m: dict(o) for m, o in cfg.method_options.items()}
     recorded = {m: dict(o) for m, o in options.items()}
-    if "draft" in cfg.methods:
-        draft_opts = options.setdefault("draft", {})
+    loaded: dict = {}                            # the draft model, loaded once for every method that runs it
+    for method in (m for m in DRAFT_MODEL_METHODS if m in cfg.methods):
+        draft_opts = options.setdefault(method, {})
         # Loaded once, already in its format (a cached quantized copy when there is one); the
         # drafter must not quantize it again, but the record keeps the setting.
         quantize = draft_opts.pop("quantize", None)
-        draft_opts["model"] = load_model(cfg.speculative_model, cfg.dtype, cfg.device, quantization=quantize)
+        if quantize not in loaded:
+            loaded[quantize] = load_model(cfg.speculative_model, cfg.dtype, cfg.device, quantization=quantize)
+        draft_opts["model"] = loaded[quantize]
         draft_opts.setdefault("dtype", cfg.dtype)
         draft_opts.setdefault("device", cfg.device)
-        recorded["draft"] = {**draft_opts, **({"quantize": quantize} if quantize else {})}
-    contenders: list[Contender] = list(build_forerun_contenders(target, cfg.methods, cfg.ks, options, recorded))
+        recorded[method] = {**draft_opts, **({"quantize": quantize} if quantize else {})}
+    contenders: list[Contender] = list(build_forerun_contenders(target, cfg.methods, cfg.ks, options, recorded,
+                                                                  cfg.k_policy))
     hf_methods = HF_METHODS if "transformers" in cfg.peers else tuple(m for m in HF_METHODS if m in cfg.peers)
     if hf_methods:
         confidence = float(options.get("draft", {}).get("min_confidence", 0.0))

@@ -32,10 +32,13 @@ class Row:
     per_position: list[float] = field(default_factory=list)  # [K] share of drafts whose i-th token was kept
     identical: float | None = None       # share of prompts whose output equals plain's
     vs_llama_plain: float | None = None  # median per-prompt ratio of decode rates to llama.cpp plain
+    adaptive: bool = False               # K is the most a step drafted; the cost model chose each step's
 
     @property
     def label(self) -> str:
-        return self.method if self.k == 0 else f"{self.method} K={self.k}"
+        if self.k == 0:
+            return self.method
+        return f"{self.method} K≤{self.k}" if self.adaptive else f"{self.method} K={self.k}"
 
 
 def contender_order(records: list[dict]) -> list[tuple[str, int]]:
@@ -76,7 +79,8 @@ def _row(method: str, k: int, group: list[dict], llama_plain: dict[str, float | 
               ttft_ms=1000 * statistics.median(r["first_token_s"] for r in group),
               mean_accepted_length=None, predicted_length=None, acceptance_rate=None,
               identical=sum(identical) / len(identical) if identical else None,
-              vs_llama_plain=statistics.median(ratios) if ratios else None)
+              vs_llama_plain=statistics.median(ratios) if ratios else None,
+              adaptive=group[0].get("options", {}).get("k_policy") == "adaptive")
     specs = [r["spec"] for r in group if r.get("spec")]
     if specs:
         _add_acceptance(row, specs)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from forerun.commands.common import (add_model_args, add_sampling_args, add_spec_args, sampling_from_args,
                                      spec_from_args)
+from forerun.drafters.draft_model import DRAFT_MODEL_METHODS
 from forerun.errors import ForerunError
 
 
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = BenchConfig(model=args.model, out=Path(args.out), methods=methods, method_options=options,
                       speculative_model=args.speculative_model, dataset=args.dataset, categories=args.categories,
                       limit_per_category=args.limit_per_category, sampling=sampling_from_args(args),
-                      ks=args.sweep_k or [args.num_speculative_tokens], peers=args.peers, dtype=args.dtype,
+                      ks=args.sweep_k or [args.num_speculative_tokens], k_policy=args.speculative_k_policy, peers=args.peers, dtype=args.dtype,
                       device=args.device, quantization=args.quantization, chat=args.chat, warmup=args.warmup,
                       progress=args.progress, command=command_line(args))
     result = run_bench(cfg)
@@ -76,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def default_methods(available: list[str], speculative_model: str | None) -> list[str]:
-    """plain and every registered drafter that can run with the flags given (draft needs a draft model)."""
-    return ["plain"] + [m for m in available if m != "draft" or speculative_model]
+    """plain and every registered drafter that can run with the flags given (draft and auto need a
+    draft model)."""
+    return ["plain"] + [m for m in available if m not in DRAFT_MODEL_METHODS or speculative_model]
 
 
 def command_line(args: argparse.Namespace) -> str:

@@ -6,14 +6,19 @@ import json
 from pathlib import Path
 
 from forerun.config import SamplingParams
+from forerun.drafters.draft_model import DRAFT_MODEL_METHODS
 from forerun.errors import ForerunError
 from forerun.models.load import QUANTIZATIONS
 
 # Each method's own settings: flag destination -> drafter keyword. A drafter receives only its own.
+_DRAFT_MODEL_OPTIONS = {"speculative_model": "model", "speculative_quantization": "quantize",
+                        "draft_min_confidence": "min_confidence", "draft_vocab": "draft_vocab"}
 METHOD_OPTIONS: dict[str, dict[str, str]] = {
-    "draft": {"speculative_model": "model", "speculative_quantization": "quantize",
-              "draft_min_confidence": "min_confidence", "draft_vocab": "draft_vocab"},
+    "draft": _DRAFT_MODEL_OPTIONS,
+    "auto": {**_DRAFT_MODEL_OPTIONS, "auto_long_match": "long_match"},
     "ngram": {"ngram_max": "ngram_max", "ngram_min": "ngram_min"},
+    "suffix": {"suffix_max_match": "max_match", "suffix_min_match": "min_match", "suffix_min_prob": "min_prob",
+               "suffix_branch_ratio": "branch_ratio"},
     "early-exit": {"early_exit_layer": "layer", "skip_layers": "skip_layers"},
     "lookahead": {"lookahead_window": "window", "lookahead_ngram": "ngram", "lookahead_guesses": "guesses"},
 }
@@ -31,8 +36,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
-    g.add_argument("--speculative-method", default=None, help="draft, ngram, early-exit or lookahead")
-    g.add_argument("--speculative-model", default=None, help="draft model (implies --speculative-method draft)")
+    g.add_argument("--speculative-method", default=None,
+                   help="auto (suffix draft on long matches, else the draft model), draft, suffix, ngram, "
+                        "early-exit or lookahead")
+    g.add_argument("--speculative-model", default=None,
+                   help="draft model (implies --speculative-method auto unless another method is named)")
     g.add_argument("--speculative-quantization", default=None, choices=list(QUANTIZATIONS),
                    help="the draft model's numeric format (cheaper drafts; output stays exact): int8, w8a8 or auto")
     g.add_argument("--draft-min-confidence", type=float, default=0.0,
@@ -40,7 +48,19 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="the draft model scores only the N tokens the target writes most (e.g. 32768): cheaper "
                         "draft tokens, output unchanged")
-    g.add_argument("--num-speculative-tokens", type=int, default=5, help="K: tokens drafted per step")
+    g.add_argument("--num-speculative-tokens", type=int, default=5,
+                   help="K: the most tokens a step drafts (with --speculative-k-policy fixed, every step's count)")
+    g.add_argument("--speculative-k-policy", default="adaptive", choices=["adaptive", "fixed"],
+                   help="adaptive: each step drafts the length that pays best from this machine's measured "
+                        "pass costs and the acceptance so far (0 when drafts keep failing); fixed: always K")
+    g.add_argument("--auto-long-match", type=int, default=None, metavar="N",
+                   help="auto: propose the suffix draft when it matches N tokens or more (default 8)")
+    g.add_argument("--suffix-max-match", type=int, default=None, help="suffix: longest context suffix looked up (12)")
+    g.add_argument("--suffix-min-match", type=int, default=None, help="suffix: shortest context suffix looked up (2)")
+    g.add_argument("--suffix-min-prob", type=float, default=None,
+                   help="suffix: end the draft when its continuation's estimated probability falls below this (0.1)")
+    g.add_argument("--suffix-branch-ratio", type=float, default=None,
+                   help="suffix: a runner-up continuation seen this share as often as the best gets its own branch (0.5)")
     g.add_argument("--ngram-max", type=int, default=3, help="prompt lookup: longest suffix to match")
     g.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest suffix to match")
     g.add_argument("--early-exit-layer", type=int, default=None, help="early exit: draft with the first L layers (default: three quarters of them)")
@@ -52,14 +72,14 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 
 def spec_from_args(args: argparse.Namespace, method: str | None = None) -> tuple[str | None, dict]:
     """(method, that method's options) from parsed flags; `method` overrides --speculative-method."""
-    method = method or args.speculative_method or ("draft" if args.speculative_model else None)
+    method = method or args.speculative_method or ("auto" if args.speculative_model else None)
     if method is None:
         return None, {}
-    if method == "draft" and not args.speculative_model:
-        raise ForerunError("--speculative-method draft needs --speculative-model")
+    if method in DRAFT_MODEL_METHODS and not args.speculative_model:
+        raise ForerunError(f"--speculative-method {method} needs --speculative-model")
     names = METHOD_OPTIONS.get(method, {})
     options = {kw: getattr(args, dest) for dest, kw in names.items() if getattr(args, dest, None) is not None}
-    if method == "draft":
+    if method in DRAFT_MODEL_METHODS:
         options.update(dtype=args.dtype, device=args.device)
     return method, options
 

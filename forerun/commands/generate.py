@@ -25,7 +25,7 @@ def build_llm(args: argparse.Namespace, method: str | None = None) -> LLM:
     method, options = spec_from_args(args, method)
     return LLM(model=args.model, speculative_method=method, speculative_options=options,
                num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
-               quantization=args.quantization)
+               quantization=args.quantization, speculative_k_policy=args.speculative_k_policy)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +67,7 @@ def summary_line(result, speculative: bool) -> str:
             f"finish: {result.finish_reason}")
     if speculative:
         m = result.metrics
-        line += (f"; K={m.num_speculative_tokens}, acceptance {m.acceptance_rate:.2f}, "
+        line += (f"; K={m.num_speculative_tokens}, {m.num_draft_tokens} drafted in {m.num_drafts} steps, acceptance {m.acceptance_rate:.2f}, "
                  f"mean accepted length {m.mean_accepted_length:.2f} "
                  f"(predicted {m.predicted_mean_accepted_length:.2f})")
     return line + "]"

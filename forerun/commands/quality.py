@@ -87,7 +87,7 @@ def kl_per_position(reference: torch.Tensor, other: torch.Tensor) -> torch.Tenso
 def render(table: dict[str, dict[str, dict]]) -> str:
     lines = ["| format | task kind | positions | top-1 agreement | KL per token (nats) |", "|---|---|---:|---:|---:|"]
     for fmt, rows in table.items():
-        for task, cell in rows.items():
+        for task, cell in sorted(rows.items(), key=lambda item: (item[0] == "overall", item[0])):
             n = cell["positions"]
             lines.append(f"| {fmt} | {task} | {n} | {cell['top1_agree']}/{n} ({100 * cell['top1_agree'] / n:.1f}%) "
                          f"| {cell['kl_sum'] / n:.4f} |")

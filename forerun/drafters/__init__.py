@@ -65,4 +65,4 @@ def create(name: str, target, options: dict) -> Drafter:
 
 def _import_all() -> None:
     # Each module registers itself on import.
-    from forerun.drafters import draft_model, early_exit, lookahead, ngram  # noqa: F401
+    from forerun.drafters import auto, draft_model, early_exit, lookahead, ngram, suffix  # noqa: F401

@@ -17,6 +17,8 @@ from forerun.models.tokenizer import Tokenizer
 from forerun.sampling import probabilities, sample
 from forerun.tree import DraftTree
 
+DRAFT_MODEL_METHODS = ("draft", "auto")   # methods that run a draft model (its options: model, quantize, ...)
+
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
     """Draft and target must agree token for token; say exactly where they differ."""

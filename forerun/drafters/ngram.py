@@ -1,16 +1,21 @@
-"""Prompt lookup: propose what followed the last time the context's current suffix appeared.
+"""Prompt lookup: propose what followed the last time the context's current suffix appeared, and
+what followed the first time when that differs.
 
 The suffix of the context (prompt and accepted output) of length n, from `ngram_max` down to
-`ngram_min`, is looked up among earlier n-grams; the longest length that matches wins, and among
-its matches the most recent one. The tokens that followed it (continuing into the proposal itself
-when the match is near the end, so a repeating pattern keeps repeating) are the draft, up to K.
+`ngram_min`, is looked up among earlier n-grams; the longest length that matches wins. The tokens
+that followed its most recent occurrence (continuing into the proposal itself when the match is
+near the end, so a repeating pattern keeps repeating) are the draft, up to K. When the earliest
+occurrence was followed by something else, that continuation becomes a second branch: a tree whose
+first branch is the most recent one (text tends to continue as it did lately; the acceptance rule
+tries siblings in order), sharing their common prefix.
 
 The draft is deterministic, so it goes to the acceptance rule as one-hot: x is kept with
 probability p_target(x) and a rejection samples from the target with x removed. That is exact for
 sampling as well as greedy.
 
-Cost: an index from every n-gram to the position after its latest occurrence, extended by the
-tokens that arrived since the last call; a proposal is a few dictionary look-ups, no model call.
+Cost: an index from every n-gram to the positions after its earliest and latest occurrences,
+extended by the tokens that arrived since the last call; a proposal is a few dictionary look-ups,
+no model call. A second branch adds up to K verifier rows.
 
 Where it loses: text that does not repeat its context (open-ended prose, creative sampling) finds
 no match or a wrong one, so steps fall back to one token or pay a verification of rejected tokens.
@@ -29,7 +34,8 @@ from forerun.tree import DraftTree
 
 
 class NgramIndex:
-    """n-gram (n in [n_min, n_max]) -> index of the token right after its latest occurrence.
+    """n-gram (n in [n_min, n_max]) -> index of the token right after its latest occurrence (and,
+    in `first`, after its earliest).
 
     Only occurrences with a follower are indexed, so the context's own suffix never matches itself.
     """
@@ -38,34 +44,52 @@ class NgramIndex:
         self.n_min, self.n_max = n_min, n_max
         self.tokens: list[int] = []
         self.follower: dict[tuple[int, ...], int] = {}
+        self.first: dict[tuple[int, ...], int] = {}
 
     def extend(self, context: list[int]) -> None:
         """Catch up with `context`, which extends the tokens seen so far."""
         if len(context) < len(self.tokens) or (self.tokens and context[len(self.tokens) - 1] != self.tokens[-1]):
-            self.tokens, self.follower = [], {}     # not a continuation: a new text, start over
+            self.tokens, self.follower, self.first = [], {}, {}   # not a continuation: a new text, start over
         old = len(self.tokens)
         self.tokens.extend(context[old:])
         toks = self.tokens
         # n-grams ending at position `end` gain a follower once token end+1 exists.
         for end in range(max(old - 1, 0), len(toks) - 1):
             for n in range(self.n_min, min(self.n_max, end + 1) + 1):
-                self.follower[tuple(toks[end - n + 1:end + 1])] = end + 1
+                gram = tuple(toks[end - n + 1:end + 1])
+                self.follower[gram] = end + 1
+                self.first.setdefault(gram, end + 1)
 
     def lookup(self, k: int) -> list[int]:
-        """Up to k tokens that followed the longest matching suffix; [] when nothing matches."""
+        """Up to k tokens that followed the longest matching suffix's latest occurrence; [] when
+        nothing matches."""
+        drafts = self.lookup_both(k)
+        return drafts[0] if drafts else []
+
+    def lookup_both(self, k: int) -> list[list[int]]:
+        """The continuations of the longest matching suffix's latest and (when it differs) earliest
+        occurrence, up to k tokens each; [] when nothing matches."""
         toks = self.tokens
         for n in range(min(self.n_max, len(toks)), self.n_min - 1, -1):
-            at = self.follower.get(tuple(toks[len(toks) - n:]))
+            gram = tuple(toks[len(toks) - n:])
+            at = self.follower.get(gram)
             if at is not None:
-                draft: list[int] = []
-                for i in range(at, at + k):
-                    draft.append(toks[i] if i < len(toks) else draft[i - len(toks)])
-                return draft
+                latest, earliest = self._continuation(at, k), self._continuation(self.first[gram], k)
+                return [latest] if earliest == latest else [latest, earliest]
         return []
+
+    def _continuation(self, at: int, k: int) -> list[int]:
+        toks = self.tokens
+        draft: list[int] = []
+        for i in range(at, at + k):
+            draft.append(toks[i] if i < len(toks) else draft[i - len(toks)])
+        return draft
 
 
 @register("ngram")
 class NgramDrafter:
+    stateless = True     # a proposal leaves nothing behind: the engine may propose without verifying
+
     def __init__(self, target: LoadedModel | None, ngram_max: int = 3, ngram_min: int = 1) -> None:
         if ngram_min < 1:
             raise ForerunError(f"--ngram-min must be at least 1, got {ngram_min}")
@@ -73,14 +97,17 @@ class NgramDrafter:
             raise ForerunError(f"--ngram-max ({ngram_max}) must be at least --ngram-min ({ngram_min})")
         self.index = NgramIndex(ngram_min, ngram_max)
 
+    def max_rows(self, k: int) -> int:
+        return 2 * k                                 # the latest continuation and the earliest
+
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         self.index = NgramIndex(self.index.n_min, self.index.n_max)
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> DraftTree | None:
         self.index.extend(context)
-        draft = self.index.lookup(k)
-        return DraftTree.chain(draft) if draft else None
+        drafts = self.index.lookup_both(k)
+        return DraftTree.trie(drafts) if drafts else None
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
         pass  # accepted tokens arrive with the next context

@@ -1,0 +1,243 @@
+"""Speculate only when it pays: each step's draft length from measured costs and tracked acceptance.
+
+A step that drafts K tokens, each kept with probability α while the ones before it were kept, emits
+E(K) = (1 − α^(K+1)) / (1 − α) tokens on average and costs c(K+1) + K·c_draft seconds: one target
+pass over the root and K draft rows, plus K draft tokens. K = 0 is a plain step (one token for
+c(1)). The policy picks the K in [0, k_max] with the most tokens per second.
+
+- c(r), the target's pass over r rows, is measured once per machine, model and numeric format and
+  cached under FORERUN_HOME/costs (a few seconds for a 1.5B model; this CPU's w8a8 curve is flat to
+  about four rows, so drafting is cheap in target time).
+- c_draft, the drafter's cost per proposed token, is timed on every proposal as generation goes.
+- α is counted per request from what the target keeps (decayed, so it follows the text), starting
+  from what this drafter achieved over earlier requests.
+
+When the policy chooses 0, nothing is verified and α would stop moving. Drafters whose proposals are
+free and leave no state behind (prompt lookup, suffix) still propose in the shadow of the plain step,
+and the target's probability of their first token updates α at no cost. Other drafters are probed
+with one draft token after a number of plain steps that doubles after every probe that fails, so a
+prompt where drafts keep failing costs a probe every 64 steps at most.
+
+Where it loses: c(r) is taken at one cache length, and the chain model counts a tree's branches as
+extra rows only through the proposal's actual size; α is assumed the same at every position.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from forerun.kv_cache import KVCache
+from forerun.models.attention import RowLayout
+from forerun.models.load import LoadedModel, model_identity
+from forerun.paths import forerun_home
+
+POLICIES = ("adaptive", "fixed")
+MEASURED_ROWS = 16         # c(r) is measured for r = 1 .. 16 and extended linearly past it
+MEASURE_CONTEXT = 256      # cache length the passes are timed at
+DECAY = 0.95               # weight of an acceptance observation after one more (about 20 steps)
+PRIOR = (1.0, 1.0)         # pseudo-counts (kept, rejected) behind a drafter's first estimate
+PROBE_WAIT = (4, 64)       # plain steps before probing a non-free drafter: first wait, longest wait
+FREE_SHARE = 0.02          # a draft token costing under this share of c(1) counts as free
+MARGIN = 1.02              # drafting must promise this much more than a plain step's rate (the
+                           # acceptance rule and cache roll-back cost a little beside the pass)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one step of k drafts emits: the accepted run plus the target's own token."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def best_k(alpha: float, pass_cost: Callable[[int], float], draft_cost: float, k_max: int,
+           rows_per_token: float = 1.0) -> int:
+    """The draft length in [0, k_max] with the most expected tokens per second (0: a plain step).
+
+    A proposal of k tokens adds about k * rows_per_token verifier rows (more than k for trees and
+    aux rows)."""
+    best, best_rate = 0, MARGIN / pass_cost(1)
+    for k in range(1, k_max + 1):
+        rows = 1 + max(k, round(k * rows_per_token))
+        rate = expected_tokens(alpha, k) / (pass_cost(rows) + k * draft_cost)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
+@dataclass
+class PassCosts:
+    """The target's pass time for 1 .. len(seconds) rows; linear past the last measured row.
+
+    Made non-decreasing: a timing that came out below a smaller row count's is noise."""
+    seconds: list[float]
+
+    def __post_init__(self) -> None:
+        for i in range(1, len(self.seconds)):
+            self.seconds[i] = max(self.seconds[i], self.seconds[i - 1])
+
+    def __call__(self, rows: int) -> float:
+        s = self.seconds
+        if rows <= len(s):
+            return s[rows - 1]
+        slope = max(s[-1] - s[-2], 0.0) if len(s) > 1 else s[-1]
+        return s[-1] + slope * (rows - len(s))
+
+
+def measure_pass_costs(decoder, rows: int = MEASURED_ROWS, context: int = MEASURE_CONTEXT,
+                       repeats: int = 3) -> PassCosts:
+    """Time one chain pass over 1..rows rows after `context` cached slots (the fastest of `repeats`).
+
+    The cache holds zeros: time does not depend on the values, and nothing is prefilled.
+    """
+    context = min(context, decoder.cfg.max_position - rows)
+    cache = decoder.new_cache(context + rows)
+    tokens = torch.zeros(rows, dtype=torch.long, device=decoder.device)
+    positions = torch.arange(context, context + rows, device=decoder.device)
+    seconds = []
+    with torch.inference_mode():
+        for r in range(1, rows + 1):
+            best = float("inf")
+            for _ in range(repeats + 1):              # the first run warms kernels and buffers
+                cache.length = context
+                start = time.perf_counter()
+                decoder(tokens[:r], positions[:r], cache, layout=RowLayout.chain(context, r), last_only=False)
+                best = min(best, time.perf_counter() - start)
+            seconds.append(best)
+    return PassCosts(seconds)
+
+
+def pass_costs(model: LoadedModel, rows: int = MEASURED_ROWS) -> PassCosts:
+    """c(r) for `model` on this machine: from FORERUN_HOME/costs when measured before, else measured
+    now (and cached when the weights have an identity to cache against)."""
+    key = _cost_key(model, rows)
+    path = forerun_home() / "costs" / f"{key}.json" if key else None
+    if path is not None and path.exists():
+        try:
+            return PassCosts([float(s) for s in json.loads(path.read_text())["seconds"]])
+        except (ValueError, KeyError, TypeError):
+            pass                                      # unreadable: measure again and overwrite it
+    if path is not None:
+        print(f"forerun: timing {model.name}'s pass over 1-{rows} rows, once for this machine "
+              f"(cached in {path.parent})", file=sys.stderr, flush=True)
+    costs = measure_pass_costs(model.decoder, rows)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"model": model.name, "seconds": costs.seconds}))
+        tmp.replace(path)
+    return costs
+
+
+def _cost_key(model: LoadedModel, rows: int) -> str | None:
+    """Weights, numeric format, machine and threads: what the measured times depend on."""
+    identity = model_identity(model)
+    if identity is None:
+        return None
+    decoder = model.decoder
+    kinds = sorted({type(m).__name__ for m in decoder.modules()})
+    dtypes = sorted({str(t.dtype) for t in [*decoder.parameters(), *decoder.buffers()]})
+    parts = [identity, ",".join(kinds), ",".join(dtypes), str(decoder.device), _cpu_name(),
+             str(torch.get_num_threads()), torch.__version__, str(rows), str(MEASURE_CONTEXT)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@dataclass
+class Acceptance:
+    """Decayed counts of kept and rejected draft positions: α = kept / (kept + rejected)."""
+    kept: float = PRIOR[0]
+    rejected: float = PRIOR[1]
+
+    @property
+    def alpha(self) -> float:
+        return self.kept / (self.kept + self.rejected)
+
+    def observe(self, kept: float, rejected: float) -> None:
+        self.kept = self.kept * DECAY + kept
+        self.rejected = self.rejected * DECAY + rejected
+
+
+@dataclass
+class DraftLengthPolicy:
+    """Chooses each step's draft length; one per engine, its counts reset per request.
+
+    `pass_cost` is c(r); `k_max` the most a step may draft; `fixed` always drafts k_max (the
+    experiment switch). The engine calls `choose` before a step, `drafted` / `shadow` after it.
+    """
+    pass_cost: Callable[[int], float]
+    k_max: int
+    fixed: bool = False
+    draft_cost: float = 0.0                 # seconds per proposed token, running average
+    rows_per_token: float = 1.0             # verifier rows a proposal adds per token asked, running average
+    history: Acceptance = field(default_factory=Acceptance)   # over earlier requests
+    current: Acceptance = field(default_factory=Acceptance)   # this request
+    plain_steps: int = 0                    # plain steps since the last draft or probe
+    probe_wait: int = PROBE_WAIT[0]
+    _timed: bool = False
+
+    def start(self) -> None:
+        """A new request: its estimate starts from the history's."""
+        self.current = Acceptance(self.history.kept, self.history.rejected)
+        self.plain_steps, self.probe_wait = 0, PROBE_WAIT[0]
+
+    @property
+    def alpha(self) -> float:
+        return self.current.alpha
+
+    @property
+    def free(self) -> bool:
+        """Whether a draft token costs next to nothing beside a target pass."""
+        return self._timed and self.draft_cost < FREE_SHARE * self.pass_cost(1)
+
+    def choose(self, can_shadow: bool = False) -> tuple[int, bool]:
+        """(draft length for the next step, whether it is a probe). `can_shadow`: the drafter may
+        propose without being verified, so a plain step still measures it (no probes needed)."""
+        if self.fixed:
+            return self.k_max, False
+        k = best_k(self.alpha, self.pass_cost, self.draft_cost, self.k_max, self.rows_per_token)
+        if k == 0 and not (can_shadow and self.free) and self.plain_steps >= self.probe_wait:
+            return 1, True                      # one draft token to see whether drafts recover
+        return k, False
+
+    def time_proposal(self, seconds: float, asked: int, rows: int) -> None:
+        """A proposal of `asked` tokens took `seconds` and added `rows` verifier rows."""
+        if asked <= 0:
+            return
+        per_token, ratio = seconds / asked, rows / asked
+        if self._timed:
+            per_token, ratio = 0.8 * self.draft_cost + 0.2 * per_token, 0.8 * self.rows_per_token + 0.2 * ratio
+        self.draft_cost, self.rows_per_token, self._timed = per_token, ratio, True
+
+    def drafted(self, depth: int, kept: int, probe: bool) -> None:
+        """A verified draft `depth` tokens deep of which the first `kept` were kept."""
+        rejected = 1 if kept < depth else 0
+        self.current.observe(kept, rejected)
+        self.history.observe(kept, rejected)
+        self.plain_steps = 0
+        if probe:
+            self.probe_wait = PROBE_WAIT[0] if kept else min(2 * self.probe_wait, PROBE_WAIT[1])
+
+    def plain(self) -> None:
+        self.plain_steps += 1
+
+    def shadow(self, kept_probability: float) -> None:
+        """A free proposal not verified: the target kept its first token with this probability."""
+        self.current.observe(kept_probability, 1 - kept_probability)
+        self.history.observe(kept_probability, 1 - kept_probability)

@@ -1,0 +1,56 @@
+"""The combining method (`auto`, the default when a draft model is given): the suffix drafter's
+proposal when its match is long, else the draft model's.
+
+A long match (`long_match` tokens or more of the context found earlier in the prompt, the output
+or earlier outputs) means the text is copying: the suffix draft is then free and usually right,
+and the draft model is not run at all for that step. Elsewhere the draft model guesses. Both go
+through the same verifier and exact rule, so the output is the target's either way; the draft
+model catches up on the tokens it skipped in one chain pass at its next proposal.
+
+Cost: a suffix look-up every step (microseconds), a draft-model token only on steps without a long
+match. Where it loses: a long match that stops being copied wastes one verification, and the
+threshold is a fixed number of tokens, not a learned score.
+"""
+from __future__ import annotations
+
+import torch
+
+from forerun.config import SamplingParams
+from forerun.drafters import register, rows_per_step
+from forerun.drafters.draft_model import DraftModelDrafter
+from forerun.drafters.suffix import SuffixDrafter
+from forerun.kv_cache import KVCache
+from forerun.models.load import LoadedModel
+from forerun.tree import DraftTree
+
+
+@register("auto")
+class AutoDrafter:
+    def __init__(self, target: LoadedModel, model, dtype: str = "bfloat16", device: str | None = None,
+                 quantize: str | None = None, min_confidence: float = 0.0, draft_vocab: int | None = None,
+                 long_match: int = 8) -> None:
+        """The draft model's settings as DraftModelDrafter takes them; `long_match`: the shortest
+        suffix match (tokens) whose continuation is proposed instead of the draft model's."""
+        self.suffix = SuffixDrafter(target)
+        self.draft = DraftModelDrafter(target, model, dtype, device, quantize, min_confidence, draft_vocab)
+        self.long_match = long_match
+        self.steps = {"suffix": 0, "draft": 0}   # proposals made by each, this process
+
+    def max_rows(self, k: int) -> int:
+        return max(rows_per_step(self.suffix, k), k)
+
+    def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
+        self.suffix.start(prompt_ids, target_cache, max_len)
+        self.draft.start(prompt_ids, target_cache, max_len)
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> DraftTree | None:
+        tree, match = self.suffix.propose_with_match(context, k, params, generator)
+        if tree is not None and match >= self.long_match:
+            self.steps["suffix"] += 1
+            return tree
+        self.steps["draft"] += 1
+        return self.draft.propose(context, k, params, generator)
+
+    def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
+        pass   # neither keeps state between proposal and verdict: the next context tells them

@@ -1,0 +1,231 @@
+"""The cost model: draft lengths chosen from synthetic cost curves, acceptance tracking, probes and
+shadow proposals, the engine under an adaptive policy (output unchanged), and cached pass costs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from forerun import cost_model, drafters
+from forerun.api import LLM
+from forerun.config import SamplingParams
+from forerun.cost_model import DraftLengthPolicy, PassCosts, best_k, expected_tokens, measure_pass_costs, pass_costs
+from forerun.engine import Engine
+from forerun.errors import ForerunError
+from forerun.models.load import LoadedModel, load_model
+from forerun.testing import save_hf_folder, tiny_model
+from forerun.tree import DraftTree
+
+FLAT = PassCosts([0.100] * 4 + [0.110] * 4 + [0.200] * 8)     # w8a8-like: flat to four rows, then steps
+LINEAR = PassCosts([0.050 * r for r in range(1, 17)])          # every row costs a full pass (bf16 on AVX2)
+SLOPED = PassCosts([0.100 * (1 + 0.05 * r) for r in range(16)])  # each extra row adds 5 % of a pass
+
+
+def test_expected_tokens_is_the_geometric_sum() -> None:
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_failing_drafts_choose_a_plain_step() -> None:
+    assert best_k(0.0, FLAT, draft_cost=0.0, k_max=8) == 0
+    for alpha in (0.05, 0.2, 0.4):
+        assert best_k(alpha, FLAT, draft_cost=0.05, k_max=8) == 0   # a draft token at half a pass
+
+
+def test_free_drafts_on_flat_rows_pay_even_at_low_acceptance() -> None:
+    assert best_k(0.2, FLAT, draft_cost=0.0, k_max=8) >= 1
+
+
+def test_high_acceptance_and_flat_rows_choose_a_long_draft() -> None:
+    assert best_k(0.95, FLAT, draft_cost=0.0, k_max=3) == 3
+    assert best_k(0.95, FLAT, draft_cost=0.001, k_max=16) >= 7     # the step at eight rows is worth it at 0.95
+    assert best_k(0.4, FLAT, draft_cost=0.0, k_max=16) == 3         # three drafts ride on the flat part for free
+
+
+def test_rows_that_cost_a_pass_each_never_pay() -> None:
+    """With c(r) = r·c(1) a step of K drafts costs K+1 passes for fewer than K+1 tokens."""
+    for alpha in (0.3, 0.8, 0.99):
+        assert best_k(alpha, LINEAR, draft_cost=0.0, k_max=8) == 0
+
+
+def test_an_expensive_draft_shortens_the_draft() -> None:
+    cheap = best_k(0.8, FLAT, draft_cost=0.002, k_max=8)
+    dear = best_k(0.8, FLAT, draft_cost=0.05, k_max=8)
+    assert dear < cheap
+
+
+def test_tree_rows_count_against_the_draft() -> None:
+    """Proposals that add two rows per token asked reach the costly rows sooner."""
+    assert best_k(0.7, FLAT, 0.0, 8, rows_per_token=2.0) < best_k(0.7, FLAT, 0.0, 8, rows_per_token=1.0)
+
+
+def test_pass_costs_extend_linearly_past_the_measured_rows() -> None:
+    costs = PassCosts([1.0, 2.0, 3.0])
+    assert costs(2) == 2.0 and costs(5) == 5.0
+
+
+def test_a_noisy_measurement_never_makes_more_rows_cheaper() -> None:
+    assert PassCosts([0.10, 0.09, 0.12, 0.11]).seconds == [0.10, 0.10, 0.12, 0.12]
+
+
+def test_drafts_that_promise_too_little_are_not_worth_the_step() -> None:
+    """Flat rows, free drafts, but almost nothing kept: the margin keeps the step plain."""
+    assert best_k(0.01, FLAT, draft_cost=0.0, k_max=8) == 0
+
+
+def test_the_policy_stops_drafting_when_drafts_fail_and_probes_ever_less_often() -> None:
+    policy = DraftLengthPolicy(FLAT, k_max=5)
+    policy.start()
+    policy.time_proposal(0.02, 5, 5)                       # a draft model: a fifth of a pass per token
+    kinds = []
+    for _ in range(300):
+        k, probe = policy.choose()
+        if k == 0:
+            policy.plain()
+            kinds.append("plain")
+        else:
+            policy.drafted(k, 0, probe)                    # every draft rejected at once
+            kinds.append("probe" if probe else "draft")
+    assert kinds[:2] == ["draft", "draft"]                 # starts optimistic (α prior 0.5)
+    probes = [i for i, kind in enumerate(kinds) if kind == "probe"]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] == 65          # waits double up to 64 plain steps
+    assert kinds[-150:].count("plain") >= 147               # on failing text: a probe in ~65 steps at most
+
+
+def test_a_free_stateless_drafter_is_measured_in_the_shadow_without_probes() -> None:
+    policy = DraftLengthPolicy(FLAT, k_max=5)
+    policy.start()
+    policy.time_proposal(1e-6, 1, 1)
+    for _ in range(30):
+        policy.shadow(0.0)
+    assert policy.choose(can_shadow=True) == (0, False)
+    for _ in range(30):
+        policy.plain()
+    assert policy.choose(can_shadow=True) == (0, False)   # no probe: shadows keep measuring
+    for _ in range(40):
+        policy.shadow(1.0)                                  # the text turned repetitive
+    k, probe = policy.choose(can_shadow=True)
+    assert k >= 3 and not probe
+
+
+def test_a_request_starts_from_the_acceptance_of_earlier_requests() -> None:
+    policy = DraftLengthPolicy(FLAT, k_max=5)
+    policy.start()
+    for _ in range(20):
+        policy.drafted(5, 5, False)
+    policy.start()
+    assert policy.alpha > 0.9
+
+
+def test_fixed_always_drafts_k() -> None:
+    policy = DraftLengthPolicy(LINEAR, k_max=4, fixed=True)
+    policy.start()
+    policy.drafted(4, 0, False)
+    assert policy.choose() == (4, False)
+
+
+# --- the engine under a policy ---------------------------------------------------------------------
+
+
+class WrongDrafter:
+    """Proposes a token the target never writes: every draft fails."""
+
+    def __init__(self, token: int, stateless: bool) -> None:
+        self.token, self.stateless, self.calls = token, stateless, 0
+
+    def start(self, prompt_ids, target_cache, max_len) -> None:
+        pass
+
+    def propose(self, context, k, params, generator) -> DraftTree:
+        self.calls += 1
+        return DraftTree.chain([self.token] * k)
+
+    def observe(self, num_accepted, aux_logits=None) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def target4() -> LoadedModel:
+    return tiny_model(2, name="target4", num_layers=4)
+
+
+PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+GREEDY = SamplingParams(max_tokens=60)
+
+
+@pytest.mark.parametrize("stateless", [False, True])
+def test_the_engine_stops_verifying_drafts_that_keep_failing(target4, stateless) -> None:
+    plain = Engine(target4).generate(PROMPT, GREEDY).token_ids
+    unused = next(t for t in range(target4.decoder.cfg.vocab_size) if t not in plain)
+    drafter = WrongDrafter(unused, stateless)
+    policy = DraftLengthPolicy(SLOPED, k_max=4)
+    out = Engine(target4, drafter, 4, policy).generate(PROMPT, GREEDY)
+    assert out.token_ids == plain
+    m = out.metrics
+    assert m.num_accepted_tokens == 0
+    # α falls from its prior of 0.5 one rejection per step until a row's 5 % is no longer worth it;
+    # then only probes (a non-free drafter) or nothing (shadows) are verified: 16 of 59 steps at most.
+    assert m.num_drafts <= 16
+    assert policy.alpha < 0.2
+    if stateless:
+        assert drafter.calls > 50                           # still proposing, in the shadow of plain steps
+
+
+@pytest.mark.parametrize("method,options", [("ngram", {}), ("early-exit", {"layer": 3}), ("lookahead", {})])
+@pytest.mark.parametrize("costs", [FLAT, LINEAR], ids=["flat", "linear"])
+def test_greedy_output_is_plain_under_any_policy(target4, method, options, costs) -> None:
+    plain = Engine(target4).generate(PROMPT, GREEDY).token_ids
+    policy = DraftLengthPolicy(costs, k_max=5)
+    out = Engine(target4, drafters.create(method, target4, options), 5, policy).generate(PROMPT, GREEDY)
+    assert out.token_ids == plain
+    if costs is LINEAR:
+        # Rows that cost a pass each: after the optimistic start only probes are verified.
+        assert out.metrics.num_drafts < 15
+
+
+def test_the_api_defaults_to_the_adaptive_policy_and_fixed_keeps_k(target4) -> None:
+    adaptive = LLM(target4, speculative_method="ngram", num_speculative_tokens=3)
+    assert adaptive.engine.policy is not None and not adaptive.engine.policy.fixed
+    fixed = LLM(target4, speculative_method="ngram", num_speculative_tokens=3, speculative_k_policy="fixed")
+    assert fixed.engine.policy is None
+    out = fixed.generate(PROMPT, SamplingParams(max_tokens=30))[0]
+    # Fixed K: every drafting step asks for 3 (shorter only when the match runs out or at the end).
+    assert out.metrics.num_drafts > 0
+    with pytest.raises(ForerunError, match="speculative_k_policy must be adaptive or fixed"):
+        LLM(target4, speculative_method="ngram", speculative_k_policy="sometimes")
+
+
+# --- measured costs --------------------------------------------------------------------------------
+
+
+def test_measured_pass_costs_cover_every_row_count(target4) -> None:
+    costs = measure_pass_costs(target4.decoder, rows=6, context=20, repeats=1)
+    assert len(costs.seconds) == 6 and all(s > 0 for s in costs.seconds)
+
+
+def test_pass_costs_are_cached_per_model_and_measured_once(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
+    folder = save_hf_folder(tiny_model(0, name="cached"), tmp_path / "model")
+    model = load_model(str(folder), "float32")
+    first = pass_costs(model, rows=4)
+    files = list((tmp_path / "home" / "costs").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["seconds"] == first.seconds
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again instead of reading the cache")
+
+    monkeypatch.setattr(cost_model, "measure_pass_costs", no_measuring)
+    assert pass_costs(model, rows=4).seconds == first.seconds
+    files[0].write_text("not json")                        # a damaged cache is measured again, not fatal
+    monkeypatch.undo()
+    monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
+    assert len(pass_costs(model, rows=4).seconds) == 4
+
+
+def test_a_model_built_in_memory_is_measured_not_cached(tmp_path, monkeypatch, target4) -> None:
+    monkeypatch.setenv("FORERUN_HOME", str(tmp_path))
+    assert len(pass_costs(target4, rows=3).seconds) == 3
+    assert not (tmp_path / "costs").exists()
