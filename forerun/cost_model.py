@@ -29,6 +29,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -113,11 +114,15 @@ def measure_pass_costs(decoder, rows: int = MEASURED_ROWS, context: int = MEASUR
     return PassCosts(seconds)
 
 
+def costs_dir() -> Path:
+    return forerun_home() / "costs"
+
+
 def pass_costs(model: LoadedModel, rows: int = MEASURED_ROWS) -> PassCosts:
     """c(r) for `model` on this machine: from FORERUN_HOME/costs when measured before, else measured
     now (and cached when the weights have an identity to cache against)."""
     key = _cost_key(model, rows)
-    path = forerun_home() / "costs" / f"{key}.json" if key else None
+    path = costs_dir() / f"{key}.json" if key else None
     if path is not None and path.exists():
         try:
             return PassCosts([float(s) for s in json.loads(path.read_text())["seconds"]])

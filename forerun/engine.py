@@ -142,7 +142,13 @@ class Engine:
         start = time.perf_counter()
         tree = self.drafter.propose(context, k, params, gen)
         if self.policy is not None:
-            self.policy.time_proposal(time.perf_counter() - start, k, len(tree) if tree is not None else 0)
+            seconds = time.perf_counter() - start
+            # A drafter that knows its own token cost says it (a draft model's catch-up on skipped
+            # tokens is no cost of drafting one more); otherwise the call's time counts.
+            own = getattr(self.drafter, "cost_per_token", None)
+            per_token = own() if own is not None else None
+            self.policy.time_proposal(per_token * k if per_token is not None else seconds, k,
+                                      len(tree) if tree is not None else 0)
         return tree
 
     def _tell_policy(self, tree, shadow, path: list[int], probe: bool, root_probs: torch.Tensor) -> None:

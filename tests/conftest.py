@@ -14,6 +14,15 @@ from forerun.testing import tiny_model, tiny_tokenizer
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _private_cost_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pass costs measured in tests (tiny models in temporary folders) stay out of the user's cache."""
+    from forerun import cost_model
+
+    folder = tmp_path_factory.getbasetemp() / "costs"
+    monkeypatch.setattr(cost_model, "costs_dir", lambda: folder)
+
+
 def perturbed(model: LoadedModel, noise: float, seed: int = 5, name: str = "perturbed") -> LoadedModel:
     """A copy of `model` with Gaussian noise of `noise` x each tensor's std added: a draft that agrees
     with the target often but not always (an independent random model almost never agrees)."""

@@ -208,6 +208,7 @@ def test_measured_pass_costs_cover_every_row_count(target4) -> None:
 
 def test_pass_costs_are_cached_per_model_and_measured_once(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(cost_model, "costs_dir", lambda: tmp_path / "home" / "costs")
     folder = save_hf_folder(tiny_model(0, name="cached"), tmp_path / "model")
     model = load_model(str(folder), "float32")
     first = pass_costs(model, rows=4)
@@ -220,12 +221,27 @@ def test_pass_costs_are_cached_per_model_and_measured_once(tmp_path, monkeypatch
     monkeypatch.setattr(cost_model, "measure_pass_costs", no_measuring)
     assert pass_costs(model, rows=4).seconds == first.seconds
     files[0].write_text("not json")                        # a damaged cache is measured again, not fatal
-    monkeypatch.undo()
-    monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(cost_model, "measure_pass_costs", measure_pass_costs)
     assert len(pass_costs(model, rows=4).seconds) == 4
+    assert len(json.loads(files[0].read_text())["seconds"]) == 4
 
 
 def test_a_model_built_in_memory_is_measured_not_cached(tmp_path, monkeypatch, target4) -> None:
-    monkeypatch.setenv("FORERUN_HOME", str(tmp_path))
+    monkeypatch.setattr(cost_model, "costs_dir", lambda: tmp_path / "costs")
     assert len(pass_costs(target4, rows=3).seconds) == 3
     assert not (tmp_path / "costs").exists()
+
+
+class CostlyDrafter(WrongDrafter):
+    """Says its own token cost, as a draft model does."""
+
+    def cost_per_token(self) -> float:
+        return 0.5
+
+
+def test_a_drafter_that_knows_its_token_cost_is_believed_over_the_call_time(target4) -> None:
+    policy = DraftLengthPolicy(SLOPED, k_max=3)
+    engine = Engine(target4, CostlyDrafter(0, stateless=False), 3, policy)
+    engine.generate(PROMPT, SamplingParams(max_tokens=3))
+    assert policy.draft_cost == pytest.approx(0.5)        # not the microseconds its call took
+    assert policy.choose() == (0, False)                  # half a second per token never pays here

@@ -27,6 +27,10 @@ class Drafter(Protocol):
 
     # Optional: `max_rows(k) -> int`, the most verifier rows after the root that one proposal of k
     # tokens may add (nodes of a wide tree, aux rows). Without it a proposal adds at most k rows.
+    # Optional: `cost_per_token() -> float | None`, seconds one more draft token costs, when the
+    # drafter knows better than the time its propose() call took (cost_model.py uses it).
+    # Optional: `stateless = True`, a proposal leaves no state behind, so the engine may propose
+    # without verifying (shadow proposals that keep measuring acceptance on plain steps).
 
 
 DrafterFactory = Callable[..., Drafter]

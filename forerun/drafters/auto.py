@@ -35,6 +35,7 @@ class AutoDrafter:
         self.draft = DraftModelDrafter(target, model, dtype, device, quantize, min_confidence, draft_vocab)
         self.long_match = long_match
         self.steps = {"suffix": 0, "draft": 0}   # proposals made by each, this process
+        self.last = "draft"                      # which made the last proposal
 
     def max_rows(self, k: int) -> int:
         return max(rows_per_step(self.suffix, k), k)
@@ -46,11 +47,13 @@ class AutoDrafter:
     def propose(self, context: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> DraftTree | None:
         tree, match = self.suffix.propose_with_match(context, k, params, generator)
-        if tree is not None and match >= self.long_match:
-            self.steps["suffix"] += 1
-            return tree
-        self.steps["draft"] += 1
-        return self.draft.propose(context, k, params, generator)
+        self.last = "suffix" if tree is not None and match >= self.long_match else "draft"
+        self.steps[self.last] += 1
+        return tree if self.last == "suffix" else self.draft.propose(context, k, params, generator)
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
         pass   # neither keeps state between proposal and verdict: the next context tells them
+
+    def cost_per_token(self) -> float | None:
+        """The draft model's token cost after its proposals; None (time the call) after the suffix's."""
+        return self.draft.cost_per_token() if self.last == "draft" else None

@@ -1,6 +1,7 @@
 """A smaller model of the same family drafts K tokens autoregressively with its own KV cache."""
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
@@ -69,6 +70,7 @@ class DraftModelDrafter:
         self.vocab_size = target.decoder.cfg.vocab_size
         self.cache: KVCache | None = None
         self.fed: list[int] = []   # tokens whose keys/values sit in self.cache, in order
+        self.token_seconds: float | None = None   # running mean time of a one-token draft forward
 
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         self.cache = self.model.decoder.new_cache(max_len)
@@ -88,7 +90,10 @@ class DraftModelDrafter:
             ids = torch.tensor(pending, device=decoder.device)
             pos = torch.arange(len(self.fed), len(self.fed) + len(pending), device=decoder.device)
             layout = RowLayout.chain(len(self.fed), len(pending))
+            start = time.perf_counter()
             logits = decoder(ids, pos, cache, layout=layout, last_only=True, head=self.head).logits[0]  # [1, N]
+            if len(pending) == 1:
+                self._time_token(time.perf_counter() - start)
             self.fed += pending
             if params.greedy:
                 choice = int(logits.argmax())
@@ -105,6 +110,15 @@ class DraftModelDrafter:
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
         pass  # the next propose() rolls back by comparing contexts
+
+    def cost_per_token(self) -> float | None:
+        """What one more draft token costs (a one-token forward), catching up on skipped tokens
+        left out: the cost model's c_draft. None before the first one-token forward."""
+        return self.token_seconds
+
+    def _time_token(self, seconds: float) -> None:
+        previous = self.token_seconds
+        self.token_seconds = seconds if previous is None else 0.8 * previous + 0.2 * seconds
 
     def _full_vocabulary(self, q: torch.Tensor) -> torch.Tensor:
         """q over the draft vocabulary [N] as a distribution over every token [V] (0 outside it)."""
