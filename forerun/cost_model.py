@@ -6,8 +6,9 @@ pass over the root and K draft rows, plus K draft tokens. K = 0 is a plain step 
 c(1)). The policy picks the K in [0, k_max] with the most tokens per second.
 
 - c(r), the target's pass over r rows, is measured once per machine, model and numeric format and
-  cached under FORERUN_HOME/costs (a few seconds for a 1.5B model; this CPU's w8a8 curve is flat to
-  about four rows, so drafting is cheap in target time).
+  cached under FORERUN_HOME/costs (a few seconds for a 1.5B model; delete the folder to measure
+  again), then corrected by the steps actually timed: the acceptance rule, a tree's cache
+  compaction and a busy machine all count.
 - c_draft, the drafter's cost per proposed token, is timed on every proposal as generation goes.
 - α is counted per request from what the target keeps (decayed, so it follows the text), starting
   from what this drafter achieved over earlier requests.
@@ -44,6 +45,7 @@ MEASURED_ROWS = 16         # c(r) is measured for r = 1 .. 16 and extended linea
 MEASURE_CONTEXT = 256      # cache length the passes are timed at
 DECAY = 0.95               # weight of an acceptance observation after one more (about 20 steps)
 PRIOR = (1.0, 1.0)         # pseudo-counts (kept, rejected) behind a drafter's first estimate
+LEARN_AFTER = 3            # steps over a row count before its own running mean replaces the scaled offline figure
 PROBE_WAIT = (4, 64)       # plain steps before probing a non-free drafter: first wait, longest wait
 FREE_SHARE = 0.02          # a draft token costing under this share of c(1) counts as free
 MARGIN = 1.02              # drafting must promise this much more than a plain step's rate (the
@@ -76,19 +78,47 @@ def best_k(alpha: float, pass_cost: Callable[[int], float], draft_cost: float, k
 class PassCosts:
     """The target's pass time for 1 .. len(seconds) rows; linear past the last measured row.
 
-    Made non-decreasing: a timing that came out below a smaller row count's is noise."""
+    Made non-decreasing: a timing that came out below a smaller row count's is noise. With `learn`,
+    the steps the engine times (the pass plus the acceptance rule and cache roll-back, on a machine
+    as busy as it is now) correct it as generation goes: a row count seen a few times is its own
+    running mean, the others the offline figure times the running ratio of seen to offline."""
     seconds: list[float]
+    learn: bool = False
+    scale: float = 1.0                                   # running mean of seen / offline
+    online: dict[int, float] = field(default_factory=dict)   # rows -> running mean of seen step times
+    seen: dict[int, int] = field(default_factory=dict)       # rows -> steps seen
 
     def __post_init__(self) -> None:
         for i in range(1, len(self.seconds)):
             self.seconds[i] = max(self.seconds[i], self.seconds[i - 1])
 
-    def __call__(self, rows: int) -> float:
+    def offline(self, rows: int) -> float:
         s = self.seconds
         if rows <= len(s):
             return s[rows - 1]
         slope = max(s[-1] - s[-2], 0.0) if len(s) > 1 else s[-1]
         return s[-1] + slope * (rows - len(s))
+
+    def __call__(self, rows: int) -> float:
+        if not self.online:
+            return self.offline(rows)
+        return max(self._estimate(r) for r in range(1, rows + 1))
+
+    def _estimate(self, rows: int) -> float:
+        if self.seen.get(rows, 0) >= LEARN_AFTER:
+            return self.online[rows]
+        return self.offline(rows) * self.scale
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A step over `rows` rows took `seconds` (ignored unless `learn`)."""
+        if not self.learn:
+            return
+        ratio = seconds / self.offline(rows)
+        first = not self.seen
+        self.scale = ratio if first else 0.9 * self.scale + 0.1 * ratio
+        count = self.seen.get(rows, 0)
+        self.online[rows] = seconds if count == 0 else 0.8 * self.online[rows] + 0.2 * seconds
+        self.seen[rows] = count + 1
 
 
 def measure_pass_costs(decoder, rows: int = MEASURED_ROWS, context: int = MEASURE_CONTEXT,
@@ -125,13 +155,14 @@ def pass_costs(model: LoadedModel, rows: int = MEASURED_ROWS) -> PassCosts:
     path = costs_dir() / f"{key}.json" if key else None
     if path is not None and path.exists():
         try:
-            return PassCosts([float(s) for s in json.loads(path.read_text())["seconds"]])
+            return PassCosts([float(s) for s in json.loads(path.read_text())["seconds"]], learn=True)
         except (ValueError, KeyError, TypeError):
             pass                                      # unreadable: measure again and overwrite it
     if path is not None:
         print(f"forerun: timing {model.name}'s pass over 1-{rows} rows, once for this machine "
               f"(cached in {path.parent})", file=sys.stderr, flush=True)
     costs = measure_pass_costs(model.decoder, rows)
+    costs.learn = True
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -241,6 +272,12 @@ class DraftLengthPolicy:
 
     def plain(self) -> None:
         self.plain_steps += 1
+
+    def timed_step(self, rows: int, seconds: float) -> None:
+        """The engine's step over `rows` verifier rows took `seconds` (pass, rule and roll-back)."""
+        observe = getattr(self.pass_cost, "observe", None)
+        if observe is not None:
+            observe(rows, seconds)
 
     def shadow(self, kept_probability: float) -> None:
         """A free proposal not verified: the target kept its first token with this probability."""

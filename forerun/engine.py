@@ -115,6 +115,7 @@ class Engine:
             elif self.can_shadow and self.policy.free:
                 shadow = self._propose(context, 1, seq.params, gen)
         base = cache.length                      # slots before the root
+        step_start = time.perf_counter()
         ver = verify(self.target.decoder, cache, root, tree, seq.params)
         if tree is None or len(tree) == 0:
             first = ver.probs[0].argmax() if seq.params.greedy else sample(ver.probs[:1], gen)[0]
@@ -128,6 +129,8 @@ class Engine:
             cache.truncate(base + 1 + len(path))
         else:
             cache.keep(list(range(base + 1)) + [base + 1 + node for node in path])
+        if self.policy is not None:
+            self.policy.timed_step(tree.num_rows if tree is not None else 1, time.perf_counter() - step_start)
         if self.drafter is not None and tree is not None:
             self.drafter.observe(len(path), ver.aux_logits)
         emitted = []

@@ -245,3 +245,27 @@ def test_a_drafter_that_knows_its_token_cost_is_believed_over_the_call_time(targ
     engine.generate(PROMPT, SamplingParams(max_tokens=3))
     assert policy.draft_cost == pytest.approx(0.5)        # not the microseconds its call took
     assert policy.choose() == (0, False)                  # half a second per token never pays here
+
+
+def test_learned_costs_follow_the_steps_the_engine_times() -> None:
+    costs = PassCosts([0.10, 0.10, 0.11, 0.12], learn=True)
+    costs.observe(1, 0.20)                     # the machine is twice as busy as when measured
+    assert costs(1) == pytest.approx(0.20) and costs(3) == pytest.approx(0.22)   # scaled offline figures
+    for _ in range(10):
+        costs.observe(2, 0.30)                 # drafting steps cost more than the offline pass said
+    assert costs(2) == pytest.approx(0.30, rel=0.02)      # its own running mean
+    assert costs(3) >= costs(2)                            # never cheaper for more rows
+    assert costs(6) >= costs(4)
+
+
+def test_synthetic_curves_do_not_learn() -> None:
+    costs = PassCosts([0.1, 0.1])
+    costs.observe(1, 5.0)
+    assert costs(1) == 0.1
+
+
+def test_the_engine_times_its_steps_into_learned_costs(target4) -> None:
+    costs = PassCosts([1.0] * 16, learn=True)             # absurd offline figures, corrected by timing
+    policy = DraftLengthPolicy(costs, k_max=3)
+    Engine(target4, drafters.create("ngram", target4, {}), 3, policy).generate(PROMPT, GREEDY)
+    assert costs.seen and costs(1) < 0.5

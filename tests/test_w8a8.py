@@ -223,8 +223,8 @@ def test_w8a8_gguf_load_is_cached_and_reloads_identically(tmp_path: Path, monkey
 # --- greedy speculation equals plain decoding, for every drafter -----------------------------------
 
 
-METHODS = [("ngram", {}), ("early-exit", {"layer": 2}), ("lookahead", {}),
-           ("lookahead", {"window": 3, "ngram": 3, "guesses": 5})]
+METHODS = [("ngram", {}), ("suffix", {}), ("suffix", {"min_match": 1, "branch_ratio": 0.3, "min_prob": 0.0}),
+           ("early-exit", {"layer": 2}), ("lookahead", {}), ("lookahead", {"window": 3, "ngram": 3, "guesses": 5})]
 
 
 @pytest.fixture(scope="module")
@@ -282,3 +282,17 @@ def test_quality_command_compares_formats_with_the_unquantized_model(tmp_path: P
         assert set(rows) == {"code", "chat", "overall"}
         assert rows["overall"]["positions"] == 12
         assert 0 < rows["overall"]["top1_agree"] <= 12 and rows["overall"]["kl_sum"] > 0
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_w8a8_greedy_auto_method_equals_plain_with_both_of_its_drafters(w8a8_target, prompt, k) -> None:
+    from tests.conftest import perturbed
+
+    draft = perturbed(tiny_model(seed=2, name="draft", num_layers=4), 0.3)
+    params = SamplingParams(max_tokens=40)
+    plain = Engine(w8a8_target).generate(prompt, params).token_ids
+    drafter = drafters.create("auto", w8a8_target, {"model": draft, "quantize": "w8a8", "long_match": 3})
+    spec = Engine(w8a8_target, drafter, k).generate(prompt, params)
+    assert spec.token_ids == plain
+    assert drafter.steps["suffix"] > 0 and drafter.steps["draft"] > 0
+    assert 0 < spec.metrics.num_accepted_tokens < spec.metrics.num_draft_tokens
