@@ -14,13 +14,16 @@ from forerun.testing import tiny_model, tiny_tokenizer
 torch.set_num_threads(1)
 
 
-@pytest.fixture(autouse=True)
-def _private_cost_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pass costs measured in tests (tiny models in temporary folders) stay out of the user's cache."""
+@pytest.fixture(scope="session", autouse=True)
+def _private_cost_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Pass costs measured in tests (tiny models in temporary folders, real ones on one thread) stay
+    out of the user's cache. Session-wide, so module fixtures that build engines are covered too."""
     from forerun import cost_model
 
     folder = tmp_path_factory.getbasetemp() / "costs"
-    monkeypatch.setattr(cost_model, "costs_dir", lambda: folder)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cost_model, "costs_dir", lambda: folder)
+        yield
 
 
 def perturbed(model: LoadedModel, noise: float, seed: int = 5, name: str = "perturbed") -> LoadedModel:
