@@ -13,6 +13,13 @@ c(1)). The policy picks the K in [0, k_max] with the most tokens per second.
 - α is counted per request from what the target keeps (decayed, so it follows the text), starting
   from what this drafter achieved over earlier requests.
 
+A draft model must first read what it has not seen (the prompt, or tokens a suffix draft emitted)
+before it can draft: a one-off cost that a long prompt makes larger than anything a short answer
+could win back. The policy pays it the way one decides to buy rather than rent (ski rental): each
+step taken without the draft model adds what drafting would have saved on it, and the catch-up is
+paid once that sum reaches its cost. A short answer then never pays for reading a long prompt, and a
+long one loses at most the catch-up's cost again before it drafts.
+
 When the policy chooses 0, nothing is verified and α would stop moving. Drafters whose proposals are
 free and leave no state behind (prompt lookup, suffix) still propose in the shadow of the plain step,
 and the target's probability of their first token updates α at no cost. Other drafters are probed
@@ -226,12 +233,13 @@ class DraftLengthPolicy:
     current: Acceptance = field(default_factory=Acceptance)   # this request
     plain_steps: int = 0                    # plain steps since the last draft or probe
     probe_wait: int = PROBE_WAIT[0]
+    forgone: float = 0.0                    # seconds drafting would have saved while a catch-up waited
     _timed: bool = False
 
     def start(self) -> None:
         """A new request: its estimate starts from the history's."""
         self.current = Acceptance(self.history.kept, self.history.rejected)
-        self.plain_steps, self.probe_wait = 0, PROBE_WAIT[0]
+        self.plain_steps, self.probe_wait, self.forgone = 0, PROBE_WAIT[0], 0.0
 
     @property
     def alpha(self) -> float:
@@ -251,6 +259,27 @@ class DraftLengthPolicy:
         if k == 0 and not (can_shadow and self.free) and self.plain_steps >= self.probe_wait:
             return 1, True                      # one draft token to see whether drafts recover
         return k, False
+
+    def saving(self, draft_cost: float | None = None) -> float:
+        """Seconds the best draft length saves per emitted token over plain steps (0: none), with
+        draft tokens at `draft_cost` (default: the running average of proposals)."""
+        cost = self.draft_cost if draft_cost is None else draft_cost
+        k = best_k(self.alpha, self.pass_cost, cost, self.k_max, self.rows_per_token)
+        if k == 0:
+            return 0.0
+        rows = 1 + max(k, round(k * self.rows_per_token))
+        step = self.pass_cost(rows) + k * cost
+        return max(self.pass_cost(1) - step / expected_tokens(self.alpha, k), 0.0)
+
+    def pays_setup(self, seconds: float, draft_cost: float | None = None) -> bool:
+        """Whether to pay a drafter's one-off `seconds` (a catch-up) now, its tokens then costing
+        `draft_cost` each; asked before each step that would pay it. No: the step goes without it,
+        and what drafting would have saved on that step counts towards paying next time."""
+        if self.fixed or seconds <= 0 or self.forgone >= seconds:
+            self.forgone = 0.0
+            return True
+        self.forgone += self.saving(draft_cost)
+        return False
 
     def time_proposal(self, seconds: float, asked: int, rows: int) -> None:
         """A proposal of `asked` tokens took `seconds` and added `rows` verifier rows."""

@@ -54,6 +54,9 @@ class Engine:
         self.policy = policy if drafter is not None and self.k > 0 else None
         # Free, stateless proposals can be made beside a plain step to keep measuring acceptance.
         self.can_shadow = bool(getattr(drafter, "stateless", False))
+        set_gate = getattr(drafter, "set_gate", None)
+        if self.policy is not None and set_gate is not None:
+            set_gate(self.policy.pays_setup)     # the policy decides when a catch-up pays
         self.rows = rows_per_step(drafter, self.k)   # most cache slots a step uses after the root
         tok = target.tokenizer
         self.stop_ids = tok.stop_ids if tok is not None else frozenset()
@@ -144,7 +147,7 @@ class Engine:
     def _propose(self, context: list[int], k: int, params: SamplingParams, gen: torch.Generator):
         start = time.perf_counter()
         tree = self.drafter.propose(context, k, params, gen)
-        if self.policy is not None:
+        if self.policy is not None and tree is not None:     # None: nothing drafted, nothing to time
             seconds = time.perf_counter() - start
             # A drafter that knows its own token cost says it (a draft model's catch-up on skipped
             # tokens is no cost of drafting one more); otherwise the call's time counts.

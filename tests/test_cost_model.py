@@ -16,6 +16,7 @@ from forerun.errors import ForerunError
 from forerun.models.load import LoadedModel, load_model
 from forerun.testing import save_hf_folder, tiny_model
 from forerun.tree import DraftTree
+from tests.conftest import perturbed
 
 FLAT = PassCosts([0.100] * 4 + [0.110] * 4 + [0.200] * 8)     # w8a8-like: flat to four rows, then steps
 LINEAR = PassCosts([0.050 * r for r in range(1, 17)])          # every row costs a full pass (bf16 on AVX2)
@@ -125,6 +126,29 @@ def test_fixed_always_drafts_k() -> None:
     policy.start()
     policy.drafted(4, 0, False)
     assert policy.choose() == (4, False)
+
+
+def test_a_catch_up_is_paid_once_what_drafting_would_have_saved_reaches_its_cost() -> None:
+    policy = DraftLengthPolicy(FLAT, k_max=4)
+    policy.start()
+    for _ in range(20):
+        policy.drafted(4, 4, False)                  # drafts that are always kept
+    saving = policy.saving(draft_cost=0.01)
+    assert 0 < saving < FLAT(1)
+    cost = 5.5 * saving                              # the catch-up costs five and a half steps' saving
+    answers = [policy.pays_setup(cost, 0.01) for _ in range(8)]
+    assert answers == [False] * 6 + [True, False]    # paid on the 7th step; the count starts again
+    assert policy.pays_setup(0.0)                    # nothing to catch up: always
+    policy.start()
+    assert policy.forgone == 0.0                     # a new request starts from nothing
+
+
+def test_a_catch_up_is_never_paid_for_drafts_that_do_not_pay() -> None:
+    policy = DraftLengthPolicy(LINEAR, k_max=4)      # every row costs a full pass
+    policy.start()
+    assert policy.saving(draft_cost=0.01) == 0.0
+    assert not any(policy.pays_setup(0.001, 0.01) for _ in range(100))
+    assert DraftLengthPolicy(LINEAR, k_max=4, fixed=True).pays_setup(100.0)   # fixed K: the experiment pays
 
 
 # --- the engine under a policy ---------------------------------------------------------------------
@@ -262,6 +286,20 @@ def test_synthetic_curves_do_not_learn() -> None:
     costs = PassCosts([0.1, 0.1])
     costs.observe(1, 5.0)
     assert costs(1) == 0.1
+
+
+@pytest.mark.parametrize("read_seconds,drafts", [(1.0, False), (1e-6, True)], ids=["dear", "cheap"])
+def test_a_draft_model_reads_a_long_prompt_only_when_the_answer_can_pay_for_it(target4, read_seconds, drafts) -> None:
+    prompt = [(7 * i) % 50 + 3 for i in range(40)]           # a 40-token catch-up before the first draft
+    plain = Engine(target4).generate(prompt, GREEDY).token_ids
+    drafter = drafters.create("draft", target4, {"model": perturbed(target4, 0.05)})
+    engine = Engine(target4, drafter, 3, DraftLengthPolicy(FLAT, k_max=3))
+    drafter.read_seconds = read_seconds                       # seconds per token of catch-up
+    out = engine.generate(prompt, GREEDY)
+    assert out.token_ids == plain
+    # Dear: 40 s of catch-up against at most a pass saved per step, never paid in 60 steps.
+    assert (out.metrics.num_drafts > 0) == drafts
+    assert (len(drafter.fed) > len(prompt)) == drafts
 
 
 def test_the_engine_times_its_steps_into_learned_costs(target4) -> None:

@@ -5,13 +5,17 @@ A long match (`long_match` tokens or more of the context found earlier in the pr
 or earlier outputs) means the text is copying: the suffix draft is then free and usually right,
 and the draft model is not run at all for that step. Elsewhere the draft model guesses. Both go
 through the same verifier and exact rule, so the output is the target's either way; the draft
-model catches up on the tokens it skipped in one chain pass at its next proposal.
+model catches up on the tokens it skipped in one chain pass at its next proposal. Until the cost
+policy agrees to pay the draft model's catch-up (reading a long prompt is worth it only for a long
+answer), the suffix drafter proposes whatever match it has.
 
 Cost: a suffix look-up every step (microseconds), a draft-model token only on steps without a long
 match. Where it loses: a long match that stops being copied wastes one verification, and the
 threshold is a fixed number of tokens, not a learned score.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -44,12 +48,21 @@ class AutoDrafter:
         self.suffix.start(prompt_ids, target_cache, max_len)
         self.draft.start(prompt_ids, target_cache, max_len)
 
+    def set_gate(self, gate: Callable[[float, float | None], bool]) -> None:
+        self.draft.set_gate(gate)
+
     def propose(self, context: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> DraftTree | None:
         tree, match = self.suffix.propose_with_match(context, k, params, generator)
-        self.last = "suffix" if tree is not None and match >= self.long_match else "draft"
-        self.steps[self.last] += 1
-        return tree if self.last == "suffix" else self.draft.propose(context, k, params, generator)
+        if tree is None or match < self.long_match:
+            drafted = self.draft.propose(context, k, params, generator)
+            if drafted is not None:          # None: its catch-up declined, the suffix's guess stands
+                self.last = "draft"
+                self.steps["draft"] += 1
+                return drafted
+        self.last = "suffix"
+        self.steps["suffix"] += 1
+        return tree
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
         pass   # neither keeps state between proposal and verdict: the next context tells them

@@ -1,8 +1,15 @@
-"""A smaller model of the same family drafts K tokens autoregressively with its own KV cache."""
+"""A smaller model of the same family drafts K tokens autoregressively with its own KV cache.
+
+Before drafting it reads the tokens it has not seen (the prompt at first, then the target's token
+and anything another drafter emitted) in one pass: its catch-up. The engine's cost policy may decline
+a long catch-up (`gate`); the proposal is then None and the step goes without the draft model.
+"""
 from __future__ import annotations
 
 import time
 import warnings
+from contextlib import nullcontext
+from typing import Callable
 
 import torch
 
@@ -11,7 +18,7 @@ from forerun.drafters import register
 from forerun.drafters.draft_vocab import draft_vocabulary, reduced_head
 from forerun.errors import ForerunError
 from forerun.kv_cache import KVCache
-from forerun.models import formats
+from forerun.models import formats, linear
 from forerun.models.attention import RowLayout
 from forerun.models.load import LoadedModel, load_model
 from forerun.models.tokenizer import Tokenizer
@@ -19,6 +26,10 @@ from forerun.sampling import probabilities, sample
 from forerun.tree import DraftTree
 
 DRAFT_MODEL_METHODS = ("draft", "auto")   # methods that run a draft model (its options: model, quantize, ...)
+# A catch-up this short is part of drafting's rhythm (a step's accepted tokens, a suffix draft's
+# run) and is paid without asking; longer ones (a prompt) are the cost policy's call.
+CATCH_UP_FREE = 16
+READ_PROBE_ROWS = 32   # rows of the pass that times a catch-up's cost per token
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -71,6 +82,8 @@ class DraftModelDrafter:
         self.cache: KVCache | None = None
         self.fed: list[int] = []   # tokens whose keys/values sit in self.cache, in order
         self.token_seconds: float | None = None   # running mean time of a one-token draft forward
+        self.read_seconds: float | None = None    # running mean time per token of a catch-up pass
+        self.gate: Callable[[float, float | None], bool] | None = None   # see set_gate
 
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         self.cache = self.model.decoder.new_cache(max_len)
@@ -84,6 +97,10 @@ class DraftModelDrafter:
         cache.truncate(keep)
         self.fed = self.fed[:keep]
         pending = context[keep:]
+        # The root is read on every proposal; only what lies before it is catch-up.
+        if (self.gate is not None and len(pending) - 1 > CATCH_UP_FREE
+                and not self.gate(self.catch_up_seconds(len(pending) - 1), self.cost_per_token())):
+            return None
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for _ in range(k):
@@ -91,9 +108,9 @@ class DraftModelDrafter:
             pos = torch.arange(len(self.fed), len(self.fed) + len(pending), device=decoder.device)
             layout = RowLayout.chain(len(self.fed), len(pending))
             start = time.perf_counter()
-            logits = decoder(ids, pos, cache, layout=layout, last_only=True, head=self.head).logits[0]  # [1, N]
-            if len(pending) == 1:
-                self._time_token(time.perf_counter() - start)
+            with linear.prefill() if len(pending) > 1 else nullcontext():
+                logits = decoder(ids, pos, cache, layout=layout, last_only=True, head=self.head).logits[0]  # [1, N]
+            self._time_pass(len(pending), time.perf_counter() - start)
             self.fed += pending
             if params.greedy:
                 choice = int(logits.argmax())
@@ -113,12 +130,51 @@ class DraftModelDrafter:
 
     def cost_per_token(self) -> float | None:
         """What one more draft token costs (a one-token forward), catching up on skipped tokens
-        left out: the cost model's c_draft. None before the first one-token forward."""
+        left out: the cost model's c_draft. None before one is timed."""
         return self.token_seconds
 
-    def _time_token(self, seconds: float) -> None:
-        previous = self.token_seconds
-        self.token_seconds = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+    def set_gate(self, gate: Callable[[float, float | None], bool]) -> None:
+        """Before a catch-up longer than CATCH_UP_FREE tokens, ask `gate` with its estimated
+        seconds and the cost of a draft token; False declines the proposal. Times the draft model
+        now (under a second), so the first estimates fall at load time, not in a request."""
+        self.gate = gate
+        if self.read_seconds is None or self.token_seconds is None:
+            read, token = self._time_passes()
+            self.read_seconds = self.read_seconds or read
+            self.token_seconds = self.token_seconds or token
+
+    def catch_up_seconds(self, tokens: int) -> float:
+        """Estimated time to read `tokens` skipped tokens, from the catch-up passes timed so far."""
+        if self.read_seconds is None:
+            self.read_seconds = self._time_passes()[0]
+        return tokens * self.read_seconds
+
+    def _time_passes(self) -> tuple[float, float]:
+        """(seconds per token of a catch-up pass, seconds of a one-token pass), the fastest of a few."""
+        decoder = self.model.decoder
+        rows = min(READ_PROBE_ROWS, decoder.cfg.max_position - 1)
+        cache = decoder.new_cache(rows + 1)
+        ids = torch.zeros(rows + 1, dtype=torch.long, device=decoder.device)
+        pos = torch.arange(rows + 1, device=decoder.device)
+        best = {rows: float("inf"), 1: float("inf")}
+        with torch.inference_mode():
+            for _ in range(3):
+                for n, first in ((rows, 0), (1, rows)):
+                    cache.truncate(first)
+                    start = time.perf_counter()
+                    with linear.prefill() if n > 1 else nullcontext():
+                        decoder(ids[first:first + n], pos[first:first + n], cache,
+                                layout=RowLayout.chain(first, n), last_only=True, head=self.head)
+                    best[n] = min(best[n], time.perf_counter() - start)
+        return best[rows] / rows, best[1]
+
+    def _time_pass(self, rows: int, seconds: float) -> None:
+        if rows == 1:
+            previous = self.token_seconds
+            self.token_seconds = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+        elif rows >= 8:                     # long enough that the per-row cost dominates
+            per_row, previous = seconds / rows, self.read_seconds
+            self.read_seconds = per_row if previous is None else 0.8 * previous + 0.2 * per_row
 
     def _full_vocabulary(self, q: torch.Tensor) -> torch.Tensor:
         """q over the draft vocabulary [N] as a distribution over every token [V] (0 outside it)."""
