@@ -11,7 +11,9 @@ c(1)). The policy picks the K in [0, k_max] with the most tokens per second.
   compaction and a busy machine all count.
 - c_draft, the drafter's cost per proposed token, is timed on every proposal as generation goes.
 - α is counted per request from what the target keeps (decayed, so it follows the text), starting
-  from what this drafter achieved over earlier requests.
+  from what this drafter achieved over earlier requests. A drafter with several sources of drafts
+  (`auto`: suffix matches and a draft model) has each source's α and c_draft kept apart, so a
+  free, often-wrong suffix guess neither hides nor stands in for a dearer, usually-right draft model.
 
 A draft model must first read what it has not seen (the prompt, or tokens a suffix draft emitted)
 before it can draft: a one-off cost that a long prompt makes larger than anything a short answer
@@ -186,7 +188,9 @@ def _cost_key(model: LoadedModel, rows: int) -> str | None:
     decoder = model.decoder
     kinds = sorted({type(m).__name__ for m in decoder.modules()})
     dtypes = sorted({str(t.dtype) for t in [*decoder.parameters(), *decoder.buffers()]})
+    # The CPU's name alone does not tell its kernels apart (one "AMD EPYC" has AVX2 only, another AVX-512).
     parts = [identity, ",".join(kinds), ",".join(dtypes), str(decoder.device), _cpu_name(),
+             torch.backends.cpu.get_cpu_capability(),
              str(torch.get_num_threads()), torch.__version__, str(rows), str(MEASURE_CONTEXT)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
@@ -218,37 +222,66 @@ class Acceptance:
 
 
 @dataclass
+class SourceState:
+    """What the policy knows of one source of drafts: its acceptance and its cost per token."""
+    history: Acceptance = field(default_factory=Acceptance)   # over earlier requests
+    current: Acceptance = field(default_factory=Acceptance)   # this request
+    draft_cost: float = 0.0                 # seconds per proposed token, running average
+    rows_per_token: float = 1.0             # verifier rows a proposal adds per token asked, running average
+    timed: bool = False
+
+
+@dataclass
 class DraftLengthPolicy:
     """Chooses each step's draft length; one per engine, its counts reset per request.
 
     `pass_cost` is c(r); `k_max` the most a step may draft; `fixed` always drafts k_max (the
     experiment switch). The engine calls `choose` before a step, `drafted` / `shadow` after it.
+    A drafter with several sources of drafts (`auto`: suffix matches and a draft model) has each
+    one's acceptance and cost kept apart: `select(source)` says whose drafts the step is about.
     """
     pass_cost: Callable[[int], float]
     k_max: int
     fixed: bool = False
-    draft_cost: float = 0.0                 # seconds per proposed token, running average
-    rows_per_token: float = 1.0             # verifier rows a proposal adds per token asked, running average
-    history: Acceptance = field(default_factory=Acceptance)   # over earlier requests
-    current: Acceptance = field(default_factory=Acceptance)   # this request
+    sources: dict[str | None, SourceState] = field(default_factory=dict)
+    source: str | None = None               # whose drafts the current step is about
     plain_steps: int = 0                    # plain steps since the last draft or probe
     probe_wait: int = PROBE_WAIT[0]
     forgone: float = 0.0                    # seconds drafting would have saved while a catch-up waited
-    _timed: bool = False
+    remaining: int | None = None            # tokens the request may still emit (the engine sets it each step)
 
     def start(self) -> None:
-        """A new request: its estimate starts from the history's."""
-        self.current = Acceptance(self.history.kept, self.history.rejected)
-        self.plain_steps, self.probe_wait, self.forgone = 0, PROBE_WAIT[0], 0.0
+        """A new request: each source's estimate starts from its history."""
+        for state in self.sources.values():
+            state.current = Acceptance(state.history.kept, state.history.rejected)
+        self.plain_steps, self.probe_wait, self.forgone, self.remaining = 0, PROBE_WAIT[0], 0.0, None
+
+    def select(self, source: str | None) -> None:
+        self.source = source
+
+    @property
+    def state(self) -> SourceState:
+        state = self.sources.get(self.source)
+        if state is None:
+            state = self.sources[self.source] = SourceState()
+        return state
 
     @property
     def alpha(self) -> float:
-        return self.current.alpha
+        return self.state.current.alpha
+
+    @property
+    def draft_cost(self) -> float:
+        return self.state.draft_cost
+
+    @property
+    def rows_per_token(self) -> float:
+        return self.state.rows_per_token
 
     @property
     def free(self) -> bool:
         """Whether a draft token costs next to nothing beside a target pass."""
-        return self._timed and self.draft_cost < FREE_SHARE * self.pass_cost(1)
+        return self.state.timed and self.draft_cost < FREE_SHARE * self.pass_cost(1)
 
     def choose(self, can_shadow: bool = False) -> tuple[int, bool]:
         """(draft length for the next step, whether it is a probe). `can_shadow`: the drafter may
@@ -260,41 +293,50 @@ class DraftLengthPolicy:
             return 1, True                      # one draft token to see whether drafts recover
         return k, False
 
-    def saving(self, draft_cost: float | None = None) -> float:
+    def saving(self, draft_cost: float | None = None, alpha: float | None = None) -> float:
         """Seconds the best draft length saves per emitted token over plain steps (0: none), with
-        draft tokens at `draft_cost` (default: the running average of proposals)."""
+        draft tokens at `draft_cost` kept at rate `alpha` (defaults: this source's running figures)."""
         cost = self.draft_cost if draft_cost is None else draft_cost
-        k = best_k(self.alpha, self.pass_cost, cost, self.k_max, self.rows_per_token)
+        alpha = self.alpha if alpha is None else alpha
+        k = best_k(alpha, self.pass_cost, cost, self.k_max, self.rows_per_token)
         if k == 0:
             return 0.0
         rows = 1 + max(k, round(k * self.rows_per_token))
         step = self.pass_cost(rows) + k * cost
-        return max(self.pass_cost(1) - step / expected_tokens(self.alpha, k), 0.0)
+        return max(self.pass_cost(1) - step / expected_tokens(alpha, k), 0.0)
 
-    def pays_setup(self, seconds: float, draft_cost: float | None = None) -> bool:
+    def pays_setup(self, seconds: float, draft_cost: float | None = None, alpha: float | None = None) -> bool:
         """Whether to pay a drafter's one-off `seconds` (a catch-up) now, its tokens then costing
-        `draft_cost` each; asked before each step that would pay it. No: the step goes without it,
-        and what drafting would have saved on that step counts towards paying next time."""
-        if self.fixed or seconds <= 0 or self.forgone >= seconds:
+        `draft_cost` each and kept at rate `alpha`; asked before each step that would pay it. No:
+        the step goes without it, and what drafting would have saved on it counts towards paying
+        next time. Never when even drafting every token the request may still emit (`remaining`)
+        could not save `seconds`."""
+        if self.fixed or seconds <= 0:
+            return True
+        saving = self.saving(draft_cost, alpha)
+        if self.remaining is not None and saving * self.remaining < seconds:
+            return False                         # the tokens left could not win it back
+        if self.forgone >= seconds:
             self.forgone = 0.0
             return True
-        self.forgone += self.saving(draft_cost)
+        self.forgone += saving
         return False
 
     def time_proposal(self, seconds: float, asked: int, rows: int) -> None:
         """A proposal of `asked` tokens took `seconds` and added `rows` verifier rows."""
         if asked <= 0:
             return
+        state = self.state
         per_token, ratio = seconds / asked, rows / asked
-        if self._timed:
-            per_token, ratio = 0.8 * self.draft_cost + 0.2 * per_token, 0.8 * self.rows_per_token + 0.2 * ratio
-        self.draft_cost, self.rows_per_token, self._timed = per_token, ratio, True
+        if state.timed:
+            per_token, ratio = 0.8 * state.draft_cost + 0.2 * per_token, 0.8 * state.rows_per_token + 0.2 * ratio
+        state.draft_cost, state.rows_per_token, state.timed = per_token, ratio, True
 
     def drafted(self, depth: int, kept: int, probe: bool) -> None:
         """A verified draft `depth` tokens deep of which the first `kept` were kept."""
         rejected = 1 if kept < depth else 0
-        self.current.observe(kept, rejected)
-        self.history.observe(kept, rejected)
+        self.state.current.observe(kept, rejected)
+        self.state.history.observe(kept, rejected)
         self.plain_steps = 0
         if probe:
             self.probe_wait = PROBE_WAIT[0] if kept else min(2 * self.probe_wait, PROBE_WAIT[1])
@@ -310,5 +352,5 @@ class DraftLengthPolicy:
 
     def shadow(self, kept_probability: float) -> None:
         """A free proposal not verified: the target kept its first token with this probability."""
-        self.current.observe(kept_probability, 1 - kept_probability)
-        self.history.observe(kept_probability, 1 - kept_probability)
+        self.state.current.observe(kept_probability, 1 - kept_probability)
+        self.state.history.observe(kept_probability, 1 - kept_probability)

@@ -54,10 +54,13 @@ class Engine:
         self.policy = policy if drafter is not None and self.k > 0 else None
         # Free, stateless proposals can be made beside a plain step to keep measuring acceptance.
         self.can_shadow = bool(getattr(drafter, "stateless", False))
+        # A drafter with several sources says which it will use and which it used (`auto`).
+        self.next_source = getattr(drafter, "next_source", None)
         set_gate = getattr(drafter, "set_gate", None)
         if self.policy is not None and set_gate is not None:
             set_gate(self.policy.pays_setup)     # the policy decides when a catch-up pays
         self.rows = rows_per_step(drafter, self.k)   # most cache slots a step uses after the root
+        self.last_k = self.k if drafter is not None else None   # the draft length the last step chose
         tok = target.tokenizer
         self.stop_ids = tok.stop_ids if tok is not None else frozenset()
 
@@ -111,7 +114,11 @@ class Engine:
         tree = shadow = None
         k, probe = self.k, False
         if self.policy is not None:
+            self.policy.remaining = room
+            if self.next_source is not None:
+                self.policy.select(self.next_source(context))
             k, probe = self.policy.choose(self.can_shadow)
+            self.last_k = k
         if self.drafter is not None and room > 1:
             if k > 0:
                 tree = self._propose(context, min(k, room - 1), seq.params, gen)
@@ -147,6 +154,8 @@ class Engine:
     def _propose(self, context: list[int], k: int, params: SamplingParams, gen: torch.Generator):
         start = time.perf_counter()
         tree = self.drafter.propose(context, k, params, gen)
+        if self.policy is not None and self.next_source is not None:
+            self.policy.select(self.drafter.source)
         if self.policy is not None and tree is not None:     # None: nothing drafted, nothing to time
             seconds = time.perf_counter() - start
             # A drafter that knows its own token cost says it (a draft model's catch-up on skipped

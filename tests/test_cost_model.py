@@ -121,6 +121,24 @@ def test_a_request_starts_from_the_acceptance_of_earlier_requests() -> None:
     assert policy.alpha > 0.9
 
 
+def test_each_source_of_drafts_has_its_own_acceptance() -> None:
+    policy = DraftLengthPolicy(FLAT, k_max=4)
+    policy.start()
+    policy.select("suffix")
+    for _ in range(10):
+        policy.drafted(4, 0, False)
+    policy.select("draft")
+    for _ in range(10):
+        policy.drafted(4, 4, False)
+    assert policy.alpha > 0.9
+    policy.select("suffix")
+    assert policy.alpha < 0.2
+    policy.start()                                   # a new request starts from each one's history
+    assert policy.alpha < 0.2
+    policy.select("draft")
+    assert policy.alpha > 0.9
+
+
 def test_fixed_always_drafts_k() -> None:
     policy = DraftLengthPolicy(LINEAR, k_max=4, fixed=True)
     policy.start()
@@ -137,10 +155,23 @@ def test_a_catch_up_is_paid_once_what_drafting_would_have_saved_reaches_its_cost
     assert 0 < saving < FLAT(1)
     cost = 5.5 * saving                              # the catch-up costs five and a half steps' saving
     answers = [policy.pays_setup(cost, 0.01) for _ in range(8)]
+    assert policy.saving(0.01, alpha=0.1) < saving             # drafts kept less often save less
     assert answers == [False] * 6 + [True, False]    # paid on the 7th step; the count starts again
     assert policy.pays_setup(0.0)                    # nothing to catch up: always
     policy.start()
     assert policy.forgone == 0.0                     # a new request starts from nothing
+
+
+def test_a_catch_up_the_tokens_left_cannot_win_back_is_never_paid() -> None:
+    policy = DraftLengthPolicy(FLAT, k_max=4)
+    policy.start()
+    saving = policy.saving(draft_cost=0.01, alpha=0.9)
+    policy.remaining = 10                            # the request may emit 10 more tokens at most
+    assert not any(policy.pays_setup(11 * saving, 0.01, 0.9) for _ in range(100))
+    policy.remaining = 100
+    assert any(policy.pays_setup(11 * saving, 0.01, 0.9) for _ in range(100))
+    policy.start()
+    assert policy.remaining is None                  # unknown until the engine's next step says
 
 
 def test_a_catch_up_is_never_paid_for_drafts_that_do_not_pay() -> None:
@@ -300,6 +331,19 @@ def test_a_draft_model_reads_a_long_prompt_only_when_the_answer_can_pay_for_it(t
     # Dear: 40 s of catch-up against at most a pass saved per step, never paid in 60 steps.
     assert (out.metrics.num_drafts > 0) == drafts
     assert (len(drafter.fed) > len(prompt)) == drafts
+
+
+def test_auto_keeps_the_acceptance_of_its_suffix_and_draft_model_apart(target4) -> None:
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 3 + [20, 21]     # copies, then new text
+    plain = Engine(target4).generate(prompt, GREEDY).token_ids
+    auto = drafters.create("auto", target4, {"model": target4, "long_match": 4})   # the target drafts: always kept
+    policy = DraftLengthPolicy(FLAT, k_max=3)
+    out = Engine(target4, auto, 3, policy).generate(prompt, GREEDY)
+    assert out.token_ids == plain
+    assert auto.steps["draft"] > 0 and set(policy.sources) <= {"suffix", "draft"}
+    draft = policy.sources["draft"]
+    assert draft.current.alpha > 0.9 and draft.timed and draft.draft_cost > 0
+    assert auto.draft.acceptance.alpha > 0.9          # the draft model's own count, for its catch-up gate
 
 
 def test_the_engine_times_its_steps_into_learned_costs(target4) -> None:

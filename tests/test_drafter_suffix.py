@@ -193,14 +193,15 @@ def test_auto_takes_the_suffix_draft_on_a_long_match_and_the_draft_model_elsewhe
 def test_auto_keeps_the_suffix_guess_while_the_draft_models_catch_up_is_declined() -> None:
     target = tiny_model(0, name="auto-target")
     auto = drafters.create("auto", target, {"model": target, "long_match": 8})
-    asked: list[tuple[float, float | None]] = []
-    auto.set_gate(lambda seconds, token_cost: asked.append((seconds, token_cost)) or False)
+    asked: list[tuple[float, float | None, float]] = []
+    auto.set_gate(lambda seconds, token_cost, alpha: asked.append((seconds, token_cost, alpha)) or False)
     prompt = list(range(30, 50)) + [3, 4, 5, 6, 1, 2, 3, 4]    # a 20-token catch-up, a short match
     auto.start(prompt, None, 64)
     tree = auto.propose(prompt, 3, GREEDY, None)
     assert tree.tokens[:2] == [5, 6] and auto.steps == {"suffix": 1, "draft": 0}
-    (seconds, token_cost), = asked
+    (seconds, token_cost, alpha), = asked
     assert seconds > 0 and token_cost > 0                        # timed when the gate was set
-    auto.set_gate(lambda seconds, token_cost: True)
+    assert alpha == pytest.approx(0.8)                           # no verdict yet: the draft model's prior
+    auto.set_gate(lambda seconds, token_cost, alpha: True)
     tree = auto.propose(prompt, 3, GREEDY, None)
     assert len(tree) == 3 and auto.steps == {"suffix": 1, "draft": 1}

@@ -130,3 +130,15 @@ def test_speculation_with_int8_target_and_draft_equals_plain_int8(k: int) -> Non
                speculative_options={"quantize": "int8"}).generate(prompt, params)[0]
     assert spec.token_ids == plain.token_ids
     assert spec.metrics.num_accepted_tokens > 0
+
+
+def test_int8_weights_loaded_out_of_alignment_are_copied_to_aligned_memory() -> None:
+    buffer = torch.zeros(64 * 33, dtype=torch.int8)
+    weight = buffer[3:3 + 64 * 32].view(64, 32)                # 3 bytes off: as a memory map may give
+    weight.copy_(torch.arange(64 * 32).remainder(255).sub(127).to(torch.int8).view(64, 32))
+    assert weight.data_ptr() % formats.WEIGHT_ALIGNMENT != 0
+    aligned = formats._aligned(weight)
+    assert aligned.data_ptr() % formats.WEIGHT_ALIGNMENT == 0
+    assert torch.equal(aligned, weight)
+    x, scale = torch.randn(5, 32, dtype=torch.bfloat16), torch.rand(64, dtype=torch.bfloat16)
+    torch.ops.aten._weight_int8pack_mm(x, aligned, scale)     # crashed the process on AVX-512 bf16 CPUs

@@ -7,7 +7,9 @@ and the draft model is not run at all for that step. Elsewhere the draft model g
 through the same verifier and exact rule, so the output is the target's either way; the draft
 model catches up on the tokens it skipped in one chain pass at its next proposal. Until the cost
 policy agrees to pay the draft model's catch-up (reading a long prompt is worth it only for a long
-answer), the suffix drafter proposes whatever match it has.
+answer), the suffix drafter proposes whatever match it has. `next_source(context)` says before a
+step which of the two will propose, and `source` after it which did, so the cost policy keeps each
+one's acceptance and cost apart.
 
 Cost: a suffix look-up every step (microseconds), a draft-model token only on steps without a long
 match. Where it loses: a long match that stops being copied wastes one verification, and the
@@ -39,7 +41,7 @@ class AutoDrafter:
         self.draft = DraftModelDrafter(target, model, dtype, device, quantize, min_confidence, draft_vocab)
         self.long_match = long_match
         self.steps = {"suffix": 0, "draft": 0}   # proposals made by each, this process
-        self.last = "draft"                      # which made the last proposal
+        self.source = "draft"                    # which made the last proposal
 
     def max_rows(self, k: int) -> int:
         return max(rows_per_step(self.suffix, k), k)
@@ -48,8 +50,12 @@ class AutoDrafter:
         self.suffix.start(prompt_ids, target_cache, max_len)
         self.draft.start(prompt_ids, target_cache, max_len)
 
-    def set_gate(self, gate: Callable[[float, float | None], bool]) -> None:
+    def set_gate(self, gate: Callable[[float, float | None, float], bool]) -> None:
         self.draft.set_gate(gate)
+
+    def next_source(self, context: list[int]) -> str:
+        """Which will propose after `context` (the cost policy keeps their acceptance apart)."""
+        return "suffix" if self.suffix.match_length(context) >= self.long_match else "draft"
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> DraftTree | None:
@@ -57,16 +63,17 @@ class AutoDrafter:
         if tree is None or match < self.long_match:
             drafted = self.draft.propose(context, k, params, generator)
             if drafted is not None:          # None: its catch-up declined, the suffix's guess stands
-                self.last = "draft"
+                self.source = "draft"
                 self.steps["draft"] += 1
                 return drafted
-        self.last = "suffix"
+        self.source = "suffix"
         self.steps["suffix"] += 1
         return tree
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
-        pass   # neither keeps state between proposal and verdict: the next context tells them
+        if self.source == "draft":             # the draft model counts its verdicts (its catch-up gate)
+            self.draft.observe(num_accepted, aux_logits)
 
     def cost_per_token(self) -> float | None:
         """The draft model's token cost after its proposals; None (time the call) after the suffix's."""
-        return self.draft.cost_per_token() if self.last == "draft" else None
+        return self.draft.cost_per_token() if self.source == "draft" else None

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from forerun.config import SamplingParams
+from forerun.cost_model import Acceptance
 from forerun.drafters import register
 from forerun.drafters.draft_vocab import draft_vocabulary, reduced_head
 from forerun.errors import ForerunError
@@ -30,6 +31,10 @@ DRAFT_MODEL_METHODS = ("draft", "auto")   # methods that run a draft model (its 
 # run) and is paid without asking; longer ones (a prompt) are the cost policy's call.
 CATCH_UP_FREE = 16
 READ_PROBE_ROWS = 32   # rows of the pass that times a catch-up's cost per token
+# Kept and rejected pseudo-counts behind the acceptance a draft model expects before its first
+# verdict: a draft of the target's own family is usually right (0.8; runs 9 and 10 measured
+# 0.78-0.85 at the first position). It only decides when a catch-up pays; verdicts replace it.
+DRAFT_PRIOR = (4.0, 1.0)
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -83,7 +88,9 @@ class DraftModelDrafter:
         self.fed: list[int] = []   # tokens whose keys/values sit in self.cache, in order
         self.token_seconds: float | None = None   # running mean time of a one-token draft forward
         self.read_seconds: float | None = None    # running mean time per token of a catch-up pass
-        self.gate: Callable[[float, float | None], bool] | None = None   # see set_gate
+        self.gate: Callable[[float, float | None, float], bool] | None = None   # see set_gate
+        self.acceptance = Acceptance(*DRAFT_PRIOR)   # of its drafts, over every request of this drafter
+        self.proposed = 0                            # tokens in the proposal awaiting its verdict
 
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         self.cache = self.model.decoder.new_cache(max_len)
@@ -99,7 +106,8 @@ class DraftModelDrafter:
         pending = context[keep:]
         # The root is read on every proposal; only what lies before it is catch-up.
         if (self.gate is not None and len(pending) - 1 > CATCH_UP_FREE
-                and not self.gate(self.catch_up_seconds(len(pending) - 1), self.cost_per_token())):
+                and not self.gate(self.catch_up_seconds(len(pending) - 1), self.cost_per_token(),
+                                  self.acceptance.alpha)):
             return None
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
@@ -123,19 +131,24 @@ class DraftModelDrafter:
             pending = [token]
             if self.min_confidence and float(logits.softmax(-1).max()) < self.min_confidence:
                 break
+        self.proposed = len(tokens)
         return DraftTree.chain(tokens, None if params.greedy else torch.stack(probs))
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
-        pass  # the next propose() rolls back by comparing contexts
+        # The cache needs nothing: the next propose() rolls back by comparing contexts.
+        if self.proposed:
+            self.acceptance.observe(num_accepted, 1 if num_accepted < self.proposed else 0)
+            self.proposed = 0
 
     def cost_per_token(self) -> float | None:
         """What one more draft token costs (a one-token forward), catching up on skipped tokens
         left out: the cost model's c_draft. None before one is timed."""
         return self.token_seconds
 
-    def set_gate(self, gate: Callable[[float, float | None], bool]) -> None:
+    def set_gate(self, gate: Callable[[float, float | None, float], bool]) -> None:
         """Before a catch-up longer than CATCH_UP_FREE tokens, ask `gate` with its estimated
-        seconds and the cost of a draft token; False declines the proposal. Times the draft model
+        seconds, the cost of a draft token and the share of draft tokens kept so far; False
+        declines the proposal. Times the draft model
         now (under a second), so the first estimates fall at load time, not in a request."""
         self.gate = gate
         if self.read_seconds is None or self.token_seconds is None:

@@ -148,6 +148,12 @@ class SuffixDrafter:
             branches.append(main[:at] + [token] + rest)
         return DraftTree.trie(branches), length
 
+    def match_length(self, context: list[int]) -> int:
+        """Tokens of the longest context suffix seen before with a follower (0: none)."""
+        self._extend(context)
+        found = self._match(context)
+        return found[2] if found is not None else 0
+
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
         pass   # accepted tokens arrive with the next context
 

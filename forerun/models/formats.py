@@ -29,9 +29,19 @@ class Format:
         return self.cache_name or self.name
 
 
+# PyTorch's int8 weight-only kernel reads its weights with aligned vector loads on CPUs with
+# AVX-512 bf16 and crashes the process on a weight that is not 16-byte aligned; a memory-mapped
+# safetensors file aligns its tensors to 8 bytes only. Such weights are copied (the allocator aligns).
+WEIGHT_ALIGNMENT = 64
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device.type != "cpu" or t.data_ptr() % WEIGHT_ALIGNMENT == 0 else t.clone()
+
+
 def _load_int8(decoder: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
     quantize_int8_(decoder, from_meta=True)
-    decoder.load_state_dict({k: state[k] for k in decoder.state_dict()}, assign=True, strict=True)
+    decoder.load_state_dict({k: _aligned(state[k]) for k in decoder.state_dict()}, assign=True, strict=True)
     return decoder
 
 
