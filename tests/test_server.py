@@ -1,0 +1,331 @@
+"""forerun serve on a loopback port with a tiny model: the openai client against it (completions and
+chat, streamed and whole), 64 concurrent streams, 200 cancelled requests, every invalid field, the
+API key, /metrics against the responses, and an engine failure that ends one request only."""
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from forerun.api import LLM
+from forerun.config import SamplingParams
+from forerun.engine import Engine
+from forerun.scheduler import Scheduler
+from forerun.server import ServerConfig, create_app
+from forerun.server_metrics import ServerMetrics
+
+KEY = "test-key"
+NAME = "tiny"
+CONTEXT = 512
+
+
+class Served:
+    """A started server: its base URL, scheduler and metrics; stop() shuts it down."""
+
+    def __init__(self, llm: LLM, api_key: str | None = KEY, max_waiting: int = 512) -> None:
+        self.llm = llm
+        self.metrics = ServerMetrics(llm.engine)
+        self.scheduler = Scheduler(llm.engine, max_waiting)
+        self.scheduler.start()
+        app = create_app(llm, self.scheduler, ServerConfig(NAME, CONTEXT, api_key), self.metrics)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, **kw)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.scheduler.stop()
+
+
+@pytest.fixture(scope="module")
+def served(target_tok):
+    s = Served(LLM(target_tok))
+    yield s
+    s.stop()
+
+
+def alone(llm: LLM, prompt, **params) -> str:
+    """What the engine writes for `prompt` with nothing else running."""
+    ids = llm.tokenizer.apply_chat(prompt) if isinstance(prompt, list) else llm.tokenizer.encode(prompt)
+    return Engine(llm.target).generate(ids, SamplingParams(**params)).text
+
+
+def test_completions_whole_and_streamed_equal_the_engine_alone(served) -> None:
+    client = served.client()
+    want = alone(served.llm, "abc", max_tokens=24)
+    whole = client.completions.create(model=NAME, prompt="abc", max_tokens=24, temperature=0)
+    assert whole.choices[0].text == want
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    ids = served.llm.tokenizer.encode("abc")
+    out_ids = Engine(served.llm.target).generate(ids, SamplingParams(max_tokens=24)).token_ids
+    assert whole.usage.prompt_tokens == len(ids)
+    assert whole.usage.completion_tokens == len(out_ids)
+    assert whole.usage.total_tokens == len(ids) + len(out_ids)
+    chunks = list(client.completions.create(model=NAME, prompt="abc", max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == len(out_ids) and not chunks[-1].choices
+
+
+def test_chat_whole_and_streamed_equal_the_engine_alone(served) -> None:
+    client = served.client()
+    messages = [{"role": "user", "content": "hello"}]
+    want = alone(served.llm, messages, max_tokens=20)
+    whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0)
+    assert whole.choices[0].message.content == want and whole.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_stop_strings_cut_the_text_and_finish_with_stop(served) -> None:
+    client = served.client()
+    full = alone(served.llm, "abc", max_tokens=40)
+    stop = full[5:7]
+    assert stop and full.find(stop) >= 0
+    out = client.completions.create(model=NAME, prompt="abc", max_tokens=40, temperature=0, stop=[stop])
+    assert out.choices[0].text == full[:full.find(stop)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_seeds_reproduce_sampled_output(served) -> None:
+    client = served.client()
+    def run(seed: int) -> str:
+        return client.completions.create(model=NAME, prompt="xy", max_tokens=30, temperature=1.5, seed=seed).choices[0].text
+
+    assert run(7) == run(7)
+    assert len({run(seed) for seed in range(8, 14)}) > 1            # the seed does matter
+
+
+def test_models_lists_the_served_name(served) -> None:
+    assert [m.id for m in served.client().models.list().data] == [NAME]
+
+
+def test_64_concurrent_streams_each_equal_their_run_alone(served) -> None:
+    prompts = [f"p{i % 16}{chr(97 + i % 26)}" for i in range(64)]
+    want = {p: alone(served.llm, p, max_tokens=16) for p in set(prompts)}
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_of_them() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    got = asyncio.run(all_of_them())
+    assert got == [want[p] for p in prompts]
+
+
+def test_cancelled_requests_leave_nothing_behind(served) -> None:
+    # A prompt whose greedy run is long, so that 200 of them would take minutes if they all ran.
+    lengths = {p: len(served.llm.tokenizer.encode(alone(served.llm, p, max_tokens=400)))
+               for p in ("q", "zz", "hello", "abc", "0", "x y", "wq", "mm")}
+    prompt = max(lengths, key=lengths.get)
+    assert lengths[prompt] >= 300, lengths
+
+    async def give_up(client: httpx.AsyncClient, stream: bool) -> bool:
+        body = {"model": NAME, "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": stream}
+        try:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                async for _ in response.aiter_bytes():
+                    pass
+        except httpx.TimeoutException:
+            return True
+        return False
+
+    async def cancel_200() -> list[bool]:
+        async with httpx.AsyncClient(base_url=served.url, timeout=0.3,
+                                     headers={"Authorization": f"Bearer {KEY}"},
+                                     limits=httpx.Limits(max_connections=200)) as client:
+            return await asyncio.gather(*(give_up(client, stream=i % 2 == 0) for i in range(200)))
+
+    assert sum(asyncio.run(cancel_200())) >= 190          # a streamed one may finish within its read timeouts
+    start = time.monotonic()
+    out = served.client(timeout=30).completions.create(model=NAME, prompt="abc", max_tokens=8, temperature=0)
+    assert out.choices[0].text == alone(served.llm, "abc", max_tokens=8)
+    assert time.monotonic() - start < 5
+    deadline = time.monotonic() + 5
+    while served.scheduler.counts() != (0, 0):
+        assert time.monotonic() < deadline, f"left in the scheduler: {served.scheduler.counts()}"
+        time.sleep(0.05)
+
+
+BAD = [
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": "ten"}, "max_tokens"),
+    ({"model": "other-model"}, "model"),
+    ({"max_tokens": CONTEXT}, "max_tokens"),          # with the prompt, beyond the context
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": {"text": "a"}}, "prompt"),
+    ({"n": 2}, "n"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": 5}, "stop"),
+    ({"top_k": -3}, "top_k"),
+    ({"seed": 1.5}, "seed"),
+]
+
+
+@pytest.mark.parametrize("change,param", BAD, ids=[p + "-" + str(i) for i, (_, p) in enumerate(BAD)])
+def test_invalid_fields_get_400_naming_the_field(served, change, param) -> None:
+    body = {"model": NAME, "prompt": "abc", "max_tokens": 4, **change}
+    r = httpx.post(served.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert param.split("_")[0] in error["message"]
+    assert served.scheduler.counts() == (0, 0)                       # nothing reached the engine
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+def test_a_body_that_is_not_a_json_object_gets_400(served, body) -> None:
+    r = httpx.post(served.url + "/v1/completions", content=body,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_chat_messages_are_checked(served) -> None:
+    for messages in ([], [{"content": "no role"}], [{"role": "user", "content": 5}], "hi"):
+        r = httpx.post(served.url + "/v1/chat/completions", json={"model": NAME, "messages": messages},
+                       headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_an_oversized_body_is_refused(served) -> None:
+    r = httpx.post(served.url + "/v1/completions", json={"model": NAME, "prompt": "a" * (5 << 20)},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+
+def test_the_api_key_guards_every_route_but_health(served) -> None:
+    for path in ("/v1/models", "/metrics"):
+        assert httpx.get(served.url + path).status_code == 401
+        assert httpx.get(served.url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(served.url + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    r = httpx.post(served.url + "/v1/completions", json={"model": NAME, "prompt": "a"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    pattern = re.escape(name + (("{" + labels + "}") if labels else "")) + r" ([0-9.e+-]+)"
+    match = re.search(r"^" + pattern + "$", text, re.M)
+    assert match, f"{name} {labels} not in /metrics"
+    return float(match.group(1))
+
+
+def test_metrics_agree_with_the_responses(target_tok) -> None:
+    llm = LLM(target_tok, speculative_method="ngram", num_speculative_tokens=3, speculative_k_policy="fixed")
+    served = Served(llm)
+    try:
+        client = served.client()
+        prompts = ["abcabcabcabc", "hello hello hello", "xyzxyzxy"]
+        usage = [client.completions.create(model=NAME, prompt=p, max_tokens=30, temperature=0).usage for p in prompts]
+        expected = [Engine(llm.target, llm.engine.drafter, 3).generate(llm.tokenizer.encode(p), SamplingParams(max_tokens=30))
+                    for p in prompts]
+        text = httpx.get(served.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    finally:
+        served.stop()
+    assert _metric(text, "forerun:generation_tokens_total") == sum(u.completion_tokens for u in usage)
+    assert _metric(text, "forerun:prompt_tokens_total") == sum(u.prompt_tokens for u in usage)
+    assert _metric(text, "forerun:spec_decode_num_drafts_total") == sum(e.metrics.num_drafts for e in expected)
+    drafted = sum(e.metrics.num_draft_tokens for e in expected)
+    accepted = sum(e.metrics.num_accepted_tokens for e in expected)
+    assert drafted > 0 and accepted > 0
+    assert _metric(text, "forerun:spec_decode_num_draft_tokens_total") == drafted
+    assert _metric(text, "forerun:spec_decode_num_accepted_tokens_total") == accepted
+    first = sum(e.metrics.accepted_per_position[0] for e in expected)
+    assert _metric(text, "forerun:spec_decode_num_accepted_tokens_per_pos_total", 'position="1"') == first
+    assert _metric(text, "forerun:num_requests_running") == 0
+    assert _metric(text, "forerun:time_to_first_token_seconds_count") == 3
+    assert _metric(text, "forerun:e2e_request_latency_seconds_count") == 3
+    assert _metric(text, "forerun:spec_decode_draft_length") == 3
+
+
+class Boom(BaseException):
+    """Not an Exception: nothing per request catches it, so it ends the engine loop."""
+
+
+class FlakyEngine:
+    """Raises inside generation for prompts that start with `bad`; `fatal` raises Boom instead."""
+
+    def __init__(self, engine: Engine, bad: int, fatal: bool = False) -> None:
+        self.engine, self.bad, self.fatal = engine, bad, fatal
+
+    def check_fits(self, prompt_ids, params):
+        return self.engine.check_fits(prompt_ids, params)
+
+    def stream(self, prompt_ids, params, result=None):
+        for i, step in enumerate(self.engine.stream(prompt_ids, params, result)):
+            if prompt_ids[0] == self.bad and i == 2:
+                raise Boom() if self.fatal else RuntimeError("injected failure")
+            yield step
+
+
+def test_a_failure_inside_the_engine_ends_that_request_only(target_tok) -> None:
+    llm = LLM(target_tok)
+    bad = llm.tokenizer.encode("!")[0]
+    llm.engine = FlakyEngine(llm.engine, bad)
+    served = Served(llm)
+    try:
+        client = served.client()
+        with pytest.raises(openai.InternalServerError, match="injected failure"):
+            client.completions.create(model=NAME, prompt="!boom", max_tokens=10, temperature=0)
+        chunks = []
+        with pytest.raises(openai.APIError, match="injected failure"):
+            for chunk in client.completions.create(model=NAME, prompt="!boom", max_tokens=10, temperature=0, stream=True):
+                chunks.append(chunk)
+        assert chunks                                               # text before the failure came through
+        r = httpx.post(served.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": NAME, "prompt": "!boom", "max_tokens": 10, "stream": True})
+        assert '"error"' in r.text and r.text.endswith("data: [DONE]\n\n")
+        ok = client.completions.create(model=NAME, prompt="fine", max_tokens=10, temperature=0)
+        assert ok.choices[0].text == alone(llm, "fine", max_tokens=10)
+        assert httpx.get(served.url + "/health").status_code == 200
+    finally:
+        served.stop()
+
+
+def test_health_says_503_when_the_engine_loop_has_died(target_tok) -> None:
+    llm = LLM(target_tok)
+    bad = llm.tokenizer.encode("!")[0]
+    llm.engine = FlakyEngine(llm.engine, bad, fatal=True)
+    served = Served(llm)
+    try:
+        with pytest.raises(openai.InternalServerError, match="engine loop stopped"):
+            served.client(timeout=10).completions.create(model=NAME, prompt="!x", max_tokens=10, temperature=0)
+        r = httpx.get(served.url + "/health")
+        assert r.status_code == 503 and "Boom" in r.json()["detail"]
+        with pytest.raises(openai.APIStatusError, match="engine loop has stopped") as caught:
+            served.client().completions.create(model=NAME, prompt="fine", max_tokens=10, temperature=0)
+        assert caught.value.status_code == 503
+    finally:
+        served.stop()
