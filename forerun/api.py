@@ -87,11 +87,22 @@ class LLM:
         self.spec = SpeculativeConfig(speculative_method, num_speculative_tokens, options, speculative_k_policy)
         if speculative_method is not None and num_speculative_tokens > self.target.decoder.cfg.max_position:
             raise ForerunError(f"num_speculative_tokens {num_speculative_tokens} is beyond the model's context")
-        drafter = drafters.create(speculative_method, self.target, options) if speculative_method else None
+        if isinstance(options.get("model"), str):
+            # Loaded once here, so every engine's drafter (one per batched sequence) shares the weights.
+            options["model"] = load_model(options["model"], options.get("dtype", dtype),
+                                          options.get("device", device), quantization=options.pop("quantize", None))
+        self._drafter_options = options
+        self.engine = self.new_engine()
+
+    def new_engine(self) -> Engine:
+        """An engine of its own (drafter, cost policy) over this LLM's weights: one per sequence
+        generated at once (forerun/batch.py)."""
+        spec = self.spec
+        drafter = drafters.create(spec.method, self.target, self._drafter_options) if spec.method else None
         policy = None
-        if drafter is not None and speculative_k_policy == "adaptive":
-            policy = DraftLengthPolicy(pass_costs(self.target), num_speculative_tokens)
-        self.engine = Engine(self.target, drafter, num_speculative_tokens, policy)
+        if drafter is not None and spec.k_policy == "adaptive":
+            policy = DraftLengthPolicy(pass_costs(self.target), spec.num_speculative_tokens)
+        return Engine(self.target, drafter, spec.num_speculative_tokens, policy)
 
     @property
     def tokenizer(self):

@@ -12,12 +12,14 @@ from forerun.config import SamplingParams
 from forerun.cost_model import DraftLengthPolicy
 from forerun.drafters import Drafter, rows_per_step
 from forerun.errors import ForerunError
+from forerun.kv_cache import KVCache
 from forerun.metrics import SpecMetrics
 from forerun.models import linear
 from forerun.models.load import LoadedModel
 from forerun.sampling import make_generator, probabilities, sample
 from forerun.sequence import Sequence
-from forerun.verify import verify
+from forerun.tree import DraftTree
+from forerun.verify import Verification, verify
 
 
 @dataclass
@@ -40,6 +42,28 @@ class RequestOutput:
     @property
     def tokens_per_s(self) -> float:
         return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+@dataclass
+class Running:
+    """A request between its steps."""
+    seq: Sequence
+    cache: KVCache
+    gen: torch.Generator
+    metrics: SpecMetrics
+    start: float                 # perf_counter at its prefill
+    first_token_s: float = 0.0
+
+
+@dataclass
+class Plan:
+    """What one step will verify: the root and the draft."""
+    root: int                    # the token emitted last, fed first
+    tree: DraftTree | None       # the draft (None: a plain step)
+    shadow: DraftTree | None     # a free proposal made beside a plain step, not verified
+    probe: bool                  # the draft is the policy's probe
+    base: int                    # cache slots before the root
+    started: float               # perf_counter when the verification began
 
 
 class Engine:
@@ -78,38 +102,53 @@ class Engine:
 
     def stream(self, prompt_ids: list[int], params: SamplingParams,
                result: list[RequestOutput] | None = None) -> Iterator[StepOutput]:
-        """Yield what each step emits; append the finished RequestOutput to `result` if given."""
-        decoder = self.target.decoder
+        """Steps of one request, the first after the prefill; appends the finished RequestOutput
+        to `result` when one is given."""
+        run, first = self.begin(prompt_ids, params)
+        yield first
+        while not run.seq.finished:
+            emitted = self.step(run)
+            yield StepOutput(emitted, run.seq.take_text(), run.seq.finished)
+        if result is not None:
+            result.append(self.output(run))
+
+    def begin(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Running, StepOutput]:
+        """Prefill a request and sample its first token."""
         max_len = self.check_fits(prompt_ids, params)
+        decoder = self.target.decoder
         seq = Sequence(prompt_ids, params, self.target.tokenizer, self.stop_ids)
-        metrics = SpecMetrics(num_speculative_tokens=self.k)
-        gen = make_generator(params.seed, decoder.device)
-        start = time.perf_counter()
-        cache = decoder.new_cache(max_len)
+        run = Running(seq, decoder.new_cache(max_len), make_generator(params.seed, decoder.device),
+                      SpecMetrics(num_speculative_tokens=self.k), time.perf_counter())
         ids = torch.tensor(prompt_ids, device=decoder.device)
         if self.policy is not None:
             self.policy.start()
         with linear.prefill():
             if self.drafter is not None:
-                self.drafter.start(seq.prompt_ids, cache, max_len)
+                self.drafter.start(seq.prompt_ids, run.cache, max_len)
             # Prefill the whole prompt; only the last position's logits are needed.
-            logits = decoder(ids, torch.arange(len(prompt_ids), device=decoder.device), cache,
+            logits = decoder(ids, torch.arange(len(prompt_ids), device=decoder.device), run.cache,
                              last_only=True).logits[0]
-        first = int(sample(probabilities(logits, params), gen)[0])
-        metrics.record_step(0, 0, 1)
+        first = int(sample(probabilities(logits, params), run.gen)[0])
+        run.metrics.record_step(0, 0, 1)
         seq.append(first)
-        first_token_s = time.perf_counter() - start
-        yield StepOutput([first], seq.take_text(), seq.finished)
-        while not seq.finished:
-            emitted = self._step(seq, cache, gen, metrics)
-            yield StepOutput(emitted, seq.take_text(), seq.finished)
-        if result is not None:
-            result.append(RequestOutput(seq.prompt_ids, seq.output_ids, seq.text, seq.finish_reason,
-                                        time.perf_counter() - start, first_token_s, metrics))
+        run.first_token_s = time.perf_counter() - run.start
+        return run, StepOutput([first], seq.take_text(), seq.finished)
 
-    def _step(self, seq: Sequence, cache, gen: torch.Generator, metrics: SpecMetrics) -> list[int]:
+    def output(self, run: Running) -> RequestOutput:
+        seq = run.seq
+        return RequestOutput(seq.prompt_ids, seq.output_ids, seq.text, seq.finish_reason,
+                             time.perf_counter() - run.start, run.first_token_s, run.metrics)
+
+    def step(self, run: Running) -> list[int]:
+        """One step of a running request: draft, verify, accept. Returns the tokens it emitted."""
+        plan = self.plan(run)
+        ver = verify(self.target.decoder, run.cache, plan.root, plan.tree, run.seq.params)
+        return self.finish(run, plan, ver)
+
+    def plan(self, run: Running, k_cap: int | None = None) -> Plan:
+        """The step's draft (None: a plain step); `k_cap` bounds its length (a batch's load)."""
+        seq = run.seq
         context = seq.context
-        root = context[-1]                       # emitted last step, not in the cache yet
         room = seq.params.max_tokens - len(seq.output_ids)
         tree = shadow = None
         k, probe = self.k, False
@@ -118,29 +157,37 @@ class Engine:
             if self.next_source is not None:
                 self.policy.select(self.next_source(context))
             k, probe = self.policy.choose(self.can_shadow)
-            self.last_k = k
+        if k_cap is not None:
+            k = min(k, k_cap)
+        self.last_k = k if self.drafter is not None else None
         if self.drafter is not None and room > 1:
             if k > 0:
-                tree = self._propose(context, min(k, room - 1), seq.params, gen)
-            elif self.can_shadow and self.policy.free:
-                shadow = self._propose(context, 1, seq.params, gen)
-        base = cache.length                      # slots before the root
-        step_start = time.perf_counter()
-        ver = verify(self.target.decoder, cache, root, tree, seq.params)
+                tree = self._propose(context, min(k, room - 1), seq.params, run.gen)
+            elif self.can_shadow and self.policy is not None and self.policy.free:
+                shadow = self._propose(context, 1, seq.params, run.gen)
+        # The root was emitted last step and is not in the cache yet.
+        return Plan(context[-1], tree, shadow, probe, run.cache.length, time.perf_counter())
+
+    def finish(self, run: Running, plan: Plan, ver: Verification, timed: bool = True) -> list[int]:
+        """Accept from the verified draft, roll the cache back, tell the policy and the drafter,
+        emit. Returns the tokens emitted. `timed`: the step's time is this request's alone (not a
+        pass shared with other sequences), so the policy may learn pass costs from it."""
+        seq, cache, tree = run.seq, run.cache, plan.tree
         if tree is None or len(tree) == 0:
-            first = ver.probs[0].argmax() if seq.params.greedy else sample(ver.probs[:1], gen)[0]
+            first = ver.probs[0].argmax() if seq.params.greedy else sample(ver.probs[:1], run.gen)[0]
             tokens, path = [int(first)], []
         else:
-            acc = accept(ver.probs, tree, gen, seq.params.greedy)
+            acc = accept(ver.probs, tree, run.gen, seq.params.greedy)
             tokens, path = acc.tokens, acc.path
         if self.policy is not None:
-            self._tell_policy(tree, shadow, path, probe, ver.probs[0])
+            self._tell_policy(tree, plan.shadow, path, plan.probe, ver.probs[0])
+        base = plan.base                         # slots before the root
         if path == list(range(len(path))):     # a chain prefix: rollback is a length change (aux rows go too)
             cache.truncate(base + 1 + len(path))
         else:
             cache.keep(list(range(base + 1)) + [base + 1 + node for node in path])
-        if self.policy is not None:
-            self.policy.timed_step(tree.num_rows if tree is not None else 1, time.perf_counter() - step_start)
+        if self.policy is not None and timed:
+            self.policy.timed_step(tree.num_rows if tree is not None else 1, time.perf_counter() - plan.started)
         if self.drafter is not None and tree is not None:
             self.drafter.observe(len(path), ver.aux_logits)
         emitted = []
@@ -148,7 +195,7 @@ class Engine:
             emitted.append(token)
             if seq.append(token):
                 break
-        metrics.record_step(len(tree) if tree else 0, len(path), len(emitted))
+        run.metrics.record_step(len(tree) if tree else 0, len(path), len(emitted))
         return emitted
 
     def _propose(self, context: list[int], k: int, params: SamplingParams, gen: torch.Generator):

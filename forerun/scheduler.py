@@ -1,14 +1,14 @@
 """Requests from many clients, one engine: a waiting queue, a loop thread, events back per request.
 
-This version runs one sequence at a time, first come first served: the loop takes the oldest
-waiting request and steps it to the end, then the next. Requests join and leave between steps; a
-cancelled request (its client went away) is dropped at its next step, waiting or running. Several
-sequences in one target pass (continuous batching) is not built yet.
+The loop runs a BatchEngine (forerun/batch.py): between steps it admits waiting requests, first
+come first served, while fewer than its max_seqs run (each starts with its own prefill), drops the
+cancelled ones (a client went away), then steps every running request in one target pass. With
+max_seqs 1 requests run one after another.
 
 Events reach the caller through `on_event(request, event)`, called on the loop thread; the server
-hands them to its asyncio loop. An exception inside the engine ends that request with an error
-event and the loop goes on to the next; if the loop itself dies, every request still queued ends
-with an error event, `alive` turns False and `submit` refuses new ones.
+hands them to its asyncio loop. An exception inside the engine for one request ends that request
+with an error event and the others go on; if the loop itself dies, every request still queued or
+running ends with an error event, `alive` turns False and `submit` refuses new ones.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from forerun.config import SamplingParams
-from forerun.engine import Engine, RequestOutput
+from forerun.batch import BatchEngine
+from forerun.engine import RequestOutput
 from forerun.errors import ForerunError
 
 
@@ -66,15 +67,15 @@ class EngineStopped(ForerunError):
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_waiting: int = 256,
+    def __init__(self, batch: BatchEngine, max_waiting: int = 256,
                  on_start: Callable[[Request], None] | None = None) -> None:
-        """`max_waiting`: requests allowed to wait beyond the running one; `on_start` is called on
+        """`max_waiting`: requests allowed to wait beyond the running ones; `on_start` is called on
         the loop thread when a request starts running (metrics)."""
-        self.engine = engine
+        self.batch = batch
         self.max_waiting = max_waiting
         self.on_start = on_start
         self._waiting: collections.deque[Request] = collections.deque()
-        self._running: Request | None = None
+        self._running: dict[int, Request] = {}
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="forerun-scheduler", daemon=True)
@@ -88,10 +89,8 @@ class Scheduler:
     def stop(self, timeout: float = 5.0) -> None:
         with self._cond:
             self._stop = True
-            for r in self._waiting:
+            for r in [*self._waiting, *self._running.values()]:
                 r.cancel()
-            if self._running is not None:
-                self._running.cancel()
             self._cond.notify_all()
         self._thread.join(timeout)
 
@@ -101,7 +100,7 @@ class Scheduler:
 
     def submit(self, request: Request) -> None:
         """Queue `request`; QueueFull when max_waiting requests already wait."""
-        self.engine.check_fits(request.prompt_ids, request.params)     # a clear error before queueing
+        self.batch.check_fits(request.prompt_ids, request.params)     # a clear error before queueing
         with self._cond:
             if not self.alive:
                 raise EngineStopped(f"the engine loop has stopped and takes no requests: {self.died or 'not started'}")
@@ -115,7 +114,7 @@ class Scheduler:
         """(running, waiting) requests, cancelled ones left out."""
         with self._cond:
             self._drop_cancelled()
-            running = 1 if self._running is not None and not self._running.cancelled.is_set() else 0
+            running = sum(1 for r in self._running.values() if not r.cancelled.is_set())
             return running, len(self._waiting)
 
     # --- the loop thread -----------------------------------------------------------------------
@@ -124,47 +123,77 @@ class Scheduler:
         if any(r.cancelled.is_set() for r in self._waiting):
             self._waiting = collections.deque(r for r in self._waiting if not r.cancelled.is_set())
 
-    def _next(self) -> Request | None:
+    def _admit(self) -> list[Request] | None:
+        """Waiting requests to start now, as many as there are free lanes; waits while there is
+        nothing to do; None once stopped."""
         with self._cond:
             while True:
                 self._drop_cancelled()
                 if self._stop:
                     return None
-                if self._waiting:
-                    self._running = self._waiting.popleft()
-                    return self._running
+                free = self.batch.max_seqs - len(self._running)
+                admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+                for r in admitted:
+                    self._running[r.id] = r
+                if admitted or self._running:
+                    return admitted
                 self._cond.wait(0.5)
 
     def _loop(self) -> None:
         try:
-            while (request := self._next()) is not None:
-                self._run(request)
-                with self._cond:
-                    self._running = None
+            while (admitted := self._admit()) is not None:
+                for request in admitted:
+                    self._begin(request)
+                self._leave_cancelled()
+                for rid, result in self.batch.step().items():
+                    request = self._running[rid]
+                    if result.error is not None:
+                        self._end(request, Failed(f"{type(result.error).__name__}: {result.error}"))
+                        continue
+                    _emit(request, Delta(result.output.text, result.output.token_ids))
+                    if result.output.finished:
+                        self._end(request, None)
         except BaseException:                           # noqa: BLE001 - recorded for /health
             self.died = traceback.format_exc(limit=5)
             with self._cond:
-                ended = list(self._waiting) + ([self._running] if self._running is not None else [])
+                ended = list(self._waiting) + list(self._running.values())
                 self._waiting.clear()
-                self._running = None
+                self._running.clear()
             for r in ended:
                 _emit(r, Failed("the engine loop stopped; the server needs a restart"))
 
-    def _run(self, request: Request) -> None:
+    def _begin(self, request: Request) -> None:
+        if request.cancelled.is_set():                  # gone while it waited: no prefill for nobody
+            with self._cond:
+                self._running.pop(request.id, None)
+            return
         if self.on_start is not None:
             self.on_start(request)
-        result: list[RequestOutput] = []
         try:
-            steps = self.engine.stream(request.prompt_ids, request.params, result)
-            for step in steps:
-                if request.cancelled.is_set():
-                    steps.close()
-                    return
-                _emit(request, Delta(step.text, step.token_ids))
+            first = self.batch.add(request.id, request.prompt_ids, request.params)
         except Exception as exc:                        # noqa: BLE001 - one request fails, the loop goes on
+            with self._cond:
+                self._running.pop(request.id, None)
             _emit(request, Failed(f"{type(exc).__name__}: {exc}"))
             return
-        _emit(request, Done(result[0]))
+        _emit(request, Delta(first.text, first.token_ids))
+        if first.finished:
+            self._end(request, None)
+
+    def _leave_cancelled(self) -> None:
+        with self._cond:
+            gone = [r for r in self._running.values() if r.cancelled.is_set()]
+            for r in gone:
+                del self._running[r.id]
+        for r in gone:
+            self.batch.remove(r.id)
+
+    def _end(self, request: Request, failure: Failed | None) -> None:
+        """The request leaves its lane: Done with its output, or the failure."""
+        output = self.batch.remove(request.id)
+        with self._cond:
+            self._running.pop(request.id, None)
+        _emit(request, failure if failure is not None else Done(output))
 
 
 def _emit(request: Request, event: Event) -> None:

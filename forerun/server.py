@@ -147,14 +147,20 @@ def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerM
 
     async def _whole(http: HTTPRequest, request: Request, events: asyncio.Queue, reply: "_Reply") -> Response:
         pieces: list[str] = []
+        checked = time.monotonic()
         try:
             while True:
                 try:
                     event = await asyncio.wait_for(events.get(), POLL_SECONDS)
                 except asyncio.TimeoutError:
+                    event = None
+                # Every POLL_SECONDS, tokens flowing or not: is the client still there?
+                if event is None or time.monotonic() - checked >= POLL_SECONDS:
+                    checked = time.monotonic()
                     if await http.is_disconnected():
                         request.cancel()
                         return Response(status_code=499)
+                if event is None:
                     continue
                 if isinstance(event, Delta):
                     pieces.append(event.text)

@@ -17,7 +17,8 @@ _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
 
 class ServerMetrics:
     def __init__(self, engine=None) -> None:
-        """`engine`: read for the draft length its cost policy chose last (None: not shown)."""
+        """`engine` (an Engine or a BatchEngine): read for the draft length its cost policy chose
+        last (None: not shown)."""
         self.engine = engine
         self.registry = r = CollectorRegistry()
         self.drafts = Counter("forerun:spec_decode_num_drafts", "Steps that verified a draft", registry=r)

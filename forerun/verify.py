@@ -7,7 +7,7 @@ import torch
 
 from forerun.config import SamplingParams
 from forerun.kv_cache import KVCache
-from forerun.models.attention import RowLayout
+from forerun.models.attention import RowLayout, Segment
 from forerun.models.decoder import Decoder
 from forerun.sampling import probabilities
 from forerun.tree import DraftTree
@@ -40,6 +40,41 @@ def verify(target: Decoder, cache: KVCache, root: int, tree: DraftTree | None,
     logits = out.logits[0]                                                           # [R, vocab]
     return Verification(probs=probabilities(logits[:n], params), hidden=out.hidden[0, :n],
                         aux_logits=logits[n:] if tree.aux_tokens else None)
+
+
+@dataclass
+class VerifyJob:
+    """One sequence's part of a verification over several sequences."""
+    cache: KVCache
+    root: int
+    tree: DraftTree | None
+    params: SamplingParams
+
+
+def verify_many(target: Decoder, jobs: list[VerifyJob]) -> list[Verification]:
+    """`verify` for several sequences in one target forward (continuous batching): each job's rows
+    run on its own cache and come out exactly as in a `verify` of that job alone."""
+    tokens: list[int] = []
+    positions: list[torch.Tensor] = []
+    segments: list[Segment] = []
+    trees = [job.tree if job.tree is not None else DraftTree([], []) for job in jobs]
+    for job, tree in zip(jobs, trees):
+        start = job.cache.length
+        rows = [job.root] + tree.tokens + tree.aux_tokens
+        segments.append(Segment(len(tokens), len(tokens) + len(rows), job.cache, row_layout(tree, start)))
+        tokens += rows
+        positions.append(tree.positions(start))
+    device = target.device
+    out = target(torch.tensor(tokens, device=device), torch.cat(positions).to(device), None,
+                 segments=segments, output_hidden=True)
+    logits, hidden = out.logits[0], out.hidden[0]                                    # [R, vocab], [R, hidden]
+    results = []
+    for job, tree, seg in zip(jobs, trees, segments):
+        n = len(tree) + 1
+        rows = logits[seg.start:seg.stop]
+        results.append(Verification(probs=probabilities(rows[:n], job.params), hidden=hidden[seg.start:seg.start + n],
+                                    aux_logits=rows[n:] if tree.aux_tokens else None))
+    return results
 
 
 def row_layout(tree: DraftTree, start: int) -> RowLayout:

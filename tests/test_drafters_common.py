@@ -22,7 +22,7 @@ from forerun.accept import Acceptance
 from forerun.api import LLM
 from forerun.cli import main
 from forerun.config import SamplingParams
-from forerun.engine import Engine
+from forerun.engine import Engine, Running
 from forerun.metrics import SpecMetrics
 from forerun.models.load import LoadedModel
 from forerun.sampling import make_generator, probabilities, sample
@@ -143,8 +143,9 @@ def speculative_samples(target: LoadedModel, drafter, k: int, prompt: list[int],
         seq = Sequence(prompt, params, None, frozenset())
         drafter.start(prompt, cache, max_len)
         seq.append(int(sample(first, gen)[0]))
+        run = Running(seq, cache, gen, metrics, start=0.0)
         while len(seq.output_ids) < 3:
-            engine._step(seq, cache, gen, metrics)
+            engine.step(run)
         samples.append(seq.output_ids[1:3])
     return samples, metrics
 

@@ -15,6 +15,7 @@ import pytest
 import uvicorn
 
 from forerun.api import LLM
+from forerun.batch import BatchEngine
 from forerun.config import SamplingParams
 from forerun.engine import Engine
 from forerun.scheduler import Scheduler
@@ -29,10 +30,13 @@ CONTEXT = 512
 class Served:
     """A started server: its base URL, scheduler and metrics; stop() shuts it down."""
 
-    def __init__(self, llm: LLM, api_key: str | None = KEY, max_waiting: int = 512) -> None:
+    def __init__(self, llm: LLM, api_key: str | None = KEY, max_waiting: int = 512, max_num_seqs: int = 64,
+                 new_engine=None) -> None:
         self.llm = llm
-        self.metrics = ServerMetrics(llm.engine)
-        self.scheduler = Scheduler(llm.engine, max_waiting)
+        self.batch = (BatchEngine(llm.new_engine, max_num_seqs, engines=[llm.engine]) if new_engine is None
+                      else BatchEngine(new_engine, max_num_seqs))
+        self.metrics = ServerMetrics(self.batch)
+        self.scheduler = Scheduler(self.batch, max_waiting)
         self.scheduler.start()
         app = create_app(llm, self.scheduler, ServerConfig(NAME, CONTEXT, api_key), self.metrics)
         with socket.socket() as s:
@@ -146,23 +150,25 @@ def test_cancelled_requests_leave_nothing_behind(served) -> None:
     prompt = max(lengths, key=lengths.get)
     assert lengths[prompt] >= 300, lengths
 
-    async def give_up(client: httpx.AsyncClient, stream: bool) -> bool:
+    async def read_all(client: httpx.AsyncClient, stream: bool) -> None:
         body = {"model": NAME, "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": stream}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for _ in response.aiter_bytes():
+                pass
+
+    async def give_up(client: httpx.AsyncClient, stream: bool) -> bool:
         try:
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                async for _ in response.aiter_bytes():
-                    pass
-        except httpx.TimeoutException:
+            await asyncio.wait_for(read_all(client, stream), timeout=0.5)   # the client's whole-request timeout
+        except asyncio.TimeoutError:
             return True
         return False
 
     async def cancel_200() -> list[bool]:
-        async with httpx.AsyncClient(base_url=served.url, timeout=0.3,
-                                     headers={"Authorization": f"Bearer {KEY}"},
+        async with httpx.AsyncClient(base_url=served.url, timeout=30, headers={"Authorization": f"Bearer {KEY}"},
                                      limits=httpx.Limits(max_connections=200)) as client:
             return await asyncio.gather(*(give_up(client, stream=i % 2 == 0) for i in range(200)))
 
-    assert sum(asyncio.run(cancel_200())) >= 190          # a streamed one may finish within its read timeouts
+    assert sum(asyncio.run(cancel_200())) >= 190          # a few may finish within the timeout
     start = time.monotonic()
     out = served.client(timeout=30).completions.create(model=NAME, prompt="abc", max_tokens=8, temperature=0)
     assert out.choices[0].text == alone(served.llm, "abc", max_tokens=8)
@@ -274,29 +280,28 @@ class Boom(BaseException):
     """Not an Exception: nothing per request catches it, so it ends the engine loop."""
 
 
-class FlakyEngine:
-    """Raises inside generation for prompts that start with `bad`; `fatal` raises Boom instead."""
+class FlakyEngine(Engine):
+    """Raises inside a step of prompts that start with `bad`, at their third token; `fatal`
+    raises Boom instead."""
 
-    def __init__(self, engine: Engine, bad: int, fatal: bool = False) -> None:
-        self.engine, self.bad, self.fatal = engine, bad, fatal
+    def __init__(self, llm: LLM, bad: int, fatal: bool = False) -> None:
+        super().__init__(llm.target)
+        self.bad, self.fatal = bad, fatal
 
-    def check_fits(self, prompt_ids, params):
-        return self.engine.check_fits(prompt_ids, params)
-
-    def stream(self, prompt_ids, params, result=None):
-        for i, step in enumerate(self.engine.stream(prompt_ids, params, result)):
-            if prompt_ids[0] == self.bad and i == 2:
-                raise Boom() if self.fatal else RuntimeError("injected failure")
-            yield step
+    def finish(self, run, plan, ver, timed=True):
+        if run.seq.prompt_ids[0] == self.bad and len(run.seq.output_ids) == 2:
+            raise Boom() if self.fatal else RuntimeError("injected failure")
+        return super().finish(run, plan, ver, timed)
 
 
 def test_a_failure_inside_the_engine_ends_that_request_only(target_tok) -> None:
     llm = LLM(target_tok)
     bad = llm.tokenizer.encode("!")[0]
-    llm.engine = FlakyEngine(llm.engine, bad)
-    served = Served(llm)
+    served = Served(llm, new_engine=lambda: FlakyEngine(llm, bad))
     try:
         client = served.client()
+        # A long stream runs beside the failing requests and is not disturbed by them.
+        beside = client.completions.create(model=NAME, prompt="fine", max_tokens=60, temperature=0, stream=True)
         with pytest.raises(openai.InternalServerError, match="injected failure"):
             client.completions.create(model=NAME, prompt="!boom", max_tokens=10, temperature=0)
         chunks = []
@@ -309,6 +314,7 @@ def test_a_failure_inside_the_engine_ends_that_request_only(target_tok) -> None:
         assert '"error"' in r.text and r.text.endswith("data: [DONE]\n\n")
         ok = client.completions.create(model=NAME, prompt="fine", max_tokens=10, temperature=0)
         assert ok.choices[0].text == alone(llm, "fine", max_tokens=10)
+        assert "".join(c.choices[0].text for c in beside if c.choices) == alone(llm, "fine", max_tokens=60)
         assert httpx.get(served.url + "/health").status_code == 200
     finally:
         served.stop()
@@ -317,8 +323,7 @@ def test_a_failure_inside_the_engine_ends_that_request_only(target_tok) -> None:
 def test_health_says_503_when_the_engine_loop_has_died(target_tok) -> None:
     llm = LLM(target_tok)
     bad = llm.tokenizer.encode("!")[0]
-    llm.engine = FlakyEngine(llm.engine, bad, fatal=True)
-    served = Served(llm)
+    served = Served(llm, new_engine=lambda: FlakyEngine(llm, bad, fatal=True))
     try:
         with pytest.raises(openai.InternalServerError, match="engine loop stopped"):
             served.client(timeout=10).completions.create(model=NAME, prompt="!x", max_tokens=10, temperature=0)
@@ -329,3 +334,21 @@ def test_health_says_503_when_the_engine_loop_has_died(target_tok) -> None:
         assert caught.value.status_code == 503
     finally:
         served.stop()
+
+
+def test_the_load_generator_times_every_request(served) -> None:
+    from forerun.bench.serve_load import run_level
+
+    prompts = [served.llm.tokenizer.encode(p) for p in ("abc", "hello", "xy", "q")] * 2
+    level = asyncio.run(run_level(served.url + "/v1", NAME, prompts, 3, 12, api_key=KEY, setup="off"))
+    assert (level.requests, level.failures, level.concurrency) == (8, 0, 3)
+    assert level.output_tokens == sum(t["tokens"] for t in level.timings) and level.tokens_per_s > 0
+    assert all(0 < t["ttft_s"] <= t["e2e_s"] <= level.wall_s for t in level.timings)
+    assert level.ttft_p50_s <= level.ttft_p90_s
+
+
+def test_bench_serve_refuses_a_set_up_it_does_not_know(tmp_path) -> None:
+    from forerun.cli import main
+
+    assert main(["bench-serve", "--model", "x", "--setups", "off,warp", "--out", str(tmp_path)]) == 2
+    assert main(["bench-serve", "--model", "x", "--setups", "auto", "--out", str(tmp_path)]) == 2   # no draft model

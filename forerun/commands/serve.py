@@ -21,8 +21,8 @@ def register(sub) -> None:
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="most tokens of prompt plus completion per request (default: the model's context)")
-    g.add_argument("--max-num-seqs", type=int, default=1,
-                   help="sequences generated at once; this version runs one at a time (others wait)")
+    g.add_argument("--max-num-seqs", type=int, default=8,
+                   help="most sequences generated at once, all in one target pass per step (others wait)")
     g.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait; beyond it a request gets HTTP 503")
     p.set_defaults(func=run)
@@ -31,15 +31,14 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from forerun.batch import BatchEngine
     from forerun.commands.generate import build_llm
     from forerun.scheduler import Scheduler
     from forerun.server import ServerConfig, create_app
     from forerun.server_metrics import ServerMetrics
 
-    if args.max_num_seqs != 1:
-        raise ForerunError(f"--max-num-seqs {args.max_num_seqs}: this version of forerun serve generates one "
-                           "sequence at a time (continuous batching is not built yet); leave it at 1, and "
-                           "other requests wait in the queue (--max-waiting)")
+    if args.max_num_seqs < 1:
+        raise ForerunError(f"--max-num-seqs must be at least 1, got {args.max_num_seqs}")
     if not 0 < args.port < 65536:
         raise ForerunError(f"--port must be between 1 and 65535, got {args.port}")
     if args.max_waiting < 0:
@@ -52,8 +51,10 @@ def run(args: argparse.Namespace) -> int:
                            f"got {max_model_len}")
     config = ServerConfig(served_model_name=args.served_model_name or args.model, max_model_len=max_model_len,
                           api_key=args.api_key or os.environ.get("FORERUN_API_KEY") or None)
-    metrics = ServerMetrics(llm.engine)
-    scheduler = Scheduler(llm.engine, args.max_waiting)
+    batch = BatchEngine(llm.new_engine, args.max_num_seqs, engines=[llm.engine])
+    batch.prepare()                                 # every lane's drafter set up before the first request
+    metrics = ServerMetrics(batch)
+    scheduler = Scheduler(batch, args.max_waiting)
     scheduler.start()
     app = create_app(llm, scheduler, config, metrics)
     print(f"forerun: serving {config.served_model_name} on http://{args.host}:{args.port}/v1 "

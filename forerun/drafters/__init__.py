@@ -30,7 +30,7 @@ class Drafter(Protocol):
     # Optional: `cost_per_token() -> float | None`, seconds one more draft token costs, when the
     # drafter knows better than the time its propose() call took (cost_model.py uses it).
     # Optional: `set_gate(gate)`, for a drafter with a one-off cost before it can propose (a draft
-    # model reading a prompt): it calls gate(seconds, cost_per_token) first and returns None on False.
+    # model reading a prompt): it calls gate(seconds, cost_per_token, alpha) first and returns None on False.
     # Optional: `stateless = True`, a proposal leaves no state behind, so the engine may propose
     # without verifying (shadow proposals that keep measuring acceptance on plain steps).
 

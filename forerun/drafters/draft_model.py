@@ -7,6 +7,7 @@ a long catch-up (`gate`); the proposal is then None and the step goes without th
 from __future__ import annotations
 
 import time
+import weakref
 import warnings
 from contextlib import nullcontext
 from typing import Callable
@@ -35,6 +36,10 @@ READ_PROBE_ROWS = 32   # rows of the pass that times a catch-up's cost per token
 # verdict: a draft of the target's own family is usually right (0.8; runs 9 and 10 measured
 # 0.78-0.85 at the first position). It only decides when a catch-up pays; verdicts replace it.
 DRAFT_PRIOR = (4.0, 1.0)
+
+
+# Per draft decoder and target decoder: the reduced heads and first pass timings, by draft vocabulary size.
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -75,14 +80,23 @@ class DraftModelDrafter:
                 formats.quantize_(self.model.decoder, quantize)
         else:
             self.model = load_model(model, dtype, device or str(target.decoder.device), quantization=quantize)
-        check_same_vocabulary(target, self.model)
         if _num_weights(self.model.decoder) > _num_weights(target.decoder):
             warnings.warn(f"draft {self.model.name} is larger than target {target.name}: "
                           "speculation will likely be slower than plain decoding", stacklevel=2)
         self.min_confidence = min_confidence
-        self.vocab = draft_vocabulary(target, draft_vocab) if draft_vocab else None   # [N] token ids
-        # The shared draft model keeps its full head; this drafter scores with its own rows of it.
-        self.head = reduced_head(self.model.decoder.lm_head, self.vocab) if self.vocab is not None else None
+        # What depends on the draft weights alone is made once per model and shared by every
+        # drafter over it (a server has one per running sequence).
+        self.shared = _SHARED.setdefault(self.model.decoder, weakref.WeakKeyDictionary()).setdefault(target.decoder, {})
+        if not self.shared.get("same vocabulary"):
+            check_same_vocabulary(target, self.model)
+            self.shared["same vocabulary"] = True
+        if ("head", draft_vocab) not in self.shared:
+            vocab = draft_vocabulary(target, draft_vocab) if draft_vocab else None   # [N] token ids
+            # The draft model keeps its full head; drafters with a reduced vocabulary score with its rows.
+            self.shared["head", draft_vocab] = (vocab, reduced_head(self.model.decoder.lm_head, vocab)
+                                                if vocab is not None else None)
+        self.vocab, self.head = self.shared["head", draft_vocab]
+        self.draft_vocab = draft_vocab
         self.vocab_size = target.decoder.cfg.vocab_size
         self.cache: KVCache | None = None
         self.fed: list[int] = []   # tokens whose keys/values sit in self.cache, in order
@@ -152,7 +166,9 @@ class DraftModelDrafter:
         now (under a second), so the first estimates fall at load time, not in a request."""
         self.gate = gate
         if self.read_seconds is None or self.token_seconds is None:
-            read, token = self._time_passes()
+            timed = self.shared.get(("timed", self.draft_vocab))
+            read, token = timed if timed is not None else self._time_passes()
+            self.shared["timed", self.draft_vocab] = (read, token)
             self.read_seconds = self.read_seconds or read
             self.token_seconds = self.token_seconds or token
 

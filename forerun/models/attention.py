@@ -20,8 +20,12 @@ Plain decoding of r alone also reduces over 128 slots with 101..127 masked: the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from forerun.kv_cache import KVCache
 
 KEY_BLOCK = 64   # reductions run over a multiple of this many slots
 
@@ -99,6 +103,16 @@ class RowLayout:
             bias = torch.zeros(len(group.rows), group.length, device=device).masked_fill_(hidden, float("-inf"))
             self.bias[group_index] = bias
         return bias
+
+
+@dataclass
+class Segment:
+    """One sequence's rows in a forward over several sequences (continuous batching): rows
+    [start, stop) of the forward, attending over that sequence's own cache as `layout` says."""
+    start: int
+    stop: int
+    cache: "KVCache"
+    layout: RowLayout
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: RowLayout) -> torch.Tensor:

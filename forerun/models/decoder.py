@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forerun.kv_cache import KVCache
-from forerun.models.attention import RowLayout, attend, key_length
+from forerun.models.attention import RowLayout, Segment, attend, key_length
 from forerun.models.linear import Linear
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -106,8 +106,8 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None   # q, k and v in one product, when a format fuses them
         self.q_prescaled = False                  # q already carries 1/sqrt(head_dim) (folded into the weights)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                mask: torch.Tensor | None, causal: bool, layout: RowLayout | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None, layer: int,
+                mask: torch.Tensor | None, causal: bool, layout: RowLayout | list[Segment] | None) -> torch.Tensor:
         b, t, _ = x.shape
         cfg = self.cfg
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -120,7 +120,10 @@ class Attention(nn.Module):
             k = apply_rope(self.k_proj(x).view(b, t, kvh, d), cos, sin)                # [B, T, KVH, D]
             v = self.v_proj(x).view(b, t, kvh, d)                                       # [B, T, KVH, D]
         scale = 1.0 if self.q_prescaled else d ** -0.5
-        if layout is not None:
+        if isinstance(layout, list):                   # several sequences, each on its own cache
+            out = self._attend_segments(q[0], k[0], v[0], layout, layer, scale)[None]
+            out = out if x.dtype == torch.float32 else out.to(x.dtype)                 # [1, T, H*D]
+        elif layout is not None:
             if b != 1:
                 raise ValueError("row-exact attention takes one sequence per forward")
             cache.write_first(layer, k[0].transpose(0, 1), v[0].transpose(0, 1))
@@ -133,6 +136,21 @@ class Attention(nn.Module):
                                                  scale=scale, enable_gqa=kvh != h)          # [B, H, T, D]
             out = out.transpose(1, 2).reshape(b, t, h * d)
         return self.o_proj(out)
+
+    @staticmethod
+    def _attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment],
+                         layer: int, scale: float) -> torch.Tensor:
+        """q [T, H, D], k, v [T, KVH, D] of every sequence's rows; each segment's rows are written
+        to and attend over their own cache, exactly as in a forward of that sequence alone.
+        Returns [T, H * D] float32."""
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=torch.float32, device=q.device)
+        for seg in segments:
+            rows = slice(seg.start, seg.stop)
+            seg.cache.write_first(layer, k[rows].transpose(0, 1), v[rows].transpose(0, 1))
+            qs = q[rows] if q.dtype == torch.float32 else q[rows].float()
+            out[rows] = attend(qs if scale == 1.0 else qs * scale, seg.cache.layer_k[layer],
+                               seg.cache.layer_v[layer], seg.layout)
+        return out
 
 
 class MLP(nn.Module):
@@ -200,10 +218,11 @@ class Decoder(nn.Module):
                        self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
                 attention_mask: torch.Tensor | None = None, *, layout: RowLayout | None = None,
                 last_only: bool = False, output_hidden: bool = False, hidden_layer: int | None = None,
-                layers: list[int] | range | None = None, head: nn.Module | None = None) -> DecoderOutput:
+                layers: list[int] | range | None = None, head: nn.Module | None = None,
+                segments: list[Segment] | None = None) -> DecoderOutput:
         """Run the new tokens against the cache and append their keys and values to it.
 
         tokens, positions: [B, T] (or [T]). attention_mask: bool, True where a new token may attend,
@@ -211,6 +230,9 @@ class Decoder(nn.Module):
         instead computes every row exactly as it would come out alone (decoding, verification).
         `layers` runs a subset of layers (self-speculation); the cache entries of skipped layers are
         left untouched. `head` scores with another head than lm_head (a draft's reduced vocabulary).
+        `segments` (with `cache` None and tokens [T]) runs the rows of several sequences in one
+        forward, each segment's rows on its own cache and layout: every row comes out as it would
+        in a forward of its sequence alone (continuous batching).
         """
         if tokens.dim() == 1:
             tokens = tokens[None]
@@ -219,6 +241,8 @@ class Decoder(nn.Module):
         t = tokens.shape[1]
         dtype = self.dtype
         cos, sin = self._rope.tables(positions, dtype)                             # [B, T, 1, D]
+        if segments is not None:
+            layout = segments                      # the blocks pass it on to attention
         mask, causal = (None, False) if layout is not None else self._mask(attention_mask, cache.length, t,
                                                                              tokens.device)
         x = self.embed_tokens(tokens).to(dtype)                                    # [B, T, hidden]
@@ -228,7 +252,10 @@ class Decoder(nn.Module):
             x = blocks[i].forward(x, cos, sin, cache, i, mask, causal, layout)
             if i == hidden_layer:
                 layer_hidden = x
-        cache.advance(t)
+        for seg in segments if segments is not None else ():
+            seg.cache.advance(seg.stop - seg.start)
+        if cache is not None:
+            cache.advance(t)
         if last_only:
             x = x[:, -1:]
         x = self.norm(x)

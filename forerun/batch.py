@@ -1,0 +1,157 @@
+"""Continuous batching: several requests stepped together, every step one target forward for all.
+
+Each running request has a lane: an Engine of its own (its drafter, its cost policy, its cache)
+over the shared target and draft weights. A step plans every lane's draft, verifies all of them in
+one target pass (`verify_many`: each sequence's rows on its own cache, every row exactly as it
+would come out alone), then accepts, rolls back and emits per lane. Requests join (a prefill of
+their own) and leave between steps; an idle lane is kept for the next request, so a drafter's
+one-off set-up is paid once per lane, not per request.
+
+Load: with B sequences, a step of K drafts each verifies about B·(K+1) rows, and rows stop being
+nearly free as B grows. Where the lanes have cost policies, the step's K is capped at the common
+length with the most expected tokens per second for the whole batch (`batch_draft_length`), so
+speculation backs off as the batch fills and comes back as it empties. One lane alone is exactly
+the single-request engine.
+
+Failures stay with their request: a lane whose drafter or acceptance raises is ended with that
+error; if the shared pass raises, each lane is verified alone so only the guilty one fails.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Hashable, Sequence
+
+from forerun.config import SamplingParams
+from forerun.cost_model import batch_draft_length
+from forerun.engine import Engine, Plan, RequestOutput, Running, StepOutput
+from forerun.verify import Verification, VerifyJob, verify, verify_many
+
+
+@dataclass
+class Lane:
+    engine: Engine
+    run: Running
+
+
+@dataclass
+class StepResult:
+    """What one step did to one request: its emitted tokens, or the error that ended it."""
+    output: StepOutput | None
+    error: Exception | None = None
+
+
+class BatchEngine:
+    def __init__(self, new_engine: Callable[[], Engine], max_seqs: int = 1, engines: Sequence[Engine] = ()) -> None:
+        """`new_engine()` builds a lane's engine (sharing the target and draft weights); `engines`
+        are ready ones to use first; `max_seqs` is the most requests running at once."""
+        if max_seqs < 1:
+            raise ValueError(f"max_seqs must be at least 1, got {max_seqs}")
+        self.new_engine = new_engine
+        self.max_seqs = max_seqs
+        self.lanes: dict[Hashable, Lane] = {}
+        self.idle: list[Engine] = list(engines)
+        self.last_k: int | None = None     # the draft length the last step allowed (None: no drafter)
+
+    def prepare(self) -> None:
+        """Build every lane now (a server at start), not when the batch first grows to it."""
+        while len(self.idle) + len(self.lanes) < self.max_seqs:
+            self.idle.append(self.new_engine())
+
+    @property
+    def full(self) -> bool:
+        return len(self.lanes) >= self.max_seqs
+
+    def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        return self._engine().check_fits(prompt_ids, params)
+
+    def add(self, key: Hashable, prompt_ids: list[int], params: SamplingParams) -> StepOutput:
+        """Start a request under `key` (prefill and first token); the caller must not exceed max_seqs."""
+        if self.full:
+            raise RuntimeError(f"{len(self.lanes)} requests already run; max_seqs is {self.max_seqs}")
+        engine = self._engine()
+        try:
+            run, first = engine.begin(prompt_ids, params)
+        except BaseException:
+            self.idle.append(engine)
+            raise
+        self.lanes[key] = Lane(engine, run)
+        return first
+
+    def remove(self, key: Hashable) -> RequestOutput | None:
+        """End the request under `key` (finished or not); its output so far, None if unknown."""
+        lane = self.lanes.pop(key, None)
+        if lane is None:
+            return None
+        self.idle.append(lane.engine)
+        return lane.engine.output(lane.run)
+
+    def step(self) -> dict[Hashable, StepResult]:
+        """One step of every running request; finished ones stay until `remove`d."""
+        lanes = [(key, lane) for key, lane in self.lanes.items() if not lane.run.seq.finished]
+        if not lanes:
+            return {}
+        results: dict[Hashable, StepResult] = {}
+        cap = self._k_cap([lane for _, lane in lanes]) if len(lanes) > 1 else None
+        planned: list[tuple[Hashable, Lane, Plan]] = []
+        for key, lane in lanes:
+            try:
+                planned.append((key, lane, lane.engine.plan(lane.run, cap)))
+            except Exception as exc:                    # noqa: BLE001 - this request fails, the others go on
+                results[key] = StepResult(None, exc)
+        shared = len(planned) > 1
+        for (key, lane, plan), ver in zip(planned, self._verify(planned)):
+            if isinstance(ver, Exception):
+                results[key] = StepResult(None, ver)
+                continue
+            try:
+                emitted = lane.engine.finish(lane.run, plan, ver, timed=not shared)
+                seq = lane.run.seq
+                results[key] = StepResult(StepOutput(emitted, seq.take_text(), seq.finished))
+            except Exception as exc:                    # noqa: BLE001
+                results[key] = StepResult(None, exc)
+        ks = [lane.engine.last_k for _, lane, _ in planned if lane.engine.last_k is not None]
+        self.last_k = max(ks) if ks else None
+        return results
+
+    def _engine(self) -> Engine:
+        if not self.idle:
+            self.idle.append(self.new_engine())
+        return self.idle.pop()
+
+    def _k_cap(self, lanes: list[Lane]) -> int | None:
+        """The common draft length that pays best for the whole batch (None: no lane has a policy)."""
+        figures = []
+        pass_cost, k_max = None, 0
+        for lane in lanes:
+            engine, policy = lane.engine, lane.engine.policy
+            if policy is None:
+                return None                              # a fixed K was asked for: the experiment rules
+            if engine.next_source is not None:
+                policy.select(engine.next_source(lane.run.seq.context))
+            figures.append((policy.alpha, policy.draft_cost, policy.rows_per_token))
+            pass_cost, k_max = policy.pass_cost, max(k_max, engine.k)
+        return batch_draft_length(figures, pass_cost, k_max)
+
+    def _verify(self, planned: list[tuple[Hashable, Lane, Plan]]) -> list[Verification | Exception]:
+        def job(lane: Lane, plan: Plan) -> VerifyJob:
+            return VerifyJob(lane.run.cache, plan.root, plan.tree, lane.run.seq.params)
+
+        if len(planned) == 1:
+            _, lane, plan = planned[0]
+            try:
+                return [verify(lane.engine.target.decoder, lane.run.cache, plan.root, plan.tree, lane.run.seq.params)]
+            except Exception as exc:                    # noqa: BLE001
+                return [exc]
+        target = planned[0][1].engine.target.decoder
+        lengths = [lane.run.cache.length for _, lane, _ in planned]
+        try:
+            return list(verify_many(target, [job(lane, plan) for _, lane, plan in planned]))
+        except Exception:                               # noqa: BLE001 - find whose rows failed
+            outcomes: list[Verification | Exception] = []
+            for (_, lane, plan), length in zip(planned, lengths):
+                lane.run.cache.truncate(min(length, lane.run.cache.length))
+                try:
+                    outcomes.append(verify(target, lane.run.cache, plan.root, plan.tree, lane.run.seq.params))
+                except Exception as exc:                # noqa: BLE001
+                    outcomes.append(exc)
+            return outcomes

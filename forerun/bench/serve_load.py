@@ -1,0 +1,177 @@
+"""`forerun bench-serve`: servers under load, forerun's beside llama.cpp's llama-server.
+
+For each server set-up (forerun serve with speculation off, at a fixed K, or auto; llama-server
+with as many slots as the highest concurrency) the load generator sends, at each concurrency c,
+`requests_per_level` x c streamed completions with at most c in flight (the `openai` client on
+asyncio, loopback), and measures: total output tokens per second over the level's wall time, time
+to the first token and time per output token after it (per request; median and 90th percentile).
+Every request is greedy with the same prompt token ids and max tokens on every server.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from forerun.errors import ForerunError
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclass
+class RequestTiming:
+    ttft_s: float                # request sent to its first text
+    e2e_s: float                 # request sent to its last chunk
+    tokens: int                  # completion tokens (usage, else one per chunk with text)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (None for one token)."""
+        return (self.e2e_s - self.ttft_s) / (self.tokens - 1) if self.tokens > 1 else None
+
+
+@dataclass
+class LevelResult:
+    setup: str
+    concurrency: int
+    requests: int
+    wall_s: float
+    output_tokens: int
+    ttft_p50_s: float
+    ttft_p90_s: float
+    tpot_p50_s: float | None
+    tpot_p90_s: float | None
+    failures: int = 0
+    timings: list[dict] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+async def _one(client, model: str, prompt: list[int], max_tokens: int) -> RequestTiming:
+    start = time.perf_counter()
+    first = None
+    chunks = 0
+    usage = None
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True})
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].text:
+            chunks += 1
+            if first is None:
+                first = time.perf_counter() - start
+    end = time.perf_counter() - start
+    return RequestTiming(first if first is not None else end, end, usage if usage else chunks)
+
+
+async def run_level(base_url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
+                    api_key: str = "none", setup: str = "") -> LevelResult:
+    """Every prompt once, at most `concurrency` in flight."""
+    import openai
+
+    gate = asyncio.Semaphore(concurrency)
+
+    async def limited(client, prompt):
+        async with gate:
+            return await _one(client, model, prompt, max_tokens)
+
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=3600) as client:
+        start = time.perf_counter()
+        outcomes = await asyncio.gather(*(limited(client, p) for p in prompts), return_exceptions=True)
+        wall = time.perf_counter() - start
+    timings = [o for o in outcomes if isinstance(o, RequestTiming)]
+    failures = len(outcomes) - len(timings)
+    if not timings:
+        raise ForerunError(f"every request to {base_url} failed, e.g. {outcomes[0]!r}")
+    tpots = [t.tpot_s for t in timings if t.tpot_s is not None]
+    ttfts = [t.ttft_s for t in timings]
+    return LevelResult(setup, concurrency, len(prompts), wall, sum(t.tokens for t in timings),
+                       statistics.median(ttfts), percentile(ttfts, 0.9),
+                       statistics.median(tpots) if tpots else None, percentile(tpots, 0.9) if tpots else None,
+                       failures, [asdict(t) for t in timings])
+
+
+# --- servers ------------------------------------------------------------------------------------
+
+
+class Process:
+    """A server subprocess; `start` waits until its /health answers 200."""
+
+    def __init__(self, command: list[str], health_url: str, log: Path) -> None:
+        self.command, self.health_url, self.log = command, health_url, log
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                tail = " | ".join(self.log.read_text(errors="replace").strip().splitlines()[-3:])
+                raise ForerunError(f"{Path(self.command[0]).name} exited while starting: {tail}")
+            try:
+                with urllib.request.urlopen(self.health_url, timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ForerunError(f"server not ready after {STARTUP_TIMEOUT_S:.0f} s; see {self.log}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def forerun_command(port: int, model: str, quantization: str | None, draft: str | None,
+                    draft_quantization: str | None, draft_vocab: int | None, k: int, policy: str | None,
+                    max_num_seqs: int) -> list[str]:
+    """`forerun serve` for one set-up; `policy` None is speculation off."""
+    command = [sys.executable, "-m", "forerun.cli", "serve", "--model", model, "--port", str(port),
+               "--max-num-seqs", str(max_num_seqs), "--max-waiting", "4096"]
+    if quantization:
+        command += ["--quantization", quantization]
+    if policy is not None and draft is not None:
+        command += ["--speculative-model", draft, "--num-speculative-tokens", str(k), "--speculative-k-policy", policy]
+        if draft_quantization:
+            command += ["--speculative-quantization", draft_quantization]
+        if draft_vocab:
+            command += ["--draft-vocab", str(draft_vocab)]
+    return command
+
+
+def write_report(out: Path, levels: list[LevelResult], header: str) -> None:
+    (out / "results.json").write_text(json.dumps([{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in levels], indent=1))
+    off = {r.concurrency: r.tokens_per_s for r in levels if r.setup == "off"}
+    lines = [header, "", "| set-up | concurrency | requests | output tok/s | × off | TTFT p50 / p90 ms | "
+             "time per output token p50 / p90 ms | failed |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def ms(value: float | None) -> str:
+        return "–" if value is None else f"{value * 1000:.0f}"
+
+    for r in levels:
+        ratio = f"{r.tokens_per_s / off[r.concurrency]:.2f}×" if off.get(r.concurrency) else "–"
+        lines.append(f"| {r.setup} | {r.concurrency} | {r.requests} | {r.tokens_per_s:.1f} | {ratio} | "
+                     f"{ms(r.ttft_p50_s)} / {ms(r.ttft_p90_s)} | {ms(r.tpot_p50_s)} / {ms(r.tpot_p90_s)} | {r.failures} |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")

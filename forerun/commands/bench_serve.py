@@ -1,0 +1,117 @@
+"""`forerun bench-serve`: forerun serve under load at several concurrencies, beside llama-server."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from forerun.errors import ForerunError
+
+SETUPS = ("off", "fixed", "auto")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected numbers of at least 1, got {text!r}")
+    return values
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench-serve", help="load-test forerun serve at several concurrencies, beside llama-server",
+                       description="Start forerun serve once per set-up (speculation off, a fixed K, auto) and "
+                                   "llama.cpp's llama-server, send streamed greedy completions at each concurrency, "
+                                   "and write results.json and report.md to --out.")
+    p.add_argument("--model", required=True, help="embedded name, .gguf file or model folder")
+    p.add_argument("--quantization", default="auto", help="the target's numeric format (as forerun serve takes it)")
+    p.add_argument("--speculative-model", default=None, help="draft model for the fixed and auto set-ups")
+    p.add_argument("--speculative-quantization", default="auto")
+    p.add_argument("--draft-vocab", type=int, default=None)
+    p.add_argument("--num-speculative-tokens", type=int, default=5, help="K: fixed K, and auto's most")
+    p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
+    p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32], help="comma-separated levels")
+    p.add_argument("--requests-per-level", type=int, default=2, help="requests sent at level c: this many times c")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--peers", default="", help="llama.cpp: llama-server with one slot per request in flight")
+    p.add_argument("--dataset", default="spec-bench")
+    p.add_argument("--categories", default=None, help="comma-separated categories or task kinds")
+    p.add_argument("--out", required=True, help="folder for results.json, report.md and server logs")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from forerun.bench import llamacpp
+    from forerun.bench.dataset import load_prompts
+    from forerun.bench.serve_load import Process, forerun_command, run_level, write_report
+    from forerun.models.load import load_model
+
+    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    unknown = [s for s in setups if s not in SETUPS]
+    if unknown:
+        raise ForerunError(f"unknown set-up {unknown[0]!r}; use some of {', '.join(SETUPS)}")
+    if any(s != "off" for s in setups) and args.speculative_model is None:
+        raise ForerunError("the fixed and auto set-ups draft with a model: give --speculative-model, or --setups off")
+    if args.requests_per_level < 1 or args.max_tokens < 1:
+        raise ForerunError("--requests-per-level and --max-tokens must be at least 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_model(args.model, with_tokenizer=True).tokenizer
+    if tokenizer is None:
+        raise ForerunError(f"{args.model} has no tokenizer; bench-serve sends chat prompts")
+    categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
+    prompts = [tokenizer.apply_chat([{"role": "user", "content": p.text}]) for p in load_prompts(args.dataset, categories)]
+    if not prompts:
+        raise ForerunError("no prompts to send")
+    top = max(args.concurrency)
+    context = max(len(p) for p in prompts) + args.max_tokens + args.num_speculative_tokens + 8
+    servers = []
+    for setup in setups:
+        port = llamacpp.free_port()
+        policy = {"off": None, "fixed": "fixed", "auto": "adaptive"}[setup]
+        command = forerun_command(port, args.model, args.quantization, args.speculative_model,
+                                  args.speculative_quantization, args.draft_vocab, args.num_speculative_tokens,
+                                  policy, top)
+        servers.append((setup, Process(command, f"http://127.0.0.1:{port}/health", out / f"{setup}.log"), port))
+    if "llama.cpp" in args.peers:
+        gguf, problem = llamacpp._gguf(args.model)
+        if gguf is None:
+            print(f"forerun: llama.cpp peer left out: {problem}", file=sys.stderr)
+        else:
+            import torch
+
+            port = llamacpp.free_port()
+            threads = str(torch.get_num_threads())
+            command = [str(llamacpp.ensure_server()), "-m", str(gguf), "-t", threads, "-td", threads,
+                       "-c", str(context * top), "-np", str(top), "-cram", "0", "--no-webui",
+                       "--host", "127.0.0.1", "--port", str(port)]
+            servers.append(("llama-server", Process(command, f"http://127.0.0.1:{port}/health",
+                                                    out / "llama-server.log"), port))
+    levels = []
+    for setup, process, port in servers:
+        process.start()
+        try:
+            for c in args.concurrency:
+                sent = list(itertools.islice(itertools.cycle(prompts), args.requests_per_level * c))
+                level = asyncio.run(run_level(f"http://127.0.0.1:{port}/v1", args.model, sent, c, args.max_tokens,
+                                              setup=setup))
+                levels.append(level)
+                print(f"forerun: {setup} c={c}: {level.tokens_per_s:.1f} tok/s, TTFT p50 {level.ttft_p50_s * 1000:.0f} ms"
+                      f", failed {level.failures}", file=sys.stderr, flush=True)
+                write_report(out, levels, _header(args))
+        finally:
+            process.stop()
+    return 0
+
+
+def _header(args: argparse.Namespace) -> str:
+    shown = " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench-serve"] else "bench-serve"
+    return (f"# forerun bench-serve\n\nMade with `forerun {shown}` on "
+            f"{datetime.now(timezone.utc):%Y-%m-%d}. Greedy, max tokens {args.max_tokens}, "
+            f"{args.requests_per_level} x c requests per level, at most c in flight; streamed completions "
+            "with prompt token ids (the chat template applied).")
