@@ -10,14 +10,20 @@ one-off set-up is paid once per lane, not per request.
 Load: with B sequences, a step of K drafts each verifies about B·(K+1) rows, and rows stop being
 nearly free as B grows. Where the lanes have cost policies, the step's K is capped at the common
 length with the most expected tokens per second for the whole batch (`batch_draft_length`), so
-speculation backs off as the batch fills and comes back as it empties. One lane alone is exactly
-the single-request engine.
+speculation backs off as the batch fills and comes back as it empties. The model prices the pass
+and the drafts but not each lane's own work around them (drafting one lane after another,
+acceptance, roll-back), which grows with B; so for each size of batch the engine also measures
+tokens per second of its steps with drafting and without, and drafts only while drafting measures
+faster (trying the other every EXPLORE_EVERY steps). One lane alone is exactly the single-request
+engine.
 
 Failures stay with their request: a lane whose drafter or acceptance raises is ended with that
 error; if the shared pass raises, each lane is verified alone so only the guilty one fails.
 """
 from __future__ import annotations
 
+import collections
+import time
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
@@ -40,6 +46,34 @@ class StepResult:
     error: Exception | None = None
 
 
+EXPLORE_EVERY = 16   # steps between tries of the option that measured worse
+
+
+@dataclass
+class Rates:
+    """Tokens per second of a batch size's steps, with drafting and without (running means)."""
+    drafting: float | None = None
+    plain: float | None = None
+    steps: int = 0
+
+    def choose_drafting(self) -> bool:
+        """Draft this step? Each option is tried first; then the faster one, the other again
+        every EXPLORE_EVERY steps (acceptance and the batch's make-up drift)."""
+        self.steps += 1
+        if self.plain is None or self.drafting is None:
+            return self.drafting is None
+        better = self.drafting >= self.plain
+        return better != (self.steps % EXPLORE_EVERY == 0)
+
+    def record(self, drafting: bool, rate: float) -> None:
+        old = self.drafting if drafting else self.plain
+        new = rate if old is None else 0.7 * old + 0.3 * rate
+        if drafting:
+            self.drafting = new
+        else:
+            self.plain = new
+
+
 class BatchEngine:
     def __init__(self, new_engine: Callable[[], Engine], max_seqs: int = 1, engines: Sequence[Engine] = ()) -> None:
         """`new_engine()` builds a lane's engine (sharing the target and draft weights); `engines`
@@ -51,6 +85,8 @@ class BatchEngine:
         self.lanes: dict[Hashable, Lane] = {}
         self.idle: list[Engine] = list(engines)
         self.last_k: int | None = None     # the draft length the last step allowed (None: no drafter)
+        # Per batch size class (1, 2-3, 4-7, 8-15, ...: the size's bit length), measured rates.
+        self.rates: collections.defaultdict[int, Rates] = collections.defaultdict(Rates)
 
     def prepare(self) -> None:
         """Build every lane now (a server at start), not when the batch first grows to it."""
@@ -92,6 +128,12 @@ class BatchEngine:
             return {}
         results: dict[Hashable, StepResult] = {}
         cap = self._k_cap([lane for _, lane in lanes]) if len(lanes) > 1 else None
+        bucket = self.rates[len(lanes).bit_length()]
+        drafting = cap is None or cap > 0
+        if cap is not None and cap > 0 and not bucket.choose_drafting():
+            cap = 0
+            drafting = False
+        started = time.perf_counter()
         planned: list[tuple[Hashable, Lane, Plan]] = []
         for key, lane in lanes:
             try:
@@ -111,6 +153,9 @@ class BatchEngine:
                 results[key] = StepResult(None, exc)
         ks = [lane.engine.last_k for _, lane, _ in planned if lane.engine.last_k is not None]
         self.last_k = max(ks) if ks else None
+        if cap is not None:
+            emitted = sum(len(r.output.token_ids) for r in results.values() if r.output is not None)
+            bucket.record(drafting, emitted / max(time.perf_counter() - started, 1e-9))
         return results
 
     def _engine(self) -> Engine:
@@ -126,8 +171,8 @@ class BatchEngine:
             engine, policy = lane.engine, lane.engine.policy
             if policy is None:
                 return None                              # a fixed K was asked for: the experiment rules
-            if engine.next_source is not None:
-                policy.select(engine.next_source(lane.run.seq.context))
+            # The figures of the source that drafted last (asking which comes next would ask a
+            # draft model's catch-up gate twice a step).
             figures.append((policy.alpha, policy.draft_cost, policy.rows_per_token))
             pass_cost, k_max = policy.pass_cost, max(k_max, engine.k)
         return batch_draft_length(figures, pass_cost, k_max)

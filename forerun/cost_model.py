@@ -278,33 +278,41 @@ class DraftLengthPolicy:
 
     @property
     def state(self) -> SourceState:
+        """The selected source's figures, made on its first verdict or timing."""
         state = self.sources.get(self.source)
         if state is None:
             state = self.sources[self.source] = SourceState()
         return state
 
     @property
+    def _seen(self) -> SourceState:
+        """The selected source's figures to read (a fresh prior when it has none yet, not stored)."""
+        return self.sources.get(self.source) or SourceState()
+
+    @property
     def alpha(self) -> float:
-        return self.state.current.alpha
+        return self._seen.current.alpha
 
     @property
     def draft_cost(self) -> float:
-        return self.state.draft_cost
+        return self._seen.draft_cost
 
     @property
     def rows_per_token(self) -> float:
-        return self.state.rows_per_token
+        return self._seen.rows_per_token
 
     @property
     def free(self) -> bool:
         """Whether a draft token costs next to nothing beside a target pass."""
-        return self.state.timed and self.draft_cost < FREE_SHARE * self.pass_cost(1)
+        return self._seen.timed and self.draft_cost < FREE_SHARE * self.pass_cost(1)
 
     def choose(self, can_shadow: bool = False) -> tuple[int, bool]:
         """(draft length for the next step, whether it is a probe). `can_shadow`: the drafter may
         propose without being verified, so a plain step still measures it (no probes needed)."""
         if self.fixed:
             return self.k_max, False
+        if not self._seen.timed:
+            return 1, True                      # a source's first draft is one token: it times the drafter
         k = best_k(self.alpha, self.pass_cost, self.draft_cost, self.k_max, self.rows_per_token)
         if k == 0 and not (can_shadow and self.free) and self.plain_steps >= self.probe_wait:
             return 1, True                      # one draft token to see whether drafts recover

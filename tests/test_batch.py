@@ -213,3 +213,18 @@ def test_the_batch_caps_each_lanes_draft_length_by_the_load(quantized) -> None:
         many.add(key, prompt, SamplingParams(max_tokens=20))
     many.step()
     assert many.last_k == 0                            # 40 sequences fill every row: plain steps
+
+
+def test_a_batch_drafts_only_while_drafting_measures_faster() -> None:
+    from forerun.batch import EXPLORE_EVERY, Rates
+
+    rates = Rates()
+    assert rates.choose_drafting() is True                 # each option is tried first
+    rates.record(True, 10.0)
+    assert rates.choose_drafting() is False
+    rates.record(False, 20.0)                              # plain steps measure faster
+    choices = [rates.choose_drafting() for _ in range(4 * EXPLORE_EVERY)]
+    assert choices.count(True) == 4                        # drafting again only to re-measure
+    rates.record(True, 50.0)
+    rates.record(True, 50.0)                               # drafting got faster (say the batch shrank)
+    assert sum(rates.choose_drafting() for _ in range(EXPLORE_EVERY)) == EXPLORE_EVERY - 1

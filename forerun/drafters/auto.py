@@ -8,8 +8,9 @@ through the same verifier and exact rule, so the output is the target's either w
 model catches up on the tokens it skipped in one chain pass at its next proposal. Until the cost
 policy agrees to pay the draft model's catch-up (reading a long prompt is worth it only for a long
 answer), the suffix drafter proposes whatever match it has. `next_source(context)` says before a
-step which of the two will propose, and `source` after it which did, so the cost policy keeps each
-one's acceptance and cost apart.
+step which of the two will propose (asking the draft model whether its catch-up pays now, so a
+step the draft model sits out is priced as the suffix drafter's), and `source` after it which
+did, so the cost policy keeps each one's acceptance and cost apart.
 
 Cost: a suffix look-up every step (microseconds), a draft-model token only on steps without a long
 match. Where it loses: a long match that stops being copied wastes one verification, and the
@@ -42,6 +43,7 @@ class AutoDrafter:
         self.long_match = long_match
         self.steps = {"suffix": 0, "draft": 0}   # proposals made by each, this process
         self.source = "draft"                    # which made the last proposal
+        self.planned: str | None = None          # what next_source said for the coming proposal
 
     def max_rows(self, k: int) -> int:
         return max(rows_per_step(self.suffix, k), k)
@@ -54,13 +56,17 @@ class AutoDrafter:
         self.draft.set_gate(gate)
 
     def next_source(self, context: list[int]) -> str:
-        """Which will propose after `context` (the cost policy keeps their acceptance apart)."""
-        return "suffix" if self.suffix.match_length(context) >= self.long_match else "draft"
+        """Which will propose after `context` (the cost policy keeps their acceptance apart): the
+        suffix drafter on a long match or while the draft model's catch-up does not pay yet."""
+        long = self.suffix.match_length(context) >= self.long_match
+        self.planned = "suffix" if long or not self.draft.ready(context) else "draft"
+        return self.planned
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> DraftTree | None:
         tree, match = self.suffix.propose_with_match(context, k, params, generator)
-        if tree is None or match < self.long_match:
+        planned, self.planned = self.planned, None
+        if (tree is None or match < self.long_match) if planned is None else planned == "draft":
             drafted = self.draft.propose(context, k, params, generator)
             if drafted is not None:          # None: its catch-up declined, the suffix's guess stands
                 self.source = "draft"

@@ -105,6 +105,7 @@ class DraftModelDrafter:
         self.gate: Callable[[float, float | None, float], bool] | None = None   # see set_gate
         self.acceptance = Acceptance(*DRAFT_PRIOR)   # of its drafts, over every request of this drafter
         self.proposed = 0                            # tokens in the proposal awaiting its verdict
+        self.admitted = False                        # ready() asked the gate for this step and it paid
 
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         self.cache = self.model.decoder.new_cache(max_len)
@@ -119,7 +120,8 @@ class DraftModelDrafter:
         self.fed = self.fed[:keep]
         pending = context[keep:]
         # The root is read on every proposal; only what lies before it is catch-up.
-        if (self.gate is not None and len(pending) - 1 > CATCH_UP_FREE
+        admitted, self.admitted = self.admitted, False
+        if (self.gate is not None and len(pending) - 1 > CATCH_UP_FREE and not admitted
                 and not self.gate(self.catch_up_seconds(len(pending) - 1), self.cost_per_token(),
                                   self.acceptance.alpha)):
             return None
@@ -147,6 +149,15 @@ class DraftModelDrafter:
                 break
         self.proposed = len(tokens)
         return DraftTree.chain(tokens, None if params.greedy else torch.stack(probs))
+
+    def ready(self, context: list[int]) -> bool:
+        """Whether a proposal after `context` would draft: its catch-up is free, or the gate pays
+        for it now (asked here once per step; the proposal that follows does not ask again)."""
+        skipped = len(context) - 1 - min(_common_prefix(self.fed, context), len(context) - 1)
+        if self.gate is None or skipped <= CATCH_UP_FREE:
+            return True
+        self.admitted = self.gate(self.catch_up_seconds(skipped), self.cost_per_token(), self.acceptance.alpha)
+        return self.admitted
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
         # The cache needs nothing: the next propose() rolls back by comparing contexts.
