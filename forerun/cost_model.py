@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from typing import Callable
 
 import torch
 
-from forerun.kv_cache import KVCache
+from forerun import cpu
 from forerun.models.attention import RowLayout
 from forerun.models.load import LoadedModel, model_identity
 from forerun.paths import forerun_home
@@ -54,6 +53,8 @@ MEASURED_ROWS = 16         # c(r) is measured for r = 1 .. 16 and extended linea
 MEASURE_CONTEXT = 256      # cache length the passes are timed at
 DECAY = 0.95               # weight of an acceptance observation after one more (about 20 steps)
 PRIOR = (1.0, 1.0)         # pseudo-counts (kept, rejected) behind a drafter's first estimate
+REQUEST_PRIOR = 4.0        # a request starts from earlier requests' acceptance worth this many observations:
+                           # its text may be unlike theirs, and a short answer must adapt within a few steps
 LEARN_AFTER = 3            # steps over a row count before its own running mean replaces the scaled offline figure
 PROBE_WAIT = (4, 64)       # plain steps before probing a non-free drafter: first wait, longest wait
 FREE_SHARE = 0.02          # a draft token costing under this share of c(1) counts as free
@@ -206,21 +207,10 @@ def _cost_key(model: LoadedModel, rows: int) -> str | None:
     kinds = sorted({type(m).__name__ for m in decoder.modules()})
     dtypes = sorted({str(t.dtype) for t in [*decoder.parameters(), *decoder.buffers()]})
     # The CPU's name alone does not tell its kernels apart (one "AMD EPYC" has AVX2 only, another AVX-512).
-    parts = [identity, ",".join(kinds), ",".join(dtypes), str(decoder.device), _cpu_name(),
+    parts = [identity, ",".join(kinds), ",".join(dtypes), str(decoder.device), cpu.name(),
              torch.backends.cpu.get_cpu_capability(),
              str(torch.get_num_threads()), torch.__version__, str(rows), str(MEASURE_CONTEXT)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 @dataclass
@@ -270,7 +260,9 @@ class DraftLengthPolicy:
     def start(self) -> None:
         """A new request: each source's estimate starts from its history."""
         for state in self.sources.values():
-            state.current = Acceptance(state.history.kept, state.history.rejected)
+            seen = state.history.kept + state.history.rejected
+            weight = min(1.0, REQUEST_PRIOR / seen) if seen > 0 else 1.0
+            state.current = Acceptance(state.history.kept * weight, state.history.rejected * weight)
         self.plain_steps, self.probe_wait, self.forgone, self.remaining = 0, PROBE_WAIT[0], 0.0, None
 
     def select(self, source: str | None) -> None:

@@ -83,6 +83,11 @@ class Engine:
         set_gate = getattr(drafter, "set_gate", None)
         if self.policy is not None and set_gate is not None:
             set_gate(self.policy.pays_setup)     # the policy decides when a catch-up pays
+        set_pass_cost = getattr(drafter, "set_pass_cost", None)
+        if self.policy is not None and set_pass_cost is not None:
+            set_pass_cost(self.policy.pass_cost)  # a tree sized from what rows cost here
+        # A drafter that reads the target's hidden states (draft heads) gets those of every kept row.
+        self.feed_features = getattr(drafter, "features", None) if getattr(drafter, "reads_features", False) else None
         self.rows = rows_per_step(drafter, self.k)   # most cache slots a step uses after the root
         self.last_k = self.k if drafter is not None else None   # the draft length the last step chose
         tok = target.tokenizer
@@ -126,8 +131,11 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.start(seq.prompt_ids, run.cache, max_len)
             # Prefill the whole prompt; only the last position's logits are needed.
-            logits = decoder(ids, torch.arange(len(prompt_ids), device=decoder.device), run.cache,
-                             last_only=True).logits[0]
+            out = decoder(ids, torch.arange(len(prompt_ids), device=decoder.device), run.cache, last_only=True,
+                          output_hidden=self.feed_features is not None, all_hidden=True)
+            logits = out.logits[0]
+        if self.feed_features is not None:
+            self.feed_features(out.hidden[0])                               # [T, hidden]
         first = int(sample(probabilities(logits, params), run.gen)[0])
         run.metrics.record_step(0, 0, 1)
         seq.append(first)
@@ -190,6 +198,8 @@ class Engine:
             self.policy.timed_step(tree.num_rows if tree is not None else 1, time.perf_counter() - plan.started)
         if self.drafter is not None and tree is not None:
             self.drafter.observe(len(path), ver.aux_logits)
+        if self.feed_features is not None:
+            self.feed_features(ver.hidden[[0] + [1 + node for node in path]])    # the root and the kept path
         emitted = []
         for token in tokens:
             emitted.append(token)
@@ -209,8 +219,8 @@ class Engine:
             # tokens is no cost of drafting one more); otherwise the call's time counts.
             own = getattr(self.drafter, "cost_per_token", None)
             per_token = own() if own is not None else None
-            self.policy.time_proposal(per_token * k if per_token is not None else seconds, k,
-                                      len(tree) if tree is not None else 0)
+            # Every row the proposal adds counts, aux rows too (lookahead's window rides on every step).
+            self.policy.time_proposal(per_token * k if per_token is not None else seconds, k, tree.num_rows - 1)
         return tree
 
     def _tell_policy(self, tree, shadow, path: list[int], probe: bool, root_probs: torch.Tensor) -> None:

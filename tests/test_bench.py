@@ -8,6 +8,7 @@ import matplotlib.image
 import pytest
 
 from forerun.bench import BenchConfig, run_bench, valid_methods
+from forerun.commands.bench import HEAD_METHODS
 from forerun.bench import runner
 from forerun.bench.dataset import MT_BENCH, SPEC_BENCH_FILE, load_prompts
 from forerun.bench.summary import OVERALL, by_task, predicted_length
@@ -33,6 +34,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "draft": save_hf_folder(tiny_model(seed=0, num_layers=1), root / "draft"), "dataset": dataset}
 
 
+# Every method that runs without a trained head (medusa and eagle need one: tests/test_heads.py).
+METHODS = [m for m in valid_methods() if m not in HEAD_METHODS]
+
+
 def bench_args(folders: dict[str, Path], out: Path, *extra: str) -> list[str]:
     return ["bench", "--model", str(folders["target"]), "--dtype", "float32", "--dataset", str(folders["dataset"]),
             "--max-tokens", str(MAX_TOKENS), "--out", str(out), "--no-progress", *extra]
@@ -42,7 +47,7 @@ def bench_args(folders: dict[str, Path], out: Path, *extra: str) -> list[str]:
 def full_run(folders: dict[str, Path]) -> Path:
     """Every registered method at K = 1 and 2, with the transformers peers, once for the module."""
     out = folders["root"] / "full"
-    code = main(bench_args(folders, out, "--methods", ",".join(valid_methods()), "--speculative-model",
+    code = main(bench_args(folders, out, "--methods", ",".join(METHODS), "--speculative-model",
                            str(folders["draft"]), "--sweep-k", ",".join(map(str, KS)), "--peers", "transformers"))
     assert code == 0
     return out
@@ -64,7 +69,7 @@ def section(report: str, heading: str) -> str:
 
 def test_results_hold_one_line_per_prompt_method_and_k(full_run: Path) -> None:
     records = read_records(full_run)
-    speculative = len(valid_methods()) - 1
+    speculative = len(METHODS) - 1
     peers = 1 + 2 * len(KS)                       # hf-plain, then hf-assisted and hf-prompt-lookup per K
     assert len(records) == len(PROMPTS) * (1 + speculative * len(KS) + peers)
     keys = {(r["prompt_id"], r["method"], r["k"]) for r in records}
@@ -85,7 +90,7 @@ def test_runs_of_a_prompt_are_interleaved_with_plain_first(full_run: Path) -> No
 
 def test_greedy_outputs_of_every_forerun_method_equal_plain(full_run: Path) -> None:
     records = [r for r in read_records(full_run) if r["engine"] == "forerun"]
-    assert {r["method"] for r in records} == set(valid_methods())
+    assert {r["method"] for r in records} == set(METHODS)
     assert all(r["identical_to_plain"] for r in records)
     overall = section((full_run / "report.md").read_text(), "## Overall")
     for line in overall.splitlines():
@@ -127,7 +132,7 @@ def test_report_has_a_row_per_method_in_every_category_and_overall(full_run: Pat
     for heading in ("### code", "### chat", "## Overall"):
         table = section(report, heading)
         assert "| plain | – | 1.00× |" in table
-        for method in valid_methods()[1:]:
+        for method in METHODS[1:]:
             for k in KS:
                 assert f"| {method} | {k} |" in table, (heading, method, k)
         assert "| hf-plain (transformers) |" in table
@@ -158,7 +163,7 @@ def test_plots_are_png_files_that_open(full_run: Path) -> None:
 
 def test_a_second_identical_run_makes_no_new_runs(full_run: Path, folders: dict[str, Path]) -> None:
     before = (full_run / "results.jsonl").read_text()
-    code = main(bench_args(folders, full_run, "--methods", ",".join(valid_methods()), "--speculative-model",
+    code = main(bench_args(folders, full_run, "--methods", ",".join(METHODS), "--speculative-model",
                            str(folders["draft"]), "--sweep-k", "1,2"))   # peers left out: their lines stay
     assert code == 0
     assert (full_run / "results.jsonl").read_text() == before

@@ -217,6 +217,34 @@ def test_specs_cover_each_k_and_leave_draft_out_without_a_draft_model() -> None:
     assert [(s.method, s.k, s.draft) for s in specs] == [(LLAMA_DRAFT, 2, Path("d.gguf"))]
 
 
+FAKE_BENCH = """#!/bin/sh
+echo run >> "$(dirname "$0")/probes"
+[ "$FAKE_BENCH_CRASH" = 1 ] && kill -SEGV $$
+exit 0
+"""
+
+
+@pytest.mark.parametrize("crash", [True, False])
+def test_repacked_weights_that_crash_a_batch_turn_repacking_off_once_per_cpu(home: Path, tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch,
+                                                                             crash: bool) -> None:
+    (tmp_path / "llama-bench").write_text(FAKE_BENCH)
+    (tmp_path / "llama-bench").chmod(0o755)
+    monkeypatch.setenv("FAKE_BENCH_CRASH", "1" if crash else "0")
+    binary = tmp_path / "llama-server"
+    assert llamacpp.repack_works(binary, Path("/m/target.gguf"), 2) is not crash
+    assert llamacpp.repack_works(binary, Path("/m/target.gguf"), 2) is not crash    # remembered, not probed again
+    assert (tmp_path / "probes").read_text().count("run") == 1
+    spec = llamacpp.server_specs(Path("/m/target.gguf"), None, [2], 2, 100, llamacpp.LLAMA_METHODS,
+                                 repack=not crash)[0]
+    assert ("--no-repack" in spec.flags()) is crash
+    assert ("--no-repack" in spec.options().get("flags", "")) is crash
+
+
+def test_without_llama_bench_repacking_stays_on(home: Path, tmp_path: Path) -> None:
+    assert llamacpp.repack_works(tmp_path / "llama-server", Path("/m/target.gguf"), 2)
+
+
 def test_request_carries_the_prompt_ids_and_greedy_settings() -> None:
     body = request_body([5, 6, 7], SamplingParams(max_tokens=9, stop=("\n\n",)))
     assert body["prompt"] == [5, 6, 7] and body["n_predict"] == 9 and body["stop"] == ["\n\n"]

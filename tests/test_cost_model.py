@@ -121,6 +121,17 @@ def test_a_request_starts_from_the_acceptance_of_earlier_requests() -> None:
     assert policy.alpha > 0.9
 
 
+def test_a_request_unlike_earlier_ones_moves_off_their_acceptance_within_a_few_steps() -> None:
+    policy = DraftLengthPolicy(FLAT, k_max=5)
+    policy.start()
+    for _ in range(50):
+        policy.drafted(5, 5, False)                  # earlier requests: every draft kept
+    policy.start()
+    for _ in range(4):
+        policy.drafted(5, 0, False)                  # this one: the first token always rejected
+    assert policy.alpha < 0.5                        # with all earlier requests' weight it would be ~0.85
+
+
 def test_each_source_of_drafts_has_its_own_acceptance() -> None:
     policy = DraftLengthPolicy(FLAT, k_max=4)
     policy.start()
@@ -300,6 +311,22 @@ def test_a_drafter_that_knows_its_token_cost_is_believed_over_the_call_time(targ
     engine.generate(PROMPT, SamplingParams(max_tokens=3))
     assert policy.draft_cost == pytest.approx(0.5)        # not the microseconds its call took
     assert policy.choose() == (0, False)                  # half a second per token never pays here
+
+
+class WindowDrafter(WrongDrafter):
+    """Every proposal carries eight aux rows beside its nodes, as lookahead's window does."""
+
+    def propose(self, context, k, params, generator) -> DraftTree:
+        self.calls += 1
+        return DraftTree([self.token] * k, list(range(-1, k - 1)), aux_tokens=[self.token] * 8,
+                         aux_offsets=list(range(1, 9)), aux_mask=torch.ones(8, 9, dtype=torch.bool))
+
+
+def test_aux_rows_count_as_rows_the_draft_adds(target4) -> None:
+    policy = DraftLengthPolicy(SLOPED, k_max=2)
+    engine = Engine(target4, WindowDrafter(0, stateless=False), 2, policy)
+    engine.generate(PROMPT, SamplingParams(max_tokens=3))              # one step: the one-token first draft
+    assert policy.rows_per_token == pytest.approx(9.0)                # its node and the eight aux rows
 
 
 def test_learned_costs_follow_the_steps_the_engine_times() -> None:

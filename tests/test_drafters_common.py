@@ -132,8 +132,9 @@ def speculative_samples(target: LoadedModel, drafter, k: int, prompt: list[int],
     decoder = target.decoder
     max_len = engine.check_fits(prompt, params)
     cache = decoder.new_cache(max_len)
-    logits = decoder(torch.tensor(prompt), torch.arange(len(prompt)), cache, last_only=True).logits[0]
-    first = probabilities(logits, params)                                                  # [1, V]
+    out = decoder(torch.tensor(prompt), torch.arange(len(prompt)), cache, last_only=True, output_hidden=True,
+                  all_hidden=True)
+    first = probabilities(out.logits[0], params)                                           # [1, V]
     prefilled = cache.length
     metrics = SpecMetrics(num_speculative_tokens=k)
     samples = []
@@ -142,6 +143,8 @@ def speculative_samples(target: LoadedModel, drafter, k: int, prompt: list[int],
         cache.truncate(prefilled)
         seq = Sequence(prompt, params, None, frozenset())
         drafter.start(prompt, cache, max_len)
+        if getattr(drafter, "reads_features", False):
+            drafter.features(out.hidden[0])                # as the engine's prefill gives them
         seq.append(int(sample(first, gen)[0]))
         run = Running(seq, cache, gen, metrics, start=0.0)
         while len(seq.output_ids) < 3:

@@ -223,3 +223,21 @@ def test_merge_sums_counters_and_widens_positions():
 def test_predicted_mean_accepted_length_is_the_geometric_series(rate, k, expected):
     m = SpecMetrics(num_speculative_tokens=k, num_draft_tokens=1000, num_accepted_tokens=int(rate * 1000))
     assert m.predicted_mean_accepted_length == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("token_seconds,drafted", [(1e-6, 6), (1.0, 1)], ids=["cheap", "dear"])
+def test_a_draft_ends_once_another_token_cannot_pay(target, drafts, token_seconds, drafted) -> None:
+    from forerun.cost_model import PassCosts
+
+    drafter = DraftModelDrafter(target, drafts["same"])
+    drafter.start(PROMPT, None, 64)
+    drafter.set_pass_cost(PassCosts([0.1] * 16))          # one target pass: 0.1 s; extra rows free
+    drafter.token_seconds = token_seconds
+    tree = drafter.propose(PROMPT, 6, SamplingParams(), None)
+    # A draft forward dearer than a whole target pass never pays for a second token; a free one
+    # is worth drafting while the draft's own probability of its tokens stays above ~0.
+    assert len(tree) == drafted
+    # Greedy output is the target's whatever the draft lengths.
+    engine = Engine(target, drafter, 6)
+    assert engine.generate(PROMPT, SamplingParams(max_tokens=MAX)).token_ids == \
+        Engine(target).generate(PROMPT, SamplingParams(max_tokens=MAX)).token_ids

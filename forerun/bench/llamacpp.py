@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from forerun import cpu
 from forerun.bench.contenders import Measurement, PeerSetup
 from forerun.config import SamplingParams
 from forerun.errors import ForerunError
@@ -196,6 +197,48 @@ def _say(message: str) -> None:
     print(f"forerun: {message}", file=sys.stderr, flush=True)
 
 
+# --- whether its repacked weights run on this CPU ------------------------------------------------
+
+REPACK_PROBE_ROWS = 4              # a pass over this many rows shows the crash below
+REPACK_PROBE_TIMEOUT_S = 300.0
+
+
+def repack_path() -> Path:
+    return peer_dir() / "repack.json"
+
+
+def repack_works(binary: Path, model: Path, threads: int) -> bool:
+    """Whether llama.cpp's default, repacked weights survive a pass over several rows on this CPU.
+
+    By default llama.cpp repacks weights into layouts for the CPU's matrix units; on some CPUs with
+    AMX its AMX kernels crash the process on every batch of more than one row (llama.cpp issue
+    #20824), which kills a server at its first prompt. Probed once per CPU with llama-bench (a
+    sibling of `binary`) and remembered in FORERUN_HOME/peers/; where it crashes, the peer runs with
+    --no-repack, llama.cpp's own switch for it. Without llama-bench it cannot tell: True.
+    """
+    bench = binary.parent / "llama-bench"
+    if not bench.is_file():
+        return True
+    key = hashlib.sha256(f"{VERSION}|{cpu.name()}|{' '.join(sorted(cpu.flags()))}".encode()).hexdigest()[:16]
+    path = repack_path()
+    try:
+        known = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        known = {}
+    if key in known:
+        return bool(known[key])
+    command = [str(bench), "-m", str(model), "-t", str(threads), "-p", str(REPACK_PROBE_ROWS), "-n", "0", "-r", "1",
+               "--repack", "1"]
+    try:
+        works = subprocess.run(command, capture_output=True, timeout=REPACK_PROBE_TIMEOUT_S).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        works = False
+    known[key] = works
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(known, indent=1))
+    return works
+
+
 # --- one server per configuration ---------------------------------------------------------------
 
 
@@ -209,11 +252,12 @@ class ServerSpec:
     context: int                 # -c: the longest prompt plus max tokens, with room for a draft
     draft: Path | None = None    # the draft .gguf, for llama-draft
     ngram: int = 3               # llama-ngram: how many last tokens to look up
+    repack: bool = True          # False: --no-repack (see repack_works)
 
     def flags(self) -> list[str]:
         """The command line's flags, port aside: one slot, no prompt cache in RAM, no web UI."""
         flags = ["-m", str(self.model), "-t", str(self.threads), "-td", str(self.threads), "-c", str(self.context),
-                 "-np", "1", "-cram", "0", "--no-webui"]
+                 "-np", "1", "-cram", "0", "--no-webui"] + ([] if self.repack else ["--no-repack"])
         return flags + self.speculation_flags()
 
     def speculation_flags(self) -> list[str]:
@@ -228,7 +272,7 @@ class ServerSpec:
     def options(self) -> dict:
         """As results.jsonl records them: what shapes the numbers, not where the files lie."""
         options = {"version": VERSION, "threads": self.threads}
-        flags = self.speculation_flags()
+        flags = ([] if self.repack else ["--no-repack"]) + self.speculation_flags()
         if flags:
             options["flags"] = " ".join(f if not f.endswith(".gguf") else Path(f).name for f in flags)
         return options
@@ -384,14 +428,14 @@ class LlamaCppContender:
 
 
 def server_specs(model: Path, draft: Path | None, ks: list[int], threads: int, context: int,
-                 methods: tuple[str, ...], ngram: int = 3) -> list[ServerSpec]:
+                 methods: tuple[str, ...], ngram: int = 3, repack: bool = True) -> list[ServerSpec]:
     """Plain first, then draft and n-gram at each K (draft only with a draft model)."""
-    specs = [ServerSpec(LLAMA_PLAIN, 0, model, threads, context)] if LLAMA_PLAIN in methods else []
+    specs = [ServerSpec(LLAMA_PLAIN, 0, model, threads, context, repack=repack)] if LLAMA_PLAIN in methods else []
     for k in ks:
         if LLAMA_DRAFT in methods and draft is not None:
-            specs.append(ServerSpec(LLAMA_DRAFT, k, model, threads, context + k, draft))
+            specs.append(ServerSpec(LLAMA_DRAFT, k, model, threads, context + k, draft, repack=repack))
         if LLAMA_NGRAM in methods:
-            specs.append(ServerSpec(LLAMA_NGRAM, k, model, threads, context + k, ngram=ngram))
+            specs.append(ServerSpec(LLAMA_NGRAM, k, model, threads, context + k, ngram=ngram, repack=repack))
     return specs
 
 
@@ -415,14 +459,19 @@ def llamacpp_contenders(model_spec: str, draft_spec: str | None, ks: list[int], 
             draft, problem = _gguf(draft_spec)
             if draft is None:
                 setup.notes.append(f"llama.cpp draft speculation left out: {problem}")
-    specs = server_specs(model, draft, ks, threads, context, methods, ngram)
-    if not specs:
+    if not server_specs(model, draft, ks, threads, context, methods, ngram):
         return setup
     try:
         binary = ensure_server()
     except ForerunError as exc:
         setup.notes.append(f"llama.cpp peer left out: {exc}")
         return setup
+    repack = repack_works(binary, model, threads)
+    if not repack:
+        setup.notes.append(f"llama.cpp runs with --no-repack: with its default repacked weights it crashed on a "
+                           f"{REPACK_PROBE_ROWS}-row batch on this CPU ({cpu.name()}; llama.cpp issue #20824), "
+                           "so every prompt and every verification would kill it")
+    specs = server_specs(model, draft, ks, threads, context, methods, ngram, repack)
     try:
         for spec in specs:
             server = LlamaServer(binary, spec, peer_dir() / "logs" / f"{spec.method}-k{spec.k}.log")

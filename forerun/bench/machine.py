@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
-from pathlib import Path
 
 import torch
 
+from forerun import cpu
+
 
 def describe(dtype: str, device: str, quantization: str | None, with_transformers: bool) -> dict[str, str]:
-    info = {"CPU": _cpu_name(), "threads": f"{torch.get_num_threads()} torch threads, "
+    info = {"CPU": cpu.name(), "threads": f"{torch.get_num_threads()} torch threads, "
                                            f"{os.cpu_count()} logical cores",
             "torch": torch.__version__, "python": platform.python_version()}
     if with_transformers:
@@ -21,12 +21,3 @@ def describe(dtype: str, device: str, quantization: str | None, with_transformer
     info["dtype"] = dtype + (f", target weights {quantization}" if quantization else "")
     info["OS"] = f"{platform.system()} {platform.release()}"
     return info
-
-
-def _cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if sys.platform.startswith("linux") and cpuinfo.is_file():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "unknown"

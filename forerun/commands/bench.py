@@ -11,6 +11,8 @@ from forerun.commands.common import (add_model_args, add_sampling_args, add_spec
 from forerun.drafters.draft_model import DRAFT_MODEL_METHODS
 from forerun.errors import ForerunError
 
+HEAD_METHODS = ("medusa", "eagle")   # methods that read a trained head (--speculative-head)
+
 
 def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.speculative_method:
         raise ForerunError("forerun bench takes --methods (comma-separated), not --speculative-method")
-    methods = args.methods or default_methods(valid_methods(), args.speculative_model)
+    methods = args.methods or default_methods(valid_methods(), args.speculative_model, args.speculative_head)
     if "plain" not in methods:
         methods = ["plain"] + methods          # every speedup is a ratio to plain decoding
     check_methods(methods, args.speculative_model)   # before spec_from_args, for the clearer message
@@ -76,10 +78,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def default_methods(available: list[str], speculative_model: str | None) -> list[str]:
+def default_methods(available: list[str], speculative_model: str | None, speculative_head: str | None = None) -> list[str]:
     """plain and every registered drafter that can run with the flags given (draft and auto need a
-    draft model)."""
-    return ["plain"] + [m for m in available if m not in DRAFT_MODEL_METHODS or speculative_model]
+    draft model; medusa and eagle a trained head, and only the kind the head is)."""
+    from forerun.heads import read_config
+
+    head_kind = read_config(speculative_head).method if speculative_head else None
+    return ["plain"] + [m for m in available if m != "plain"
+                        and (m not in DRAFT_MODEL_METHODS or speculative_model)
+                        and (m not in HEAD_METHODS or m == head_kind)]
 
 
 def command_line(args: argparse.Namespace) -> str:

@@ -86,25 +86,31 @@ def run(args: argparse.Namespace) -> int:
             import torch
 
             port = llamacpp.free_port()
-            threads = str(torch.get_num_threads())
-            command = [str(llamacpp.ensure_server()), "-m", str(gguf), "-t", threads, "-td", threads,
-                       "-c", str(context * top), "-np", str(top), "-cram", "0", "--no-webui",
+            threads = torch.get_num_threads()
+            binary = llamacpp.ensure_server()
+            repack = [] if llamacpp.repack_works(binary, gguf, threads) else ["--no-repack"]
+            command = [str(binary), "-m", str(gguf), "-t", str(threads), "-td", str(threads),
+                       "-c", str(context * top), "-np", str(top), "-cram", "0", "--no-webui", *repack,
                        "--host", "127.0.0.1", "--port", str(port)]
             servers.append(("llama-server", Process(command, f"http://127.0.0.1:{port}/health",
                                                     out / "llama-server.log"), port))
+    # Every server is up at once (idle ones cost memory, not time) and each level runs every set-up
+    # back to back, so the ratios at a level are taken moments apart on this shared machine.
     levels = []
-    for setup, process, port in servers:
-        process.start()
-        try:
-            for c in args.concurrency:
-                sent = list(itertools.islice(itertools.cycle(prompts), args.requests_per_level * c))
+    try:
+        for _, process, _ in servers:
+            process.start()
+        for c in args.concurrency:
+            sent = list(itertools.islice(itertools.cycle(prompts), args.requests_per_level * c))
+            for setup, _, port in servers:
                 level = asyncio.run(run_level(f"http://127.0.0.1:{port}/v1", args.model, sent, c, args.max_tokens,
                                               setup=setup))
                 levels.append(level)
                 print(f"forerun: {setup} c={c}: {level.tokens_per_s:.1f} tok/s, TTFT p50 {level.ttft_p50_s * 1000:.0f} ms"
                       f", failed {level.failures}", file=sys.stderr, flush=True)
                 write_report(out, levels, _header(args))
-        finally:
+    finally:
+        for _, process, _ in servers:
             process.stop()
     return 0
 

@@ -21,6 +21,8 @@ METHOD_OPTIONS: dict[str, dict[str, str]] = {
                "suffix_branch_ratio": "branch_ratio"},
     "early-exit": {"early_exit_layer": "layer", "skip_layers": "skip_layers"},
     "lookahead": {"lookahead_window": "window", "lookahead_ngram": "ngram", "lookahead_guesses": "guesses"},
+    "medusa": {"speculative_head": "head", "medusa_choices": "choices"},
+    "eagle": {"speculative_head": "head", "eagle_nodes": "nodes", "eagle_branch": "branch"},
 }
 
 
@@ -68,6 +70,24 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lookahead-window", type=int, default=4, help="lookahead: Jacobi window W")
     g.add_argument("--lookahead-ngram", type=int, default=4, help="lookahead: n-gram size N")
     g.add_argument("--lookahead-guesses", type=int, default=4, help="lookahead: candidate n-grams G per step")
+    g.add_argument("--speculative-head", default=None, metavar="DIR",
+                   help="medusa, eagle: the trained head's folder (made by `forerun train`)")
+    g.add_argument("--medusa-choices", type=_choices, default=None, metavar="JSON",
+                   help="medusa: the tree as a list of rank paths, e.g. '[[0], [1], [0, 0]]'")
+    g.add_argument("--eagle-nodes", type=int, default=None, help="eagle: the most tree nodes a step verifies (16)")
+    g.add_argument("--eagle-branch", type=int, default=None,
+                   help="eagle: nodes expanded per depth and children per expanded node (4)")
+
+
+def _choices(text: str) -> list[list[int]]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): {text!r}") from None
+    if not (isinstance(value, list) and all(isinstance(c, list) and all(isinstance(r, int) for r in c)
+                                            for c in value)):
+        raise argparse.ArgumentTypeError(f"expected a list of lists of whole numbers, got {text!r}")
+    return value
 
 
 def spec_from_args(args: argparse.Namespace, method: str | None = None) -> tuple[str | None, dict]:

@@ -33,6 +33,11 @@ class Drafter(Protocol):
     # model reading a prompt): it calls gate(seconds, cost_per_token, alpha) first and returns None on False.
     # Optional: `stateless = True`, a proposal leaves no state behind, so the engine may propose
     # without verifying (shadow proposals that keep measuring acceptance on plain steps).
+    # Optional: `reads_features = True` with `features(hidden)`: the target's final hidden states
+    # [n, hidden] of the rows its cache keeps, in order (the prompt's after the prefill; the root's
+    # and the accepted path's after each step), for drafters that read them (draft heads).
+    # Optional: `set_pass_cost(c)`, c(rows) the target's measured pass cost, for a drafter that
+    # sizes its own tree (EAGLE).
 
 
 DrafterFactory = Callable[..., Drafter]
@@ -71,4 +76,4 @@ def create(name: str, target, options: dict) -> Drafter:
 
 def _import_all() -> None:
     # Each module registers itself on import.
-    from forerun.drafters import auto, draft_model, early_exit, lookahead, ngram, suffix  # noqa: F401
+    from forerun.drafters import auto, draft_model, eagle, early_exit, lookahead, medusa, ngram, suffix  # noqa: F401

@@ -55,6 +55,9 @@ class AutoDrafter:
     def set_gate(self, gate: Callable[[float, float | None, float], bool]) -> None:
         self.draft.set_gate(gate)
 
+    def set_pass_cost(self, pass_cost: Callable[[int], float]) -> None:
+        self.draft.set_pass_cost(pass_cost)
+
     def next_source(self, context: list[int]) -> str:
         """Which will propose after `context` (the cost policy keeps their acceptance apart): the
         suffix drafter on a long match or while the draft model's catch-up does not pay yet."""

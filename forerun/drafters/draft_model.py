@@ -3,6 +3,13 @@
 Before drafting it reads the tokens it has not seen (the prompt at first, then the target's token
 and anything another drafter emitted) in one pass: its catch-up. The engine's cost policy may decline
 a long catch-up (`gate`); the proposal is then None and the step goes without the draft model.
+
+A draft also ends early once another token cannot pay (given the target's pass costs,
+`set_pass_cost`): the product of the draft's own probabilities of its tokens so far estimates the
+chance that all of them are kept, and one more token is worth drafting only while that chance
+times a target pass (what an accepted token saves) exceeds the token's price, one draft forward
+plus the extra verified row. Unsure drafts (translation, facts) then stop after a token or two
+instead of paying for K.
 """
 from __future__ import annotations
 
@@ -106,6 +113,7 @@ class DraftModelDrafter:
         self.acceptance = Acceptance(*DRAFT_PRIOR)   # of its drafts, over every request of this drafter
         self.proposed = 0                            # tokens in the proposal awaiting its verdict
         self.admitted = False                        # ready() asked the gate for this step and it paid
+        self.pass_cost: Callable[[int], float] | None = None   # the target's c(rows), for ending drafts early
 
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         self.cache = self.model.decoder.new_cache(max_len)
@@ -127,6 +135,7 @@ class DraftModelDrafter:
             return None
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
+        kept_chance = 1.0                            # the draft's probability of its whole draft so far
         for _ in range(k):
             ids = torch.tensor(pending, device=decoder.device)
             pos = torch.arange(len(self.fed), len(self.fed) + len(pending), device=decoder.device)
@@ -136,6 +145,7 @@ class DraftModelDrafter:
                 logits = decoder(ids, pos, cache, layout=layout, last_only=True, head=self.head).logits[0]  # [1, N]
             self._time_pass(len(pending), time.perf_counter() - start)
             self.fed += pending
+            confidence = logits.softmax(-1)[0]                                       # [N]
             if params.greedy:
                 choice = int(logits.argmax())
             else:
@@ -145,10 +155,24 @@ class DraftModelDrafter:
             token = choice if self.vocab is None else int(self.vocab[choice])
             tokens.append(token)
             pending = [token]
-            if self.min_confidence and float(logits.softmax(-1).max()) < self.min_confidence:
+            kept_chance *= float(confidence[choice])
+            if self.min_confidence and float(confidence.max()) < self.min_confidence:
+                break
+            if len(tokens) < k and not self._worth_another(len(tokens), kept_chance):
                 break
         self.proposed = len(tokens)
         return DraftTree.chain(tokens, None if params.greedy else torch.stack(probs))
+
+    def set_pass_cost(self, pass_cost: Callable[[int], float]) -> None:
+        self.pass_cost = pass_cost
+
+    def _worth_another(self, drafted: int, kept_chance: float) -> bool:
+        """Whether a token after `drafted` ones, all kept with probability `kept_chance`, pays for
+        its draft forward and its verified row (True when the costs are not known)."""
+        if self.pass_cost is None or self.token_seconds is None:
+            return True
+        row = self.pass_cost(drafted + 2) - self.pass_cost(drafted + 1)
+        return kept_chance * self.pass_cost(1) > self.token_seconds + row
 
     def ready(self, context: list[int]) -> bool:
         """Whether a proposal after `context` would draft: its catch-up is free, or the gate pays

@@ -220,9 +220,9 @@ class Decoder(nn.Module):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
                 attention_mask: torch.Tensor | None = None, *, layout: RowLayout | None = None,
-                last_only: bool = False, output_hidden: bool = False, hidden_layer: int | None = None,
-                layers: list[int] | range | None = None, head: nn.Module | None = None,
-                segments: list[Segment] | None = None) -> DecoderOutput:
+                last_only: bool = False, output_hidden: bool = False, all_hidden: bool = False,
+                hidden_layer: int | None = None, layers: list[int] | range | None = None,
+                head: nn.Module | None = None, segments: list[Segment] | None = None) -> DecoderOutput:
         """Run the new tokens against the cache and append their keys and values to it.
 
         tokens, positions: [B, T] (or [T]). attention_mask: bool, True where a new token may attend,
@@ -232,7 +232,9 @@ class Decoder(nn.Module):
         left untouched. `head` scores with another head than lm_head (a draft's reduced vocabulary).
         `segments` (with `cache` None and tokens [T]) runs the rows of several sequences in one
         forward, each segment's rows on its own cache and layout: every row comes out as it would
-        in a forward of its sequence alone (continuous batching).
+        in a forward of its sequence alone (continuous batching). `all_hidden` with `last_only` and
+        `output_hidden`: the hidden state of every row, the logits of the last (a draft head reads
+        the whole prompt's features).
         """
         if tokens.dim() == 1:
             tokens = tokens[None]
@@ -256,10 +258,11 @@ class Decoder(nn.Module):
             seg.cache.advance(seg.stop - seg.start)
         if cache is not None:
             cache.advance(t)
-        if last_only:
+        if last_only and not (output_hidden and all_hidden):
             x = x[:, -1:]
         x = self.norm(x)
-        return DecoderOutput(logits=(self.lm_head if head is None else head)(x).float(),
+        scored = x[:, -1:] if last_only else x
+        return DecoderOutput(logits=(self.lm_head if head is None else head)(scored).float(),
                              hidden=x if output_hidden else None,
                              layer_hidden=layer_hidden)
 

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from forerun import cpu
 from forerun.errors import ForerunError
 from forerun.models import w8a8
 from forerun.models.linear import quantize_int8_
@@ -58,34 +59,23 @@ FORMATS: dict[str, Format] = {
 AUTO = "auto"
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def choose_auto(device: torch.device | str) -> tuple[str | None, str]:
     """(format or None for the weights' own dtype, why) for `--quantization auto`.
 
-    Measured (docs/benchmarks.md, ../shared/docs/models.md): on CPUs with AMX a bf16 pass over 16 rows
-    costs about one row, so bf16 keeps the weights exact and verification nearly free; without native
-    bf16 matrix units (AVX2) bf16 rows cost linearly and w8a8 is the fastest format whose rows stay flat.
+    Measured on the 1.5B target, one pass at 1 / 8 / 16 rows (docs/benchmarks.md): without native
+    bf16 matrix units (AVX2) bf16 costs 190 ms and more per row while w8a8 stays near flat; with AMX
+    bf16 is flat (215 / 208 / 218 ms) but w8a8 is faster still (78 / 130 / 152 ms) up to ~64 rows,
+    far more than a step verifies. So w8a8 wherever fbgemm runs.
     """
     kind = torch.device(device).type
     if kind != "cpu":
         return None, f"on {kind} the weights stay in their dtype"
-    flags = cpu_flags()
-    if {"amx_bf16", "amx_tile"} <= flags:
-        return None, "this CPU has AMX bf16 matrix units: bf16 rows are nearly free, so the weights stay bf16"
     if w8a8.available(device):
-        return "w8a8", (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16 matrix units: "
-                        "w8a8, int8 products whose cost is flat to ~8 rows")
+        units = "AMX bf16 units, but" if cpu.has_amx() else "no native bf16 matrix units:"
+        return "w8a8", (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has {units} int8 products "
+                        "through fbgemm verify 8 rows for under twice the cost of one, faster than bf16")
+    if cpu.has_amx():
+        return None, "no fbgemm in this PyTorch, and AMX bf16 rows are nearly free: the weights stay bf16"
     return "int8", "no fbgemm in this PyTorch: int8 weights"
 
 

@@ -1,0 +1,158 @@
+"""`forerun train`: a Medusa or EAGLE draft head for a target, from the target's own answers.
+
+1. The target answers the training prompts (greedy, on its fast format, several at once) and
+   reads each prompt + answer again; its hidden states are stored as safetensors shards in
+   OUT/data (resumable).
+2. The head trains on them (progress bar with loss and top-1 accuracy per head; a checkpoint in
+   OUT/checkpoint every few minutes; `--resume` continues from it).
+3. OUT holds the head (config.json naming the target's checksum, head.safetensors) and curves.png.
+
+With `--prompts spec-bench`, the first `--hold-out` prompts of every category are never trained on:
+`forerun bench --limit-per-category N` reports on the first N, so with N <= hold-out the two never
+overlap. The ids used are written into the head's config.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from forerun.errors import ForerunError
+from forerun.models.load import QUANTIZATIONS
+
+METHODS = ("medusa", "eagle")
+DEFAULT_LR = {"medusa": 1e-3, "eagle": 3e-4}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a Medusa or EAGLE draft head on the target's own answers",
+                       description="Self-distil: the target answers the prompts, its hidden states are stored, "
+                                   "and a draft head learns its continuations. The result is a folder for "
+                                   "--speculative-head.")
+    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--model", required=True, help="the target: embedded name, .gguf file, model folder or hub id")
+    p.add_argument("--out", required=True, help="folder for the head, its data, checkpoints and curves")
+    p.add_argument("--prompts", default="spec-bench", help="spec-bench or a JSONL file with 'prompt' or 'turns'")
+    p.add_argument("--hold-out", type=int, default=10,
+                   help="spec-bench: the first N prompts of each category are never trained on (bench reports on them)")
+    p.add_argument("--num-samples", type=int, default=None, help="train on the first N prompts (default: all)")
+    p.add_argument("--max-tokens", type=int, default=192, help="answer length per prompt")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="prompts longer than this are left out")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: 1e-3 medusa, 3e-4 eagle)")
+    p.add_argument("--draft-vocab", type=int, default=32768, help="tokens the head scores (the target's most chosen)")
+    p.add_argument("--heads", type=int, default=4, help="medusa: future positions guessed")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="eagle: its layer's MLP width (default: the target's)")
+    p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
+                   help="the target's format while it answers and computes features (as generate takes it)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda: where the head trains")
+    p.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from forerun.drafters.draft_vocab import draft_vocabulary
+    from forerun.heads import HeadConfig, build_head, float_weight, save_head, target_checksum
+    from forerun.models.load import load_model
+    from forerun.train.data import make_shards
+    from forerun.train.trainer import CHECKPOINT, TrainConfig, Trainer, plot_history
+
+    _check(args)
+    out = Path(args.out).expanduser()
+    if (out / CHECKPOINT).exists() and not args.resume:
+        raise ForerunError(f"{out} holds a checkpoint of an earlier run: add --resume to continue it, or pick "
+                           "another --out")
+    torch.manual_seed(args.seed)
+    target = load_model(args.model, args.dtype, quantization=args.quantization)
+    if target.tokenizer is None:
+        raise ForerunError(f"{args.model} has no tokenizer; training encodes prompts with it")
+    prompts, used = training_prompts(args, target)
+    if not prompts:
+        raise ForerunError("no training prompts left (all held out, or longer than --max-prompt-tokens)")
+    started = time.perf_counter()
+    manifest = make_shards(target, prompts, out / "data", args.max_tokens, progress=args.progress)
+    data_minutes = (time.perf_counter() - started) / 60
+    print(f"forerun: {manifest.prompts_done} answers, {manifest.tokens} positions ({manifest.answer_tokens} written "
+          f"by the target) in {out / 'data'}", file=sys.stderr)
+
+    cfg = target.decoder.cfg
+    vocab = draft_vocabulary(target, args.draft_vocab)
+    vocab = vocab if vocab is not None else torch.arange(cfg.vocab_size)
+    config = HeadConfig(args.method, target_checksum(target), target.name, cfg.hidden_size, cfg.vocab_size,
+                        len(vocab), num_heads=args.heads if args.method == "medusa" else 0,
+                        intermediate_size=(args.intermediate_size or cfg.intermediate_size)
+                        if args.method == "eagle" else 0)
+    head = build_head(config, target)
+    head.vocab.copy_(vocab)
+    head.init_projection(float_weight(target.decoder.lm_head)[vocab])
+    head = head.to(args.device)
+    embed = target.decoder.embed_tokens.to(args.device) if args.method == "eagle" else None
+    train_config = TrainConfig(args.method, args.epochs, args.lr or DEFAULT_LR[args.method], args.seed,
+                               args.checkpoint_minutes * 60)
+    trainer = Trainer(head, train_config, out / "data", out, embed)
+    history = trainer.run(resume=args.resume, progress=args.progress)
+    last = history.accuracy[-20:]
+    accuracy = [round(sum(a[i] for a in last) / len(last), 4) for i in range(len(last[0]))] if last else []
+    config.training = {"prompts": args.prompts, "prompt_ids": used, "hold_out_per_category":
+                       args.hold_out if args.prompts == "spec-bench" else None,
+                       "sequences": manifest.prompts_done, "positions": manifest.tokens,
+                       "answer_tokens": manifest.answer_tokens, "max_tokens": args.max_tokens,
+                       "epochs": args.epochs, "lr": train_config.lr, "steps": trainer.progress.step,
+                       "data_minutes": round(data_minutes, 1),
+                       "train_minutes": round(trainer.progress.seconds / 60, 1),
+                       "final_top1_per_head": accuracy, "quantization": args.quantization,
+                       "device": args.device}
+    save_head(out, config, head.cpu())
+    if history.steps:
+        plot_history(history, out / "curves.png", f"{args.method} head for {target.name}")
+    print(f"forerun: {args.method} head in {out} (top-1 per head over the last steps: {accuracy}); use it with "
+          f"--speculative-method {args.method} --speculative-head {out}", file=sys.stderr)
+    return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("max_tokens", "epochs", "draft_vocab", "heads", "max_prompt_tokens"):
+        if getattr(args, name) < 1:
+            raise ForerunError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.num_samples is not None and args.num_samples < 1:
+        raise ForerunError(f"--num-samples must be at least 1, got {args.num_samples}")
+    if args.hold_out < 0:
+        raise ForerunError(f"--hold-out must be 0 or more, got {args.hold_out}")
+    if args.lr is not None and args.lr <= 0:
+        raise ForerunError(f"--lr must be positive, got {args.lr}")
+
+
+def training_prompts(args: argparse.Namespace, target) -> tuple[list[list[int]], list[str]]:
+    """(token ids of the prompts to train on, their ids): spec-bench minus the held-out prompts, or
+    a JSONL file's; chat-formatted when the target has a template; too long ones left out."""
+    from forerun.bench.dataset import load_prompts
+
+    prompts = load_prompts(args.prompts)
+    if args.prompts == "spec-bench":
+        seen: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            seen[p.category] = seen.get(p.category, 0) + 1
+            if seen[p.category] > args.hold_out:
+                kept.append(p)
+        prompts = kept
+    tok = target.tokenizer
+    chat = bool(getattr(tok.hf, "chat_template", None))
+    limit = min(args.max_prompt_tokens, target.decoder.cfg.max_position - args.max_tokens - 1)
+    encoded, used = [], []
+    for p in prompts:
+        ids = tok.apply_chat([{"role": "user", "content": p.text}]) if chat else tok.encode(p.text)
+        if 0 < len(ids) <= limit:
+            encoded.append(ids)
+            used.append(p.prompt_id)
+        if args.num_samples is not None and len(encoded) >= args.num_samples:
+            break
+    return encoded, used

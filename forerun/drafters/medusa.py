@@ -1,0 +1,124 @@
+"""Medusa heads draft a tree from the target's last kept hidden state, verified in one pass.
+
+The target's final hidden state at the last kept row produced the root (the step's first token
+through the target's own LM head); head i guesses the token i places after the root. The tree is
+data: a list of paths, Medusa's "choices", each path a tuple of ranks, e.g. (0, 1) = head 1's best
+token, then head 2's second best under it. Every prefix of a path must be a path too.
+
+Greedy: a node's token is its head's token of that rank (one-hot drafts). Sampling: a node's token
+is drawn from its head's distribution q (its softmax, the request's temperature, top-k and top-p),
+siblings independently, so the tree rule stays exact; the tree's shape never depends on what was drawn.
+Medusa's own typical acceptance is lossy; forerun verifies with the exact rule.
+
+Cost: one pass of H residual blocks and one projection per step, whatever K. Where it loses: heads
+guess blind beyond the first position (no draft token conditions the next), so acceptance falls
+with depth faster than a draft model's.
+"""
+from __future__ import annotations
+
+import torch
+
+from forerun.config import SamplingParams
+from forerun.drafters import register
+from forerun.errors import ForerunError
+from forerun.heads import fast_products_, load_head
+from forerun.kv_cache import KVCache
+from forerun.models.load import LoadedModel
+from forerun.sampling import probabilities, sample
+from forerun.tree import DraftTree
+
+# Sized for a CPU, where each verified row costs: 8 nodes, 4 deep.
+DEFAULT_CHOICES: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 0), (2,), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0))
+
+
+def check_choices(choices, num_heads: int) -> list[tuple[int, ...]]:
+    """Paths as tuples, parents before children; a clear error for a malformed tree."""
+    paths = [tuple(int(r) for r in c) for c in choices]
+    if not paths:
+        raise ForerunError("Medusa choices are empty: give at least one path, e.g. [[0]]")
+    seen = set(paths)
+    for path in paths:
+        if not path or min(path) < 0:
+            raise ForerunError(f"Medusa choice {list(path)} is not a path of ranks (whole numbers from 0)")
+        if len(path) > num_heads:
+            raise ForerunError(f"Medusa choice {list(path)} is {len(path)} deep, but the head has {num_heads} heads")
+        if len(path) > 1 and path[:-1] not in seen:
+            raise ForerunError(f"Medusa choice {list(path)} lacks its parent {list(path[:-1])}; list every prefix")
+    return sorted(dict.fromkeys(paths), key=lambda p: (len(p), p))
+
+
+def choices_tree(choices: list[tuple[int, ...]], depth: int) -> tuple[list[tuple[int, ...]], list[int]]:
+    """The paths at most `depth` deep and each one's parent index (-1: the root), parents first."""
+    paths = [p for p in choices if len(p) <= depth]
+    index = {p: i for i, p in enumerate(paths)}
+    return paths, [index[p[:-1]] if len(p) > 1 else -1 for p in paths]
+
+
+@register("medusa")
+class MedusaDrafter:
+    reads_features = True
+
+    def __init__(self, target: LoadedModel, head: str | None = None, choices=None) -> None:
+        if head is None:
+            raise ForerunError("--speculative-method medusa needs --speculative-head DIR (train one with "
+                               "`forerun train --method medusa`)")
+        self.config, heads = load_head(head, target, "medusa")
+        self.heads = fast_products_(heads.to(target.decoder.device))
+        self.vocab = heads.vocab.to(target.decoder.device)                  # [N] token ids
+        self.vocab_size = target.decoder.cfg.vocab_size
+        if choices is None:                           # the default tree, cut to the heads there are
+            choices = [c for c in DEFAULT_CHOICES if len(c) <= self.heads.num_heads]
+        self.choices = check_choices(choices, self.heads.num_heads)
+        self.feature: torch.Tensor | None = None                          # [hidden] of the last kept row
+
+    def max_rows(self, k: int) -> int:
+        return len(choices_tree(self.choices, k)[0])
+
+    def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
+        self.feature = None
+
+    def features(self, hidden: torch.Tensor) -> None:
+        """The target's hidden states [n, hidden] of the rows its cache just kept, in order."""
+        self.feature = hidden[-1].float()
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> DraftTree | None:
+        if self.feature is None:
+            return None
+        paths, parents = choices_tree(self.choices, min(k, self.heads.num_heads))
+        with torch.inference_mode():
+            logits = self.heads(self.feature[None])[:, 0]                                   # [H, N]
+        if params.greedy:
+            width = max(p[-1] for p in paths) + 1
+            ranked = self.vocab[logits.topk(min(width, logits.shape[-1]), dim=-1).indices]   # [H, width]
+            tokens = [int(ranked[len(p) - 1, p[-1]]) if p[-1] < ranked.shape[1] else -1 for p in paths]
+            keep = _without_missing(tokens, parents)
+            return DraftTree([tokens[i] for i in keep], _reindex(parents, keep)) if keep else None
+        q = self._full_vocabulary(probabilities(logits, params))                            # [H, V]
+        depths = [len(p) - 1 for p in paths]
+        tokens = sample(q[depths], generator).tolist()                                      # one draw per node
+        return DraftTree(tokens, parents, q[depths])
+
+    def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
+        pass
+
+    def _full_vocabulary(self, q: torch.Tensor) -> torch.Tensor:
+        """[H, N] over the draft vocabulary -> [H, V] over every token (0 outside it)."""
+        full = torch.zeros(q.shape[0], self.vocab_size, dtype=q.dtype, device=q.device)
+        return full.index_copy_(1, self.vocab, q)
+
+
+def _without_missing(tokens: list[int], parents: list[int]) -> list[int]:
+    """Nodes whose rank exists in a tiny draft vocabulary, with their parents kept."""
+    keep: list[int] = []
+    kept = set()
+    for i, (token, parent) in enumerate(zip(tokens, parents)):
+        if token >= 0 and (parent < 0 or parent in kept):
+            keep.append(i)
+            kept.add(i)
+    return keep
+
+
+def _reindex(parents: list[int], keep: list[int]) -> list[int]:
+    new = {old: i for i, old in enumerate(keep)}
+    return [new[parents[i]] if parents[i] >= 0 else -1 for i in keep]

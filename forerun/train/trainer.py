@@ -1,0 +1,284 @@
+"""Training a draft head on self-distilled shards: losses, the loop, checkpoints and curves.
+
+Losses, on the answer positions only (where the target wrote the text, so the next token is the
+target's own greedy choice); the prompt is context:
+- Medusa: head i at position t is trained to the token at t+1+i (cross-entropy over the draft
+  vocabulary; tokens outside it are skipped).
+- EAGLE (Li et al.): row t reads (embed(x_{t+1}), f_t + noise) and predicts f_{t+1}: smooth-L1 to
+  the target's feature, plus 0.1 x the cross-entropy of its projection against x_{t+2}.
+
+A checkpoint (weights, optimizer, position in the data, curves, random state) is written every few
+minutes and at the end of each epoch; `resume` continues from it exactly where it stopped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from forerun.train.data import Example, count_sequences, read_examples
+
+CHECKPOINT = "checkpoint"
+TOKEN_WEIGHT = 0.1         # EAGLE: the token loss beside the feature regression
+NOISE = 0.1                # EAGLE: uniform noise on the input features (robustness to its own predictions)
+MAX_SEQUENCE = 1024        # EAGLE: the longest sequence trained at once (the answer end is kept)
+
+
+@dataclass
+class TrainConfig:
+    method: str                 # "medusa" or "eagle"
+    epochs: int = 2
+    lr: float = 1e-3
+    seed: int = 0
+    checkpoint_every_s: float = 300.0
+    batch_rows: int = 512       # Medusa: positions per optimizer step (EAGLE: one sequence per step)
+
+
+@dataclass
+class History:
+    steps: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    accuracy: list[list[float]] = field(default_factory=list)   # per logged step, top-1 per head (EAGLE: one)
+
+
+@dataclass
+class Progress:
+    epoch: int = 0
+    sequence: int = 0           # sequences of this epoch already trained
+    step: int = 0               # optimizer steps in all
+    seconds: float = 0.0        # training time in all, resumed runs included
+
+
+class Trainer:
+    def __init__(self, head: nn.Module, config: TrainConfig, data: Path, out: Path,
+                 embed: nn.Module | None = None) -> None:
+        """`embed`: the target's token embedding (EAGLE reads it, never trains it)."""
+        self.head, self.config, self.data, self.out, self.embed = head, config, data, out, embed
+        self.device = next(head.parameters()).device
+        self.vocab = head.vocab                                   # [N] token ids
+        # token id -> column of the draft vocabulary, -100 (skipped) outside it
+        self.column = torch.full((int(self.vocab.max()) + 1,), -100, dtype=torch.long, device=self.vocab.device)
+        self.column[self.vocab] = torch.arange(len(self.vocab), device=self.vocab.device)
+        params = [p for p in head.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+        self.history, self.progress = History(), Progress()
+        self.sequences = count_sequences(data)
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    def run(self, resume: bool = False, progress: bool = True, max_steps: int | None = None) -> History:
+        if resume:
+            self.load_checkpoint()
+        last_save = time.monotonic()
+        total = self.config.epochs * self.sequences
+        bar = tqdm(total=total, initial=self.progress.epoch * self.sequences + self.progress.sequence,
+                   desc=f"training {self.config.method}", unit="seq", file=sys.stderr, disable=not progress)
+        try:
+            while self.progress.epoch < self.config.epochs:
+                order = self._order(self.progress.epoch)
+                pending: list[Example] = []
+                for index, example in enumerate(read_examples(self.data, order)):
+                    if index < self.progress.sequence:
+                        continue                               # trained before the interruption
+                    pending.append(example)
+                    if self.config.method == "eagle" or sum(len(e.tokens) - e.answer for e in pending) >= \
+                            self.config.batch_rows:
+                        started = time.perf_counter()
+                        loss, accuracy = self._step(pending)
+                        self.progress.seconds += time.perf_counter() - started
+                        self.progress.sequence = index + 1
+                        self._log(loss, accuracy)
+                        bar.update(len(pending))
+                        bar.set_postfix(loss=f"{loss:.3f}", top1="/".join(f"{a:.2f}" for a in accuracy))
+                        pending = []
+                        if time.monotonic() - last_save >= self.config.checkpoint_every_s:
+                            self.save_checkpoint()
+                            last_save = time.monotonic()
+                        if max_steps is not None and self.progress.step >= max_steps:
+                            return self.history
+                if pending:
+                    loss, accuracy = self._step(pending)
+                    self._log(loss, accuracy)
+                    bar.update(len(pending))
+                self.progress.epoch += 1
+                self.progress.sequence = 0
+                self.save_checkpoint()
+                last_save = time.monotonic()
+        finally:
+            bar.close()
+        return self.history
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(self.sequences))
+        random.Random(self.config.seed * 1000 + epoch).shuffle(order)
+        return order
+
+    def _log(self, loss: float, accuracy: list[float]) -> None:
+        self.progress.step += 1
+        self.history.steps.append(self.progress.step)
+        self.history.loss.append(loss)
+        self.history.accuracy.append(accuracy)
+
+    def _step(self, examples: list[Example]) -> tuple[float, list[float]]:
+        self.head.train()
+        examples = [Example(e.tokens.to(self.device), e.hidden.to(self.device), e.answer) for e in examples]
+        loss, accuracy = (self._medusa_loss if self.config.method == "medusa" else self._eagle_loss)(examples)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
+        self.optimizer.step()
+        return float(loss.detach()), accuracy
+
+    # --- losses -----------------------------------------------------------------------------------
+
+    def _labels(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary columns of `tokens`, -100 where a token is outside it."""
+        inside = tokens < len(self.column)
+        return torch.where(inside, self.column[tokens.clamp(max=len(self.column) - 1)], torch.full_like(tokens, -100))
+
+    def _medusa_loss(self, examples: list[Example]) -> tuple[torch.Tensor, list[float]]:
+        heads = self.head.num_heads
+        features, labels = [], []
+        for e in examples:
+            t = len(e.tokens)
+            # Position p (from the token before the answer on) predicts token p+1+i with head i.
+            rows = torch.arange(max(e.answer - 1, 0), t - 2, device=self.device)
+            if len(rows) == 0:
+                continue
+            features.append(e.hidden[rows])
+            targets = torch.stack([e.tokens[(rows + 1 + i).clamp(max=t - 1)] for i in range(1, heads + 1)])  # [H, R]
+            beyond = torch.stack([rows + 1 + i >= t for i in range(1, heads + 1)])
+            labels.append(self._labels(targets).masked_fill(beyond, -100))
+        if not features:
+            return torch.zeros((), requires_grad=True, device=self.device), [0.0] * heads
+        logits = self.head(torch.cat(features))                                   # [H, R, N]
+        target = torch.cat(labels, dim=1)                                         # [H, R]
+        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+        return loss, _accuracy(logits, target)
+
+    def _eagle_loss(self, examples: list[Example]) -> tuple[torch.Tensor, list[float]]:
+        total, accuracies = torch.zeros((), device=self.device), []
+        for e in examples:
+            tokens, hidden, answer = e.tokens, e.hidden, e.answer
+            if len(tokens) > MAX_SEQUENCE:
+                cut = len(tokens) - MAX_SEQUENCE
+                tokens, hidden, answer = tokens[cut:], hidden[cut:], max(answer - cut, 1)
+            t = len(tokens)
+            if t < 3:
+                continue
+            with torch.no_grad():
+                embeds = self.embed(tokens[1:]).float()                           # row j: embed(x_{j+1})
+            noisy = hidden[:-1] + (torch.rand_like(hidden[:-1]) * 2 - 1) * NOISE  # row j: f_j
+            predicted = self.head.forward_train(embeds[None], noisy[None])[0]     # [T-1, h]: f̂_{j+1}
+            # Rows whose prediction falls in the answer: f̂_{j+1} with j+1 >= answer - 1.
+            rows = torch.arange(max(answer - 2, 0), t - 1, device=self.device)
+            feature_loss = F.smooth_l1_loss(predicted[rows], hidden[rows + 1])
+            logits = self.head.logits(predicted[rows[:-1]])                       # scores x_{j+2}
+            target = self._labels(tokens[rows[:-1] + 2])
+            token_loss = F.cross_entropy(logits, target, ignore_index=-100) if (target >= 0).any() else 0.0
+            total = total + feature_loss + TOKEN_WEIGHT * token_loss
+            accuracies.append(_accuracy(logits[None], target[None])[0])
+        if not accuracies:
+            return torch.zeros((), requires_grad=True, device=self.device), [0.0]
+        return total / len(accuracies), [sum(accuracies) / len(accuracies)]
+
+    # --- checkpoints --------------------------------------------------------------------------------
+
+    def checkpoint_dir(self) -> Path:
+        return self.out / CHECKPOINT
+
+    def save_checkpoint(self) -> None:
+        from safetensors.torch import save_file
+
+        folder = self.checkpoint_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {f"head.{k}": v.detach().contiguous() for k, v in self.head.state_dict().items()}
+        state = self.optimizer.state_dict()
+        scalars: dict = {"param_groups": state["param_groups"], "state": {}}
+        for index, values in state["state"].items():
+            scalars["state"][str(index)] = {}
+            for name, value in values.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    tensors[f"optim.{index}.{name}"] = value.contiguous()
+                else:
+                    scalars["state"][str(index)][name] = float(value)
+        meta = {"optimizer": scalars, "progress": self.progress.__dict__, "history": self.history.__dict__,
+                "torch_rng": torch.get_rng_state().tolist()}
+        tmp = folder / f".weights.{os.getpid()}.tmp"
+        save_file(tensors, str(tmp))
+        os.replace(tmp, folder / "weights.safetensors")
+        tmp = folder / f".state.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, folder / "state.json")
+
+    def load_checkpoint(self) -> bool:
+        """Continue from the checkpoint in `out`, if there is one; True when one was loaded."""
+        from safetensors.torch import load_file
+
+        folder = self.checkpoint_dir()
+        if not (folder / "state.json").is_file() or not (folder / "weights.safetensors").is_file():
+            return False
+        tensors = load_file(str(folder / "weights.safetensors"))
+        meta = json.loads((folder / "state.json").read_text())
+        self.head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
+        scalars = meta["optimizer"]
+        state = {}
+        for index, values in scalars["state"].items():
+            entry = {name: torch.tensor(value) for name, value in values.items()}
+            for key, value in tensors.items():
+                if key.startswith(f"optim.{index}."):
+                    entry[key.split(".", 2)[2]] = value
+            state[int(index)] = entry
+        self.optimizer.load_state_dict({"state": state, "param_groups": scalars["param_groups"]})
+        self.progress = Progress(**meta["progress"])
+        self.history = History(**meta["history"])
+        torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
+        return True
+
+
+def _accuracy(logits: torch.Tensor, target: torch.Tensor) -> list[float]:
+    """Top-1 agreement per head: logits [H, R, N], target [H, R] (-100 skipped)."""
+    out = []
+    with torch.no_grad():
+        for head_logits, head_target in zip(logits, target):
+            valid = head_target >= 0
+            hits = (head_logits.argmax(-1) == head_target) & valid
+            out.append(float(hits.sum()) / max(int(valid.sum()), 1))
+    return out
+
+
+def plot_history(history: History, path: Path, title: str) -> None:
+    """Loss and top-1 accuracy per head against optimizer steps, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(history.steps, history.loss, linewidth=0.8)
+    left.set_xlabel("optimizer step")
+    left.set_ylabel("loss")
+    left.set_title("training loss")
+    heads = len(history.accuracy[0]) if history.accuracy else 0
+    for i in range(heads):
+        right.plot(history.steps, [a[i] for a in history.accuracy], linewidth=0.8,
+                   label=f"head {i + 1}" if heads > 1 else "next token")
+    right.set_xlabel("optimizer step")
+    right.set_ylabel("top-1 accuracy (training batch)")
+    right.set_ylim(0, 1)
+    right.set_title("accuracy")
+    if heads:
+        right.legend(fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,336 @@
+"""Draft heads on tiny models: training on the target's own text, exact greedy and sampled output,
+Medusa's tree from its choices, heads refused by other targets, resumed training, the command."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import forerun.engine as engine_module
+from forerun import drafters
+from forerun.cli import main
+from forerun.config import SamplingParams
+from forerun.drafters.medusa import check_choices, choices_tree
+from forerun.engine import Engine
+from forerun.errors import ForerunError
+from forerun.heads import HeadConfig, build_head, float_weight, save_head, target_checksum
+from forerun.models.load import LoadedModel
+from forerun.testing import save_hf_folder, tiny_model
+from forerun.train.data import Manifest, make_shards, read_examples
+from forerun.train.trainer import TrainConfig, Trainer
+from forerun.tree import DraftTree
+from tests.test_drafters_common import (CONTROL_RUNS, RUNS, SAMPLING, exact_marginals, keep_every_draft,
+                                        speculative_samples, total_variation)
+
+PATTERN = [10, 11, 12, 13, 14, 15, 16]
+SUCCESSOR = dict(zip(PATTERN, PATTERN[1:] + PATTERN[:1]))
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    """A tiny target that writes a repeating pattern: its LM head maps each pattern token's
+    feature to the next one (a random model's own text is noise no head can learn from few steps)."""
+    model = tiny_model(7, name="looper", num_layers=2)
+    decoder = model.decoder
+    with torch.no_grad():
+        # Logits follow the current token: embedding row e_t, LM head row for t+1 aligned with e_t.
+        emb = decoder.embed_tokens.weight
+        emb.mul_(6.0)
+        head = decoder.lm_head.weight
+        head.zero_()
+        # After the final norm the feature is about 8 x the unit embedding: the successor's logit
+        # is about 4, so sampling at temperature 1 mostly, not always, follows the pattern.
+        for a, b in SUCCESSOR.items():
+            head[b] = emb[a] / emb[a].norm() * 0.5
+        for layer in decoder.layers:
+            layer.self_attn.o_proj.weight.mul_(0.05)
+            layer.mlp.down_proj.weight.mul_(0.05)
+    return model
+
+
+def prompts_of(count: int, start: int = 0) -> list[list[int]]:
+    """Short prompts that end inside the pattern, at varied phases, with a little noise before."""
+    out = []
+    for i in range(start, start + count):
+        phase = i % len(PATTERN)
+        out.append([40 + i % 7, 50 + i % 5] + (PATTERN * 2)[phase:phase + 4])
+    return out
+
+
+def test_the_target_writes_its_pattern(target) -> None:
+    prompt = prompts_of(1)[0]
+    out = Engine(target).generate(prompt, SamplingParams(max_tokens=14)).token_ids
+    text = prompt[-1:] + out
+    assert all(SUCCESSOR[a] == b for a, b in zip(text, text[1:])), out
+
+
+def head_config(target: LoadedModel, method: str) -> HeadConfig:
+    cfg = target.decoder.cfg
+    return HeadConfig(method, target_checksum(target), target.name, cfg.hidden_size, cfg.vocab_size, cfg.vocab_size,
+                      num_heads=3 if method == "medusa" else 0, intermediate_size=64 if method == "eagle" else 0)
+
+
+def trained(target: LoadedModel, method: str, folder: Path, steps: int, lr: float) -> tuple[Path, Trainer]:
+    """A head trained for `steps` optimizer steps on the target's answers, saved in folder/head."""
+    data = folder / "data"
+    if not (data / "manifest.json").exists():
+        make_shards(target, prompts_of(24), data, max_tokens=24, shard_tokens=300, progress=False)
+    config = head_config(target, method)
+    torch.manual_seed(0)
+    head = build_head(config, target)
+    head.vocab.copy_(torch.arange(config.vocab_size))
+    head.init_projection(float_weight(target.decoder.lm_head))
+    trainer = Trainer(head, TrainConfig(method, epochs=50, lr=lr, batch_rows=64, checkpoint_every_s=1e9),
+                      data, folder / "run", target.decoder.embed_tokens if method == "eagle" else None)
+    trainer.run(progress=False, max_steps=steps)
+    save_head(folder / "head", config, head)
+    return folder / "head", trainer
+
+
+@pytest.fixture(scope="module")
+def medusa_head(target, tmp_path_factory) -> tuple[Path, Trainer]:
+    return trained(target, "medusa", tmp_path_factory.mktemp("medusa"), steps=60, lr=3e-2)
+
+
+@pytest.fixture(scope="module")
+def eagle_head(target, tmp_path_factory) -> tuple[Path, Trainer]:
+    return trained(target, "eagle", tmp_path_factory.mktemp("eagle"), steps=60, lr=1e-2)
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+
+def test_shards_hold_the_targets_answers_and_features(target, tmp_path) -> None:
+    prompts = prompts_of(5)
+    manifest = make_shards(target, prompts, tmp_path, max_tokens=6, shard_tokens=25, progress=False)
+    assert manifest.prompts_done == 5 and len(manifest.shards) >= 2          # more than one shard
+    examples = list(read_examples(tmp_path))
+    for prompt, example in zip(prompts, examples):
+        answer = Engine(target).generate(prompt, SamplingParams(max_tokens=6)).token_ids
+        assert example.tokens.tolist() == prompt + answer and example.answer == len(prompt)
+        decoder = target.decoder
+        out = decoder(example.tokens, torch.arange(len(example.tokens)), decoder.new_cache(len(example.tokens)),
+                      output_hidden=True)
+        assert torch.allclose(example.hidden, out.hidden[0], atol=0.05)        # stored in bfloat16
+    # Resumable: a second call with more prompts answers only the new ones.
+    more = make_shards(target, prompts + prompts_of(2, start=5), tmp_path, max_tokens=6, shard_tokens=25,
+                       progress=False)
+    assert more.prompts_done == 7 and Manifest.read(tmp_path).shards[:len(manifest.shards)] == manifest.shards
+
+
+# --- training -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["medusa", "eagle"])
+def test_training_on_a_repeating_text_drives_accuracy_and_acceptance_near_one(target, medusa_head, eagle_head,
+                                                                              which) -> None:
+    folder, trainer = medusa_head if which == "medusa" else eagle_head
+    last = trainer.history.accuracy[-5:]
+    for head in range(len(last[0])):
+        assert sum(a[head] for a in last) / len(last) > 0.9, trainer.history.accuracy[-1]
+    assert trainer.history.loss[-1] < trainer.history.loss[0]
+    drafter = drafters.create(which, target, {"head": str(folder)})
+    prompt = prompts_of(1, start=30)[0]                 # not among the training prompts
+    params = SamplingParams(max_tokens=41)              # the first token, then ten steps of 3 drafts + 1
+    out = Engine(target, drafter, 3).generate(prompt, params)
+    assert out.token_ids == Engine(target).generate(prompt, params).token_ids
+    # A tree drafts siblings that must lose; the acceptance that counts is per depth along the path.
+    m = out.metrics
+    assert m.num_drafts > 5 and min(m.accepted_per_position) / m.num_drafts > 0.9, m.to_dict()
+
+
+# --- exactness ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_target() -> LoadedModel:
+    """A random tiny model the heads were not trained on: their guesses are often wrong there,
+    so greedy checks see both kept and rejected drafts."""
+    return tiny_model(2, name="target4", num_layers=4)
+
+
+def retargeted(folder: Path, target: LoadedModel, into: Path) -> Path:
+    """The same head weights, registered for `target` (for exactness checks on another model)."""
+    into.mkdir(parents=True, exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    config["target_checksum"] = target_checksum(target)
+    (into / "config.json").write_text(json.dumps(config))
+    (into / "head.safetensors").write_bytes((folder / "head.safetensors").read_bytes())
+    return into
+
+
+MEDUSA_SHAPES = [None, [[0]], [[0], [0, 0], [0, 0, 0]], [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]]
+EAGLE_SHAPES = [{}, {"nodes": 1, "branch": 1}, {"nodes": 6, "branch": 2}, {"nodes": 24, "branch": 4}]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("which,options", [("medusa", {"choices": c}) for c in MEDUSA_SHAPES]
+                         + [("eagle", o) for o in EAGLE_SHAPES])
+def test_greedy_output_equals_plain_for_every_tree_shape(target, medusa_head, eagle_head, tmp_path, which, options,
+                                                         k) -> None:
+    from tests.test_drafters_common import self_prompt
+
+    other = tiny_model(2, name="target4", num_layers=4)
+    folder = retargeted((medusa_head if which == "medusa" else eagle_head)[0], other, tmp_path / "head")
+    for seed in (1, 2):
+        prompt = self_prompt(other, seed, 30)
+        plain = Engine(other).generate(prompt, SamplingParams(max_tokens=30)).token_ids
+        drafter = drafters.create(which, other, {"head": str(folder), **{n: v for n, v in options.items() if v}})
+        out = Engine(other, drafter, k).generate(prompt, SamplingParams(max_tokens=30))
+        assert out.token_ids == plain
+        assert out.metrics.num_draft_tokens > 0
+
+
+def test_greedy_output_equals_plain_on_the_pattern_too(target, medusa_head, eagle_head) -> None:
+    for which, (folder, _) in (("medusa", medusa_head), ("eagle", eagle_head)):
+        for prompt in prompts_of(3, start=40):
+            plain = Engine(target).generate(prompt, SamplingParams(max_tokens=25)).token_ids
+            out = Engine(target, drafters.create(which, target, {"head": str(folder)}), 4).generate(
+                prompt, SamplingParams(max_tokens=25))
+            assert out.token_ids == plain
+
+
+@pytest.fixture(scope="module")
+def sampling_case(target) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    prompt = prompts_of(1, start=50)[0]
+    return (prompt, *exact_marginals(target, prompt, SAMPLING))
+
+
+# The pattern is sharp; at temperature 1 with top-k 4 over this target the heads are right often
+# but not always, so drafts are kept and rejected.
+@pytest.mark.parametrize("which", ["medusa", "eagle"])
+def test_sampled_tokens_follow_the_targets_distribution(target, medusa_head, eagle_head, sampling_case,
+                                                        which) -> None:
+    prompt, second, third = sampling_case
+    folder = (medusa_head if which == "medusa" else eagle_head)[0]
+    samples, metrics = speculative_samples(target, drafters.create(which, target, {"head": str(folder)}), 2, prompt,
+                                           RUNS)
+    for position, exact in ((0, second), (1, third)):
+        tv, tolerance = total_variation([s[position] for s in samples], exact)
+        assert tv < tolerance, f"token {position + 2}: TV {tv:.4f} >= {tolerance:.4f}"
+    assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
+
+
+@pytest.mark.parametrize("which", ["medusa", "eagle"])
+def test_negative_control_an_always_accepting_rule_fails_with_heads(target, medusa_head, eagle_head, sampling_case,
+                                                                    monkeypatch, which) -> None:
+    prompt, second, third = sampling_case
+    folder = (medusa_head if which == "medusa" else eagle_head)[0]
+    monkeypatch.setattr(engine_module, "accept", keep_every_draft)
+    samples, _ = speculative_samples(target, drafters.create(which, target, {"head": str(folder)}), 2, prompt,
+                                     CONTROL_RUNS)
+    failures = [total_variation([s[i] for s in samples], exact) for i, exact in ((0, second), (1, third))]
+    assert any(tv >= tolerance for tv, tolerance in failures)
+
+
+# --- Medusa's tree as data ------------------------------------------------------------------------
+
+
+def test_the_tree_built_from_medusa_choices_matches_a_hand_built_mask() -> None:
+    choices = check_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], num_heads=3)
+    paths, parents = choices_tree(choices, depth=3)
+    assert paths == [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    assert parents == [-1, -1, 0, 0, 1, 2]
+    mask = DraftTree(list(range(6)), parents).attention_mask(past=0)[1:, 1:]        # nodes x nodes
+    # Row i sees itself and its ancestors: (0,0,0) sees (0,), (0,0) and itself.
+    want = torch.tensor([[1, 0, 0, 0, 0, 0],
+                         [0, 1, 0, 0, 0, 0],
+                         [1, 0, 1, 0, 0, 0],
+                         [1, 0, 0, 1, 0, 0],
+                         [0, 1, 0, 0, 1, 0],
+                         [1, 0, 1, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(mask, want)
+    assert choices_tree(choices, depth=1) == ([(0,), (1,)], [-1, -1])          # the policy's K cuts depth
+
+
+@pytest.mark.parametrize("choices,message", [([[0], [0, 0, 0]], "lacks its parent"), ([[0, 0, 0, 0]], "4 deep"),
+                                             ([[-1]], "not a path"), ([], "empty")])
+def test_malformed_medusa_choices_are_refused(choices, message) -> None:
+    with pytest.raises(ForerunError, match=message):
+        check_choices(choices, num_heads=3)
+
+
+# --- heads belong to their target -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["medusa", "eagle"])
+def test_a_head_trained_for_another_target_is_refused(medusa_head, eagle_head, other_target, which) -> None:
+    folder = (medusa_head if which == "medusa" else eagle_head)[0]
+    with pytest.raises(ForerunError, match="trained on looper.*not on this target target4"):
+        drafters.create(which, other_target, {"head": str(folder)})
+
+
+def test_a_head_of_the_other_kind_or_no_head_is_a_clear_error(target, medusa_head, tmp_path) -> None:
+    with pytest.raises(ForerunError, match="holds a medusa head, not a eagle head"):
+        drafters.create("eagle", target, {"head": str(medusa_head[0])})
+    with pytest.raises(ForerunError, match="needs --speculative-head"):
+        drafters.create("medusa", target, {})
+    with pytest.raises(ForerunError, match="is not a draft head"):
+        drafters.create("medusa", target, {"head": str(tmp_path)})
+
+
+# --- resume ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_resume_continues_from_the_checkpoint_as_if_never_stopped(target, medusa_head, tmp_path, method) -> None:
+    data = medusa_head[1].data                           # the shards made for the medusa fixture
+
+    def fresh(out: Path) -> Trainer:
+        torch.manual_seed(0)
+        head = build_head(head_config(target, method), target)
+        head.vocab.copy_(torch.arange(target.decoder.cfg.vocab_size))
+        return Trainer(head, TrainConfig(method, epochs=3, lr=1e-2, batch_rows=64, checkpoint_every_s=1e9), data,
+                       out, target.decoder.embed_tokens if method == "eagle" else None)
+
+    whole = fresh(tmp_path / "whole")
+    torch.manual_seed(5)
+    whole.run(progress=False, max_steps=8)
+    first = fresh(tmp_path / "parts")
+    torch.manual_seed(5)
+    first.run(progress=False, max_steps=4)
+    first.save_checkpoint()
+    torch.manual_seed(123)                                # the checkpoint's random state must win
+    second = fresh(tmp_path / "parts")
+    second.run(resume=True, progress=False, max_steps=8)
+    assert second.progress.step == 8 and second.history.steps == list(range(1, 9))
+    for (name, a), b in zip(whole.head.state_dict().items(), second.head.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+def test_train_command_makes_a_head_that_generate_uses(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
+    folder = save_hf_folder(copy.deepcopy(tiny_model(seed=0)), tmp_path / "tiny")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"abc{i} abc{i} abc"}) + "\n" for i in range(6)))
+    out = tmp_path / "head"
+    args = ["train", "--method", "medusa", "--model", str(folder), "--dtype", "float32", "--quantization", "w8a8",
+            "--prompts", str(prompts), "--out", str(out), "--epochs", "1", "--max-tokens", "12", "--heads", "2",
+            "--draft-vocab", "64", "--no-progress"]
+    assert main(args) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["method"] == "medusa" and config["draft_vocab"] == 64 and config["training"]["sequences"] == 6
+    assert (out / "head.safetensors").is_file() and (out / "curves.png").is_file()
+    assert main(args) == 2                                 # a checkpoint is there: --resume or another --out
+    assert main(args + ["--resume"]) == 0
+    common = ["generate", "--model", str(folder), "--dtype", "float32", "--prompt", "abc1 abc1", "--max-tokens", "12",
+              "--ignore-eos", "--json"]
+    import contextlib
+    import io
+
+    def record(extra: list[str]) -> dict:
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            assert main(common + extra) == 0
+        return json.loads(buffer.getvalue())
+
+    plain = record([])
+    spec = record(["--speculative-method", "medusa", "--speculative-head", str(out), "--num-speculative-tokens", "2",
+                   "--medusa-choices", "[[0], [1], [0, 0]]"])
+    assert spec["token_ids"] == plain["token_ids"] and spec["spec"]["num_draft_tokens"] > 0
