@@ -4,6 +4,7 @@ API key, /metrics against the responses, and an engine failure that ends one req
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import socket
 import threading
@@ -352,3 +353,25 @@ def test_bench_serve_refuses_a_set_up_it_does_not_know(tmp_path) -> None:
 
     assert main(["bench-serve", "--model", "x", "--setups", "off,warp", "--out", str(tmp_path)]) == 2
     assert main(["bench-serve", "--model", "x", "--setups", "auto", "--out", str(tmp_path)]) == 2   # no draft model
+
+
+def test_bench_serve_runs_every_set_up_at_each_level_and_writes_its_report(tmp_path, monkeypatch) -> None:
+    """Real `forerun serve` subprocesses on a tiny model folder: every set-up at every level, the
+    levels interleaved (each level runs all set-ups back to back), every server stopped after."""
+    from forerun.cli import main
+    from forerun.testing import save_hf_folder, tiny_model
+
+    monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
+    folder = save_hf_folder(tiny_model(seed=0), tmp_path / "target")
+    draft = save_hf_folder(tiny_model(seed=0, num_layers=1), tmp_path / "draft")
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("abc abc", "hello", "xyz")))
+    out = tmp_path / "out"
+    assert main(["bench-serve", "--model", str(folder), "--quantization", "w8a8", "--speculative-model", str(draft),
+                 "--speculative-quantization", "w8a8", "--num-speculative-tokens", "2", "--concurrency", "1,2",
+                 "--requests-per-level", "1", "--max-tokens", "6", "--dataset", str(dataset), "--out", str(out)]) == 0
+    levels = json.loads((out / "results.json").read_text())
+    assert [(r["concurrency"], r["setup"]) for r in levels] == [(c, s) for c in (1, 2) for s in ("off", "fixed", "auto")]
+    assert all(r["failures"] == 0 and r["requests"] <= r["output_tokens"] <= 6 * r["requests"] for r in levels)
+    report = (out / "report.md").read_text()
+    assert "| auto | 2 | 2 |" in report and "× off" in report
