@@ -319,6 +319,14 @@ def test_train_command_makes_a_head_that_generate_uses(tmp_path, monkeypatch) ->
     assert (out / "head.safetensors").is_file() and (out / "curves.png").is_file()
     assert main(args) == 2                                 # a checkpoint is there: --resume or another --out
     assert main(args + ["--resume"]) == 0
+    # An EAGLE head of the same target reads the same shards: no prompt is answered again.
+    shards = sorted((out / "data").iterdir())
+    eagle = ["train", "--method", "eagle", "--model", str(folder), "--dtype", "float32", "--quantization", "w8a8",
+             "--prompts", str(prompts), "--out", str(tmp_path / "eagle"), "--data", str(out / "data"), "--epochs", "1",
+             "--max-tokens", "12", "--draft-vocab", "64", "--intermediate-size", "32", "--no-progress"]
+    assert main(eagle) == 0
+    assert sorted((out / "data").iterdir()) == shards and not (tmp_path / "eagle" / "data").exists()
+    assert json.loads((tmp_path / "eagle" / "config.json").read_text())["intermediate_size"] == 32
     common = ["generate", "--model", str(folder), "--dtype", "float32", "--prompt", "abc1 abc1", "--max-tokens", "12",
               "--ignore-eos", "--json"]
     import contextlib

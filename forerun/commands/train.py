@@ -7,6 +7,8 @@
    OUT/checkpoint every few minutes; `--resume` continues from it).
 3. OUT holds the head (config.json naming the target's checksum, head.safetensors) and curves.png.
 
+`--data DIR` puts the shards elsewhere, so a Medusa and an EAGLE head of one target share them.
+
 With `--prompts spec-bench`, the first `--hold-out` prompts of every category are never trained on:
 `forerun bench --limit-per-category N` reports on the first N, so with N <= hold-out the two never
 overlap. The ids used are written into the head's config.
@@ -36,6 +38,8 @@ def register(sub) -> None:
     p.add_argument("--model", required=True, help="the target: embedded name, .gguf file, model folder or hub id")
     p.add_argument("--out", required=True, help="folder for the head, its data, checkpoints and curves")
     p.add_argument("--prompts", default="spec-bench", help="spec-bench or a JSONL file with 'prompt' or 'turns'")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="where the self-distilled shards go (default OUT/data); two heads of one target can share them")
     p.add_argument("--hold-out", type=int, default=10,
                    help="spec-bench: the first N prompts of each category are never trained on (bench reports on them)")
     p.add_argument("--num-samples", type=int, default=None, help="train on the first N prompts (default: all)")
@@ -77,11 +81,12 @@ def run(args: argparse.Namespace) -> int:
     prompts, used = training_prompts(args, target)
     if not prompts:
         raise ForerunError("no training prompts left (all held out, or longer than --max-prompt-tokens)")
+    data = Path(args.data).expanduser() if args.data else out / "data"
     started = time.perf_counter()
-    manifest = make_shards(target, prompts, out / "data", args.max_tokens, progress=args.progress)
+    manifest = make_shards(target, prompts, data, args.max_tokens, progress=args.progress)
     data_minutes = (time.perf_counter() - started) / 60
     print(f"forerun: {manifest.prompts_done} answers, {manifest.tokens} positions ({manifest.answer_tokens} written "
-          f"by the target) in {out / 'data'}", file=sys.stderr)
+          f"by the target) in {data}", file=sys.stderr)
 
     cfg = target.decoder.cfg
     vocab = draft_vocabulary(target, args.draft_vocab)
@@ -97,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     embed = target.decoder.embed_tokens.to(args.device) if args.method == "eagle" else None
     train_config = TrainConfig(args.method, args.epochs, args.lr or DEFAULT_LR[args.method], args.seed,
                                args.checkpoint_minutes * 60)
-    trainer = Trainer(head, train_config, out / "data", out, embed)
+    trainer = Trainer(head, train_config, data, out, embed)
     history = trainer.run(resume=args.resume, progress=args.progress)
     last = history.accuracy[-20:]
     accuracy = [round(sum(a[i] for a in last) / len(last), 4) for i in range(len(last[0]))] if last else []
