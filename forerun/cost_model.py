@@ -25,8 +25,10 @@ long one loses at most the catch-up's cost again before it drafts.
 When the policy chooses 0, nothing is verified and α would stop moving. Drafters whose proposals are
 free and leave no state behind (prompt lookup, suffix) still propose in the shadow of the plain step,
 and the target's probability of their first token updates α at no cost. Other drafters are probed
-with one draft token after a number of plain steps that doubles after every probe that fails, so a
-prompt where drafts keep failing costs a probe every 64 steps at most.
+with one draft token after a number of plain steps that doubles after every probe that fails (up to
+64), and is never so short that probes cost more than 2 % of the plain steps between them (a probe
+of a dear drafter, early exit's or lookahead's, waits longer), so a prompt where drafts keep failing
+stays within a few per cent of plain decoding.
 
 Where it loses: c(r) is taken at one cache length, and the chain model counts a tree's branches as
 extra rows only through the proposal's actual size; α is assumed the same at every position.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -57,6 +60,7 @@ REQUEST_PRIOR = 4.0        # a request starts from earlier requests' acceptance 
                            # its text may be unlike theirs, and a short answer must adapt within a few steps
 LEARN_AFTER = 3            # steps over a row count before its own running mean replaces the scaled offline figure
 PROBE_WAIT = (4, 64)       # plain steps before probing a non-free drafter: first wait, longest wait
+PROBE_SHARE = 0.02         # probes may cost at most this share of the plain steps between them
 FREE_SHARE = 0.02          # a draft token costing under this share of c(1) counts as free
 MARGIN = 1.05              # drafting must promise this much more than a plain step's rate: the
                            # acceptance rule, cache roll-back and a drafter's bookkeeping cost a
@@ -358,7 +362,15 @@ class DraftLengthPolicy:
         self.state.history.observe(kept, rejected)
         self.plain_steps = 0
         if probe:
-            self.probe_wait = PROBE_WAIT[0] if kept else min(2 * self.probe_wait, PROBE_WAIT[1])
+            wait = PROBE_WAIT[0] if kept else min(2 * self.probe_wait, PROBE_WAIT[1])
+            self.probe_wait = max(wait, self._probe_spacing())
+
+    def _probe_spacing(self) -> int:
+        """Plain steps between probes so that a probe costs at most PROBE_SHARE of them: a one-token
+        probe costs its draft token and its rows (a tree's or window's too) beyond a plain step."""
+        one = self.pass_cost(1)
+        extra = self.pass_cost(1 + max(1, round(self.rows_per_token))) + self.draft_cost - one
+        return math.ceil(max(extra, 0.0) / (PROBE_SHARE * one) - 1e-9)
 
     def plain(self) -> None:
         self.plain_steps += 1

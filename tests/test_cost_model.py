@@ -96,6 +96,20 @@ def test_the_policy_stops_drafting_when_drafts_fail_and_probes_ever_less_often()
     assert kinds[-150:].count("plain") >= 147               # on failing text: a probe in ~65 steps at most
 
 
+def test_probes_of_a_dear_drafter_are_spaced_to_cost_at_most_two_percent() -> None:
+    policy = DraftLengthPolicy(FLAT, k_max=5)
+    policy.start()
+    policy.time_proposal(0.05, 1, 1)                       # half a pass per draft token (early exit)
+    policy.drafted(1, 1, probe=True)                       # a probe that was kept
+    # The probe cost half a pass beyond a plain step; 25 plain steps make that 2 % of them.
+    assert policy.probe_wait == 25
+    cheap = DraftLengthPolicy(FLAT, k_max=5)
+    cheap.start()
+    cheap.time_proposal(0.0001, 1, 1)
+    cheap.drafted(1, 1, probe=True)
+    assert cheap.probe_wait == 4                           # a nearly free probe may come again soon
+
+
 def test_a_free_stateless_drafter_is_measured_in_the_shadow_without_probes() -> None:
     policy = DraftLengthPolicy(FLAT, k_max=5)
     policy.start()
