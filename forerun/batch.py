@@ -14,8 +14,8 @@ speculation backs off as the batch fills and comes back as it empties. The model
 and the drafts but not each lane's own work around them (drafting one lane after another,
 acceptance, roll-back), which grows with B; so for each size of batch the engine also measures
 tokens per second of its steps with drafting and without, and drafts only while drafting measures
-faster (trying the other every EXPLORE_EVERY steps). One lane alone is exactly the single-request
-engine.
+faster (trying the other again now and then, as often as is cheap). One lane alone is exactly the
+single-request engine.
 
 Failures stay with their request: a lane whose drafter or acceptance raises is ended with that
 error; if the shared pass raises, each lane is verified alone so only the guilty one fails.
@@ -23,6 +23,7 @@ error; if the shared pass raises, each lane is verified alone so only the guilty
 from __future__ import annotations
 
 import collections
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
@@ -46,32 +47,50 @@ class StepResult:
     error: Exception | None = None
 
 
-EXPLORE_EVERY = 16   # steps between tries of the option that measured worse
+EXPLORE_EVERY = 16    # steps between tries of the option that measured worse, at the least
+EXPLORE_SHARE = 0.02  # and never so often that those tries cost more than this share of the time
 
 
 @dataclass
 class Rates:
-    """Tokens per second of a batch size's steps, with drafting and without (running means)."""
+    """Tokens per second and seconds per step of one batch size's steps, with drafting and
+    without (running means)."""
     drafting: float | None = None
     plain: float | None = None
-    steps: int = 0
+    drafting_s: float | None = None
+    plain_s: float | None = None
+    since: int = 0                 # steps since the worse option was last tried
 
     def choose_drafting(self) -> bool:
-        """Draft this step? Each option is tried first; then the faster one, the other again
-        every EXPLORE_EVERY steps (acceptance and the batch's make-up drift)."""
-        self.steps += 1
+        """Draft this step? Each option is tried first; then the faster one, and the other again
+        now and then (acceptance and the batch's make-up drift), as often as it is cheap to."""
         if self.plain is None or self.drafting is None:
             return self.drafting is None
         better = self.drafting >= self.plain
-        return better != (self.steps % EXPLORE_EVERY == 0)
+        self.since += 1
+        if self.since >= self.explore_every(better):
+            self.since = 0
+            return not better
+        return better
 
-    def record(self, drafting: bool, rate: float) -> None:
-        old = self.drafting if drafting else self.plain
-        new = rate if old is None else 0.7 * old + 0.3 * rate
-        if drafting:
-            self.drafting = new
+    def explore_every(self, drafting_better: bool) -> int:
+        """Steps between tries of the worse option: a try loses its step's time times the share of
+        throughput it gives up, and that may be at most EXPLORE_SHARE of the steps between tries."""
+        if drafting_better:
+            worse, best, worse_s, best_s = self.plain, self.drafting, self.plain_s, self.drafting_s
         else:
-            self.plain = new
+            worse, best, worse_s, best_s = self.drafting, self.plain, self.drafting_s, self.plain_s
+        loss = worse_s * (1 - worse / best) if best > 0 else 0.0
+        return max(EXPLORE_EVERY, math.ceil(loss / (EXPLORE_SHARE * best_s) - 1e-9)) if best_s else EXPLORE_EVERY
+
+    def record(self, drafting: bool, rate: float, seconds: float) -> None:
+        def mean(old: float | None, new: float) -> float:
+            return new if old is None else 0.7 * old + 0.3 * new
+
+        if drafting:
+            self.drafting, self.drafting_s = mean(self.drafting, rate), mean(self.drafting_s, seconds)
+        else:
+            self.plain, self.plain_s = mean(self.plain, rate), mean(self.plain_s, seconds)
 
 
 class BatchEngine:
@@ -127,18 +146,27 @@ class BatchEngine:
         if not lanes:
             return {}
         results: dict[Hashable, StepResult] = {}
-        cap = self._k_cap([lane for _, lane in lanes]) if len(lanes) > 1 else None
+        started = time.perf_counter()
+        # Each lane first settles what it alone would draft (and from which source); the batch
+        # then caps everyone's length by what the load makes pay.
+        chosen: dict[Hashable, tuple[int, bool]] = {}
+        for key, lane in lanes:
+            try:
+                chosen[key] = lane.engine.choose(lane.run)
+            except Exception as exc:                    # noqa: BLE001 - this request fails, the others go on
+                results[key] = StepResult(None, exc)
+        lanes = [(key, lane) for key, lane in lanes if key in chosen]
+        cap = self._k_cap([(lane, chosen[key][0]) for key, lane in lanes]) if len(lanes) > 1 else None
         bucket = self.rates[len(lanes).bit_length()]
         drafting = cap is None or cap > 0
         if cap is not None and cap > 0 and not bucket.choose_drafting():
             cap = 0
             drafting = False
-        started = time.perf_counter()
         planned: list[tuple[Hashable, Lane, Plan]] = []
         for key, lane in lanes:
             try:
-                planned.append((key, lane, lane.engine.plan(lane.run, cap)))
-            except Exception as exc:                    # noqa: BLE001 - this request fails, the others go on
+                planned.append((key, lane, lane.engine.plan(lane.run, cap, chosen[key])))
+            except Exception as exc:                    # noqa: BLE001
                 results[key] = StepResult(None, exc)
         shared = len(planned) > 1
         for (key, lane, plan), ver in zip(planned, self._verify(planned)):
@@ -155,7 +183,8 @@ class BatchEngine:
         self.last_k = max(ks) if ks else None
         if cap is not None:
             emitted = sum(len(r.output.token_ids) for r in results.values() if r.output is not None)
-            bucket.record(drafting, emitted / max(time.perf_counter() - started, 1e-9))
+            seconds = max(time.perf_counter() - started, 1e-9)
+            bucket.record(drafting, emitted / seconds, seconds)
         return results
 
     def _engine(self) -> Engine:
@@ -163,19 +192,25 @@ class BatchEngine:
             self.idle.append(self.new_engine())
         return self.idle.pop()
 
-    def _k_cap(self, lanes: list[Lane]) -> int | None:
-        """The common draft length that pays best for the whole batch (None: no lane has a policy)."""
+    def _k_cap(self, lanes: list[tuple[Lane, int]]) -> int | None:
+        """The common draft length that pays best for the whole batch (None: no lane has a policy).
+        `lanes`: each lane with the length it chose alone; those that chose 0 count as plain rows."""
         figures = []
-        pass_cost, k_max = None, 0
-        for lane in lanes:
+        pass_cost, k_max, plain = None, 0, 0
+        for lane, k in lanes:
             engine, policy = lane.engine, lane.engine.policy
             if policy is None:
                 return None                              # a fixed K was asked for: the experiment rules
-            # The figures of the source that drafted last (asking which comes next would ask a
-            # draft model's catch-up gate twice a step).
+            pass_cost = policy.pass_cost
+            if k == 0:
+                plain += 1
+                continue
+            # The figures of the source this step drafts from (choose() selected it).
             figures.append((policy.alpha, policy.draft_cost, policy.rows_per_token))
-            pass_cost, k_max = policy.pass_cost, max(k_max, engine.k)
-        return batch_draft_length(figures, pass_cost, k_max)
+            k_max = max(k_max, engine.k)
+        if not figures:
+            return 0
+        return batch_draft_length(figures, pass_cost, k_max, plain_lanes=plain)
 
     def _verify(self, planned: list[tuple[Hashable, Lane, Plan]]) -> list[Verification | Exception]:
         def job(lane: Lane, plan: Plan) -> VerifyJob:

@@ -153,18 +153,26 @@ class Engine:
         ver = verify(self.target.decoder, run.cache, plan.root, plan.tree, run.seq.params)
         return self.finish(run, plan, ver)
 
-    def plan(self, run: Running, k_cap: int | None = None) -> Plan:
-        """The step's draft (None: a plain step); `k_cap` bounds its length (a batch's load)."""
+    def choose(self, run: Running) -> tuple[int, bool]:
+        """The step's draft length as this request alone would choose it, and whether it is a
+        probe. With a drafter of several sources (`auto`), which one proposes is settled here,
+        once a step, so the policy's figures are that source's (a batch reads them next)."""
+        if self.policy is None:
+            return self.k, False
+        seq = run.seq
+        self.policy.remaining = seq.params.max_tokens - len(seq.output_ids)
+        if self.next_source is not None:
+            self.policy.select(self.next_source(seq.context))
+        return self.policy.choose(self.can_shadow)
+
+    def plan(self, run: Running, k_cap: int | None = None, chosen: tuple[int, bool] | None = None) -> Plan:
+        """The step's draft (None: a plain step); `k_cap` bounds its length (a batch's load);
+        `chosen` is what `choose` said, when the caller asked it already."""
         seq = run.seq
         context = seq.context
         room = seq.params.max_tokens - len(seq.output_ids)
         tree = shadow = None
-        k, probe = self.k, False
-        if self.policy is not None:
-            self.policy.remaining = room
-            if self.next_source is not None:
-                self.policy.select(self.next_source(context))
-            k, probe = self.policy.choose(self.can_shadow)
+        k, probe = chosen if chosen is not None else self.choose(run)
         if k_cap is not None:
             k = min(k, k_cap)
         self.last_k = k if self.drafter is not None else None

@@ -220,11 +220,35 @@ def test_a_batch_drafts_only_while_drafting_measures_faster() -> None:
 
     rates = Rates()
     assert rates.choose_drafting() is True                 # each option is tried first
-    rates.record(True, 10.0)
+    rates.record(True, 18.0, 0.10)
     assert rates.choose_drafting() is False
-    rates.record(False, 20.0)                              # plain steps measure faster
+    rates.record(False, 20.0, 0.10)                        # plain steps measure a little faster
     choices = [rates.choose_drafting() for _ in range(4 * EXPLORE_EVERY)]
     assert choices.count(True) == 4                        # drafting again only to re-measure
-    rates.record(True, 50.0)
-    rates.record(True, 50.0)                               # drafting got faster (say the batch shrank)
-    assert sum(rates.choose_drafting() for _ in range(EXPLORE_EVERY)) == EXPLORE_EVERY - 1
+    rates.record(True, 50.0, 0.10)
+    rates.record(True, 50.0, 0.10)                         # drafting got faster (say the batch shrank)
+    every = rates.explore_every(drafting_better=True)
+    picks = [rates.choose_drafting() for _ in range(every)]
+    assert picks.count(False) == 1 and picks[-1] is False  # now plain steps are the ones re-measured
+
+
+def test_a_dear_option_is_tried_again_only_as_often_as_it_is_cheap_to() -> None:
+    from forerun.batch import EXPLORE_SHARE, Rates
+
+    rates = Rates()
+    rates.record(True, 10.0, 0.50)                         # a drafting step: 0.5 s at half the rate
+    rates.record(False, 20.0, 0.10)
+    # A try loses 0.5 s x (1 - 10/20) = 0.25 s; at 2 % of 0.1 s steps that is one try per 125 steps.
+    assert rates.explore_every(drafting_better=False) == round(0.25 / (EXPLORE_SHARE * 0.10))
+    choices = [rates.choose_drafting() for _ in range(250)]
+    assert choices.count(True) == 2
+
+
+def test_lanes_that_step_plainly_count_as_plain_rows_in_the_batch_length() -> None:
+    from forerun.cost_model import PassCosts, batch_draft_length
+
+    flat = PassCosts([0.1] * 8 + [0.2] * 8)
+    sure = (0.9, 0.0, 1.0)
+    assert batch_draft_length([sure], flat, 4) == 4                       # 5 rows ride on the flat part
+    # Four lanes stepping plainly take four of the eight flat rows: three draft tokens still fit.
+    assert batch_draft_length([sure], flat, 4, plain_lanes=4) == 3
