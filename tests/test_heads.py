@@ -342,3 +342,11 @@ def test_train_command_makes_a_head_that_generate_uses(tmp_path, monkeypatch) ->
     spec = record(["--speculative-method", "medusa", "--speculative-head", str(out), "--num-speculative-tokens", "2",
                    "--medusa-choices", "[[0], [1], [0, 0]]"])
     assert spec["token_ids"] == plain["token_ids"] and spec["spec"]["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("which", ["medusa", "eagle"])
+def test_drafters_of_one_target_share_one_copy_of_a_head(target, medusa_head, eagle_head, which) -> None:
+    folder = str((medusa_head if which == "medusa" else eagle_head)[0])
+    first, second = (drafters.create(which, target, {"head": folder}) for _ in range(2))
+    module = "heads" if which == "medusa" else "head"
+    assert getattr(first, module) is getattr(second, module)      # a server's lanes hold one head between them

@@ -29,7 +29,7 @@ import torch
 from forerun.config import SamplingParams
 from forerun.drafters import register
 from forerun.errors import ForerunError
-from forerun.heads import fast_products_, load_head
+from forerun.heads import shared_head
 from forerun.kv_cache import KVCache
 from forerun.models.load import LoadedModel
 from forerun.sampling import probabilities, sample
@@ -50,10 +50,8 @@ class EagleDrafter:
                                "`forerun train --method eagle`)")
         if nodes < 1 or branch < 1:
             raise ForerunError(f"EAGLE's tree needs at least one node and one branch, got {nodes} and {branch}")
-        self.config, head_module = load_head(head, target, "eagle")
-        device = target.decoder.device
-        self.head = fast_products_(head_module.to(device))
-        self.vocab = head_module.vocab.to(device)                           # [N] token ids
+        self.config, self.head = shared_head(head, target, "eagle")
+        self.vocab = self.head.vocab                                        # [N] token ids
         self.vocab_size = target.decoder.cfg.vocab_size
         self.embed = target.decoder.embed_tokens
         self.nodes, self.branch = nodes, branch

@@ -21,7 +21,7 @@ import torch
 from forerun.config import SamplingParams
 from forerun.drafters import register
 from forerun.errors import ForerunError
-from forerun.heads import fast_products_, load_head
+from forerun.heads import shared_head
 from forerun.kv_cache import KVCache
 from forerun.models.load import LoadedModel
 from forerun.sampling import probabilities, sample
@@ -62,9 +62,8 @@ class MedusaDrafter:
         if head is None:
             raise ForerunError("--speculative-method medusa needs --speculative-head DIR (train one with "
                                "`forerun train --method medusa`)")
-        self.config, heads = load_head(head, target, "medusa")
-        self.heads = fast_products_(heads.to(target.decoder.device))
-        self.vocab = heads.vocab.to(target.decoder.device)                  # [N] token ids
+        self.config, self.heads = shared_head(head, target, "medusa")
+        self.vocab = self.heads.vocab                                       # [N] token ids
         self.vocab_size = target.decoder.cfg.vocab_size
         if choices is None:                           # the default tree, cut to the heads there are
             choices = [c for c in DEFAULT_CHOICES if len(c) <= self.heads.num_heads]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -152,3 +153,18 @@ def fast_products_(head: nn.Module) -> nn.Module:
                 bias = child.bias.detach() if child.bias is not None else None
                 setattr(module, name, W8A8Linear.from_float(child.weight.detach(), bias))
     return head
+
+
+# Per target decoder: the heads loaded for it, by (kind, folder). A server has a drafter per running
+# sequence; they read one head, never write it, so they share one copy.
+_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def shared_head(folder: str | Path, target: LoadedModel, method: str) -> tuple[HeadConfig, nn.Module]:
+    """`load_head`, on the target's device with its products made fast, once per target and folder."""
+    key = (method, str(Path(folder).expanduser().resolve()))
+    loaded = _LOADED.setdefault(target.decoder, {})
+    if key not in loaded:
+        config, head = load_head(folder, target, method)
+        loaded[key] = (config, fast_products_(head.to(target.decoder.device)))
+    return loaded[key]
