@@ -375,3 +375,31 @@ def test_bench_serve_runs_every_set_up_at_each_level_and_writes_its_report(tmp_p
     assert all(r["failures"] == 0 and r["requests"] <= r["output_tokens"] <= 6 * r["requests"] for r in levels)
     report = (out / "report.md").read_text()
     assert "| auto | 2 | 2 |" in report and "× off" in report
+
+
+def test_the_engine_loop_runs_on_the_calling_thread_until_told_to_end(target_tok) -> None:
+    """`forerun serve` runs the loop on its main thread (the HTTP server beside it): it serves
+    requests there and returns once keep_going() turns False."""
+    from forerun.scheduler import Done, Request
+
+    llm = LLM(target_tok)
+    scheduler = Scheduler(BatchEngine(llm.new_engine, 2, engines=[llm.engine]))
+    ended = threading.Event()
+    caller = threading.Thread(target=scheduler.run, kwargs={"keep_going": lambda: not ended.is_set()})
+    caller.start()                                        # stands in for the main thread
+    deadline = time.monotonic() + 10
+    while not scheduler.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    done = threading.Event()
+    outputs = []
+
+    def on_event(request, event) -> None:
+        if isinstance(event, Done):
+            outputs.append(event.output.text)
+            done.set()
+
+    scheduler.submit(Request(llm.tokenizer.encode("abc"), SamplingParams(max_tokens=8), on_event))
+    assert done.wait(10) and outputs == [alone(llm, "abc", max_tokens=8)]
+    ended.set()
+    caller.join(5)
+    assert not caller.is_alive() and not scheduler.alive

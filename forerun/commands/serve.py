@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 
 from forerun.commands.common import add_model_args, add_spec_args
 from forerun.errors import ForerunError
@@ -55,12 +56,22 @@ def run(args: argparse.Namespace) -> int:
     batch.prepare()                                 # every lane's drafter set up before the first request
     metrics = ServerMetrics(batch)
     scheduler = Scheduler(batch, args.max_waiting)
-    scheduler.start()
     app = create_app(llm, scheduler, config, metrics)
+    # HTTP on a thread of its own; the engine loop on this one, the thread that loaded the model
+    # (see Scheduler.run: a second thread runs the same forward ~45 % slower).
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    http = threading.Thread(target=server.run, name="forerun-http", daemon=True)
+    http.start()
     print(f"forerun: serving {config.served_model_name} on http://{args.host}:{args.port}/v1 "
           f"(speculation: {llm.spec.method or 'off'})", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        scheduler.run(keep_going=http.is_alive)
+    except KeyboardInterrupt:
+        pass
     finally:
+        server.should_exit = True
         scheduler.stop()
+        http.join(10)
+    if not server.started:
+        raise ForerunError(f"could not serve on {args.host}:{args.port} (is the port taken?); pick another --port")
     return 0
