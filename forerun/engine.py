@@ -177,10 +177,12 @@ class Engine:
             k = min(k, k_cap)
         self.last_k = k if self.drafter is not None else None
         if self.drafter is not None and room > 1:
+            start = time.perf_counter()
             if k > 0:
                 tree = self._propose(context, min(k, room - 1), seq.params, run.gen)
             elif self.can_shadow and self.policy is not None and self.policy.free:
                 shadow = self._propose(context, 1, seq.params, run.gen)
+            run.metrics.draft_seconds += time.perf_counter() - start
         # The root was emitted last step and is not in the cache yet.
         return Plan(context[-1], tree, shadow, probe, run.cache.length, time.perf_counter())
 

@@ -14,6 +14,7 @@ class SpecMetrics:
     num_target_forwards: int = 0      # target passes, prefill included
     num_emitted_in_drafts: int = 0    # tokens emitted by the steps that verified a draft
     accepted_per_position: list[int] = field(default_factory=list)  # [K] kept counts by draft position
+    draft_seconds: float = 0.0        # wall time the drafter spent proposing (shadow proposals too)
 
     def record_step(self, drafted: int, accepted: int, emitted: int) -> None:
         """One target forward that verified `drafted` tokens, kept `accepted`, emitted `emitted`."""
@@ -38,6 +39,7 @@ class SpecMetrics:
         self.num_emitted_tokens += other.num_emitted_tokens
         self.num_target_forwards += other.num_target_forwards
         self.num_emitted_in_drafts += other.num_emitted_in_drafts
+        self.draft_seconds += other.draft_seconds
         width = max(len(self.accepted_per_position), len(other.accepted_per_position))
         mine = self.accepted_per_position + [0] * (width - len(self.accepted_per_position))
         theirs = other.accepted_per_position + [0] * (width - len(other.accepted_per_position))
@@ -78,4 +80,5 @@ class SpecMetrics:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "efficiency": round(self.efficiency, 4),
             "predicted_mean_accepted_length": round(self.predicted_mean_accepted_length, 4),
+            "draft_seconds": round(self.draft_seconds, 6),
         }

@@ -153,6 +153,22 @@ def test_every_record_has_its_decode_rate_and_the_report_shows_it(full_run: Path
     assert "× llama.cpp plain" not in overall          # no llama.cpp in this run
 
 
+def test_draft_time_per_token_is_recorded_and_reported(full_run: Path) -> None:
+    records = [r for r in read_records(full_run) if r["engine"] == "forerun" and r["method"] != "plain"]
+    assert all(r["spec"]["draft_seconds"] > 0 for r in records if r["spec"]["num_draft_tokens"])
+    header, rule, *rows = [line for line in section((full_run / "report.md").read_text(), "## Overall").splitlines()
+                           if line.startswith("|")]
+    column = header.split(" | ").index("draft ms per token")
+    cells = {(row.split(" | ")[0].lstrip("| "), row.split(" | ")[1]): row.split(" | ")[column] for row in rows}
+    drafting = {(r["method"], r["k"]) for r in records if r["spec"]["num_draft_tokens"]}
+    assert drafting, "no method drafted: the test has nothing to check"
+    for method, k in drafting:
+        specs = [r["spec"] for r in records if (r["method"], r["k"]) == (method, k)]
+        expected = 1000 * sum(s["draft_seconds"] for s in specs) / sum(s["num_draft_tokens"] for s in specs)
+        assert float(cells[(method, str(k))]) == pytest.approx(expected, abs=0.006), (method, k)
+    assert cells[("plain", "–")] == "–"
+
+
 def test_plots_are_png_files_that_open(full_run: Path) -> None:
     for name in ("speedup_by_task.png", "acceptance_by_position.png", "sweep_k.png"):
         path = full_run / name

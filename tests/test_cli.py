@@ -16,7 +16,7 @@ RECORD_FIELDS = {"prompt_index", "text", "token_ids", "num_prompt_tokens", "num_
                  "finish_reason", "elapsed_s", "tokens_per_s", "first_token_s", "decode_tokens_per_s"}
 SPEC_FIELDS = {"num_speculative_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                "num_emitted_tokens", "accepted_per_position", "acceptance_rate", "mean_accepted_length",
-               "efficiency", "predicted_mean_accepted_length"}
+               "efficiency", "predicted_mean_accepted_length", "draft_seconds"}
 
 
 @pytest.fixture(autouse=True)

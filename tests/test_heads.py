@@ -304,6 +304,15 @@ def test_resume_continues_from_the_checkpoint_as_if_never_stopped(target, medusa
 # --- the command ----------------------------------------------------------------------------------
 
 
+def test_training_prompts_take_each_category_in_turn() -> None:
+    from forerun.bench.dataset import Prompt
+    from forerun.commands.train import round_robin
+
+    prompts = [Prompt(f"{c}{i}", c, c, f"{c} {i}") for c, n in (("a", 3), ("b", 1), ("c", 2)) for i in range(n)]
+    assert [p.prompt_id for p in round_robin(prompts)] == ["a0", "b0", "c0", "a1", "c1", "a2"]
+    assert round_robin([]) == []
+
+
 def test_train_command_makes_a_head_that_generate_uses(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
     folder = save_hf_folder(copy.deepcopy(tiny_model(seed=0)), tmp_path / "tiny")
@@ -342,6 +351,21 @@ def test_train_command_makes_a_head_that_generate_uses(tmp_path, monkeypatch) ->
     spec = record(["--speculative-method", "medusa", "--speculative-head", str(out), "--num-speculative-tokens", "2",
                    "--medusa-choices", "[[0], [1], [0, 0]]"])
     assert spec["token_ids"] == plain["token_ids"] and spec["spec"]["num_draft_tokens"] > 0
+    # bench takes one head of each kind and runs both beside plain.
+    bench = ["bench", "--model", str(folder), "--dtype", "float32", "--dataset", str(prompts), "--limit-per-category",
+             "2", "--max-tokens", "8", "--no-warmup", "--no-progress", "--out", str(tmp_path / "bench"),
+             "--methods", "medusa,eagle", "--speculative-head", f"{out},{tmp_path / 'eagle'}"]
+    assert main(bench) == 0
+    records = [json.loads(line) for line in (tmp_path / "bench" / "results.jsonl").read_text().splitlines()]
+    assert {r["method"] for r in records} == {"plain", "medusa", "eagle"}
+    assert all(r["identical_to_plain"] for r in records)
+    assert main(bench[:-1] + [f"{out},{out}"]) == 2                      # two medusa heads: which one?
+    assert main(bench[:-2]) == 2                                         # heads named, none given
+    # With no --methods, bench runs every method a head was given for.
+    only_eagle = bench[:-4] + ["--speculative-head", str(tmp_path / "eagle"), "--out", str(tmp_path / "bench2")]
+    assert main(only_eagle) == 0
+    methods = {json.loads(line)["method"] for line in (tmp_path / "bench2" / "results.jsonl").read_text().splitlines()}
+    assert "eagle" in methods and "medusa" not in methods
 
 
 @pytest.mark.parametrize("which", ["medusa", "eagle"])

@@ -7,7 +7,7 @@ from pathlib import Path
 from forerun.bench.summary import OVERALL, Row, by_task
 
 DETAIL_HEADER = ("| method | K | speedup | tokens/s | decode tok/s | TTFT ms | mean accepted length "
-                 "| predicted from α, K | α | identical to plain | prompts |")
+                 "| predicted from α, K | α | draft ms per token | identical to plain | prompts |")
 
 
 @dataclass
@@ -63,12 +63,13 @@ def _matrix(table: dict[str, list[Row]], field: str) -> list[str]:
 
 
 def _detail(rows: list[Row]) -> list[str]:
-    lines = [DETAIL_HEADER, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [DETAIL_HEADER, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         cells = [f"{r.method} ({r.engine})" if r.engine != "forerun" else r.method, str(r.k) if r.k else "–",
                  _speedup(r.speedup), _rate(r.tokens_per_s),
                  _rate(r.decode_tokens_per_s) if r.decode_tokens_per_s is not None else "–", f"{r.ttft_ms:.0f}",
                  _num(r.mean_accepted_length), _num(r.predicted_length), _num(r.acceptance_rate),
+                 _num(r.draft_ms),
                  f"{100 * r.identical:.0f}%" if r.identical is not None else "–", str(r.prompts)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -99,6 +100,8 @@ def _explanations(records: list[dict]) -> list[str]:
         "mean accepted length: tokens emitted per target forward (prefill included), pooled over prompts; "
         "predicted from α, K: (1 − α^(K+1)) / (1 − α), what it would be if every draft token were kept "
         "independently with rate α.",
+        "draft ms per token: the drafter's time proposing (shadow proposals included) over the tokens it "
+        "drafted, pooled over prompts.",
         "α: accepted draft tokens / drafted tokens. identical to plain: share of prompts whose output "
         "tokens equal forerun plain's (expected 100% for greedy decoding; sampled runs agree only in "
         "distribution).",

@@ -33,6 +33,7 @@ class Row:
     identical: float | None = None       # share of prompts whose output equals plain's
     vs_llama_plain: float | None = None  # median per-prompt ratio of decode rates to llama.cpp plain
     adaptive: bool = False               # K is the most a step drafted; the cost model chose each step's
+    draft_ms: float | None = None        # the drafter's time per drafted token, pooled (ms)
 
     @property
     def label(self) -> str:
@@ -118,6 +119,8 @@ def _add_acceptance(row: Row, specs: list[dict]) -> None:
     alpha = accepted / drafted if drafted else 0.0
     row.acceptance_rate = alpha
     row.predicted_length = predicted_length(alpha, row.k)
+    if drafted and all("draft_seconds" in s for s in specs):
+        row.draft_ms = 1000 * sum(s["draft_seconds"] for s in specs) / drafted
     if not all("num_drafts" in s and "accepted_per_position" in s for s in specs):
         return
     drafts = sum(s["num_drafts"] for s in specs)

@@ -61,11 +61,17 @@ def run(args: argparse.Namespace) -> int:
 
     if args.speculative_method:
         raise ForerunError("forerun bench takes --methods (comma-separated), not --speculative-method")
-    methods = args.methods or default_methods(valid_methods(), args.speculative_model, args.speculative_head)
+    heads = heads_by_kind(args.speculative_head)
+    methods = args.methods or default_methods(valid_methods(), args.speculative_model, heads)
     if "plain" not in methods:
         methods = ["plain"] + methods          # every speedup is a ratio to plain decoding
     check_methods(methods, args.speculative_model)   # before spec_from_args, for the clearer message
     options = {m: spec_from_args(args, m)[1] for m in methods if m != "plain"}
+    for m in set(methods) & set(HEAD_METHODS):
+        if m not in heads:
+            raise ForerunError(f"--methods names {m}, which needs a trained {m} head: pass its folder with "
+                               f"--speculative-head (made by `forerun train --method {m}`)")
+        options[m]["head"] = heads[m]
     cfg = BenchConfig(model=args.model, out=Path(args.out), methods=methods, method_options=options,
                       speculative_model=args.speculative_model, dataset=args.dataset, categories=args.categories,
                       limit_per_category=args.limit_per_category, sampling=sampling_from_args(args),
@@ -78,15 +84,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def default_methods(available: list[str], speculative_model: str | None, speculative_head: str | None = None) -> list[str]:
-    """plain and every registered drafter that can run with the flags given (draft and auto need a
-    draft model; medusa and eagle a trained head, and only the kind the head is)."""
+def heads_by_kind(folders: str | None) -> dict[str, str]:
+    """--speculative-head's comma-separated folders by the kind of head each holds (at most one each)."""
     from forerun.heads import read_config
 
-    head_kind = read_config(speculative_head).method if speculative_head else None
+    heads: dict[str, str] = {}
+    for folder in _names(folders or ""):
+        kind = read_config(folder).method
+        if kind in heads:
+            raise ForerunError(f"--speculative-head names two {kind} heads ({heads[kind]} and {folder}); "
+                               f"bench one {kind} head per run")
+        heads[kind] = folder
+    return heads
+
+
+def default_methods(available: list[str], speculative_model: str | None,
+                    heads: dict[str, str] | None = None) -> list[str]:
+    """plain and every registered drafter that can run with the flags given (draft and auto need a
+    draft model; medusa and eagle a trained head of their kind)."""
     return ["plain"] + [m for m in available if m != "plain"
                         and (m not in DRAFT_MODEL_METHODS or speculative_model)
-                        and (m not in HEAD_METHODS or m == head_kind)]
+                        and (m not in HEAD_METHODS or m in (heads or {}))]
 
 
 def command_line(args: argparse.Namespace) -> str:

@@ -71,7 +71,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lookahead-ngram", type=int, default=4, help="lookahead: n-gram size N")
     g.add_argument("--lookahead-guesses", type=int, default=4, help="lookahead: candidate n-grams G per step")
     g.add_argument("--speculative-head", default=None, metavar="DIR",
-                   help="medusa, eagle: the trained head's folder (made by `forerun train`)")
+                   help="medusa, eagle: the trained head's folder (made by `forerun train`); bench takes one of each "
+                        "kind, comma-separated")
     g.add_argument("--medusa-choices", type=_choices, default=None, metavar="JSON",
                    help="medusa: the tree as a list of rank paths, e.g. '[[0], [1], [0, 0]]'")
     g.add_argument("--eagle-nodes", type=int, default=None, help="eagle: the most tree nodes a step verifies (16)")

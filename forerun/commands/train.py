@@ -42,7 +42,8 @@ def register(sub) -> None:
                    help="where the self-distilled shards go (default OUT/data); two heads of one target can share them")
     p.add_argument("--hold-out", type=int, default=10,
                    help="spec-bench: the first N prompts of each category are never trained on (bench reports on them)")
-    p.add_argument("--num-samples", type=int, default=None, help="train on the first N prompts (default: all)")
+    p.add_argument("--num-samples", type=int, default=None,
+                   help="train on N prompts, taken from each category in turn (default: all)")
     p.add_argument("--max-tokens", type=int, default=192, help="answer length per prompt")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="prompts longer than this are left out")
     p.add_argument("--epochs", type=int, default=2)
@@ -135,6 +136,16 @@ def _check(args: argparse.Namespace) -> None:
         raise ForerunError(f"--lr must be positive, got {args.lr}")
 
 
+def round_robin(prompts: list) -> list:
+    """The prompts taken one category at a time in turn, so that the first N cover every category
+    (a file lists its categories one after another)."""
+    by_category: dict[str, list] = {}
+    for p in prompts:
+        by_category.setdefault(p.category, []).append(p)
+    queues = list(by_category.values())
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+
+
 def training_prompts(args: argparse.Namespace, target) -> tuple[list[list[int]], list[str]]:
     """(token ids of the prompts to train on, their ids): spec-bench minus the held-out prompts, or
     a JSONL file's; chat-formatted when the target has a template; too long ones left out."""
@@ -149,6 +160,7 @@ def training_prompts(args: argparse.Namespace, target) -> tuple[list[list[int]],
             if seen[p.category] > args.hold_out:
                 kept.append(p)
         prompts = kept
+    prompts = round_robin(prompts)
     tok = target.tokenizer
     chat = bool(getattr(tok.hf, "chat_template", None))
     limit = min(args.max_prompt_tokens, target.decoder.cfg.max_position - args.max_tokens - 1)
