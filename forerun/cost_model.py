@@ -115,10 +115,14 @@ class PassCosts:
     Made non-decreasing: a timing that came out below a smaller row count's is noise. With `learn`,
     the steps the engine times (the pass plus the acceptance rule and cache roll-back, on a machine
     as busy as it is now) correct it as generation goes: a row count seen a few times is its own
-    running mean, the others the offline figure times the running ratio of seen to offline."""
+    running mean, the others the offline figure times the running ratio of seen to offline. Plain
+    steps (one row) and verifications keep separate ratios: a verification's work around the pass
+    (a tree's mask, the rule over its nodes, a window's rows) is not in the offline figure, and a
+    drafter whose row count changes every step is priced by it before any count is seen often."""
     seconds: list[float]
     learn: bool = False
-    scale: float = 1.0                                   # running mean of seen / offline
+    scale: float = 1.0                                   # running mean of seen / offline, one-row steps
+    multi_scale: float | None = None                     # the same over steps of several rows
     online: dict[int, float] = field(default_factory=dict)   # rows -> running mean of seen step times
     seen: dict[int, int] = field(default_factory=dict)       # rows -> steps seen
 
@@ -141,15 +145,19 @@ class PassCosts:
     def _estimate(self, rows: int) -> float:
         if self.seen.get(rows, 0) >= LEARN_AFTER:
             return self.online[rows]
-        return self.offline(rows) * self.scale
+        scale = self.multi_scale if rows > 1 and self.multi_scale is not None else self.scale
+        return self.offline(rows) * scale
 
     def observe(self, rows: int, seconds: float) -> None:
         """A step over `rows` rows took `seconds` (ignored unless `learn`)."""
         if not self.learn:
             return
         ratio = seconds / self.offline(rows)
-        first = not self.seen
-        self.scale = ratio if first else 0.9 * self.scale + 0.1 * ratio
+        if rows > 1:
+            self.multi_scale = ratio if self.multi_scale is None else 0.9 * self.multi_scale + 0.1 * ratio
+        else:
+            first = not self.seen.get(1)
+            self.scale = ratio if first else 0.9 * self.scale + 0.1 * ratio
         count = self.seen.get(rows, 0)
         self.online[rows] = seconds if count == 0 else 0.8 * self.online[rows] + 0.2 * seconds
         self.seen[rows] = count + 1

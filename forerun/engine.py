@@ -235,9 +235,13 @@ class Engine:
 
     def _tell_policy(self, tree, shadow, path: list[int], probe: bool, root_probs: torch.Tensor) -> None:
         """What the step showed about acceptance: a verified draft, a shadow proposal's first
-        tokens against the target's distribution after the root, or nothing (a plain step)."""
+        tokens against the target's distribution after the root, or nothing (a plain step). A
+        proposal of aux rows alone (lookahead's window with no guess) paid for rows and drafted
+        nothing: the policy sees it as a draft whose first token failed."""
         if tree is not None and len(tree):
             self.policy.drafted(max(tree.depths), len(path), probe)
+        elif tree is not None and tree.num_rows > 1:
+            self.policy.drafted(1, 0, probe)
         elif shadow is not None and len(shadow):
             # One-hot siblings are kept with their summed target probability (one at most under greedy).
             firsts = torch.tensor([shadow.tokens[i] for i in shadow.children(-1)], device=root_probs.device)

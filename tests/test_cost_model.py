@@ -343,6 +343,25 @@ def test_aux_rows_count_as_rows_the_draft_adds(target4) -> None:
     assert policy.rows_per_token == pytest.approx(9.0)                # its node and the eight aux rows
 
 
+class GuesslessWindowDrafter(WrongDrafter):
+    """A window of aux rows and no guess, as lookahead proposes when no n-gram matches."""
+
+    def propose(self, context, k, params, generator) -> DraftTree:
+        self.calls += 1
+        return DraftTree([], [], aux_tokens=[self.token] * 8, aux_offsets=list(range(1, 9)),
+                         aux_mask=torch.ones(8, 9, dtype=torch.bool))
+
+
+def test_a_window_without_guesses_counts_as_a_failed_draft(target4) -> None:
+    policy = DraftLengthPolicy(FLAT, k_max=2)                      # rows cheap: only acceptance can say no
+    drafter = GuesslessWindowDrafter(0, stateless=False)
+    engine = Engine(target4, drafter, 2, policy)
+    out = engine.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert len(out.token_ids) == 24 and out.metrics.num_draft_tokens == 0
+    assert policy.alpha < 0.4                                      # below the prior: each window a failed draft
+    assert drafter.calls <= 6                                      # first draft and a few probes, not every step
+
+
 def test_learned_costs_follow_the_steps_the_engine_times() -> None:
     costs = PassCosts([0.10, 0.10, 0.11, 0.12], learn=True)
     costs.observe(1, 0.20)                     # the machine is twice as busy as when measured
@@ -352,6 +371,17 @@ def test_learned_costs_follow_the_steps_the_engine_times() -> None:
     assert costs(2) == pytest.approx(0.30, rel=0.02)      # its own running mean
     assert costs(3) >= costs(2)                            # never cheaper for more rows
     assert costs(6) >= costs(4)
+
+
+def test_verifications_of_changing_size_are_priced_by_what_verifications_cost() -> None:
+    costs = PassCosts([0.10 + 0.003 * r for r in range(16)], learn=True)
+    for _ in range(20):
+        costs.observe(1, 0.10)                 # plain steps cost what was measured
+    for rows in range(18, 26):
+        costs.observe(rows, 1.6 * costs.offline(rows))   # each count once: none is its own mean yet
+    assert costs(1) == pytest.approx(0.10)
+    assert costs(23) > 1.45 * costs.offline(23)          # not the one-row steps' ratio of 1
+    assert costs(30) > 1.45 * costs.offline(30)
 
 
 def test_synthetic_curves_do_not_learn() -> None:
