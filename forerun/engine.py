@@ -177,12 +177,10 @@ class Engine:
             k = min(k, k_cap)
         self.last_k = k if self.drafter is not None else None
         if self.drafter is not None and room > 1:
-            start = time.perf_counter()
             if k > 0:
-                tree = self._propose(context, min(k, room - 1), seq.params, run.gen)
+                tree = self._propose(run, min(k, room - 1))
             elif self.can_shadow and self.policy is not None and self.policy.free:
-                shadow = self._propose(context, 1, seq.params, run.gen)
-            run.metrics.draft_seconds += time.perf_counter() - start
+                shadow = self._propose(run, 1)
         # The root was emitted last step and is not in the cache yet.
         return Plan(context[-1], tree, shadow, probe, run.cache.length, time.perf_counter())
 
@@ -218,13 +216,14 @@ class Engine:
         run.metrics.record_step(len(tree) if tree else 0, len(path), len(emitted))
         return emitted
 
-    def _propose(self, context: list[int], k: int, params: SamplingParams, gen: torch.Generator):
+    def _propose(self, run: Running, k: int):
         start = time.perf_counter()
-        tree = self.drafter.propose(context, k, params, gen)
+        tree = self.drafter.propose(run.seq.context, k, run.seq.params, run.gen)
+        seconds = time.perf_counter() - start
+        run.metrics.draft_seconds += seconds
         if self.policy is not None and self.next_source is not None:
             self.policy.select(self.drafter.source)
         if self.policy is not None and tree is not None:     # None: nothing drafted, nothing to time
-            seconds = time.perf_counter() - start
             # A drafter that knows its own token cost says it (a draft model's catch-up on skipped
             # tokens is no cost of drafting one more); otherwise the call's time counts.
             own = getattr(self.drafter, "cost_per_token", None)
