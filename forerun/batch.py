@@ -1,9 +1,10 @@
 """Continuous batching: several requests stepped together, every step one target forward for all.
 
 Each running request has a lane: an Engine of its own (its drafter, its cost policy, its cache)
-over the shared target and draft weights. A step plans every lane's draft, verifies all of them in
-one target pass (`verify_many`: each sequence's rows on its own cache, every row exactly as it
-would come out alone), then accepts, rolls back and emits per lane. Requests join (a prefill of
+over the shared target and draft weights. A step plans every lane's draft (the lanes' draft-model
+forwards run as one forward over all their rows, drafters/passes.py), verifies all of them in one
+target pass (`verify_many`: each sequence's rows on its own cache, every row exactly as it would
+come out alone), then accepts, rolls back and emits per lane. Requests join (a prefill of
 their own) and leave between steps; an idle lane is kept for the next request, so a drafter's
 one-off set-up is paid once per lane, not per request.
 
@@ -11,7 +12,7 @@ Load: with B sequences, a step of K drafts each verifies about B·(K+1) rows, an
 nearly free as B grows. Where the lanes have cost policies, the step's K is capped at the common
 length with the most expected tokens per second for the whole batch (`batch_draft_length`), so
 speculation backs off as the batch fills and comes back as it empties. The model prices the pass
-and the drafts but not each lane's own work around them (drafting one lane after another,
+and the drafts but not each lane's own work around them (sampling and stopping a draft,
 acceptance, roll-back), which grows with B; so for each size of batch the engine also measures
 tokens per second of its steps with drafting and without, and drafts only while drafting measures
 faster (trying the other again now and then, as often as is cheap). One lane alone is exactly the
@@ -30,6 +31,7 @@ from typing import Callable, Hashable, Sequence
 
 from forerun.config import SamplingParams
 from forerun.cost_model import batch_draft_length
+from forerun.drafters.passes import run_passes
 from forerun.engine import Engine, Plan, RequestOutput, Running, StepOutput
 from forerun.verify import Verification, VerifyJob, verify, verify_many
 
@@ -147,27 +149,33 @@ class BatchEngine:
             return {}
         results: dict[Hashable, StepResult] = {}
         started = time.perf_counter()
-        # Each lane first settles what it alone would draft (and from which source); the batch
-        # then caps everyone's length by what the load makes pay.
-        chosen: dict[Hashable, tuple[int, bool]] = {}
-        for key, lane in lanes:
-            try:
-                chosen[key] = lane.engine.choose(lane.run)
-            except Exception as exc:                    # noqa: BLE001 - this request fails, the others go on
-                results[key] = StepResult(None, exc)
-        lanes = [(key, lane) for key, lane in lanes if key in chosen]
-        cap = self._k_cap([(lane, chosen[key][0]) for key, lane in lanes]) if len(lanes) > 1 else None
         bucket = self.rates[len(lanes).bit_length()]
+        chosen: dict[Hashable, tuple[int, bool]] = {}
+        if len(lanes) > 1 and all(lane.engine.policy is not None for _, lane in lanes) \
+                and not bucket.choose_drafting():
+            # Plain steps measure faster at this batch size: no lane drafts, probes or pays a
+            # draft model's catch-up until the batch tries drafting again.
+            chosen = {key: (0, False) for key, _ in lanes}
+            cap: int | None = 0
+        else:
+            # Each lane first settles what it alone would draft (and from which source); the
+            # batch then caps everyone's length by what the load makes pay.
+            for key, lane in lanes:
+                try:
+                    chosen[key] = lane.engine.choose(lane.run)
+                except Exception as exc:                # noqa: BLE001 - this request fails, the others go on
+                    results[key] = StepResult(None, exc)
+            lanes = [(key, lane) for key, lane in lanes if key in chosen]
+            cap = self._k_cap([(lane, chosen[key][0]) for key, lane in lanes]) if len(lanes) > 1 else None
         drafting = cap is None or cap > 0
-        if cap is not None and cap > 0 and not bucket.choose_drafting():
-            cap = 0
-            drafting = False
+        # Every lane drafts at once: their draft-model forwards run as one (passes.py).
         planned: list[tuple[Hashable, Lane, Plan]] = []
-        for key, lane in lanes:
-            try:
-                planned.append((key, lane, lane.engine.plan(lane.run, cap, chosen[key])))
-            except Exception as exc:                    # noqa: BLE001
-                results[key] = StepResult(None, exc)
+        steps = [lane.engine.plan_steps(lane.run, cap, chosen[key]) for key, lane in lanes]
+        for (key, lane), plan in zip(lanes, run_passes(steps)):
+            if isinstance(plan, Exception):
+                results[key] = StepResult(None, plan)
+            else:
+                planned.append((key, lane, plan))
         shared = len(planned) > 1
         for (key, lane, plan), ver in zip(planned, self._verify(planned)):
             if isinstance(ver, Exception):
@@ -197,6 +205,7 @@ class BatchEngine:
         `lanes`: each lane with the length it chose alone; those that chose 0 count as plain rows."""
         figures = []
         pass_cost, k_max, plain = None, 0, 0
+        shared: list[Engine] = []                        # lanes whose draft forwards run as one
         for lane, k in lanes:
             engine, policy = lane.engine, lane.engine.policy
             if policy is None:
@@ -206,11 +215,15 @@ class BatchEngine:
                 plain += 1
                 continue
             # The figures of the source this step drafts from (choose() selected it).
-            figures.append((policy.alpha, policy.draft_cost, policy.rows_per_token))
+            sharing = engine.batch_pass_seconds(1) is not None
+            figures.append((policy.alpha, 0.0 if sharing else policy.draft_cost, policy.rows_per_token))
+            if sharing:
+                shared.append(engine)
             k_max = max(k_max, engine.k)
         if not figures:
             return 0
-        return batch_draft_length(figures, pass_cost, k_max, plain_lanes=plain)
+        draft_pass = shared[0].batch_pass_seconds(len(shared)) if shared else 0.0
+        return batch_draft_length(figures, pass_cost, k_max, plain_lanes=plain, draft_pass=draft_pass)
 
     def _verify(self, planned: list[tuple[Hashable, Lane, Plan]]) -> list[Verification | Exception]:
         def job(lane: Lane, plan: Plan) -> VerifyJob:

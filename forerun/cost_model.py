@@ -91,17 +91,18 @@ def best_k(alpha: float, pass_cost: Callable[[int], float], draft_cost: float, k
 
 
 def batch_draft_length(lanes: list[tuple[float, float, float]], pass_cost: Callable[[int], float],
-                       k_max: int, plain_lanes: int = 0) -> int:
+                       k_max: int, plain_lanes: int = 0, draft_pass: float = 0.0) -> int:
     """The draft length K in [0, k_max] that every drafting sequence of a batch drafts this step,
     chosen for the most expected tokens per second of the whole batch. `lanes`: (α, c_draft, rows
     per token) per drafting sequence; `plain_lanes` more sequences take a plain step anyway. K drafts
-    each cost one pass over Σ (1 + rows_i(K)) rows plus Σ K·c_draft_i (the lanes draft one after
-    another) and emit Σ E(α_i, K): as the batch grows its rows stop being nearly free and K falls to 0."""
+    each cost one pass over Σ (1 + rows_i(K)) rows, Σ K·c_draft_i for the lanes that draft alone, and
+    K·`draft_pass` for those whose draft forwards run as one (a shared forward's seconds), and emit
+    Σ E(α_i, K): as the batch grows its rows stop being nearly free and K falls to 0."""
     plain_rows = len(lanes) + plain_lanes
     best, best_rate = 0, MARGIN * plain_rows / pass_cost(plain_rows)
     for k in range(1, k_max + 1):
         rows = plain_lanes + sum(1 + max(k, round(k * per_token)) for _, _, per_token in lanes)
-        seconds = pass_cost(rows) + sum(k * draft_cost for _, draft_cost, _ in lanes)
+        seconds = pass_cost(rows) + k * (draft_pass + sum(draft_cost for _, draft_cost, _ in lanes))
         rate = (plain_lanes + sum(expected_tokens(alpha, k) for alpha, _, _ in lanes)) / seconds
         if rate > best_rate:
             best, best_rate = k, rate

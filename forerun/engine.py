@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Generator, Iterator
 
 import torch
 
@@ -11,6 +11,7 @@ from forerun.accept import accept
 from forerun.config import SamplingParams
 from forerun.cost_model import DraftLengthPolicy
 from forerun.drafters import Drafter, rows_per_step
+from forerun.drafters.passes import DraftPass, DraftSteps, run_alone
 from forerun.errors import ForerunError
 from forerun.kv_cache import KVCache
 from forerun.metrics import SpecMetrics
@@ -168,6 +169,11 @@ class Engine:
     def plan(self, run: Running, k_cap: int | None = None, chosen: tuple[int, bool] | None = None) -> Plan:
         """The step's draft (None: a plain step); `k_cap` bounds its length (a batch's load);
         `chosen` is what `choose` said, when the caller asked it already."""
+        return run_alone(self.plan_steps(run, k_cap, chosen))
+
+    def plan_steps(self, run: Running, k_cap: int | None = None,
+                   chosen: tuple[int, bool] | None = None) -> Generator[DraftPass, torch.Tensor, Plan]:
+        """`plan` with the drafter's model forwards yielded, for a batch to share them (passes.py)."""
         seq = run.seq
         context = seq.context
         room = seq.params.max_tokens - len(seq.output_ids)
@@ -178,11 +184,17 @@ class Engine:
         self.last_k = k if self.drafter is not None else None
         if self.drafter is not None and room > 1:
             if k > 0:
-                tree = self._propose(run, min(k, room - 1))
+                tree = yield from self._propose(run, min(k, room - 1))
             elif self.can_shadow and self.policy is not None and self.policy.free:
-                shadow = self._propose(run, 1)
+                shadow = yield from self._propose(run, 1)
         # The root was emitted last step and is not in the cache yet.
         return Plan(context[-1], tree, shadow, probe, run.cache.length, time.perf_counter())
+
+    def batch_pass_seconds(self, sequences: int) -> float | None:
+        """Seconds of one draft forward that `sequences` sequences share, when this step's proposal
+        runs a draft model whose forwards a batch shares; None otherwise."""
+        own = getattr(self.drafter, "batch_pass_seconds", None)
+        return own(sequences) if own is not None else None
 
     def finish(self, run: Running, plan: Plan, ver: Verification, timed: bool = True) -> list[int]:
         """Accept from the verified draft, roll the cache back, tell the policy and the drafter,
@@ -216,10 +228,16 @@ class Engine:
         run.metrics.record_step(len(tree) if tree else 0, len(path), len(emitted))
         return emitted
 
-    def _propose(self, run: Running, k: int):
-        start = time.perf_counter()
-        tree = self.drafter.propose(run.seq.context, k, run.seq.params, run.gen)
-        seconds = time.perf_counter() - start
+    def _propose(self, run: Running, k: int) -> Generator[DraftPass, torch.Tensor, DraftTree | None]:
+        steps = getattr(self.drafter, "propose_steps", None)
+        started = time.perf_counter()
+        if steps is None:
+            tree = self.drafter.propose(run.seq.context, k, run.seq.params, run.gen)
+            seconds = time.perf_counter() - started
+        else:
+            # The drafter's own time plus its share of the forwards (in a batch, the time between
+            # its forwards is spent on other sequences).
+            tree, seconds = yield from _timed(steps(run.seq.context, k, run.seq.params, run.gen))
         run.metrics.draft_seconds += seconds
         if self.policy is not None and self.next_source is not None:
             self.policy.select(self.drafter.source)
@@ -253,3 +271,18 @@ class Engine:
         for _ in self.stream(prompt_ids, params, result):
             pass
         return result[0]
+
+
+def _timed(steps: DraftSteps) -> Generator[DraftPass, torch.Tensor, tuple[object, float]]:
+    """Pass `steps`' forwards through; returns its result and the seconds it took: its own
+    time between forwards plus each forward's share."""
+    seconds, value = 0.0, None
+    while True:
+        started = time.perf_counter()
+        try:
+            step = steps.send(value)
+        except StopIteration as stop:
+            return stop.value, seconds + time.perf_counter() - started
+        seconds += time.perf_counter() - started
+        value = yield step
+        seconds += step.seconds

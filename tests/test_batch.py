@@ -252,3 +252,25 @@ def test_lanes_that_step_plainly_count_as_plain_rows_in_the_batch_length() -> No
     assert batch_draft_length([sure], flat, 4) == 4                       # 5 rows ride on the flat part
     # Four lanes stepping plainly take four of the eight flat rows: three draft tokens still fit.
     assert batch_draft_length([sure], flat, 4, plain_lanes=4) == 3
+
+
+def test_while_plain_steps_measure_faster_no_lane_is_asked_to_draft(quantized, w8a8_draft) -> None:
+    # Not even asked: a lane asked would probe, or pay its draft model's catch-up, for a draft
+    # the batch then caps to nothing.
+    llm = LLM(quantized, speculative_model=w8a8_draft, speculative_method="auto", num_speculative_tokens=3)
+    batch = BatchEngine(llm.new_engine, 2)
+    for key, prompt in enumerate([[5, 6, 7], [8, 9]]):
+        batch.add(key, prompt, SamplingParams(max_tokens=30))
+    asked = []
+    for lane in batch.lanes.values():
+        choose = lane.engine.choose
+        lane.engine.choose = lambda run, choose=choose: asked.append(run) or choose(run)
+    bucket = batch.rates[2 .bit_length()]
+    bucket.record(True, 5.0, 0.1)
+    bucket.record(False, 50.0, 0.1)                 # plain steps measured ten times faster
+    for _ in range(4):
+        batch.step()
+        assert batch.last_k == 0
+    assert asked == []
+    assert all(lane.run.metrics.num_drafts == 0 and lane.run.metrics.draft_seconds == 0
+               for lane in batch.lanes.values())

@@ -205,3 +205,22 @@ def test_auto_keeps_the_suffix_guess_while_the_draft_models_catch_up_is_declined
     auto.set_gate(lambda seconds, token_cost, alpha: True)
     tree = auto.propose(prompt, 3, GREEDY, None)
     assert len(tree) == 3 and auto.steps == {"suffix": 1, "draft": 1}
+
+
+def test_a_catch_up_the_gate_paid_for_waits_through_plain_steps_until_it_is_made() -> None:
+    # A batch's load may turn a step the gate admitted into a plain one: the admission stands
+    # until a proposal makes the catch-up, and the gate is not asked (and charged) again meanwhile.
+    target = tiny_model(0, name="auto-target")
+    auto = drafters.create("auto", target, {"model": target, "long_match": 8})
+    answers = iter([True])
+    asked = []
+    auto.set_gate(lambda seconds, token_cost, alpha: asked.append(seconds) or next(answers, False))
+    prompt = list(range(30, 50)) + [3, 4, 5, 6, 1, 2, 3, 4]
+    auto.start(prompt, None, 64)
+    assert auto.next_source(prompt) == "draft"                  # admitted; then the step goes plain
+    assert auto.next_source(prompt + [7]) == "draft"            # still admitted, not asked again
+    assert len(asked) == 1
+    tree = auto.propose(prompt + [7], 3, GREEDY, None)
+    assert len(tree) == 3 and auto.steps == {"suffix": 0, "draft": 1}
+    auto.start(prompt, None, 64)                                 # a new request asks afresh
+    assert auto.next_source(prompt) == "suffix" and len(asked) == 2

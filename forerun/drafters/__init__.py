@@ -38,6 +38,10 @@ class Drafter(Protocol):
     # and the accepted path's after each step), for drafters that read them (draft heads).
     # Optional: `set_pass_cost(c)`, c(rows) the target's measured pass cost, for a drafter that
     # sizes its own tree (EAGLE).
+    # Optional: `propose_steps(context, k, params, generator)`, `propose` as a generator that yields
+    # each model forward it needs (passes.py), so a batch runs its lanes' forwards as one; with it,
+    # `batch_pass_seconds(n) -> float | None`, one such forward's seconds when n lanes share it
+    # (None when the coming proposal runs no forward).
 
 
 DrafterFactory = Callable[..., Drafter]

@@ -25,6 +25,7 @@ import torch
 from forerun.config import SamplingParams
 from forerun.drafters import register, rows_per_step
 from forerun.drafters.draft_model import DraftModelDrafter
+from forerun.drafters.passes import DraftSteps, run_alone
 from forerun.drafters.suffix import SuffixDrafter
 from forerun.kv_cache import KVCache
 from forerun.models.load import LoadedModel
@@ -67,10 +68,15 @@ class AutoDrafter:
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> DraftTree | None:
+        return run_alone(self.propose_steps(context, k, params, generator))
+
+    def propose_steps(self, context: list[int], k: int, params: SamplingParams,
+                      generator: torch.Generator | None) -> DraftSteps:
+        """`propose` with the draft model's forwards yielded (passes.py)."""
         tree, match = self.suffix.propose_with_match(context, k, params, generator)
         planned, self.planned = self.planned, None
         if (tree is None or match < self.long_match) if planned is None else planned == "draft":
-            drafted = self.draft.propose(context, k, params, generator)
+            drafted = yield from self.draft.propose_steps(context, k, params, generator)
             if drafted is not None:          # None: its catch-up declined, the suffix's guess stands
                 self.source = "draft"
                 self.steps["draft"] += 1
@@ -78,6 +84,11 @@ class AutoDrafter:
         self.source = "suffix"
         self.steps["suffix"] += 1
         return tree
+
+    def batch_pass_seconds(self, sequences: int) -> float | None:
+        """A shared draft forward's seconds (the draft model's) when the coming proposal is the
+        draft model's; None when it is the suffix drafter's (no forward to share)."""
+        return self.draft.batch_pass_seconds(sequences) if self.planned == "draft" else None
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
         if self.source == "draft":             # the draft model counts its verdicts (its catch-up gate)

@@ -22,9 +22,10 @@ from typing import Callable
 import torch
 
 from forerun.config import SamplingParams
-from forerun.cost_model import Acceptance
+from forerun.cost_model import Acceptance, PassCosts
 from forerun.drafters import register
 from forerun.drafters.draft_vocab import draft_vocabulary, reduced_head
+from forerun.drafters.passes import DraftPass, DraftSteps, run_alone
 from forerun.errors import ForerunError
 from forerun.kv_cache import KVCache
 from forerun.models import formats, linear
@@ -39,6 +40,7 @@ DRAFT_MODEL_METHODS = ("draft", "auto")   # methods that run a draft model (its 
 # run) and is paid without asking; longer ones (a prompt) are the cost policy's call.
 CATCH_UP_FREE = 16
 READ_PROBE_ROWS = 32   # rows of the pass that times a catch-up's cost per token
+BATCH_PRIOR_ROWS = 16  # rows of a shared draft forward estimated before any is timed
 # Kept and rejected pseudo-counts behind the acceptance a draft model expects before its first
 # verdict: a draft of the target's own family is usually right (0.8; runs 9 and 10 measured
 # 0.78-0.85 at the first position). It only decides when a catch-up pays; verdicts replace it.
@@ -112,16 +114,23 @@ class DraftModelDrafter:
         self.gate: Callable[[float, float | None, float], bool] | None = None   # see set_gate
         self.acceptance = Acceptance(*DRAFT_PRIOR)   # of its drafts, over every request of this drafter
         self.proposed = 0                            # tokens in the proposal awaiting its verdict
-        self.admitted = False                        # ready() asked the gate for this step and it paid
+        self.admitted = False                        # the gate agreed to a catch-up not made yet
         self.pass_cost: Callable[[int], float] | None = None   # the target's c(rows), for ending drafts early
 
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         self.cache = self.model.decoder.new_cache(max_len)
         self.fed = []
+        self.admitted = False
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> DraftTree:
-        decoder, cache = self.model.decoder, self.cache
+                generator: torch.Generator | None) -> DraftTree | None:
+        return run_alone(self.propose_steps(context, k, params, generator))
+
+    def propose_steps(self, context: list[int], k: int, params: SamplingParams,
+                      generator: torch.Generator | None) -> DraftSteps:
+        """`propose` as draft forwards yielded one by one (passes.py: a batch runs several
+        sequences' forwards as one)."""
+        cache = self.cache
         # Roll back to what the context still agrees with (drops rejected drafts), then catch up.
         keep = min(_common_prefix(self.fed, context), len(context) - 1)
         cache.truncate(keep)
@@ -137,13 +146,9 @@ class DraftModelDrafter:
         probs: list[torch.Tensor] = []
         kept_chance = 1.0                            # the draft's probability of its whole draft so far
         for _ in range(k):
-            ids = torch.tensor(pending, device=decoder.device)
-            pos = torch.arange(len(self.fed), len(self.fed) + len(pending), device=decoder.device)
-            layout = RowLayout.chain(len(self.fed), len(pending))
-            start = time.perf_counter()
-            with linear.prefill() if len(pending) > 1 else nullcontext():
-                logits = decoder(ids, pos, cache, layout=layout, last_only=True, head=self.head).logits[0]  # [1, N]
-            self._time_pass(len(pending), time.perf_counter() - start)
+            step = DraftPass(self.model.decoder, cache, pending, len(self.fed), self.head)
+            logits = yield step                                                      # [1, N]
+            self._time_pass(len(pending), step)
             self.fed += pending
             confidence = logits.softmax(-1)[0]                                       # [N]
             if params.greedy:
@@ -158,7 +163,10 @@ class DraftModelDrafter:
             kept_chance *= float(confidence[choice])
             if self.min_confidence and float(confidence.max()) < self.min_confidence:
                 break
-            if len(tokens) < k and not self._worth_another(len(tokens), kept_chance):
+            # A forward shared by several sequences costs each its share.
+            token_cost = (self.token_seconds if step.shared == 1 or self.pass_cost is None
+                          else self.batch_pass_seconds(step.shared) / step.shared)
+            if len(tokens) < k and not self._worth_another(len(tokens), kept_chance, token_cost):
                 break
         self.proposed = len(tokens)
         return DraftTree.chain(tokens, None if params.greedy else torch.stack(probs))
@@ -166,20 +174,20 @@ class DraftModelDrafter:
     def set_pass_cost(self, pass_cost: Callable[[int], float]) -> None:
         self.pass_cost = pass_cost
 
-    def _worth_another(self, drafted: int, kept_chance: float) -> bool:
+    def _worth_another(self, drafted: int, kept_chance: float, token_cost: float | None) -> bool:
         """Whether a token after `drafted` ones, all kept with probability `kept_chance`, pays for
-        its draft forward and its verified row (True when the costs are not known)."""
-        if self.pass_cost is None or self.token_seconds is None:
+        its draft forward (`token_cost`) and its verified row (True when the costs are not known)."""
+        if self.pass_cost is None or token_cost is None:
             return True
         row = self.pass_cost(drafted + 2) - self.pass_cost(drafted + 1)
-        return kept_chance * self.pass_cost(1) > self.token_seconds + row
+        return kept_chance * self.pass_cost(1) > token_cost + row
 
     def ready(self, context: list[int]) -> bool:
         """Whether a proposal after `context` would draft: its catch-up is free, or the gate pays
         for it now (asked here once per step; the proposal that follows does not ask again)."""
         skipped = len(context) - 1 - min(_common_prefix(self.fed, context), len(context) - 1)
-        if self.gate is None or skipped <= CATCH_UP_FREE:
-            return True
+        if self.gate is None or skipped <= CATCH_UP_FREE or self.admitted:
+            return True      # admitted before and not proposed since (the step went plain): still paid for
         self.admitted = self.gate(self.catch_up_seconds(skipped), self.cost_per_token(), self.acceptance.alpha)
         return self.admitted
 
@@ -232,13 +240,35 @@ class DraftModelDrafter:
                     best[n] = min(best[n], time.perf_counter() - start)
         return best[rows] / rows, best[1]
 
-    def _time_pass(self, rows: int, seconds: float) -> None:
-        if rows == 1:
+    def _time_pass(self, rows: int, step: DraftPass) -> None:
+        """Learn from a timed forward: a pass alone times this drafter's token or catch-up cost; a
+        forward shared with other sequences times the batched draft (`batch_pass_seconds`)."""
+        if step.shared > 1:
+            if step.lead:
+                self._batch_costs().observe(step.rows, step.seconds * step.shared)
+        elif rows == 1:
             previous = self.token_seconds
-            self.token_seconds = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+            self.token_seconds = step.seconds if previous is None else 0.8 * previous + 0.2 * step.seconds
         elif rows >= 8:                     # long enough that the per-row cost dominates
-            per_row, previous = seconds / rows, self.read_seconds
+            per_row, previous = step.seconds / rows, self.read_seconds
             self.read_seconds = per_row if previous is None else 0.8 * previous + 0.2 * per_row
+
+    def batch_pass_seconds(self, sequences: int) -> float:
+        """Seconds of one draft forward shared by `sequences` sequences drafting a token each: as
+        measured in a batch, else estimated from a one-token forward and the per-row cost of a
+        catch-up (the kernel's rows are nearly free until they are not)."""
+        return self._batch_costs()(sequences)
+
+    def _batch_costs(self) -> PassCosts:
+        costs = self.shared.get(("batch passes", self.draft_vocab))
+        if costs is None:
+            read, token = self.read_seconds, self.token_seconds
+            if read is None or token is None:
+                timed_read, timed_token = self._time_passes()
+                read, token = read or timed_read, token or timed_token
+            costs = PassCosts([max(token, rows * read) for rows in range(1, BATCH_PRIOR_ROWS + 1)], learn=True)
+            self.shared["batch passes", self.draft_vocab] = costs
+        return costs
 
     def _full_vocabulary(self, q: torch.Tensor) -> torch.Tensor:
         """q over the draft vocabulary [N] as a distribution over every token [V] (0 outside it)."""

@@ -232,7 +232,8 @@ class Decoder(nn.Module):
         left untouched. `head` scores with another head than lm_head (a draft's reduced vocabulary).
         `segments` (with `cache` None and tokens [T]) runs the rows of several sequences in one
         forward, each segment's rows on its own cache and layout: every row comes out as it would
-        in a forward of its sequence alone (continuous batching). `all_hidden` with `last_only` and
+        in a forward of its sequence alone (continuous batching); with `last_only`, each segment's
+        last row is scored (a batch's draft forwards). `all_hidden` with `last_only` and
         `output_hidden`: the hidden state of every row, the logits of the last (a draft head reads
         the whole prompt's features).
         """
@@ -258,10 +259,12 @@ class Decoder(nn.Module):
             seg.cache.advance(seg.stop - seg.start)
         if cache is not None:
             cache.advance(t)
-        if last_only and not (output_hidden and all_hidden):
-            x = x[:, -1:]
+        # last_only: the logits of the last row (of each segment's rows, several sequences).
+        last = ([seg.stop - 1 for seg in segments] if segments is not None else slice(-1, None)) if last_only else None
+        if last is not None and not (output_hidden and all_hidden):
+            x, last = x[:, last], None
         x = self.norm(x)
-        scored = x[:, -1:] if last_only else x
+        scored = x if last is None else x[:, last]
         return DecoderOutput(logits=(self.lm_head if head is None else head)(scored).float(),
                              hidden=x if output_hidden else None,
                              layer_hidden=layer_hidden)

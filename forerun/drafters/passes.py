@@ -1,0 +1,134 @@
+"""Draft-model forwards that several sequences share (continuous batching).
+
+A drafter that runs a model proposes through `propose_steps`, a generator: each forward it needs
+is yielded as a `DraftPass` (its tokens, their first position, its own cache) and the logits of
+the pass's last row come back. Run alone, `run_passes` does each forward as it comes; run beside
+other sequences' proposals, it gathers every sequence's pending pass into one forward over their
+rows (each on its own cache, as the verifier batches the target), so B sequences drafting K tokens
+cost about K draft forwards of B rows, not B·K forwards of one. The rows are nearly free on the
+quantized kernels, as the target's are; what a drafter does between its forwards (sampling, its
+choice to stop) stays its own.
+
+Each pass is told the seconds it cost (a shared forward's time split evenly over its passes), so
+a drafter times its forwards and the engine its proposals the same way alone or batched.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Generator
+
+import torch
+from torch import nn
+
+from forerun.kv_cache import KVCache
+from forerun.models import linear
+from forerun.models.attention import RowLayout, Segment
+from forerun.models.decoder import Decoder
+
+DraftSteps = Generator["DraftPass", torch.Tensor, Any]
+
+
+@dataclass
+class DraftPass:
+    """One draft forward of a sequence: `tokens` at positions start, start + 1, ... on `cache`
+    (whose length is `start`), scored by `head` (None: the decoder's own) at the last row only."""
+    decoder: Decoder
+    cache: KVCache
+    tokens: list[int]
+    start: int
+    head: nn.Module | None = None
+    # Set by the forward that ran it:
+    seconds: float = 0.0        # this pass's share of the forward's time
+    shared: int = 1             # passes in that forward
+    rows: int = 0               # rows in that forward
+    lead: bool = True           # the forward's first pass (the one to time the whole forward by)
+
+
+def run_alone(steps: DraftSteps) -> Any:
+    """Drive one proposal to its end, each forward as it comes; returns what it returned."""
+    try:
+        step = next(steps)
+        while True:
+            step = steps.send(forward([step])[0])
+    except StopIteration as stop:
+        return stop.value
+
+
+def run_passes(steps: list[DraftSteps]) -> list[Any]:
+    """Drive proposals to their end, each pending forward of all of them at once; returns what
+    each generator returned, or the exception it raised (one sequence's failure is its own)."""
+    results: list[Any] = [None] * len(steps)
+    pending: dict[int, DraftPass] = {}
+
+    def advance(i: int, value: torch.Tensor | None = None, error: Exception | None = None) -> None:
+        try:
+            step = steps[i].throw(error) if error is not None else steps[i].send(value)
+        except StopIteration as stop:
+            results[i] = stop.value
+        except Exception as exc:                    # noqa: BLE001 - kept for its own sequence
+            results[i] = exc
+        else:
+            pending[i] = step
+
+    for i in range(len(steps)):
+        advance(i)
+    while pending:
+        batch = list(pending.items())
+        pending.clear()
+        for group in _groups(batch):
+            passes = [p for _, p in group]
+            try:
+                logits = forward(passes)
+            except Exception:                       # noqa: BLE001 - find whose pass fails
+                for i, p in group:
+                    try:
+                        out = forward([p])[0]
+                    except Exception as exc:        # noqa: BLE001
+                        advance(i, error=exc)
+                    else:
+                        advance(i, out)
+                continue
+            for (i, _), out in zip(group, logits):
+                advance(i, out)
+    return results
+
+
+def _groups(batch: list[tuple[int, DraftPass]]) -> list[list[tuple[int, DraftPass]]]:
+    """Passes that can share one forward: the same decoder and head."""
+    groups: dict[tuple[int, int], list[tuple[int, DraftPass]]] = {}
+    for i, p in batch:
+        groups.setdefault((id(p.decoder), id(p.head)), []).append((i, p))
+    return list(groups.values())
+
+
+def forward(passes: list[DraftPass]) -> list[torch.Tensor]:
+    """One forward over every pass's rows (all on one decoder and head); each pass's last-row
+    logits [1, N], and its timing fields set."""
+    first = passes[0]
+    decoder, device = first.decoder, first.decoder.device
+    many_rows = any(len(p.tokens) > 1 for p in passes)
+    start = time.perf_counter()
+    with linear.prefill() if many_rows else nullcontext():
+        if len(passes) == 1:
+            ids = torch.tensor(first.tokens, device=device)
+            pos = torch.arange(first.start, first.start + len(first.tokens), device=device)
+            logits = decoder(ids, pos, first.cache, layout=RowLayout.chain(first.start, len(first.tokens)),
+                             last_only=True, head=first.head).logits[0]                 # [1, N]
+        else:
+            tokens: list[int] = []
+            positions: list[int] = []
+            segments: list[Segment] = []
+            for p in passes:
+                segments.append(Segment(len(tokens), len(tokens) + len(p.tokens), p.cache,
+                                        RowLayout.chain(p.start, len(p.tokens))))
+                tokens += p.tokens
+                positions += range(p.start, p.start + len(p.tokens))
+            logits = decoder(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), None,
+                             segments=segments, last_only=True, head=first.head).logits[0]   # [P, N]
+    share = (time.perf_counter() - start) / len(passes)
+    rows = sum(len(p.tokens) for p in passes)
+    for i, p in enumerate(passes):
+        p.seconds, p.shared, p.rows, p.lead = share, len(passes), rows, i == 0
+    return [logits[i:i + 1] for i in range(len(passes))]
