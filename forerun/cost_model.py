@@ -271,6 +271,8 @@ class DraftLengthPolicy:
     plain_steps: int = 0                    # plain steps since the last draft or probe
     probe_wait: int = PROBE_WAIT[0]
     forgone: float = 0.0                    # seconds drafting would have saved while a catch-up waited
+    asked_at: int | None = None             # `remaining` when pays_setup was last asked
+    unasked_seconds: float = 0.0            # seconds of the steps timed since then
     remaining: int | None = None            # tokens the request may still emit (the engine sets it each step)
 
     def start(self) -> None:
@@ -280,6 +282,7 @@ class DraftLengthPolicy:
             weight = min(1.0, REQUEST_PRIOR / seen) if seen > 0 else 1.0
             state.current = Acceptance(state.history.kept * weight, state.history.rejected * weight)
         self.plain_steps, self.probe_wait, self.forgone, self.remaining = 0, PROBE_WAIT[0], 0.0, None
+        self.asked_at, self.unasked_seconds = None, 0.0
 
     def select(self, source: str | None) -> None:
         self.source = source
@@ -342,17 +345,25 @@ class DraftLengthPolicy:
         """Whether to pay a drafter's one-off `seconds` (a catch-up) now, its tokens then costing
         `draft_cost` each and kept at rate `alpha`; asked before each step that would pay it. No:
         the step goes without it, and what drafting would have saved on it counts towards paying
-        next time. Never when even drafting every token the request may still emit (`remaining`)
-        could not save `seconds`."""
+        next time: the time the steps since the last ask took beyond what their tokens would have
+        cost drafted (a plain step forgoes one token's saving; a step of kept suffix drafts, whose
+        tokens came cheap anyway, forgoes nothing), or one token's saving a step where steps are
+        not timed alone (a batch). Never when even drafting every token the request may still emit
+        (`remaining`) could not save `seconds`."""
         if self.fixed or seconds <= 0:
             return True
         saving = self.saving(draft_cost, alpha)
         if self.remaining is not None and saving * self.remaining < seconds:
             return False                         # the tokens left could not win it back
+        forgone = saving
+        if self.remaining is not None and self.asked_at is not None and self.unasked_seconds > 0:
+            emitted = max(1, self.asked_at - self.remaining)
+            forgone = max(0.0, self.unasked_seconds - emitted * (self.pass_cost(1) - saving))
+        self.asked_at, self.unasked_seconds = self.remaining, 0.0
         if self.forgone >= seconds:
             self.forgone = 0.0
             return True
-        self.forgone += saving
+        self.forgone += forgone
         return False
 
     def time_proposal(self, seconds: float, asked: int, rows: int) -> None:
@@ -387,6 +398,7 @@ class DraftLengthPolicy:
 
     def timed_step(self, rows: int, seconds: float) -> None:
         """The engine's step over `rows` verifier rows took `seconds` (pass, rule and roll-back)."""
+        self.unasked_seconds += seconds
         observe = getattr(self.pass_cost, "observe", None)
         if observe is not None:
             observe(rows, seconds)

@@ -422,3 +422,25 @@ def test_the_engine_times_its_steps_into_learned_costs(target4) -> None:
     policy = DraftLengthPolicy(costs, k_max=3)
     Engine(target4, drafters.create("ngram", target4, {}), 3, policy).generate(PROMPT, GREEDY)
     assert costs.seen and costs(1) < 0.5
+
+
+def test_a_waiting_catch_up_is_owed_what_the_steps_meanwhile_cost_beyond_drafted_tokens() -> None:
+    # A plain step forgoes one token's saving; a step whose kept suffix drafts emitted four
+    # tokens for one pass forgoes nothing (those tokens came cheaper than drafting them would).
+    def forgone_after(steps: list[tuple[int, int, float]]) -> float:
+        policy = DraftLengthPolicy(FLAT, k_max=4)
+        policy.start()
+        policy.remaining = 1000
+        policy.pays_setup(10.0, 0.01, 0.9)           # the first ask: one token's saving
+        before = policy.forgone
+        for rows, tokens, seconds in steps:
+            policy.timed_step(rows, seconds)
+            policy.remaining -= tokens
+            policy.pays_setup(10.0, 0.01, 0.9)
+        return policy.forgone - before
+
+    saving = DraftLengthPolicy(FLAT, k_max=4).saving(0.01, 0.9)
+    assert 0 < saving < FLAT(1)
+    assert forgone_after([(1, 1, FLAT(1))] * 3) == pytest.approx(3 * saving)
+    assert forgone_after([(5, 4, FLAT(5))] * 3) == 0.0
+    assert forgone_after([(5, 1, FLAT(5))]) == pytest.approx(FLAT(5) - FLAT(1) + saving)   # a failed draft: its rows too
