@@ -148,7 +148,7 @@ class DraftModelDrafter:
         for _ in range(k):
             step = DraftPass(self.model.decoder, cache, pending, len(self.fed), self.head)
             logits = yield step                                                      # [1, N]
-            self._time_pass(len(pending), step)
+            self._time_pass(step)
             self.fed += pending
             confidence = logits.softmax(-1)[0]                                       # [N]
             if params.greedy:
@@ -163,10 +163,7 @@ class DraftModelDrafter:
             kept_chance *= float(confidence[choice])
             if self.min_confidence and float(confidence.max()) < self.min_confidence:
                 break
-            # A forward shared by several sequences costs each its share.
-            token_cost = (self.token_seconds if step.shared == 1 or self.pass_cost is None
-                          else self.batch_pass_seconds(step.shared) / step.shared)
-            if len(tokens) < k and not self._worth_another(len(tokens), kept_chance, token_cost):
+            if len(tokens) < k and not self._worth_another(len(tokens), kept_chance, step):
                 break
         self.proposed = len(tokens)
         return DraftTree.chain(tokens, None if params.greedy else torch.stack(probs))
@@ -174,10 +171,15 @@ class DraftModelDrafter:
     def set_pass_cost(self, pass_cost: Callable[[int], float]) -> None:
         self.pass_cost = pass_cost
 
-    def _worth_another(self, drafted: int, kept_chance: float, token_cost: float | None) -> bool:
+    def _worth_another(self, drafted: int, kept_chance: float, last: DraftPass) -> bool:
         """Whether a token after `drafted` ones, all kept with probability `kept_chance`, pays for
-        its draft forward (`token_cost`) and its verified row (True when the costs are not known)."""
-        if self.pass_cost is None or token_cost is None:
+        its draft forward and its verified row (True when the costs are not known). A forward
+        shared like `last` by several sequences costs each its share."""
+        if self.pass_cost is None:
+            return True
+        token_cost = (self.token_seconds if last.shared == 1
+                      else self.batch_pass_seconds(last.shared) / last.shared)
+        if token_cost is None:
             return True
         row = self.pass_cost(drafted + 2) - self.pass_cost(drafted + 1)
         return kept_chance * self.pass_cost(1) > token_cost + row
@@ -240,9 +242,10 @@ class DraftModelDrafter:
                     best[n] = min(best[n], time.perf_counter() - start)
         return best[rows] / rows, best[1]
 
-    def _time_pass(self, rows: int, step: DraftPass) -> None:
+    def _time_pass(self, step: DraftPass) -> None:
         """Learn from a timed forward: a pass alone times this drafter's token or catch-up cost; a
         forward shared with other sequences times the batched draft (`batch_pass_seconds`)."""
+        rows = len(step.tokens)
         if step.shared > 1:
             if step.lead:
                 self._batch_costs().observe(step.rows, step.seconds * step.shared)
