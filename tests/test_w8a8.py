@@ -52,11 +52,24 @@ def test_w8a8_product_is_close_to_the_float_product() -> None:
     assert error < 0.03
 
 
+def usable_kernels() -> list[str]:
+    """The w8a8 kernels this machine runs: fbgemm always, onednn where its product is exact, mixed
+    where fbgemm's activations also have 8 bits."""
+    kernels = ["fbgemm"]
+    if w8a8.onednn_exact():
+        kernels.append("onednn")
+        if not w8a8.reduce_range_needed():
+            kernels.append("mixed")
+    return kernels
+
+
 @SLOW
-@given(rows=st.integers(1, 16), width=st.sampled_from([16, 64, 96, 896, 1536]), seed=st.integers(0, 10_000))
-def test_a_rows_product_is_bit_identical_alone_or_in_any_batch(rows: int, width: int, seed: int) -> None:
+@given(rows=st.integers(1, 16), width=st.sampled_from([16, 64, 96, 896, 1536]), seed=st.integers(0, 10_000),
+       kernel=st.sampled_from(usable_kernels()))
+def test_a_rows_product_is_bit_identical_alone_or_in_any_batch(rows: int, width: int, seed: int, kernel: str) -> None:
     gen = torch.Generator().manual_seed(seed)
-    layer = W8A8Linear.from_float(torch.randn(40, width, generator=gen), torch.randn(40, generator=gen))
+    layer = W8A8Linear.from_float(torch.randn(40, width, generator=gen), torch.randn(40, generator=gen),
+                                  kernel_name=kernel)
     x = random_rows(seed, rows, width)
     batch = layer(x)
     for i in range(rows):
@@ -64,9 +77,80 @@ def test_a_rows_product_is_bit_identical_alone_or_in_any_batch(rows: int, width:
     assert torch.isfinite(batch).all()
 
 
+@pytest.mark.skipif(not w8a8.onednn_exact() or w8a8.reduce_range_needed(),
+                    reason="onednn's int8 product does not run here, or fbgemm needs 7-bit activations")
+@SLOW
+@given(rows=st.integers(1, 20), width=st.sampled_from([16, 96, 896, 1536]), seed=st.integers(0, 10_000))
+def test_every_kernel_gives_the_same_bits(rows: int, width: int, seed: int) -> None:
+    # Each row's integer sums are exact and each kernel rounds sum * scale once, so mixing the
+    # kernels by row count ("mixed") keeps every row exact.
+    gen = torch.Generator().manual_seed(seed)
+    qweight, scale = w8a8.quantize_weight(torch.randn(48, width, generator=gen))
+    bias = torch.randn(48, generator=gen)
+    x = random_rows(seed, rows, width)
+    outputs = {k: W8A8Linear(qweight, scale, bias, kernel_name=k)(x) for k in ("fbgemm", "onednn", "mixed")}
+    assert torch.equal(outputs["onednn"], outputs["fbgemm"])
+    assert torch.equal(outputs["mixed"], outputs["fbgemm"])
+
+
+@pytest.mark.skipif(not w8a8.onednn_exact() or w8a8.reduce_range_needed(),
+                    reason="onednn's int8 product does not run here, or fbgemm needs 7-bit activations")
+def test_a_whole_decoder_computes_the_same_logits_through_either_kernel() -> None:
+    # A prefill (many rows: onednn in "mixed") and one-row steps (fbgemm in "mixed").
+    import copy
+
+    model = tiny_model(seed=4, num_layers=2).decoder
+    decoders = {k: quantize_decoder_(copy.deepcopy(model), kernel_name=k) for k in ("fbgemm", "mixed")}
+    ids = torch.randint(0, 99, (24,), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for k, decoder in decoders.items():
+        cache = decoder.new_cache(30)
+        rows = [decoder(ids[:20], torch.arange(20), cache).logits[0]]
+        for i in range(20, 24):
+            rows.append(decoder(ids[i:i + 1], torch.tensor([i]), cache, layout=RowLayout.chain(i, 1)).logits[0])
+        logits[k] = torch.cat(rows)
+    assert torch.equal(logits["mixed"], logits["fbgemm"])
+
+
+@pytest.mark.parametrize("flags,onednn,saturates,want", [
+    ({"avx512f", "avx512_vnni", "amx_tile", "amx_int8"}, True, False, "mixed"),
+    ({"avx512f", "avx512_vnni"}, True, False, "fbgemm"),           # onednn is measured faster with AMX only
+    ({"avx2", "fma"}, True, True, "fbgemm"),
+    ({"avx512f", "amx_tile", "amx_int8"}, False, False, "fbgemm"),  # no exact onednn product in this PyTorch
+])
+def test_the_kernel_is_chosen_for_the_cpu_it_finds(monkeypatch, flags, onednn, saturates, want) -> None:
+    monkeypatch.delenv(w8a8.KERNEL_ENV, raising=False)
+    monkeypatch.setattr(cpu, "flags", lambda: flags)
+    monkeypatch.setattr(w8a8, "onednn_exact", lambda: onednn)
+    monkeypatch.setattr(w8a8, "reduce_range_needed", lambda: saturates)
+    w8a8.kernel.cache_clear()
+    try:
+        assert w8a8.kernel() == want
+    finally:
+        w8a8.kernel.cache_clear()
+
+
+def test_an_asked_for_kernel_is_used_or_refused_with_the_choices(monkeypatch) -> None:
+    monkeypatch.setattr(w8a8, "onednn_exact", lambda: True)
+    monkeypatch.setattr(w8a8, "reduce_range_needed", lambda: True)
+    try:
+        for asked, want in (("fbgemm", "fbgemm"), (" ONEDNN ", "onednn")):
+            monkeypatch.setenv(w8a8.KERNEL_ENV, asked)
+            w8a8.kernel.cache_clear()
+            assert w8a8.kernel() == want
+        for asked, error in (("cublas", r"not a w8a8 kernel; use one of mixed, onednn, fbgemm"),
+                             ("mixed", r"8-bit activations in fbgemm.*saturate")):
+            monkeypatch.setenv(w8a8.KERNEL_ENV, asked)
+            w8a8.kernel.cache_clear()
+            with pytest.raises(ForerunError, match=error):
+                w8a8.kernel()
+    finally:
+        w8a8.kernel.cache_clear()
+
+
 def test_a_rows_largest_entry_is_represented_exactly() -> None:
-    # Each row is scaled to max |x| = 1; the range columns put ±1 exactly on a quantization level,
-    # so a one-hot row returns its weight column exactly (up to float rounding of the scales).
+    # Each row's peak becomes exactly ±127 levels, so a one-hot row returns its weight column
+    # exactly (up to float rounding of the scales).
     weight = torch.randn(16, 64)
     layer = W8A8Linear.from_float(weight)
     dequantized = layer.qweight().float() * layer.scale[:, None]

@@ -20,8 +20,9 @@ from forerun.models.attention import RowLayout
 from forerun.models.load import QUANTIZATIONS
 
 # Ops by kind, by the name the profiler gives them. Anything else counts as "other ops".
-PRODUCT_OPS = {"quantized::linear_dynamic", "quantized::linear_dynamic_fp16", "aten::_weight_int8pack_mm",
-               "aten::_weight_int4pack_mm_for_cpu", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul"}
+PRODUCT_OPS = {"quantized::linear_dynamic", "onednn::qlinear_pointwise", "quantized::linear_dynamic_fp16",
+               "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::mm", "aten::addmm",
+               "aten::linear", "aten::matmul"}
 ATTENTION_OPS = {"aten::bmm", "aten::softmax", "aten::_softmax", "aten::scaled_dot_product_attention",
                  "aten::_scaled_dot_product_flash_attention_for_cpu"}
 COPY_OPS = {"aten::copy_", "aten::clone", "aten::to", "aten::_to_copy", "aten::contiguous", "aten::cat",

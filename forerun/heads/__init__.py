@@ -140,7 +140,7 @@ def build_head(config: HeadConfig, target: LoadedModel) -> nn.Module:
 
 
 def fast_products_(head: nn.Module) -> nn.Module:
-    """Every nn.Linear of a trained head through fbgemm's int8 product where the CPU has it (a
+    """Every nn.Linear of a trained head as a w8a8 product where the CPU runs one (a
     drafting head's weights are read once per draft token, so bytes are its cost), in place."""
     from forerun.models import w8a8
 

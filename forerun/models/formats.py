@@ -49,7 +49,7 @@ def _load_int8(decoder: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
 FORMATS: dict[str, Format] = {
     "int8": Format("int8", "int8 weights, activations in the model's dtype (PyTorch's weight-only kernel)",
                    quantize_int8_, _load_int8, ("cpu", "cuda")),
-    "w8a8": Format("w8a8", "int8 weights and per-row int8 activations (fbgemm): flat cost to ~8 rows, "
+    "w8a8": Format("w8a8", "int8 weights and per-row int8 activations (fbgemm, onednn): flat cost to ~8 rows, "
                            "rows bit-identical alone or batched",
                    w8a8.quantize_decoder_, w8a8.load_decoder_, ("cpu",), shows_progress=True,
                    cache_name="w8a8v2"),   # v2: norms folded into the fused products, q prescaled
@@ -73,7 +73,7 @@ def choose_auto(device: torch.device | str) -> tuple[str | None, str]:
     if w8a8.available(device):
         units = "AMX bf16 units, but" if cpu.has_amx() else "no native bf16 matrix units:"
         return "w8a8", (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has {units} int8 products "
-                        "through fbgemm verify 8 rows for under twice the cost of one, faster than bf16")
+                        f"({w8a8.kernel()}) verify 8 rows for under twice the cost of one, faster than bf16")
     if cpu.has_amx():
         return None, "no fbgemm in this PyTorch, and AMX bf16 rows are nearly free: the weights stay bf16"
     return "int8", "no fbgemm in this PyTorch: int8 weights"
