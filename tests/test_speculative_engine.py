@@ -30,15 +30,17 @@ def plain_greedy(target: LoadedModel) -> RequestOutput:
     return Engine(target).generate(PROMPT, SamplingParams(max_tokens=MAX))
 
 
-def spec(target: LoadedModel, draft: LoadedModel, k: int) -> Engine:
-    return Engine(target, DraftModelDrafter(target, draft), k)
+def spec(target: LoadedModel, draft: LoadedModel, k: int, second_choice: float = 2.0) -> Engine:
+    """A draft model's chains (no second-choice leaves unless `second_choice` asks for them)."""
+    return Engine(target, DraftModelDrafter(target, draft, second_choice=second_choice), k)
 
 
 def check_metrics(out: RequestOutput, k: int) -> None:
     m = out.metrics
     assert m.num_speculative_tokens == k
     assert m.num_emitted_tokens == len(out.token_ids)
-    assert m.num_accepted_tokens <= m.num_draft_tokens <= m.num_drafts * k
+    # A greedy draft is a chain of at most k and as many second-choice leaves beside it.
+    assert m.num_accepted_tokens <= m.num_draft_tokens <= m.num_drafts * 2 * k
     if m.num_draft_tokens:
         assert m.acceptance_rate == pytest.approx(m.num_accepted_tokens / m.num_draft_tokens)
     assert m.mean_accepted_length == pytest.approx(m.num_emitted_tokens / m.num_target_forwards)
@@ -61,6 +63,53 @@ def test_greedy_speculation_reproduces_plain_decoding_for_every_k(target, drafts
             assert out.metrics.acceptance_rate >= 0.98, f"K={k}"
         if which == "noisy":   # the noisy draft is a real test: it is sometimes right, sometimes wrong
             assert 0.05 < out.metrics.acceptance_rate < 0.95, f"K={k}"
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_second_choice_leaves_keep_greedy_output_and_save_target_passes(target, drafts, plain_greedy, k):
+    # The noisy draft's first choice is often wrong; where it is, its second is often the target's.
+    chain = spec(target, drafts["noisy"], k).generate(PROMPT, SamplingParams(max_tokens=MAX))
+    tree = spec(target, drafts["noisy"], k, second_choice=0.0).generate(PROMPT, SamplingParams(max_tokens=MAX))
+    assert tree.token_ids == plain_greedy.token_ids == chain.token_ids
+    check_metrics(tree, k)
+    assert tree.metrics.num_draft_tokens > chain.metrics.num_draft_tokens     # the leaves were verified
+    assert tree.metrics.num_target_forwards < chain.metrics.num_target_forwards
+
+
+@pytest.mark.parametrize("row_seconds,leaves", [(0.0, True), (0.1, False)], ids=["free rows", "dear rows"])
+def test_a_second_choice_leaf_is_proposed_only_where_its_row_pays(target, drafts, row_seconds, leaves) -> None:
+    from forerun.cost_model import PassCosts
+
+    drafter = DraftModelDrafter(target, drafts["noisy"], second_choice=0.0)
+    drafter.start(PROMPT, None, 64)
+    drafter.set_pass_cost(PassCosts([0.1 + row_seconds * r for r in range(16)]))
+    drafter.token_seconds = 1e-6
+    tree = drafter.propose(PROMPT, 4, SamplingParams(), None)
+    # A row as dear as a whole pass never pays for a leaf the target keeps less than always.
+    assert (not tree.is_chain) == leaves
+
+
+def test_a_draft_model_shut_out_of_a_request_gets_its_prior_back_by_degrees(target, drafts) -> None:
+    # The gate admits a catch-up on the drafter's acceptance and token cost, which only drafting
+    # updates: after a bad run of drafts and a stalled pass, requests without drafting age them.
+    from forerun.cost_model import Acceptance
+
+    drafter = DraftModelDrafter(target, drafts["noisy"])
+    drafter.shared["timed", None] = (0.001, 0.01)
+    drafter.start(PROMPT, None, 64)
+    drafter.acceptance, drafter.token_seconds = Acceptance(1.0, 9.0), 1.0
+    alphas, costs = [], []
+    for _ in range(5):
+        drafter.start(PROMPT, None, 64)                  # the request before drafted nothing
+        alphas.append(drafter.acceptance.alpha)
+        costs.append(drafter.token_seconds)
+    assert alphas == sorted(alphas) and alphas[0] > 0.1 and alphas[-1] > 0.7
+    assert costs == sorted(costs, reverse=True) and costs[-1] < 0.05
+    # A request that drafted keeps its evidence as it is.
+    drafter.propose(PROMPT, 2, SamplingParams(), None)
+    drafter.acceptance = Acceptance(1.0, 9.0)
+    drafter.start(PROMPT, None, 64)
+    assert drafter.acceptance.alpha == pytest.approx(0.1)
 
 
 def test_with_the_target_as_draft_each_step_emits_k_plus_one_tokens(target, drafts):
@@ -229,7 +278,7 @@ def test_predicted_mean_accepted_length_is_the_geometric_series(rate, k, expecte
 def test_a_draft_ends_once_another_token_cannot_pay(target, drafts, token_seconds, drafted) -> None:
     from forerun.cost_model import PassCosts
 
-    drafter = DraftModelDrafter(target, drafts["same"])
+    drafter = DraftModelDrafter(target, drafts["same"], second_choice=2.0)   # chains
     drafter.start(PROMPT, None, 64)
     drafter.set_pass_cost(PassCosts([0.1] * 16))          # one target pass: 0.1 s; extra rows free
     drafter.token_seconds = token_seconds

@@ -12,7 +12,8 @@ from forerun.models.load import QUANTIZATIONS
 
 # Each method's own settings: flag destination -> drafter keyword. A drafter receives only its own.
 _DRAFT_MODEL_OPTIONS = {"speculative_model": "model", "speculative_quantization": "quantize",
-                        "draft_min_confidence": "min_confidence", "draft_vocab": "draft_vocab"}
+                        "draft_min_confidence": "min_confidence", "draft_vocab": "draft_vocab",
+                        "draft_second_choice": "second_choice"}
 METHOD_OPTIONS: dict[str, dict[str, str]] = {
     "draft": _DRAFT_MODEL_OPTIONS,
     "auto": {**_DRAFT_MODEL_OPTIONS, "auto_long_match": "long_match"},
@@ -47,6 +48,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="the draft model's numeric format (cheaper drafts; output stays exact): int8, w8a8 or auto")
     g.add_argument("--draft-min-confidence", type=float, default=0.0,
                    help="end a draft early when the draft model's top probability falls below this")
+    g.add_argument("--draft-second-choice", type=float, default=None, metavar="P",
+                   help="greedy: also verify the draft model's second choice at a depth where the draft's "
+                        "probability of its path is at least P and its row pays (default 0.05; above 1: never)")
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="the draft model scores only the N tokens the target writes most (e.g. 32768): cheaper "
                         "draft tokens, output unchanged")

@@ -36,18 +36,19 @@ from forerun.tree import DraftTree
 class AutoDrafter:
     def __init__(self, target: LoadedModel, model, dtype: str = "bfloat16", device: str | None = None,
                  quantize: str | None = None, min_confidence: float = 0.0, draft_vocab: int | None = None,
-                 long_match: int = 8) -> None:
+                 long_match: int = 8, second_choice: float = 0.05) -> None:
         """The draft model's settings as DraftModelDrafter takes them; `long_match`: the shortest
         suffix match (tokens) whose continuation is proposed instead of the draft model's."""
         self.suffix = SuffixDrafter(target)
-        self.draft = DraftModelDrafter(target, model, dtype, device, quantize, min_confidence, draft_vocab)
+        self.draft = DraftModelDrafter(target, model, dtype, device, quantize, min_confidence, draft_vocab,
+                                       second_choice)
         self.long_match = long_match
         self.steps = {"suffix": 0, "draft": 0}   # proposals made by each, this process
         self.source = "draft"                    # which made the last proposal
         self.planned: str | None = None          # what next_source said for the coming proposal
 
     def max_rows(self, k: int) -> int:
-        return max(rows_per_step(self.suffix, k), k)
+        return max(rows_per_step(self.suffix, k), self.draft.max_rows(k))
 
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         self.suffix.start(prompt_ids, target_cache, max_len)

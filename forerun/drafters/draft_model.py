@@ -10,6 +10,13 @@ chance that all of them are kept, and one more token is worth drafting only whil
 times a target pass (what an accepted token saves) exceeds the token's price, one draft forward
 plus the extra verified row. Unsure drafts (translation, facts) then stop after a token or two
 instead of paying for K.
+
+Under greedy decoding a draft is a small tree: the draft's second choice at a depth is proposed
+too, as a leaf beside the chain's token, where its path's draft probability (the chain's tokens
+before it, then it) is at least `second_choice` and a pass saved that often outweighs its verified
+row. Where the chain's token is wrong, the target's token is often the draft's second (on coding
+prompts the 0.5B's second choice is the 1.5B's token in ~60 % of the places its first is not), and
+a leaf costs no draft forward and one row, nearly free where rows are (w8a8 on AMX).
 """
 from __future__ import annotations
 
@@ -77,10 +84,12 @@ def _compare_tokenizers(t: Tokenizer, d: Tokenizer, t_name: str, d_name: str) ->
 class DraftModelDrafter:
     def __init__(self, target: LoadedModel, model: str | LoadedModel, dtype: str = "bfloat16",
                  device: str | None = None, quantize: str | None = None, min_confidence: float = 0.0,
-                 draft_vocab: int | None = None) -> None:
+                 draft_vocab: int | None = None, second_choice: float = 0.05) -> None:
         """`quantize` ("int8", "w8a8") stores the draft's products in that format (fewer bytes per
         draft token); `min_confidence` ends a draft early once the draft's top probability falls below
-        it; `draft_vocab` N scores only the N tokens the target writes most (draft_vocab.py)."""
+        it; `draft_vocab` N scores only the N tokens the target writes most (draft_vocab.py);
+        `second_choice`: greedy drafts add the draft's second choice as a leaf where the draft's
+        probability of its path is at least this and the leaf's row pays (above 1: never)."""
         if quantize not in (None, formats.AUTO):
             formats.get(quantize)
         if isinstance(model, LoadedModel):
@@ -93,6 +102,7 @@ class DraftModelDrafter:
             warnings.warn(f"draft {self.model.name} is larger than target {target.name}: "
                           "speculation will likely be slower than plain decoding", stacklevel=2)
         self.min_confidence = min_confidence
+        self.second_choice = second_choice
         # What depends on the draft weights alone is made once per model and shared by every
         # drafter over it (a server has one per running sequence).
         self.shared = _SHARED.setdefault(self.model.decoder, weakref.WeakKeyDictionary()).setdefault(target.decoder, {})
@@ -114,6 +124,7 @@ class DraftModelDrafter:
         self.gate: Callable[[float, float | None, float], bool] | None = None   # see set_gate
         self.acceptance = Acceptance(*DRAFT_PRIOR)   # of its drafts, over every request of this drafter
         self.proposed = 0                            # tokens in the proposal awaiting its verdict
+        self.drafted = True                          # this request drafted (a first request counts as having)
         self.admitted = False                        # the gate agreed to a catch-up not made yet
         self.pass_cost: Callable[[int], float] | None = None   # the target's c(rows), for ending drafts early
 
@@ -121,6 +132,24 @@ class DraftModelDrafter:
         self.cache = self.model.decoder.new_cache(max_len)
         self.fed = []
         self.admitted = False
+        if not self.drafted:
+            self._age_evidence()
+        self.drafted = False
+
+    def _age_evidence(self) -> None:
+        """After a request in which the draft model never drafted, its acceptance and token cost
+        move halfway back to the prior and the timed figure. The gate admits a catch-up only on
+        them, and only drafting updates them: without ageing, one bad run of drafts or one slow
+        pass would shut the draft model out of every later request."""
+        a = self.acceptance
+        a.kept, a.rejected = (a.kept + DRAFT_PRIOR[0]) / 2, (a.rejected + DRAFT_PRIOR[1]) / 2
+        timed = self.shared.get(("timed", self.draft_vocab))
+        if timed is not None and self.token_seconds is not None:
+            self.token_seconds = (self.token_seconds + timed[1]) / 2
+
+    def max_rows(self, k: int) -> int:
+        """A chain of k, and under greedy up to k second-choice leaves beside it."""
+        return 2 * k if self.second_choice <= 1 else k
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> DraftTree | None:
@@ -144,7 +173,9 @@ class DraftModelDrafter:
             return None
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
+        leaves: list[tuple[int, int]] = []           # (depth index, token): second choices beside the chain
         kept_chance = 1.0                            # the draft's probability of its whole draft so far
+        self.drafted = True
         for _ in range(k):
             step = DraftPass(self.model.decoder, cache, pending, len(self.fed), self.head)
             logits = yield step                                                      # [1, N]
@@ -152,12 +183,16 @@ class DraftModelDrafter:
             self.fed += pending
             confidence = logits.softmax(-1)[0]                                       # [N]
             if params.greedy:
-                choice = int(logits.argmax())
+                best = confidence.topk(2) if confidence.shape[0] > 1 else confidence.topk(1)
+                choice = int(best.indices[0])
+                if best.values.shape[0] > 1 and self._leaf_pays(kept_chance * float(best.values[1]),
+                                                                len(tokens) + len(leaves) + 1):
+                    leaves.append((len(tokens), self._token(int(best.indices[1]))))
             else:
                 q = probabilities(logits, params)                                   # [1, N]
                 choice = int(sample(q, generator)[0])
                 probs.append(self._full_vocabulary(q[0]))
-            token = choice if self.vocab is None else int(self.vocab[choice])
+            token = self._token(choice)
             tokens.append(token)
             pending = [token]
             kept_chance *= float(confidence[choice])
@@ -166,7 +201,15 @@ class DraftModelDrafter:
             if len(tokens) < k and not self._worth_another(len(tokens), kept_chance, step):
                 break
         self.proposed = len(tokens)
+        if leaves:
+            # A leaf beside the chain's token at depth index d hangs from that token's parent.
+            return DraftTree(tokens + [t for _, t in leaves],
+                             list(range(-1, len(tokens) - 1)) + [d - 1 for d, _ in leaves])
         return DraftTree.chain(tokens, None if params.greedy else torch.stack(probs))
+
+    def _token(self, choice: int) -> int:
+        """The target's token id of column `choice` of the draft's head."""
+        return choice if self.vocab is None else int(self.vocab[choice])
 
     def set_pass_cost(self, pass_cost: Callable[[int], float]) -> None:
         self.pass_cost = pass_cost
@@ -183,6 +226,14 @@ class DraftModelDrafter:
             return True
         row = self.pass_cost(drafted + 2) - self.pass_cost(drafted + 1)
         return kept_chance * self.pass_cost(1) > token_cost + row
+
+    def _leaf_pays(self, chance: float, rows: int) -> bool:
+        """Whether a second-choice leaf the target keeps with probability about `chance` (the
+        draft's own probability of its path) pays for one more verified row beside `rows`: at least
+        `second_choice`, and, with the target's costs known, a pass saved that often outweighs the row."""
+        if chance < self.second_choice:
+            return False
+        return self.pass_cost is None or chance * self.pass_cost(1) > self.pass_cost(rows + 1) - self.pass_cost(rows)
 
     def ready(self, context: list[int]) -> bool:
         """Whether a proposal after `context` would draft: its catch-up is free, or the gate pays
@@ -250,8 +301,10 @@ class DraftModelDrafter:
             if step.lead:
                 self._batch_costs().observe(step.rows, step.seconds * step.shared)
         elif rows == 1:
+            # One stalled pass (the machine is shared) counts as at most twice the running figure.
             previous = self.token_seconds
-            self.token_seconds = step.seconds if previous is None else 0.8 * previous + 0.2 * step.seconds
+            self.token_seconds = step.seconds if previous is None else 0.8 * previous + 0.2 * min(step.seconds,
+                                                                                                2 * previous)
         elif rows >= 8:                     # long enough that the per-row cost dominates
             per_row, previous = step.seconds / rows, self.read_seconds
             self.read_seconds = per_row if previous is None else 0.8 * previous + 0.2 * per_row
