@@ -36,7 +36,7 @@ from forerun.tree import DraftTree
 class AutoDrafter:
     def __init__(self, target: LoadedModel, model, dtype: str = "bfloat16", device: str | None = None,
                  quantize: str | None = None, min_confidence: float = 0.0, draft_vocab: int | None = None,
-                 long_match: int = 8, second_choice: float = 0.05) -> None:
+                 long_match: int = 8, second_choice: float | None = None) -> None:
         """The draft model's settings as DraftModelDrafter takes them; `long_match`: the shortest
         suffix match (tokens) whose continuation is proposed instead of the draft model's."""
         self.suffix = SuffixDrafter(target)
