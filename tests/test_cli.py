@@ -106,9 +106,10 @@ def test_speculative_json_has_spec_counters_and_the_plain_tokens(capsys, folder:
     code, plain_out, err = generate(capsys, folder, *args)
     assert code == 0, err
     # Fixed K: a draft that is the target itself costs a pass per token, so the adaptive policy
-    # would (rightly) stop drafting; this test is about the counters.
+    # would (rightly) stop drafting; this test is about the counters. Chains: no second-choice leaves.
     code, spec_out, err = generate(capsys, folder, *args, "--speculative-model", str(folder),
-                                   "--num-speculative-tokens", "3", "--speculative-k-policy", "fixed")
+                                   "--num-speculative-tokens", "3", "--speculative-k-policy", "fixed",
+                                   "--draft-second-choice", "2")
     assert code == 0, err
     (plain,), (spec_row,) = records(plain_out), records(spec_out)
     assert set(spec_row) == RECORD_FIELDS | {"spec"}

@@ -30,7 +30,7 @@ def plain_greedy(target: LoadedModel) -> RequestOutput:
     return Engine(target).generate(PROMPT, SamplingParams(max_tokens=MAX))
 
 
-def spec(target: LoadedModel, draft: LoadedModel, k: int, second_choice: float | None = None) -> Engine:
+def spec(target: LoadedModel, draft: LoadedModel, k: int, second_choice: float = 2.0) -> Engine:
     """A draft model's chains (no second-choice leaves unless `second_choice` asks for them)."""
     return Engine(target, DraftModelDrafter(target, draft, second_choice=second_choice), k)
 
@@ -278,7 +278,7 @@ def test_predicted_mean_accepted_length_is_the_geometric_series(rate, k, expecte
 def test_a_draft_ends_once_another_token_cannot_pay(target, drafts, token_seconds, drafted) -> None:
     from forerun.cost_model import PassCosts
 
-    drafter = DraftModelDrafter(target, drafts["same"])   # chains
+    drafter = DraftModelDrafter(target, drafts["same"], second_choice=2.0)   # chains
     drafter.start(PROMPT, None, 64)
     drafter.set_pass_cost(PassCosts([0.1] * 16))          # one target pass: 0.1 s; extra rows free
     drafter.token_seconds = token_seconds

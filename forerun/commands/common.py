@@ -50,7 +50,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="end a draft early when the draft model's top probability falls below this")
     g.add_argument("--draft-second-choice", type=float, default=None, metavar="P",
                    help="greedy: also verify the draft model's second choice at a depth where the draft's "
-                        "probability of its path is at least P (e.g. 0.05) and its row pays (default: chains only)")
+                        "probability of its path is at least P and its row pays (default 0.05; above 1: never)")
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="the draft model scores only the N tokens the target writes most (e.g. 32768): cheaper "
                         "draft tokens, output unchanged")

@@ -24,7 +24,7 @@ import torch
 
 from forerun.config import SamplingParams
 from forerun.drafters import register, rows_per_step
-from forerun.drafters.draft_model import DraftModelDrafter
+from forerun.drafters.draft_model import SECOND_CHOICE, DraftModelDrafter
 from forerun.drafters.passes import DraftSteps, run_alone
 from forerun.drafters.suffix import SuffixDrafter
 from forerun.kv_cache import KVCache
@@ -36,7 +36,7 @@ from forerun.tree import DraftTree
 class AutoDrafter:
     def __init__(self, target: LoadedModel, model, dtype: str = "bfloat16", device: str | None = None,
                  quantize: str | None = None, min_confidence: float = 0.0, draft_vocab: int | None = None,
-                 long_match: int = 8, second_choice: float | None = None) -> None:
+                 long_match: int = 8, second_choice: float = SECOND_CHOICE) -> None:
         """The draft model's settings as DraftModelDrafter takes them; `long_match`: the shortest
         suffix match (tokens) whose continuation is proposed instead of the draft model's."""
         self.suffix = SuffixDrafter(target)

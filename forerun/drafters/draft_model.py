@@ -16,9 +16,8 @@ proposed too, as a leaf beside the chain's token, where its path's draft probabi
 tokens before it, then it) is at least `second_choice` and a pass saved that often outweighs its
 verified row. Where the chain's token is wrong, the target's token is often the draft's second (on
 coding prompts the 0.5B's second choice is the 1.5B's token in ~60 % of the places its first is
-not), and a leaf costs no draft forward. Off by default: on the AMX Xeon leaves raised the tokens
-per target pass by 16 % but not the decode rate (a branch's row-exact attention and the tree rule
-cost what the kept tokens save; docs/benchmarks.md, run 20).
+not), and a leaf costs no draft forward. On the AMX Xeon leaves raise the tokens per target pass
+by ~16 % and the decode rate by ~5 % (docs/benchmarks.md, runs 20 and 21).
 """
 from __future__ import annotations
 
@@ -54,6 +53,7 @@ BATCH_PRIOR_ROWS = 16  # rows of a shared draft forward estimated before any is 
 # verdict: a draft of the target's own family is usually right (0.8; runs 9 and 10 measured
 # 0.78-0.85 at the first position). It only decides when a catch-up pays; verdicts replace it.
 DRAFT_PRIOR = (4.0, 1.0)
+SECOND_CHOICE = 0.05   # the least draft probability of a second-choice leaf's path (greedy; above 1: none)
 
 
 # Per draft decoder and target decoder: the reduced heads and first pass timings, by draft vocabulary size.
@@ -86,12 +86,12 @@ def _compare_tokenizers(t: Tokenizer, d: Tokenizer, t_name: str, d_name: str) ->
 class DraftModelDrafter:
     def __init__(self, target: LoadedModel, model: str | LoadedModel, dtype: str = "bfloat16",
                  device: str | None = None, quantize: str | None = None, min_confidence: float = 0.0,
-                 draft_vocab: int | None = None, second_choice: float | None = None) -> None:
+                 draft_vocab: int | None = None, second_choice: float = SECOND_CHOICE) -> None:
         """`quantize` ("int8", "w8a8") stores the draft's products in that format (fewer bytes per
         draft token); `min_confidence` ends a draft early once the draft's top probability falls below
         it; `draft_vocab` N scores only the N tokens the target writes most (draft_vocab.py);
         `second_choice`: greedy drafts add the draft's second choice as a leaf where the draft's
-        probability of its path is at least this and the leaf's row pays (None: chains only)."""
+        probability of its path is at least this and the leaf's row pays (above 1: chains only)."""
         if quantize not in (None, formats.AUTO):
             formats.get(quantize)
         if isinstance(model, LoadedModel):
@@ -151,7 +151,7 @@ class DraftModelDrafter:
 
     def max_rows(self, k: int) -> int:
         """A chain of k, and under greedy up to k second-choice leaves beside it."""
-        return 2 * k if self.second_choice is not None else k
+        return 2 * k if self.second_choice <= 1 else k
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator | None) -> DraftTree | None:
@@ -233,7 +233,7 @@ class DraftModelDrafter:
         """Whether a second-choice leaf the target keeps with probability about `chance` (the
         draft's own probability of its path) pays for one more verified row beside `rows`: at least
         `second_choice`, and, with the target's costs known, a pass saved that often outweighs the row."""
-        if self.second_choice is None or chance < self.second_choice:
+        if chance < self.second_choice:
             return False
         return self.pass_cost is None or chance * self.pass_cost(1) > self.pass_cost(rows + 1) - self.pass_cost(rows)
 

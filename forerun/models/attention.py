@@ -42,6 +42,15 @@ class RowGroup:
     length: int                     # every row of the group reduces over slots [0, length)
     moves: list[tuple[int, int]] = field(default_factory=list)   # (logical slot, slot holding its entry)
     visible: torch.Tensor | None = None   # bool [Tg, length] for rows that need not be exact; None: slot <= position
+    # The moves as (logical, holding) index tensors, made at first use.
+    _slots: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
+
+    def move_slots(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The moves' logical slots and the slots holding their entries, made once for every layer."""
+        if self._slots is None or self._slots[0].device != device:
+            self._slots = (torch.tensor([m[0] for m in self.moves], device=device),
+                           torch.tensor([m[1] for m in self.moves], device=device))
+        return self._slots
 
 
 @dataclass
@@ -133,7 +142,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: Ro
     float_cache = keys.dtype == torch.float32
     for index, group in enumerate(layout.groups):
         rows, length = group.rows, group.length
-        saved = _move_in(keys, values, group.moves) if group.moves else None
+        saved = _move_in(keys, values, *group.move_slots(keys.device)) if group.moves else None
         try:
             k, v = keys[:, :length], values[:, :length]                                 # [KVH, L, D]
             if not float_cache:
@@ -148,26 +157,22 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: Ro
                 torch.bmm(p, v, out=out_rows[row])
         finally:
             if saved is not None:
-                _move_back(keys, values, group.moves, saved)
+                _move_back(keys, values, saved)
     return out.view(t, h * d)
 
 
-def _move_in(keys: torch.Tensor, values: torch.Tensor, moves: list[tuple[int, int]]):
-    if not moves:
-        return None
-    dst = torch.tensor([m[0] for m in moves], device=keys.device)
-    src = torch.tensor([m[1] for m in moves], device=keys.device)
-    saved = (dst, keys[:, dst].clone(), values[:, dst].clone())
-    # Read every source before writing any destination: a source may be another move's destination.
-    k_src, v_src = keys[:, src].clone(), values[:, src].clone()
-    keys[:, dst] = k_src
-    values[:, dst] = v_src
+def _move_in(keys: torch.Tensor, values: torch.Tensor, dst: torch.Tensor, src: torch.Tensor):
+    """keys, values [KVH, S, D]: the entries at slots `src` copied to slots `dst`; returns what
+    `dst` held, for `_move_back`."""
+    saved = (dst, keys.index_select(1, dst), values.index_select(1, dst))
+    # index_select copies: every source is read before any destination is written (a source may
+    # be another move's destination).
+    keys.index_copy_(1, dst, keys.index_select(1, src))
+    values.index_copy_(1, dst, values.index_select(1, src))
     return saved
 
 
-def _move_back(keys: torch.Tensor, values: torch.Tensor, moves: list[tuple[int, int]], saved) -> None:
-    if saved is None:
-        return
+def _move_back(keys: torch.Tensor, values: torch.Tensor, saved) -> None:
     dst, k_old, v_old = saved
-    keys[:, dst] = k_old
-    values[:, dst] = v_old
+    keys.index_copy_(1, dst, k_old)
+    values.index_copy_(1, dst, v_old)
