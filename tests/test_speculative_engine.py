@@ -89,27 +89,26 @@ def test_a_second_choice_leaf_is_proposed_only_where_its_row_pays(target, drafts
     assert (not tree.is_chain) == leaves
 
 
-def test_a_draft_model_shut_out_of_a_request_gets_its_prior_back_by_degrees(target, drafts) -> None:
-    # The gate admits a catch-up on the drafter's acceptance and token cost, which only drafting
-    # updates: after a bad run of drafts and a stalled pass, requests without drafting age them.
+def test_a_draft_model_shut_out_by_a_stalled_pass_gets_its_timed_cost_back_by_degrees(target, drafts) -> None:
+    # The gate admits a catch-up on the drafter's token cost, which only drafting updates: after
+    # a stalled pass, requests without drafting age it toward the timed figure.
     from forerun.cost_model import Acceptance
 
     drafter = DraftModelDrafter(target, drafts["noisy"])
     drafter.shared["timed", None] = (0.001, 0.01)
     drafter.start(PROMPT, None, 64)
     drafter.acceptance, drafter.token_seconds = Acceptance(1.0, 9.0), 1.0
-    alphas, costs = [], []
+    costs = []
     for _ in range(5):
         drafter.start(PROMPT, None, 64)                  # the request before drafted nothing
-        alphas.append(drafter.acceptance.alpha)
         costs.append(drafter.token_seconds)
-    assert alphas == sorted(alphas) and alphas[0] > 0.1 and alphas[-1] > 0.7
     assert costs == sorted(costs, reverse=True) and costs[-1] < 0.05
-    # A request that drafted keeps its evidence as it is.
+    assert drafter.acceptance.alpha == pytest.approx(0.1)     # what the drafts showed stands
+    # A request that drafted keeps its figures as they are.
     drafter.propose(PROMPT, 2, SamplingParams(), None)
-    drafter.acceptance = Acceptance(1.0, 9.0)
+    drafter.token_seconds = 1.0
     drafter.start(PROMPT, None, 64)
-    assert drafter.acceptance.alpha == pytest.approx(0.1)
+    assert drafter.token_seconds == 1.0
 
 
 def test_with_the_target_as_draft_each_step_emits_k_plus_one_tokens(target, drafts):

@@ -139,12 +139,11 @@ class DraftModelDrafter:
         self.drafted = False
 
     def _age_evidence(self) -> None:
-        """After a request in which the draft model never drafted, its acceptance and token cost
-        move halfway back to the prior and the timed figure. The gate admits a catch-up only on
-        them, and only drafting updates them: without ageing, one bad run of drafts or one slow
-        pass would shut the draft model out of every later request."""
-        a = self.acceptance
-        a.kept, a.rejected = (a.kept + DRAFT_PRIOR[0]) / 2, (a.rejected + DRAFT_PRIOR[1]) / 2
+        """After a request in which the draft model never drafted, its token cost moves halfway
+        back to the timed figure. The gate admits a catch-up on it, and only drafting updates it:
+        without ageing, one slow pass would shut the draft model out of every later request. (Its
+        acceptance does not age: it is what keeps a draft model that is usually wrong on this
+        traffic from being tried again on every short answer.)"""
         timed = self.shared.get(("timed", self.draft_vocab))
         if timed is not None and self.token_seconds is not None:
             self.token_seconds = (self.token_seconds + timed[1]) / 2
