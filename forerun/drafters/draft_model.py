@@ -184,10 +184,10 @@ class DraftModelDrafter:
             self.fed += pending
             confidence = logits.softmax(-1)[0]                                       # [N]
             if params.greedy:
-                best = confidence.topk(2) if confidence.shape[0] > 1 else confidence.topk(1)
+                best = confidence.topk(min(2, confidence.shape[0]))
                 choice = int(best.indices[0])
-                if best.values.shape[0] > 1 and self._leaf_pays(kept_chance * float(best.values[1]),
-                                                                len(tokens) + len(leaves) + 1):
+                if len(best.values) > 1 and self._leaf_pays(kept_chance * float(best.values[1]),
+                                                            len(tokens) + len(leaves) + 1):
                     leaves.append((len(tokens), self._token(int(best.indices[1]))))
             else:
                 q = probabilities(logits, params)                                   # [1, N]
@@ -223,18 +223,18 @@ class DraftModelDrafter:
             return True
         token_cost = (self.token_seconds if last.shared == 1
                       else self.batch_pass_seconds(last.shared) / last.shared)
-        if token_cost is None:
-            return True
-        row = self.pass_cost(drafted + 2) - self.pass_cost(drafted + 1)
-        return kept_chance * self.pass_cost(1) > token_cost + row
+        return token_cost is None or self._saves(kept_chance, token_cost, drafted + 1)
 
     def _leaf_pays(self, chance: float, rows: int) -> bool:
         """Whether a second-choice leaf the target keeps with probability about `chance` (the
         draft's own probability of its path) pays for one more verified row beside `rows`: at least
         `second_choice`, and, with the target's costs known, a pass saved that often outweighs the row."""
-        if chance < self.second_choice:
-            return False
-        return self.pass_cost is None or chance * self.pass_cost(1) > self.pass_cost(rows + 1) - self.pass_cost(rows)
+        return chance >= self.second_choice and (self.pass_cost is None or self._saves(chance, 0.0, rows))
+
+    def _saves(self, chance: float, seconds: float, rows: int) -> bool:
+        """Whether a verified row beside `rows` others, kept with probability `chance`, saves more
+        (a target pass that often) than it costs (`seconds` to draft it, and the row)."""
+        return chance * self.pass_cost(1) > seconds + self.pass_cost(rows + 1) - self.pass_cost(rows)
 
     def ready(self, context: list[int]) -> bool:
         """Whether a proposal after `context` would draft: its catch-up is free, or the gate pays
