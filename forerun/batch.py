@@ -15,8 +15,9 @@ speculation backs off as the batch fills and comes back as it empties. The model
 and the drafts but not each lane's own work around them (sampling and stopping a draft,
 acceptance, roll-back), which grows with B; so for each size of batch the engine also measures
 tokens per second of its steps with drafting and without, and drafts only while drafting measures
-faster (trying the other again now and then, as often as is cheap). One lane alone is exactly the
-single-request engine.
+faster (trying the other again now and then, as often as is cheap, and half as often after each
+try that measured worse again: under a steady full batch the tries fade out). One lane alone is
+exactly the single-request engine.
 
 Failures stay with their request: a lane whose drafter or acceptance raises is ended with that
 error; if the shared pass raises, each lane is verified alone so only the guilty one fails.
@@ -51,6 +52,7 @@ class StepResult:
 
 EXPLORE_EVERY = 16    # steps between tries of the option that measured worse, at the least
 EXPLORE_SHARE = 0.02  # and never so often that those tries cost more than this share of the time
+EXPLORE_MAX = 512     # each try that measured worse again doubles the steps to the next, up to this
 
 
 @dataclass
@@ -62,6 +64,8 @@ class Rates:
     drafting_s: float | None = None
     plain_s: float | None = None
     since: int = 0                 # steps since the worse option was last tried
+    losses: int = 0                # tries in a row after which the same option still measured better
+    trying: bool = False           # the step being taken is a try of the worse option
 
     def choose_drafting(self) -> bool:
         """Draft this step? Each option is tried first; then the faster one, and the other again
@@ -71,28 +75,35 @@ class Rates:
         better = self.drafting >= self.plain
         self.since += 1
         if self.since >= self.explore_every(better):
-            self.since = 0
+            self.since, self.trying = 0, True
             return not better
         return better
 
     def explore_every(self, drafting_better: bool) -> int:
         """Steps between tries of the worse option: a try loses its step's time times the share of
-        throughput it gives up, and that may be at most EXPLORE_SHARE of the steps between tries."""
+        throughput it gives up, and that may be at most EXPLORE_SHARE of the steps between tries;
+        and EXPLORE_EVERY doubled for each try in a row that changed nothing (up to EXPLORE_MAX)."""
         if drafting_better:
             worse, best, worse_s, best_s = self.plain, self.drafting, self.plain_s, self.drafting_s
         else:
             worse, best, worse_s, best_s = self.drafting, self.plain, self.drafting_s, self.plain_s
+        backoff = min(EXPLORE_EVERY << min(self.losses, 16), EXPLORE_MAX)
         loss = worse_s * (1 - worse / best) if best > 0 else 0.0
-        return max(EXPLORE_EVERY, math.ceil(loss / (EXPLORE_SHARE * best_s) - 1e-9)) if best_s else EXPLORE_EVERY
+        return max(backoff, math.ceil(loss / (EXPLORE_SHARE * best_s) - 1e-9)) if best_s else backoff
 
     def record(self, drafting: bool, rate: float, seconds: float) -> None:
         def mean(old: float | None, new: float) -> float:
             return new if old is None else 0.7 * old + 0.3 * new
 
+        before = None if self.drafting is None or self.plain is None else self.drafting >= self.plain
         if drafting:
             self.drafting, self.drafting_s = mean(self.drafting, rate), mean(self.drafting_s, seconds)
         else:
             self.plain, self.plain_s = mean(self.plain, rate), mean(self.plain_s, seconds)
+        if self.trying:
+            self.trying = False
+            after = self.drafting >= self.plain if self.drafting is not None and self.plain is not None else None
+            self.losses = self.losses + 1 if after == before else 0
 
 
 class BatchEngine:

@@ -244,6 +244,35 @@ def test_a_dear_option_is_tried_again_only_as_often_as_it_is_cheap_to() -> None:
     assert choices.count(True) == 2
 
 
+def test_tries_that_keep_measuring_worse_fade_out_and_one_that_wins_brings_them_back() -> None:
+    from forerun.batch import EXPLORE_EVERY, EXPLORE_MAX, Rates
+
+    rates = Rates()
+    rates.record(True, 18.0, 0.10)
+    rates.record(False, 20.0, 0.10)                        # plain measures faster: a full batch
+    gaps, since = [], 0
+    for _ in range(12 * EXPLORE_MAX):
+        since += 1
+        if rates.choose_drafting():
+            gaps.append(since)
+            since = 0
+            rates.record(True, 18.0, 0.10)                 # every try measures worse again
+        else:
+            rates.record(False, 20.0, 0.10)
+    assert gaps[:6] == [EXPLORE_EVERY, 2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY, 8 * EXPLORE_EVERY,
+                        16 * EXPLORE_EVERY, EXPLORE_MAX]
+    assert set(gaps[5:]) == {EXPLORE_MAX}                  # and never stop altogether
+    while not rates.choose_drafting():
+        rates.record(False, 20.0, 0.10)
+    rates.record(True, 60.0, 0.10)                         # a try wins (the batch got cheaper to draft for)
+    assert rates.losses == 0 and rates.choose_drafting() is True
+    rates.record(True, 60.0, 0.10)
+    every = rates.explore_every(drafting_better=True)
+    assert every < 2 * EXPLORE_EVERY                       # the spacing starts over, priced by cost alone
+    picks = [rates.choose_drafting() for _ in range(every)]
+    assert picks.count(False) == 1
+
+
 def test_lanes_that_step_plainly_count_as_plain_rows_in_the_batch_length() -> None:
     from forerun.cost_model import PassCosts, batch_draft_length
 

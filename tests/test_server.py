@@ -19,6 +19,7 @@ from forerun.api import LLM
 from forerun.batch import BatchEngine
 from forerun.config import SamplingParams
 from forerun.engine import Engine
+from forerun.errors import ForerunError
 from forerun.scheduler import Scheduler
 from forerun.server import ServerConfig, create_app
 from forerun.server_metrics import ServerMetrics
@@ -341,17 +342,47 @@ def test_the_load_generator_times_every_request(served) -> None:
     from forerun.bench.serve_load import run_level
 
     prompts = [served.llm.tokenizer.encode(p) for p in ("abc", "hello", "xy", "q")] * 2
-    level = asyncio.run(run_level(served.url + "/v1", NAME, prompts, 3, 12, api_key=KEY, setup="off"))
+    lengths = [12, 3, 7, 12, 1, 5, 9, 2]
+    level = asyncio.run(run_level(served.url + "/v1", NAME, prompts, 3, lengths, api_key=KEY, setup="off"))
     assert (level.requests, level.failures, level.concurrency) == (8, 0, 3)
+    assert level.output_tokens <= sum(lengths) and all(t["tokens"] <= 12 for t in level.timings)
     assert level.output_tokens == sum(t["tokens"] for t in level.timings) and level.tokens_per_s > 0
     assert all(0 < t["ttft_s"] <= t["e2e_s"] <= level.wall_s for t in level.timings)
     assert level.ttft_p50_s <= level.ttft_p90_s
 
 
-def test_bench_serve_refuses_a_set_up_it_does_not_know(tmp_path) -> None:
+def test_requests_differ_in_length_the_same_way_on_every_server() -> None:
+    from forerun.bench.serve_load import request_lengths
+
+    lengths = request_lengths(200, 64, 0.5, seed=8)
+    assert lengths == request_lengths(200, 64, 0.5, seed=8)
+    assert min(lengths) >= 32 and max(lengths) <= 64 and len(set(lengths)) > 10
+    assert request_lengths(5, 64, 0.0) == [64] * 5
+    assert min(request_lengths(50, 3, 0.9)) >= 1
+    with pytest.raises(ForerunError, match="--length-spread"):
+        request_lengths(5, 64, 1.0)
+
+
+def test_the_serve_report_sets_each_run_beside_off_of_its_own_round(tmp_path) -> None:
+    from forerun.bench.serve_load import LevelResult, write_report
+
+    def level(setup, c, tokens, errors=()):
+        return LevelResult(setup, c, 4, 1.0, tokens, 0.1, 0.2, 0.01, 0.02, len(errors), [], list(errors))
+
+    write_report(tmp_path, [level("off", 16, 100), level("auto", 16, 99), level("off", 16, 50),
+                            level("auto", 16, 55, ["APIConnectionError: Connection error."])], "# header")
+    report = (tmp_path / "report.md").read_text()
+    assert "| auto | 16 | 4 | 99.0 | 0.99× |" in report and "| auto | 16 | 4 | 55.0 | 1.10× |" in report
+    assert "- auto at 16: APIConnectionError: Connection error." in report
+    assert json.loads((tmp_path / "results.json").read_text())[3]["errors"] == ["APIConnectionError: Connection error."]
+
+
+def test_bench_serve_refuses_a_set_up_it_does_not_know(tmp_path, capsys) -> None:
     from forerun.cli import main
 
     assert main(["bench-serve", "--model", "x", "--setups", "off,warp", "--out", str(tmp_path)]) == 2
+    assert main(["bench-serve", "--model", "x", "--setups", "off", "--length-spread", "-0.1", "--out", str(tmp_path)]) == 2
+    assert "(--length-spread) must be at least 0 and below 1" in capsys.readouterr().err
     assert main(["bench-serve", "--model", "x", "--setups", "auto", "--out", str(tmp_path)]) == 2   # no draft model
 
 

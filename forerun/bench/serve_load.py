@@ -6,11 +6,20 @@ with as many slots as the highest concurrency) the load generator sends, at each
 asyncio, loopback), and measures: total output tokens per second over the level's wall time, time
 to the first token and time per output token after it (per request; median and 90th percentile).
 Every request is greedy with the same prompt token ids and max tokens on every server.
+
+Requests differ in length (`request_lengths`), as real traffic does. With every request the same
+length, a server that emits one token per step runs in lockstep: each wave of c requests starts
+together, finishes together and hands every lane to the next wave at once, while one whose steps
+emit varying numbers of tokens drifts out of step and ends the level on a thinning batch. The
+level's total rate would then measure that finish, not the servers' steady rates.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import math
+import random
 import statistics
 import subprocess
 import sys
@@ -49,6 +58,7 @@ class LevelResult:
     tpot_p90_s: float | None
     failures: int = 0
     timings: list[dict] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)      # what the failed requests raised, each kind once
 
     @property
     def tokens_per_s(self) -> float:
@@ -78,31 +88,51 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int) -> Reques
     return RequestTiming(first if first is not None else end, end, usage if usage else chunks)
 
 
-async def run_level(base_url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
-                    api_key: str = "none", setup: str = "") -> LevelResult:
-    """Every prompt once, at most `concurrency` in flight."""
+def shortest(max_tokens: int, spread: float) -> int:
+    """The fewest max tokens `request_lengths` draws."""
+    if not 0 <= spread < 1:
+        raise ForerunError(f"the length spread (--length-spread) must be at least 0 and below 1, got {spread}")
+    return max(1, math.ceil((1 - spread) * max_tokens))
+
+
+def request_lengths(count: int, max_tokens: int, spread: float, seed: int = 0) -> list[int]:
+    """Max tokens for `count` requests: drawn evenly from [(1 - spread) * max_tokens, max_tokens]
+    (at least 1), the same list for the same arguments (every server gets the same requests)."""
+    low = shortest(max_tokens, spread)
+    draw = random.Random(seed)
+    return [draw.randint(low, max_tokens) for _ in range(count)]
+
+
+async def run_level(base_url: str, model: str, prompts: list[list[int]], concurrency: int,
+                    max_tokens: int | list[int], api_key: str = "none", setup: str = "") -> LevelResult:
+    """Every prompt once, at most `concurrency` in flight; `max_tokens` for all, or per prompt."""
     import openai
 
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    if len(lengths) != len(prompts):
+        raise ValueError(f"{len(lengths)} max_tokens for {len(prompts)} prompts")
     gate = asyncio.Semaphore(concurrency)
 
-    async def limited(client, prompt):
+    async def limited(client, prompt, length):
         async with gate:
-            return await _one(client, model, prompt, max_tokens)
+            return await _one(client, model, prompt, length)
 
     async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=3600) as client:
         start = time.perf_counter()
-        outcomes = await asyncio.gather(*(limited(client, p) for p in prompts), return_exceptions=True)
+        outcomes = await asyncio.gather(*(limited(client, p, n) for p, n in zip(prompts, lengths)),
+                                        return_exceptions=True)
         wall = time.perf_counter() - start
     timings = [o for o in outcomes if isinstance(o, RequestTiming)]
     failures = len(outcomes) - len(timings)
+    errors = list(dict.fromkeys(f"{type(o).__name__}: {o}" for o in outcomes if not isinstance(o, RequestTiming)))
     if not timings:
-        raise ForerunError(f"every request to {base_url} failed, e.g. {outcomes[0]!r}")
+        raise ForerunError(f"every request to {base_url} failed, e.g. {errors[0]}")
     tpots = [t.tpot_s for t in timings if t.tpot_s is not None]
     ttfts = [t.ttft_s for t in timings]
     return LevelResult(setup, concurrency, len(prompts), wall, sum(t.tokens for t in timings),
                        statistics.median(ttfts), percentile(ttfts, 0.9),
                        statistics.median(tpots) if tpots else None, percentile(tpots, 0.9) if tpots else None,
-                       failures, [asdict(t) for t in timings])
+                       failures, [asdict(t) for t in timings], errors)
 
 
 # --- servers ------------------------------------------------------------------------------------
@@ -163,15 +193,26 @@ def forerun_command(port: int, model: str, quantization: str | None, draft: str 
 
 def write_report(out: Path, levels: list[LevelResult], header: str) -> None:
     (out / "results.json").write_text(json.dumps([{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in levels], indent=1))
-    off = {r.concurrency: r.tokens_per_s for r in levels if r.setup == "off"}
+    # A level may run more than once: each row is set beside off's run of the same round.
+    rounds, off = collections.Counter(), {}
+    keys = []
+    for r in levels:
+        key = (r.concurrency, rounds[r.setup, r.concurrency])
+        rounds[r.setup, r.concurrency] += 1
+        keys.append(key)
+        if r.setup == "off":
+            off[key] = r.tokens_per_s
     lines = [header, "", "| set-up | concurrency | requests | output tok/s | × off | TTFT p50 / p90 ms | "
              "time per output token p50 / p90 ms | failed |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
 
     def ms(value: float | None) -> str:
         return "–" if value is None else f"{value * 1000:.0f}"
 
-    for r in levels:
-        ratio = f"{r.tokens_per_s / off[r.concurrency]:.2f}×" if off.get(r.concurrency) else "–"
+    for r, key in zip(levels, keys):
+        ratio = f"{r.tokens_per_s / off[key]:.2f}×" if off.get(key) else "–"
         lines.append(f"| {r.setup} | {r.concurrency} | {r.requests} | {r.tokens_per_s:.1f} | {ratio} | "
                      f"{ms(r.ttft_p50_s)} / {ms(r.ttft_p90_s)} | {ms(r.tpot_p50_s)} / {ms(r.tpot_p90_s)} | {r.failures} |")
+    failed = [f"- {r.setup} at {r.concurrency}: {error}" for r in levels for error in r.errors]
+    if failed:
+        lines += ["", "What failed requests raised:", "", *failed]
     (out / "report.md").write_text("\n".join(lines) + "\n")

@@ -35,9 +35,12 @@ def register(sub) -> None:
     p.add_argument("--draft-vocab", type=int, default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="K: fixed K, and auto's most")
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
-    p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32], help="comma-separated levels")
+    p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32], help="comma-separated levels; one given again runs again (a repeat, to see the noise)")
     p.add_argument("--requests-per-level", type=int, default=2, help="requests sent at level c: this many times c")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="the longest a request may be")
+    p.add_argument("--length-spread", type=float, default=0.5,
+                   help="each request's max tokens is drawn from [(1 - this) x --max-tokens, --max-tokens], the "
+                        "same draws for every server (0: every request --max-tokens long)")
     p.add_argument("--peers", default="", help="llama.cpp: llama-server with one slot per request in flight")
     p.add_argument("--dataset", default="spec-bench")
     p.add_argument("--categories", default=None, help="comma-separated categories or task kinds")
@@ -48,7 +51,8 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from forerun.bench import llamacpp
     from forerun.bench.dataset import load_prompts
-    from forerun.bench.serve_load import Process, forerun_command, run_level, write_report
+    from forerun.bench.serve_load import (Process, forerun_command, request_lengths, run_level, shortest,
+                                          write_report)
     from forerun.models.load import load_model
 
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
@@ -59,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         raise ForerunError("the fixed and auto set-ups draft with a model: give --speculative-model, or --setups off")
     if args.requests_per_level < 1 or args.max_tokens < 1:
         raise ForerunError("--requests-per-level and --max-tokens must be at least 1")
+    shortest(args.max_tokens, args.length_spread)            # a spread out of range: a clear error now
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_model(args.model, with_tokenizer=True).tokenizer
@@ -102,12 +107,14 @@ def run(args: argparse.Namespace) -> int:
             process.start()
         for c in args.concurrency:
             sent = list(itertools.islice(itertools.cycle(prompts), args.requests_per_level * c))
+            lengths = request_lengths(len(sent), args.max_tokens, args.length_spread, seed=c)
             for setup, _, port in servers:
-                level = asyncio.run(run_level(f"http://127.0.0.1:{port}/v1", args.model, sent, c, args.max_tokens,
+                level = asyncio.run(run_level(f"http://127.0.0.1:{port}/v1", args.model, sent, c, lengths,
                                               setup=setup))
                 levels.append(level)
                 print(f"forerun: {setup} c={c}: {level.tokens_per_s:.1f} tok/s, TTFT p50 {level.ttft_p50_s * 1000:.0f} ms"
-                      f", failed {level.failures}", file=sys.stderr, flush=True)
+                      f", failed {level.failures}" + (f" ({level.errors[0]})" if level.errors else ""),
+                      file=sys.stderr, flush=True)
                 write_report(out, levels, _header(args))
     finally:
         for _, process, _ in servers:
@@ -118,6 +125,14 @@ def run(args: argparse.Namespace) -> int:
 def _header(args: argparse.Namespace) -> str:
     shown = " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench-serve"] else "bench-serve"
     return (f"# forerun bench-serve\n\nMade with `forerun {shown}` on "
-            f"{datetime.now(timezone.utc):%Y-%m-%d}. Greedy, max tokens {args.max_tokens}, "
+            f"{datetime.now(timezone.utc):%Y-%m-%d}. Greedy, max tokens {_lengths(args)}, "
             f"{args.requests_per_level} x c requests per level, at most c in flight; streamed completions "
             "with prompt token ids (the chat template applied).")
+
+
+def _lengths(args: argparse.Namespace) -> str:
+    if args.length_spread == 0:
+        return str(args.max_tokens)
+    from forerun.bench.serve_load import shortest
+
+    return f"{shortest(args.max_tokens, args.length_spread)}-{args.max_tokens} (drawn per request, the same on every server)"
