@@ -100,10 +100,9 @@ class Rates:
             self.drafting, self.drafting_s = mean(self.drafting, rate), mean(self.drafting_s, seconds)
         else:
             self.plain, self.plain_s = mean(self.plain, rate), mean(self.plain_s, seconds)
-        if self.trying:
+        if self.trying:                 # a try is made only once both options have figures
             self.trying = False
-            after = self.drafting >= self.plain if self.drafting is not None and self.plain is not None else None
-            self.losses = self.losses + 1 if after == before else 0
+            self.losses = self.losses + 1 if (self.drafting >= self.plain) == before else 0
 
 
 class BatchEngine:

@@ -87,18 +87,23 @@ def kernel() -> str:
     fbgemm alone (flat to four rows on the AVX2 EPYC). `FORERUN_W8A8_KERNEL` overrides."""
     asked = os.environ.get(KERNEL_ENV, "").strip().lower()
     if asked:
-        if asked not in KERNELS:
-            raise ForerunError(f"{KERNEL_ENV}={asked!r} is not a w8a8 kernel; use one of {', '.join(KERNELS)} "
-                               "or unset it")
-        if asked != "fbgemm" and not onednn_exact():
-            raise ForerunError(f"{KERNEL_ENV}={asked}, but onednn's int8 product does not run exactly in this "
-                               "PyTorch; use fbgemm or unset it")
-        if asked == "mixed" and reduce_range_needed():
-            raise ForerunError(f"{KERNEL_ENV}=mixed needs 8-bit activations in fbgemm, which saturate on this "
-                               "CPU; use onednn or fbgemm, or unset it")
+        problem = kernel_problem(asked)
+        if problem is not None:
+            raise ForerunError(f"{KERNEL_ENV}={asked!r}: {problem}; unset it to let forerun choose")
         return asked
     amx = "amx_int8" in cpu.flags() and onednn_exact()
     return "mixed" if amx and not reduce_range_needed() else "fbgemm"
+
+
+def kernel_problem(name: str) -> str | None:
+    """Why the w8a8 kernel `name` cannot run exactly here; None when it can."""
+    if name not in KERNELS:
+        return f"not a w8a8 kernel; use one of {', '.join(KERNELS)}"
+    if name != "fbgemm" and not onednn_exact():
+        return "onednn's int8 product does not run exactly in this PyTorch; use fbgemm"
+    if name == "mixed" and reduce_range_needed():
+        return "mixed needs 8-bit activations in fbgemm, which saturate on this CPU; use onednn or fbgemm"
+    return None
 
 
 def levels(reduce_range: bool) -> int:
@@ -178,16 +183,15 @@ class W8A8Linear(nn.Module):
         out_features, in_features = qweight.shape
         self.in_features, self.out_features = in_features, out_features
         self.kernel = kernel_name or kernel()
-        if self.kernel not in KERNELS:
-            raise ValueError(f"unknown w8a8 kernel {self.kernel!r}; use one of {', '.join(KERNELS)}")
+        problem = kernel_problem(self.kernel) if kernel_name else None
+        if problem is not None:
+            raise ValueError(f"w8a8 kernel {self.kernel!r}: {problem}")
         self._qweight = qweight
         self.register_buffer("scale", scale.float().contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
         # Rows from which onednn computes the product; fewer go through fbgemm.
         self._onednn_from = {"onednn": 1, "mixed": ONEDNN_FROM_ROWS, "fbgemm": sys.maxsize}[self.kernel]
         self.reduce_range = self.kernel == "fbgemm" and reduce_range_needed()
-        if self.kernel == "mixed" and reduce_range_needed():
-            raise ValueError("the mixed w8a8 kernel needs 8-bit fbgemm activations, which saturate on this CPU")
         if self.kernel != "fbgemm":
             self._onednn = torch.ops.onednn.qlinear_prepack(qweight.contiguous(), None)
             self._zero_points = torch.zeros(out_features, dtype=torch.long)
