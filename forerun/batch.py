@@ -15,8 +15,9 @@ speculation backs off as the batch fills and comes back as it empties. The model
 and the drafts but not each lane's own work around them (sampling and stopping a draft,
 acceptance, roll-back), which grows with B; so for each size of batch the engine also measures
 tokens per second of its steps with drafting and without, and drafts only while drafting measures
-faster (trying the other again now and then, as often as is cheap, and half as often after each
-try that measured worse again: under a steady full batch the tries fade out). One lane alone is
+faster, by DRAFTING_EDGE at least (trying the other again now and then, as often as is cheap, and
+half as often after each try that measured worse again: under a steady full batch the tries fade
+out). One lane alone is
 exactly the single-request engine.
 
 Failures stay with their request: a lane whose drafter or acceptance raises is ended with that
@@ -53,6 +54,11 @@ class StepResult:
 EXPLORE_EVERY = 16    # steps between tries of the option that measured worse, at the least
 EXPLORE_SHARE = 0.02  # and never so often that those tries cost more than this share of the time
 EXPLORE_MAX = 512     # each try that measured worse again doubles the steps to the next, up to this
+# Drafting is chosen only while it measures this much faster than plain steps: its steps' rates leave
+# out what drafting costs beside them (a drafting step is longer, and requests waiting to join wait
+# for it; a switch to drafting makes every lane's draft model catch up), and two nearly equal noisy
+# rates would otherwise flip the choice back and forth at random (15-16 lanes: benchmarks.md, run 27).
+DRAFTING_EDGE = 0.05
 
 
 @dataclass
@@ -72,12 +78,16 @@ class Rates:
         now and then (acceptance and the batch's make-up drift), as often as it is cheap to."""
         if self.plain is None or self.drafting is None:
             return self.drafting is None
-        better = self.drafting >= self.plain
+        better = self.drafting_better()
         self.since += 1
         if self.since >= self.explore_every(better):
             self.since, self.trying = 0, True
             return not better
         return better
+
+    def drafting_better(self) -> bool:
+        """Drafting measures faster than plain steps, by DRAFTING_EDGE at least (both measured)."""
+        return self.drafting >= self.plain * (1 + DRAFTING_EDGE)
 
     def explore_every(self, drafting_better: bool) -> int:
         """Steps between tries of the worse option: a try loses its step's time times the share of
@@ -95,14 +105,14 @@ class Rates:
         def mean(old: float | None, new: float) -> float:
             return new if old is None else 0.7 * old + 0.3 * new
 
-        before = None if self.drafting is None or self.plain is None else self.drafting >= self.plain
+        before = None if self.drafting is None or self.plain is None else self.drafting_better()
         if drafting:
             self.drafting, self.drafting_s = mean(self.drafting, rate), mean(self.drafting_s, seconds)
         else:
             self.plain, self.plain_s = mean(self.plain, rate), mean(self.plain_s, seconds)
         if self.trying:                 # a try is made only once both options have figures
             self.trying = False
-            self.losses = self.losses + 1 if (self.drafting >= self.plain) == before else 0
+            self.losses = self.losses + 1 if self.drafting_better() == before else 0
 
 
 class BatchEngine:
@@ -115,6 +125,7 @@ class BatchEngine:
         self.max_seqs = max_seqs
         self.lanes: dict[Hashable, Lane] = {}
         self.idle: list[Engine] = list(engines)
+        self._checker: Engine | None = engines[0] if engines else None   # answers check_fits; may also run a lane
         self.last_k: int | None = None     # the draft length the last step allowed (None: no drafter)
         # Per batch size class (1, 2-3, 4-7, 8-15, ...: the size's bit length), measured rates.
         self.rates: collections.defaultdict[int, Rates] = collections.defaultdict(Rates)
@@ -122,14 +133,18 @@ class BatchEngine:
     def prepare(self) -> None:
         """Build every lane now (a server at start), not when the batch first grows to it."""
         while len(self.idle) + len(self.lanes) < self.max_seqs:
-            self.idle.append(self.new_engine())
+            self.idle.append(self._new())
 
     @property
     def full(self) -> bool:
         return len(self.lanes) >= self.max_seqs
 
     def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        return self._engine().check_fits(prompt_ids, params)
+        """Engine.check_fits, asked of one engine kept for it (any lane answers alike); it takes no
+        lane, so a server's HTTP thread may ask it while the loop steps."""
+        if self._checker is None:
+            self.idle.append(self._new())
+        return self._checker.check_fits(prompt_ids, params)
 
     def add(self, key: Hashable, prompt_ids: list[int], params: SamplingParams) -> StepOutput:
         """Start a request under `key` (prefill and first token); the caller must not exceed max_seqs."""
@@ -207,8 +222,13 @@ class BatchEngine:
 
     def _engine(self) -> Engine:
         if not self.idle:
-            self.idle.append(self.new_engine())
+            self.idle.append(self._new())
         return self.idle.pop()
+
+    def _new(self) -> Engine:
+        engine = self.new_engine()
+        self._checker = self._checker or engine
+        return engine
 
     def _k_cap(self, lanes: list[tuple[Lane, int]]) -> int | None:
         """The common draft length that pays best for the whole batch (None: no lane has a policy).

@@ -1,9 +1,11 @@
 """Requests from many clients, one engine: a waiting queue, a loop thread, events back per request.
 
 The loop runs a BatchEngine (forerun/batch.py): between steps it admits waiting requests, first
-come first served, while fewer than its max_seqs run (each starts with its own prefill), drops the
-cancelled ones (a client went away), then steps every running request in one target pass. With
-max_seqs 1 requests run one after another.
+come first served, while fewer than its max_seqs run (each starts with its own prefill; those that
+arrive during these prefills are admitted too before the step, so a burst of requests joins one
+batch rather than the first stepping alone while the rest wait), drops the cancelled ones (a
+client went away), then steps every running request in one target pass. With max_seqs 1 requests
+run one after another.
 
 Events reach the caller through `on_event(request, event)`, called on the loop thread; the server
 hands them to its asyncio loop. An exception inside the engine for one request ends that request
@@ -139,9 +141,9 @@ class Scheduler:
         if any(r.cancelled.is_set() for r in self._waiting):
             self._waiting = collections.deque(r for r in self._waiting if not r.cancelled.is_set())
 
-    def _admit(self) -> list[Request] | None:
-        """Waiting requests to start now, as many as there are free lanes; waits while there is
-        nothing to do; None once stopped."""
+    def _admit(self, wait: bool = True) -> list[Request] | None:
+        """Waiting requests to start now, as many as there are free lanes; with `wait`, waits while
+        there is nothing to do; None once stopped."""
         with self._cond:
             while True:
                 self._drop_cancelled()
@@ -151,15 +153,17 @@ class Scheduler:
                 admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
                 for r in admitted:
                     self._running[r.id] = r
-                if admitted or self._running:
+                if admitted or self._running or not wait:
                     return admitted
                 self._cond.wait(0.5)
 
     def _loop(self) -> None:
         try:
             while (admitted := self._admit()) is not None:
-                for request in admitted:
-                    self._begin(request)
+                while admitted:                         # and those that came while these prefilled
+                    for request in admitted:
+                        self._begin(request)
+                    admitted = self._admit(wait=False)
                 self._leave_cancelled()
                 for rid, result in self.batch.step().items():
                     request = self._running[rid]

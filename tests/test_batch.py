@@ -18,6 +18,7 @@ from forerun.batch import BatchEngine
 from forerun.config import SamplingParams
 from forerun.cost_model import DraftLengthPolicy, PassCosts, batch_draft_length, expected_tokens
 from forerun.engine import Engine
+from forerun.errors import ForerunError
 from forerun.models.w8a8 import quantize_decoder_
 from forerun.testing import tiny_model
 from forerun.tree import DraftTree
@@ -142,6 +143,26 @@ def test_lanes_share_the_draft_weights(quantized, w8a8_draft) -> None:
     assert llm.new_engine().drafter is not llm.engine.drafter
 
 
+def test_checking_a_request_takes_no_lane(quantized) -> None:
+    """The server checks every request before queueing it: that must neither use up a prepared
+    lane (its drafter's state) nor build new ones."""
+    llm = LLM(quantized)
+    made = []
+
+    def new_engine() -> Engine:
+        made.append(llm.new_engine())
+        return made[-1]
+
+    batch = BatchEngine(new_engine, 3)
+    batch.prepare()
+    idle = list(batch.idle)
+    for _ in range(5):
+        assert batch.check_fits([1, 2, 3], SamplingParams(max_tokens=4)) > 7
+    assert batch.idle == idle and len(made) == 3
+    with pytest.raises(ForerunError, match="beyond the model's context"):
+        batch.check_fits([1, 2, 3], SamplingParams(max_tokens=10**6))
+
+
 class FailingEngine(Engine):
     """Fails a step of any request whose prompt starts with token 9."""
 
@@ -230,6 +251,21 @@ def test_a_batch_drafts_only_while_drafting_measures_faster() -> None:
     every = rates.explore_every(drafting_better=True)
     picks = [rates.choose_drafting() for _ in range(every)]
     assert picks.count(False) == 1 and picks[-1] is False  # now plain steps are the ones re-measured
+
+
+def test_drafting_that_measures_only_a_little_faster_is_not_chosen() -> None:
+    from forerun.batch import DRAFTING_EDGE, EXPLORE_EVERY, Rates
+
+    rates = Rates()
+    rates.record(True, 20.0 * (1 + DRAFTING_EDGE / 2), 0.10)   # within the edge: noise, or no gain
+    rates.record(False, 20.0, 0.10)
+    assert not rates.drafting_better()
+    assert [rates.choose_drafting() for _ in range(EXPLORE_EVERY)].count(True) == 1   # tries only
+    rates = Rates()
+    rates.record(True, 20.0 * (1 + 2 * DRAFTING_EDGE), 0.10)
+    rates.record(False, 20.0, 0.10)
+    assert rates.drafting_better()
+    assert [rates.choose_drafting() for _ in range(EXPLORE_EVERY)].count(True) == EXPLORE_EVERY - 1
 
 
 def test_a_dear_option_is_tried_again_only_as_often_as_it_is_cheap_to() -> None:

@@ -434,3 +434,64 @@ def test_the_engine_loop_runs_on_the_calling_thread_until_told_to_end(target_tok
     ended.set()
     caller.join(5)
     assert not caller.is_alive() and not scheduler.alive
+
+
+class _Recorded:
+    """A stand-in BatchEngine that writes down what the scheduler asks of it; `during_first_add` runs
+    inside the first prefill (requests arriving meanwhile)."""
+
+    max_seqs = 4
+
+    def __init__(self, during_first_add) -> None:
+        self.log: list[tuple[str, int]] = []
+        self.lanes: set[int] = set()
+        self.during_first_add = during_first_add
+
+    def check_fits(self, prompt_ids, params) -> int:
+        return len(prompt_ids)
+
+    def add(self, key, prompt_ids, params):
+        from forerun.engine import StepOutput
+
+        self.log.append(("add", len(self.lanes)))
+        self.lanes.add(key)
+        if self.during_first_add is not None:
+            arrive, self.during_first_add = self.during_first_add, None
+            arrive()
+        return StepOutput([1], "a", False)
+
+    def step(self):
+        from forerun.batch import StepResult
+        from forerun.engine import StepOutput
+
+        self.log.append(("step", len(self.lanes)))
+        return {key: StepResult(StepOutput([2], "b", True)) for key in self.lanes}
+
+    def remove(self, key):
+        self.lanes.discard(key)
+
+
+def test_requests_that_arrive_during_a_prefill_join_before_the_next_step() -> None:
+    """A burst of requests joins one batch: the first does not step alone while the rest wait."""
+    from forerun.scheduler import Done, Request
+
+    finished = []
+    done = threading.Event()
+
+    def on_event(request, event) -> None:
+        if isinstance(event, Done):
+            finished.append(request.id)
+            if len(finished) == 3:
+                done.set()
+
+    def request() -> Request:
+        return Request([1, 2, 3], SamplingParams(max_tokens=2), on_event)
+
+    scheduler = Scheduler(_Recorded(lambda: [scheduler.submit(request()) for _ in range(2)]))
+    scheduler.start()
+    try:
+        scheduler.submit(request())
+        assert done.wait(10)
+    finally:
+        scheduler.stop()
+    assert scheduler.batch.log == [("add", 0), ("add", 1), ("add", 2), ("step", 3)]
