@@ -17,8 +17,7 @@ acceptance, roll-back), which grows with B; so for each size of batch the engine
 tokens per second of its steps with drafting and without, and drafts only while drafting measures
 faster, by DRAFTING_EDGE at least (trying the other again now and then, as often as is cheap, and
 half as often after each try that measured worse again: under a steady full batch the tries fade
-out). One lane alone is
-exactly the single-request engine.
+out). One lane alone is exactly the single-request engine.
 
 Failures stay with their request: a lane whose drafter or acceptance raises is ended with that
 error; if the shared pass raises, each lane is verified alone so only the guilty one fails.
@@ -105,12 +104,12 @@ class Rates:
         def mean(old: float | None, new: float) -> float:
             return new if old is None else 0.7 * old + 0.3 * new
 
-        before = None if self.drafting is None or self.plain is None else self.drafting_better()
+        before = self.drafting_better() if self.trying else None   # a try is made only once both have figures
         if drafting:
             self.drafting, self.drafting_s = mean(self.drafting, rate), mean(self.drafting_s, seconds)
         else:
             self.plain, self.plain_s = mean(self.plain, rate), mean(self.plain_s, seconds)
-        if self.trying:                 # a try is made only once both options have figures
+        if self.trying:
             self.trying = False
             self.losses = self.losses + 1 if self.drafting_better() == before else 0
 

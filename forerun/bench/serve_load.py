@@ -194,14 +194,11 @@ def forerun_command(port: int, model: str, quantization: str | None, draft: str 
 def write_report(out: Path, levels: list[LevelResult], header: str) -> None:
     (out / "results.json").write_text(json.dumps([{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in levels], indent=1))
     # A level may run more than once: each row is set beside off's run of the same round.
-    rounds, off = collections.Counter(), {}
-    keys = []
+    rounds, keys = collections.Counter(), []
     for r in levels:
-        key = (r.concurrency, rounds[r.setup, r.concurrency])
+        keys.append((r.concurrency, rounds[r.setup, r.concurrency]))
         rounds[r.setup, r.concurrency] += 1
-        keys.append(key)
-        if r.setup == "off":
-            off[key] = r.tokens_per_s
+    off = {key: r.tokens_per_s for r, key in zip(levels, keys) if r.setup == "off"}
     lines = [header, "", "| set-up | concurrency | requests | output tok/s | × off | TTFT p50 / p90 ms | "
              "time per output token p50 / p90 ms | failed |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
 
