@@ -363,6 +363,16 @@ def test_requests_differ_in_length_the_same_way_on_every_server() -> None:
         request_lengths(5, 64, 1.0)
 
 
+def test_bench_serve_alternates_which_set_up_runs_first() -> None:
+    from forerun.bench.serve_load import running_order
+
+    setups = ["off", "auto", "llama-server"]
+    assert running_order(setups, 0) == setups
+    assert running_order(setups, 1) == ["llama-server", "auto", "off"]
+    assert [running_order(setups, i)[0] for i in range(4)] == ["off", "llama-server", "off", "llama-server"]
+    assert setups == ["off", "auto", "llama-server"]
+
+
 def test_the_serve_report_sets_each_run_beside_off_of_its_own_round(tmp_path) -> None:
     from forerun.bench.serve_load import LevelResult, write_report
 
@@ -388,7 +398,8 @@ def test_bench_serve_refuses_a_set_up_it_does_not_know(tmp_path, capsys) -> None
 
 def test_bench_serve_runs_every_set_up_at_each_level_and_writes_its_report(tmp_path, monkeypatch) -> None:
     """Real `forerun serve` subprocesses on a tiny model folder: every set-up at every level, the
-    levels interleaved (each level runs all set-ups back to back), every server stopped after."""
+    levels interleaved (each level runs all set-ups back to back, in turn first and last), every
+    server stopped after."""
     from forerun.cli import main
     from forerun.testing import save_hf_folder, tiny_model
 
@@ -402,7 +413,9 @@ def test_bench_serve_runs_every_set_up_at_each_level_and_writes_its_report(tmp_p
                  "--speculative-quantization", "w8a8", "--num-speculative-tokens", "2", "--concurrency", "1,2",
                  "--requests-per-level", "1", "--max-tokens", "6", "--dataset", str(dataset), "--out", str(out)]) == 0
     levels = json.loads((out / "results.json").read_text())
-    assert [(r["concurrency"], r["setup"]) for r in levels] == [(c, s) for c in (1, 2) for s in ("off", "fixed", "auto")]
+    # The second level runs the set-ups in the reverse order.
+    assert [(r["concurrency"], r["setup"]) for r in levels] == [(1, "off"), (1, "fixed"), (1, "auto"),
+                                                              (2, "auto"), (2, "fixed"), (2, "off")]
     assert all(r["failures"] == 0 and r["requests"] <= r["output_tokens"] <= 6 * r["requests"] for r in levels)
     report = (out / "report.md").read_text()
     assert "| auto | 2 | 2 |" in report and "× off" in report

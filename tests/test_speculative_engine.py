@@ -289,3 +289,25 @@ def test_a_draft_ends_once_another_token_cannot_pay(target, drafts, token_second
     engine = Engine(target, drafter, 6)
     assert engine.generate(PROMPT, SamplingParams(max_tokens=MAX)).token_ids == \
         Engine(target).generate(PROMPT, SamplingParams(max_tokens=MAX)).token_ids
+
+
+def test_the_draft_cache_is_made_at_the_first_proposal_and_kept_for_the_next_request(target, drafts) -> None:
+    drafter = DraftModelDrafter(target, drafts["noisy"], second_choice=2.0)
+    drafter.start(PROMPT, None, 64)
+    assert drafter.cache is None                          # a request it never drafts for needs none
+    first = drafter.propose(PROMPT, 4, SamplingParams(), None)
+    cache = drafter.cache
+    assert cache is not None and cache.length == len(PROMPT) + len(first) - 1   # the last draft token not fed
+    # The next request on this drafter reuses the cache, which still holds the last one's entries
+    # past its new length: its proposals are those of a fresh drafter all the same.
+    other = [9, 3, 70, 71, 72]
+    drafter.start(other, None, 64)
+    assert drafter.cache is cache and cache.length == 0
+    fresh = DraftModelDrafter(target, drafts["noisy"], second_choice=2.0)
+    fresh.start(other, None, 64)
+    assert drafter.propose(other, 4, SamplingParams(), None).tokens == fresh.propose(other, 4, SamplingParams(), None).tokens
+    # A request needing more slots than it has gets a new one.
+    drafter.start(PROMPT, None, cache.max_len + 1)
+    assert drafter.cache is None
+    assert drafter.propose(PROMPT, 4, SamplingParams(), None).tokens == first.tokens
+    assert drafter.cache.max_len > cache.max_len

@@ -103,6 +103,13 @@ def request_lengths(count: int, max_tokens: int, spread: float, seed: int = 0) -
     return [draw.randint(low, max_tokens) for _ in range(count)]
 
 
+def running_order(setups: list, level: int) -> list:
+    """The set-ups in the order level number `level` (0, 1, ...) runs them: as given on even
+    levels, reversed on odd ones, so no set-up always runs first (a drift of the machine's speed
+    within a run would otherwise favour it at every level)."""
+    return list(setups) if level % 2 == 0 else list(reversed(setups))
+
+
 async def run_level(base_url: str, model: str, prompts: list[list[int]], concurrency: int,
                     max_tokens: int | list[int], api_key: str = "none", setup: str = "") -> LevelResult:
     """Every prompt once, at most `concurrency` in flight; `max_tokens` for all, or per prompt."""

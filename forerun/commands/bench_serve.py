@@ -51,8 +51,8 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from forerun.bench import llamacpp
     from forerun.bench.dataset import load_prompts
-    from forerun.bench.serve_load import (Process, forerun_command, request_lengths, run_level, shortest,
-                                          write_report)
+    from forerun.bench.serve_load import (Process, forerun_command, request_lengths, run_level, running_order,
+                                          shortest, write_report)
     from forerun.models.load import load_model
 
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
@@ -100,15 +100,16 @@ def run(args: argparse.Namespace) -> int:
             servers.append(("llama-server", Process(command, f"http://127.0.0.1:{port}/health",
                                                     out / "llama-server.log"), port))
     # Every server is up at once (idle ones cost memory, not time) and each level runs every set-up
-    # back to back, so the ratios at a level are taken moments apart on this shared machine.
+    # back to back, so the ratios at a level are taken moments apart on this shared machine; the
+    # order reverses from one level to the next (a drift in the machine's speed favours no set-up).
     levels = []
     try:
         for _, process, _ in servers:
             process.start()
-        for c in args.concurrency:
+        for index, c in enumerate(args.concurrency):
             sent = list(itertools.islice(itertools.cycle(prompts), args.requests_per_level * c))
             lengths = request_lengths(len(sent), args.max_tokens, args.length_spread, seed=c)
-            for setup, _, port in servers:
+            for setup, _, port in running_order(servers, index):
                 level = asyncio.run(run_level(f"http://127.0.0.1:{port}/v1", args.model, sent, c, lengths,
                                               setup=setup))
                 levels.append(level)
@@ -127,7 +128,8 @@ def _header(args: argparse.Namespace) -> str:
     return (f"# forerun bench-serve\n\nMade with `forerun {shown}` on "
             f"{datetime.now(timezone.utc):%Y-%m-%d}. Greedy, max tokens {_lengths(args)}, "
             f"{args.requests_per_level} x c requests per level, at most c in flight; streamed completions "
-            "with prompt token ids (the chat template applied).")
+            "with prompt token ids (the chat template applied). The set-ups run one after another at each level, "
+            "in the order given on the first level and reversed on every other one.")
 
 
 def _lengths(args: argparse.Namespace) -> str:

@@ -37,7 +37,7 @@ from forerun.drafters.passes import DraftPass, DraftSteps, run_alone
 from forerun.errors import ForerunError
 from forerun.kv_cache import KVCache
 from forerun.models import formats, linear
-from forerun.models.attention import RowLayout
+from forerun.models.attention import RowLayout, key_length
 from forerun.models.load import LoadedModel, load_model
 from forerun.models.tokenizer import Tokenizer
 from forerun.sampling import probabilities, sample
@@ -120,6 +120,7 @@ class DraftModelDrafter:
         self.draft_vocab = draft_vocab
         self.vocab_size = target.decoder.cfg.vocab_size
         self.cache: KVCache | None = None
+        self.max_len = 0           # slots this request's cache needs
         self.fed: list[int] = []   # tokens whose keys/values sit in self.cache, in order
         self.token_seconds: float | None = None   # running mean time of a one-token draft forward
         self.read_seconds: float | None = None    # running mean time per token of a catch-up pass
@@ -131,7 +132,14 @@ class DraftModelDrafter:
         self.pass_cost: Callable[[int], float] | None = None   # the target's c(rows), for ending drafts early
 
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
-        self.cache = self.model.decoder.new_cache(max_len)
+        # The cache is made at the first proposal (a request the draft model never drafts for, as
+        # under a full server batch, needs none), and the last request's is kept when it is long
+        # enough: entries past its length are never read.
+        self.max_len = max_len
+        if self.cache is not None and self.cache.max_len < key_length(max_len - 1):
+            self.cache = None
+        if self.cache is not None:
+            self.cache.reset()
         self.fed = []
         self.admitted = False
         if not self.drafted:
@@ -160,6 +168,8 @@ class DraftModelDrafter:
                       generator: torch.Generator | None) -> DraftSteps:
         """`propose` as draft forwards yielded one by one (passes.py: a batch runs several
         sequences' forwards as one)."""
+        if self.cache is None:
+            self.cache = self.model.decoder.new_cache(self.max_len)
         cache = self.cache
         # Roll back to what the context still agrees with (drops rejected drafts), then catch up.
         keep = min(_common_prefix(self.fed, context), len(context) - 1)
