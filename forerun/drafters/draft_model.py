@@ -134,7 +134,8 @@ class DraftModelDrafter:
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         # The cache is made at the first proposal (a request the draft model never drafts for, as
         # under a full server batch, needs none), and the last request's is kept when it is long
-        # enough: entries past its length are never read.
+        # enough: its entries past the length are overwritten or masked (weight exactly 0), and
+        # whatever they held could change only a draft, never the output (the target decides).
         self.max_len = max_len
         if self.cache is not None and self.cache.max_len < key_length(max_len - 1):
             self.cache = None
