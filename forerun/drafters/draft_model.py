@@ -37,7 +37,7 @@ from forerun.drafters.passes import DraftPass, DraftSteps, run_alone
 from forerun.errors import ForerunError
 from forerun.kv_cache import KVCache
 from forerun.models import formats, linear
-from forerun.models.attention import RowLayout, key_length
+from forerun.models.attention import RowLayout
 from forerun.models.load import LoadedModel, load_model
 from forerun.models.tokenizer import Tokenizer
 from forerun.sampling import probabilities, sample
@@ -137,10 +137,10 @@ class DraftModelDrafter:
         # enough: its entries past the length are overwritten or masked (weight exactly 0), and
         # whatever they held could change only a draft, never the output (the target decides).
         self.max_len = max_len
-        if self.cache is not None and self.cache.max_len < key_length(max_len - 1):
-            self.cache = None
-        if self.cache is not None:
+        if self.cache is not None and self.cache.max_len >= self.model.decoder.cache_slots(max_len):
             self.cache.reset()
+        else:
+            self.cache = None
         self.fed = []
         self.admitted = False
         if not self.drafted:

@@ -211,11 +211,16 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
-        """A cache of at least `max_len` slots, rounded up so row-exact attention can reduce over
-        whole key blocks."""
+        """A cache of at least `max_len` slots (`cache_slots`)."""
         cfg = self.cfg
-        return KVCache(cfg.num_layers, batch, cfg.num_kv_heads, key_length(max_len - 1), cfg.head_dim,
+        return KVCache(cfg.num_layers, batch, cfg.num_kv_heads, self.cache_slots(max_len), cfg.head_dim,
                        self.dtype, self.device)
+
+    @staticmethod
+    def cache_slots(max_len: int) -> int:
+        """Slots a cache for `max_len` tokens has: rounded up so row-exact attention can reduce over
+        whole key blocks. A cache with this many slots or more serves such a request."""
+        return key_length(max_len - 1)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
