@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from forerun.bench import machine
 from forerun.cli import main
 from forerun.commands.profile import KINDS, kind_of, profile_pass
 from forerun.models.load import load_model
@@ -34,6 +35,41 @@ def test_the_kinds_add_up_to_the_pass_and_products_are_found(folder: Path, quant
     assert sum(result.kinds.values()) == pytest.approx(result.wall_ms, rel=1e-6)
     assert result.kinds["products"] > 0 and result.kinds["attention"] > 0
     assert len(result.top) == 4 and result.top[0][1] >= result.top[-1][1]
+
+
+def w8a8_weight_bytes(cfg) -> int:
+    """Bytes of a w8a8 decoder's product weights, from its shape: int8 weights, float32 scales and biases."""
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_layer = (qkv * cfg.hidden_size + 4 * qkv * (2 if cfg.attention_bias else 1)
+                 + cfg.hidden_size * cfg.num_heads * cfg.head_dim + 4 * cfg.hidden_size
+                 + 2 * cfg.intermediate_size * cfg.hidden_size + 4 * 2 * cfg.intermediate_size
+                 + cfg.hidden_size * cfg.intermediate_size + 4 * cfg.hidden_size)
+    return cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size + 4 * cfg.vocab_size
+
+
+def test_the_bound_times_the_products_alone_and_counts_each_weight_once(folder: Path) -> None:
+    decoder = load_model(str(folder), "float32", quantization="w8a8", with_tokenizer=False).decoder
+    result = profile_pass(decoder, rows=2, context=10, steps=2, top=4, bound=True)
+    assert result.products_alone_ms is not None and result.products_alone_ms > 0
+    assert result.weight_bytes == w8a8_weight_bytes(decoder.cfg)
+    assert profile_pass(decoder, rows=2, context=10, steps=2, top=4).products_alone_ms is None
+
+
+def test_read_bandwidth_is_a_plausible_rate() -> None:
+    assert 1e7 < machine.read_bandwidth(1 << 22, repeats=2) < 1e13     # bytes/s
+
+
+def test_the_command_sets_passes_against_the_bound(folder: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("FORERUN_HOME", str(folder.parent / "home"))
+    monkeypatch.setattr(machine, "read_bandwidth", lambda: 1e9)
+    assert main(["profile", "--model", str(folder), "--quantization", "w8a8", "--rows", "1", "--steps", "1",
+                 "--context", "8", "--bound"]) == 0
+    out = capsys.readouterr().out
+    decoder = load_model(str(folder), "float32", quantization="w8a8", with_tokenizer=False).decoder
+    row = next(line for line in out.splitlines() if line.startswith("| 1 |") and "GB" in line)
+    bound_ms = float(row.split("|")[3])
+    assert bound_ms == pytest.approx(w8a8_weight_bytes(decoder.cfg) / 1e9 * 1000, abs=0.05)
+    assert "fastest plain read: 1.0 GB/s" in out
 
 
 def test_the_command_prints_one_line_per_row_count(folder: Path, capsys, monkeypatch) -> None:

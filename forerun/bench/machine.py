@@ -1,8 +1,9 @@
-"""A few lines that say what machine a bench ran on, for the top of report.md."""
+"""What machine a bench ran on: a few lines for the top of report.md, and its read bandwidth."""
 from __future__ import annotations
 
 import os
 import platform
+import time
 
 import torch
 
@@ -21,3 +22,19 @@ def describe(dtype: str, device: str, quantization: str | None, with_transformer
     info["dtype"] = dtype + (f", target weights {quantization}" if quantization else "")
     info["OS"] = f"{platform.system()} {platform.release()}"
     return info
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second this machine reads from memory with torch's threads: the best of `repeats`
+    passes of two reductions (an int8 max and a float32 sum) over `nbytes`, far more than any cache.
+    The best is taken because a weight product can do no better than the fastest plain read."""
+    buffer = torch.ones(nbytes, dtype=torch.int8)           # as float32, 0x01010101: small, not subnormal
+    reads = (lambda: buffer.amax(), lambda: buffer.view(torch.float32).sum())
+    best = float("inf")
+    for read in reads:
+        read()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            read()
+            best = min(best, time.perf_counter() - start)
+    return nbytes / best

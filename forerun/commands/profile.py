@@ -5,6 +5,11 @@ the LM head on every row. The pass is timed (the median of --steps), then profil
 torch.profiler, and every op's own time is sorted by kind: the weight products, attention's
 products over the cache, element-wise work (norms, rope, activations, scaling, residuals, masks),
 copies, and what no op accounts for (Python and dispatch between ops).
+
+With --bound it also times the pass's product modules alone, back to back on the inputs they had in
+the pass, and sets both against the read-bandwidth bound: the bytes of the weights a pass reads over
+the fastest plain read this machine does. The products alone are the floor a pass over these
+kernels can reach; the rest of the pass is what everything else costs.
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ import torch
 
 from forerun.errors import ForerunError
 from forerun.models.attention import RowLayout
+from forerun.models.linear import Int8Linear, Linear
 from forerun.models.load import QUANTIZATIONS
+from forerun.models.w8a8 import W8A8Linear
 
 # Ops by kind, by the name the profiler gives them. Anything else counts as "other ops".
 PRODUCT_OPS = {"quantized::linear_dynamic", "onednn::qlinear_pointwise", "quantized::linear_dynamic_fp16",
@@ -33,6 +40,7 @@ ELEMENTWISE_OPS = {"aten::mul", "aten::mul_", "aten::add", "aten::add_", "aten::
                    "aten::clamp_min", "aten::silu", "aten::addcmul", "aten::roll", "aten::neg", "aten::exp",
                    "aten::masked_fill_", "aten::where", "aten::max", "aten::sum"}
 KINDS = ("products", "attention", "element-wise", "copies", "other ops", "between ops")
+PRODUCT_MODULES = (Linear, Int8Linear, W8A8Linear)
 
 
 @dataclass
@@ -41,6 +49,8 @@ class Breakdown:
     wall_ms: float                 # median pass time
     kinds: dict[str, float]        # kind -> ms in the profiled pass
     top: list[tuple[str, float, int]]   # (op, ms, calls), the ops with the most own time
+    products_alone_ms: float | None = None   # --bound: the product modules alone, back to back (median)
+    weight_bytes: int = 0                    # bytes of the weights of the products the pass called
 
 
 def register(sub) -> None:
@@ -55,6 +65,9 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, default=256, help="cache slots filled before the pass")
     p.add_argument("--steps", type=int, default=10, help="timed passes per row count (the median is shown)")
     p.add_argument("--top", type=int, default=6, help="ops with the most own time to list per row count")
+    p.add_argument("--bound", action="store_true",
+                   help="also time the pass's products alone and set the pass against this machine's "
+                        "read-bandwidth bound (measures the bandwidth: a few seconds, 1 GiB of memory)")
     p.set_defaults(func=run)
 
 
@@ -71,14 +84,20 @@ def run(args: argparse.Namespace) -> int:
     if args.context + max(rows) > model.decoder.cfg.max_position:
         raise ForerunError(f"--context {args.context} plus {max(rows)} rows is beyond the model's context "
                            f"of {model.decoder.cfg.max_position}")
-    results = [profile_pass(model.decoder, r, args.context, args.steps, args.top) for r in rows]
-    print(render(results, f"{model.name}, {args.quantization or args.dtype}, {torch.get_num_threads()} threads, "
-                          f"context {args.context}"))
+    results = [profile_pass(model.decoder, r, args.context, args.steps, args.top, args.bound) for r in rows]
+    title = f"{model.name}, {args.quantization or args.dtype}, {torch.get_num_threads()} threads, context {args.context}"
+    print(render(results, title))
+    if args.bound:
+        from forerun.bench.machine import read_bandwidth
+
+        print()
+        print(render_bound(results, read_bandwidth()))
     return 0
 
 
-def profile_pass(decoder, rows: int, context: int, steps: int, top: int) -> Breakdown:
-    """Time `steps` passes over `rows` rows after `context` cached slots, then profile one."""
+def profile_pass(decoder, rows: int, context: int, steps: int, top: int, bound: bool = False) -> Breakdown:
+    """Time `steps` passes over `rows` rows after `context` cached slots, then profile one;
+    `bound`: also time the pass's product modules alone (`products_alone`)."""
     cache = decoder.new_cache(context + rows)
     tokens = torch.zeros(rows, dtype=torch.long, device=decoder.device)
     positions = torch.arange(context, context + rows, device=decoder.device)
@@ -110,7 +129,45 @@ def profile_pass(decoder, rows: int, context: int, steps: int, top: int) -> Brea
     for kind in KINDS[:-1]:
         kinds[kind] *= wall_ms / profiled_ms
     ops.sort(key=lambda op: -op[1])
-    return Breakdown(rows, wall_ms, kinds, ops[:top])
+    result = Breakdown(rows, wall_ms, kinds, ops[:top])
+    if bound:
+        result.products_alone_ms, result.weight_bytes = products_alone(decoder, one_pass, steps)
+    return result
+
+
+def products_alone(decoder, one_pass, steps: int) -> tuple[float, int]:
+    """(ms, bytes): the product modules `one_pass` calls, called again back to back on the inputs
+    they had in it (the median of `steps` runs), and the bytes of their weights, each module once."""
+    calls: list[tuple[torch.nn.Module, torch.Tensor]] = []
+    hooks = [m.register_forward_pre_hook(lambda m, args: calls.append((m, args[0].clone())))
+             for m in decoder.modules() if isinstance(m, PRODUCT_MODULES)]
+    try:
+        one_pass()
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+    def run() -> None:
+        for module, x in calls:
+            module.forward(x)
+
+    times = []
+    with torch.inference_mode():
+        run()
+        for _ in range(steps):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+    called = {id(m): m for m, _ in calls}
+    return statistics.median(times) * 1000, sum(weight_bytes(m) for m in called.values())
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a product's weights as stored: its own parameters and buffers (w8a8: its int8 weight too)."""
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    if isinstance(module, W8A8Linear):
+        tensors.append(module.qweight())
+    return sum(t.nbytes for t in tensors)
 
 
 def kind_of(op: str) -> str:
@@ -138,3 +195,15 @@ def render(results: list[Breakdown], title: str) -> str:
         shown = ", ".join(f"{name} {ms:.1f} ms ({calls}×)" for name, ms, calls in b.top)
         lines.append(f"- {b.rows} rows, most own time (profiled): {shown}")
     return "\n".join(lines)
+
+
+def render_bound(results: list[Breakdown], bandwidth: float) -> str:
+    """The passes and their products alone against the bytes they read at `bandwidth` (bytes/s)."""
+    lines = ["| rows | weights read | bound | pass | × bound | products alone | × bound |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for b in results:
+        bound_ms = b.weight_bytes / bandwidth * 1000
+        lines.append(f"| {b.rows} | {b.weight_bytes / 1e9:.3f} GB | {bound_ms:.1f} | {b.wall_ms:.1f} | "
+                     f"{b.wall_ms / bound_ms:.2f} | {b.products_alone_ms:.1f} | {b.products_alone_ms / bound_ms:.2f} |")
+    return (f"Against the read-bandwidth bound (this machine's fastest plain read: {bandwidth / 1e9:.1f} GB/s; "
+            f"products alone: the pass's product modules called back to back, ms):\n\n" + "\n".join(lines))
