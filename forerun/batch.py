@@ -17,7 +17,9 @@ acceptance, roll-back), which grows with B; so for each size of batch the engine
 tokens per second of its steps with drafting and without, and drafts only while drafting measures
 faster, by DRAFTING_EDGE at least (trying the other again now and then, as often as is cheap, and
 half as often after each try that measured worse again: under a steady full batch the tries fade
-out). One lane alone is exactly the single-request engine.
+out). While plain steps measure faster, a lane whose drafter has a free draft at hand (`auto`'s
+long suffix match) still drafts it where the batch's length says its rows pay. One lane alone is
+exactly the single-request engine.
 
 Failures stay with their request: a lane whose drafter or acceptance raises is ended with that
 error; if the shared pass raises, each lane is verified alone so only the guilty one fails.
@@ -175,23 +177,23 @@ class BatchEngine:
         started = time.perf_counter()
         bucket = self.rates[len(lanes).bit_length()]
         chosen: dict[Hashable, tuple[int, bool]] = {}
-        if len(lanes) > 1 and all(lane.engine.policy is not None for _, lane in lanes) \
-                and not bucket.choose_drafting():
-            # Plain steps measure faster at this batch size: no lane drafts, probes or pays a
-            # draft model's catch-up until the batch tries drafting again.
-            chosen = {key: (0, False) for key, _ in lanes}
-            cap: int | None = 0
-        else:
-            # Each lane first settles what it alone would draft (and from which source); the
-            # batch then caps everyone's length by what the load makes pay.
-            for key, lane in lanes:
-                try:
-                    chosen[key] = lane.engine.choose(lane.run)
-                except Exception as exc:                # noqa: BLE001 - this request fails, the others go on
-                    results[key] = StepResult(None, exc)
-            lanes = [(key, lane) for key, lane in lanes if key in chosen]
-            cap = self._k_cap([(lane, chosen[key][0]) for key, lane in lanes]) if len(lanes) > 1 else None
-        drafting = cap is None or cap > 0
+        # Plain steps measure faster at this batch size: until the batch tries drafting again, no
+        # lane runs its draft model, probes it or pays its catch-up. A lane with a free draft at
+        # hand (auto's long suffix match) still drafts it where the batch's length says its rows
+        # pay; such steps count as plain ones, so the choice measured is whether the draft model
+        # adds to them.
+        plain = len(lanes) > 1 and all(lane.engine.policy is not None for _, lane in lanes) \
+            and not bucket.choose_drafting()
+        # Each lane first settles what it alone would draft (and from which source); the batch
+        # then caps everyone's length by what the load makes pay.
+        for key, lane in lanes:
+            try:
+                chosen[key] = lane.engine.choose_free(lane.run) if plain else lane.engine.choose(lane.run)
+            except Exception as exc:                    # noqa: BLE001 - this request fails, the others go on
+                results[key] = StepResult(None, exc)
+        lanes = [(key, lane) for key, lane in lanes if key in chosen]
+        cap = self._k_cap([(lane, chosen[key][0]) for key, lane in lanes]) if len(lanes) > 1 else None
+        drafting = not plain and (cap is None or cap > 0)
         # Every lane drafts at once: their draft-model forwards run as one (passes.py).
         planned: list[tuple[Hashable, Lane, Plan]] = []
         steps = [lane.engine.plan_steps(lane.run, cap, chosen[key]) for key, lane in lanes]

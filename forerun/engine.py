@@ -166,6 +166,18 @@ class Engine:
             self.policy.select(self.next_source(seq.context))
         return self.policy.choose(self.can_shadow)
 
+    def choose_free(self, run: Running) -> tuple[int, bool]:
+        """`choose` limited to drafts that cost nothing to make (`auto`'s long suffix matches), for a
+        batch whose draft model does not pay: (0, False) when the drafter has none at hand. A dear
+        source is not asked, so it neither probes nor pays a catch-up."""
+        free_source = getattr(self.drafter, "free_source", None)
+        source = free_source(run.seq.context) if free_source is not None and self.policy is not None else None
+        if source is None:
+            return 0, False
+        self.policy.remaining = run.seq.params.max_tokens - len(run.seq.output_ids)
+        self.policy.select(source)
+        return self.policy.choose(self.can_shadow)
+
     def plan(self, run: Running, k_cap: int | None = None, chosen: tuple[int, bool] | None = None) -> Plan:
         """The step's draft (None: a plain step); `k_cap` bounds its length (a batch's load);
         `chosen` is what `choose` said, when the caller asked it already."""

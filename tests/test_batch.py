@@ -339,3 +339,29 @@ def test_while_plain_steps_measure_faster_no_lane_is_asked_to_draft(quantized, w
     assert asked == []
     assert all(lane.run.metrics.num_drafts == 0 and lane.run.metrics.draft_seconds == 0
                for lane in batch.lanes.values())
+
+
+def test_while_plain_steps_measure_faster_a_long_suffix_match_still_drafts_for_free(quantized, w8a8_draft) -> None:
+    llm = LLM(quantized, speculative_model=w8a8_draft, speculative_method="auto", num_speculative_tokens=3,
+              speculative_options={"long_match": 3})
+    batch = BatchEngine(llm.new_engine, 2)
+    prompt, params = [5, 6, 7], SamplingParams(max_tokens=16)
+    batch.add(0, prompt, params)                    # alone: its output is then remembered by its lane
+    while not batch.lanes[0].run.seq.finished:
+        batch.step()
+    earlier = batch.remove(0).token_ids
+    assert len(earlier) > 4
+    bucket = batch.rates[2 .bit_length()]
+    bucket.record(True, 5.0, 0.1)
+    bucket.record(False, 50.0, 0.1)                 # plain steps measured ten times faster
+    batch.add(1, prompt, params)                    # the same question again, on the same lane
+    batch.add(2, [40, 41], params)
+    again, other = batch.lanes[1], batch.lanes[2]
+    before = {key: dict(lane.engine.drafter.steps) for key, lane in batch.lanes.items()}
+    while not (again.run.seq.finished and other.run.seq.finished):
+        batch.step()
+    assert again.run.seq.output_ids == earlier
+    assert again.engine.drafter.steps["suffix"] > before[1]["suffix"] and again.run.metrics.num_drafts > 0
+    for key, lane in batch.lanes.items():           # the draft model never ran
+        assert lane.engine.drafter.steps["draft"] == before[key]["draft"]
+    assert bucket.drafting == 5.0 and bucket.plain != 50.0      # measured as plain steps

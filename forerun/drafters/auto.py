@@ -10,7 +10,9 @@ policy agrees to pay the draft model's catch-up (reading a long prompt is worth 
 answer), the suffix drafter proposes whatever match it has. `next_source(context)` says before a
 step which of the two will propose (asking the draft model whether its catch-up pays now, so a
 step the draft model sits out is priced as the suffix drafter's), and `source` after it which
-did, so the cost policy keeps each one's acceptance and cost apart.
+did, so the cost policy keeps each one's acceptance and cost apart. `free_source(context)` asks
+only the suffix drafter: a full batch, where the draft model does not pay, still takes its free
+drafts.
 
 Cost: a suffix look-up every step (microseconds), a draft-model token only on steps without a long
 match. Where it loses: a long match that stops being copied wastes one verification, and the
@@ -65,6 +67,12 @@ class AutoDrafter:
         suffix drafter on a long match or while the draft model's catch-up does not pay yet."""
         long = self.suffix.match_length(context) >= self.long_match
         self.planned = "suffix" if long or not self.draft.ready(context) else "draft"
+        return self.planned
+
+    def free_source(self, context: list[int]) -> str | None:
+        """"suffix" when a long match makes the coming proposal the suffix drafter's, which costs
+        nothing; None when only the draft model would propose (then nothing is planned)."""
+        self.planned = "suffix" if self.suffix.match_length(context) >= self.long_match else None
         return self.planned
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
