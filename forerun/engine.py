@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Generator, Iterator
+from typing import Callable, Generator, Iterator
 
 import torch
 
@@ -81,6 +81,7 @@ class Engine:
         self.can_shadow = bool(getattr(drafter, "stateless", False))
         # A drafter with several sources says which it will use and which it used (`auto`).
         self.next_source = getattr(drafter, "next_source", None)
+        self.free_source = getattr(drafter, "free_source", None)   # only a free one (`choose_free`)
         set_gate = getattr(drafter, "set_gate", None)
         if self.policy is not None and set_gate is not None:
             set_gate(self.policy.pays_setup)     # the policy decides when a catch-up pays
@@ -160,22 +161,26 @@ class Engine:
         once a step, so the policy's figures are that source's (a batch reads them next)."""
         if self.policy is None:
             return self.k, False
-        seq = run.seq
-        self.policy.remaining = seq.params.max_tokens - len(seq.output_ids)
-        if self.next_source is not None:
-            self.policy.select(self.next_source(seq.context))
-        return self.policy.choose(self.can_shadow)
+        return self._choose(run, self.next_source)
 
     def choose_free(self, run: Running) -> tuple[int, bool]:
         """`choose` limited to drafts that cost nothing to make (`auto`'s long suffix matches), for a
         batch whose draft model does not pay: (0, False) when the drafter has none at hand. A dear
         source is not asked, so it neither probes nor pays a catch-up."""
-        free_source = getattr(self.drafter, "free_source", None)
-        source = free_source(run.seq.context) if free_source is not None and self.policy is not None else None
-        if source is None:
+        if self.policy is None or self.free_source is None:
             return 0, False
-        self.policy.remaining = run.seq.params.max_tokens - len(run.seq.output_ids)
-        self.policy.select(source)
+        return self._choose(run, self.free_source)
+
+    def _choose(self, run: Running, source_of: Callable[[list[int]], str | None] | None) -> tuple[int, bool]:
+        """The policy's choice with the figures of the source `source_of(context)` names (None: the
+        drafter has one source); (0, False) when it names none."""
+        seq = run.seq
+        self.policy.remaining = seq.params.max_tokens - len(seq.output_ids)   # before the source is asked
+        if source_of is not None:
+            source = source_of(seq.context)
+            if source is None:
+                return 0, False
+            self.policy.select(source)
         return self.policy.choose(self.can_shadow)
 
     def plan(self, run: Running, k_cap: int | None = None, chosen: tuple[int, bool] | None = None) -> Plan:
