@@ -99,6 +99,11 @@ class LLM:
         generated at once (forerun/batch.py)."""
         spec = self.spec
         drafter = drafters.create(spec.method, self.target, self._drafter_options) if spec.method else None
+        memory = getattr(drafter, "memory", None)
+        if memory is not None:
+            # Earlier outputs remembered once for all engines: a server's lane drafts from what any
+            # earlier request answered (suffix.py).
+            self._drafter_options.setdefault("memory", memory)
         policy = None
         if drafter is not None and spec.k_policy == "adaptive":
             policy = DraftLengthPolicy(pass_costs(self.target), spec.num_speculative_tokens)

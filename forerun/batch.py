@@ -166,7 +166,7 @@ class BatchEngine:
         if lane is None:
             return None
         self.idle.append(lane.engine)
-        return lane.engine.output(lane.run)
+        return lane.engine.end(lane.run)
 
     def step(self) -> dict[Hashable, StepResult]:
         """One step of every running request; finished ones stay until `remove`d."""

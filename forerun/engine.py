@@ -116,8 +116,9 @@ class Engine:
         while not run.seq.finished:
             emitted = self.step(run)
             yield StepOutput(emitted, run.seq.take_text(), run.seq.finished)
+        out = self.end(run)
         if result is not None:
-            result.append(self.output(run))
+            result.append(out)
 
     def begin(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Running, StepOutput]:
         """Prefill a request and sample its first token."""
@@ -143,6 +144,13 @@ class Engine:
         seq.append(first)
         run.first_token_s = time.perf_counter() - run.start
         return run, StepOutput([first], seq.take_text(), seq.finished)
+
+    def end(self, run: Running) -> RequestOutput:
+        """The request is over (finished or given up): the drafter hears its output; returns it."""
+        end = getattr(self.drafter, "end", None)
+        if end is not None:
+            end(run.seq.output_ids)
+        return self.output(run)
 
     def output(self, run: Running) -> RequestOutput:
         seq = run.seq

@@ -365,3 +365,31 @@ def test_while_plain_steps_measure_faster_a_long_suffix_match_still_drafts_for_f
     for key, lane in batch.lanes.items():           # the draft model never ran
         assert lane.engine.drafter.steps["draft"] == before[key]["draft"]
     assert bucket.drafting == 5.0 and bucket.plain != 50.0      # measured as plain steps
+
+
+def test_every_lane_drafts_from_what_any_earlier_request_answered(quantized) -> None:
+    llm = LLM(quantized, speculative_method="suffix", num_speculative_tokens=3, speculative_k_policy="fixed")
+    batch = BatchEngine(llm.new_engine, 2)
+    prompt, params = [5, 6, 7], SamplingParams(max_tokens=16)
+    batch.add(0, prompt, params)
+    batch.add(1, [40, 41], params)
+    first, other = batch.lanes[0].engine, batch.lanes[1].engine
+    assert first is not other and first.drafter.memory is other.drafter.memory
+    while not all(lane.run.seq.finished for lane in batch.lanes.values()):
+        batch.step()
+    answer = batch.remove(0).token_ids
+    assert answer in other.drafter.memory.outputs
+    # The same question on the other lane: it drafts the whole answer from the shared memory.
+    batch.remove(1)
+    batch.idle.remove(other)
+    batch.idle.append(other)                        # the next request runs on the lane that never saw it
+    batch.add(2, prompt, params)
+    assert batch.lanes[2].engine is other
+    while not batch.lanes[2].run.seq.finished:
+        batch.step()
+    again = batch.remove(2)
+    fresh = LLM(quantized, speculative_method="suffix", num_speculative_tokens=3, speculative_k_policy="fixed")
+    alone = fresh.engine.generate(prompt, params)   # a memory without the answer: drafts from the prompt alone
+    assert again.token_ids == alone.token_ids == answer
+    assert again.metrics.num_accepted_tokens == again.metrics.num_draft_tokens
+    assert again.metrics.num_target_forwards < alone.metrics.num_target_forwards

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from forerun import drafters
 from forerun.config import SamplingParams
-from forerun.drafters.suffix import SuffixDrafter, SuffixTrie
+from forerun.drafters.suffix import SuffixDrafter, SuffixMemory, SuffixTrie
 from forerun.errors import ForerunError
 from forerun.testing import tiny_model
 
@@ -81,7 +81,8 @@ def test_earlier_outputs_are_remembered() -> None:
     prompt = [40, 41]
     drafter.start(prompt, None, 0)
     output = [10, 11, 12, 13, 14, 15]
-    drafter.propose(prompt + output, 2, GREEDY, None)      # the engine's last call saw the output
+    drafter.propose(prompt + output, 2, GREEDY, None)
+    drafter.end(output)                                    # the engine tells it the request's output
     drafter.start([50, 51, 10, 11], None, 0)               # a new request whose prompt ends like it
     tree, length = drafter.propose_with_match([50, 51, 10, 11], 3, GREEDY, None)
     assert tree.tokens == [12, 13, 14] and length == 2
@@ -90,88 +91,44 @@ def test_earlier_outputs_are_remembered() -> None:
     assert drafter.propose([7, 40], 2, GREEDY, None) is None
 
 
+def test_an_output_not_ended_is_not_remembered() -> None:
+    drafter = SuffixDrafter(None)
+    drafter.start([40, 41], None, 0)
+    drafter.propose([40, 41, 10, 11, 12, 13], 2, GREEDY, None)
+    drafter.start([50, 51, 10, 11], None, 0)
+    assert drafter.propose([50, 51, 10, 11], 3, GREEDY, None) is None
+
+
 def test_the_remembered_outputs_are_bounded() -> None:
     drafter = SuffixDrafter(None, max_global_tokens=100)
     for i in range(30):
         drafter.start([1000 + i], None, 0)
-        drafter.propose([1000 + i] + list(range(i * 10, i * 10 + 10)), 1, GREEDY, None)
+        drafter.end(list(range(i * 10, i * 10 + 10)))
     drafter.start([5000], None, 0)
-    assert sum(map(len, drafter.outputs)) <= 100
-    assert drafter.global_trie.size <= 100
+    assert sum(map(len, drafter.memory.outputs)) <= 100
+    assert drafter.memory.trie.size <= 100
     drafter.start([5001, 288], None, 0)                    # the latest output (280..289) is still there
     assert drafter.propose([5001, 288], 1, GREEDY, None) is None   # min_match 2: one token is too short
     assert drafter.propose([5001, 287, 288], 1, GREEDY, None).tokens == [289]
+    assert drafter.propose([5001, 17, 18], 1, GREEDY, None) is None   # an early one (10..19) is gone
 
 
-def test_a_context_that_does_not_continue_rebuilds_the_index() -> None:
-    drafter = SuffixDrafter(None)
-    drafter.start([1, 2, 3, 1, 2], None, 0)
-    assert drafter.propose([1, 2, 3, 1, 2], 1, GREEDY, None).tokens == [3]
-    assert drafter.propose([4, 5, 6, 4, 5], 1, GREEDY, None).tokens == [6]
-    assert drafter.local.walk([1, 2, 3]) is None
+def test_drafters_sharing_a_memory_draft_from_each_others_outputs() -> None:
+    memory = SuffixMemory(depth=16, max_tokens=1000)
+    first, second = SuffixDrafter(None, memory=memory), SuffixDrafter(None, memory=memory)
+    alone = SuffixDrafter(None)
+    for drafter in (first, second, alone):
+        drafter.start([40, 41], None, 0)
+    first.end([10, 11, 12, 13, 14])
+    for drafter in (second, alone):
+        drafter.start([50, 10, 11], None, 0)
+    assert second.propose([50, 10, 11], 3, GREEDY, None).tokens == [12, 13, 14]
+    assert alone.propose([50, 10, 11], 3, GREEDY, None) is None      # a memory of its own: nothing
 
 
-def naive_counts(texts: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
-    counts: dict[tuple[int, ...], int] = {}
-    for text in texts:
-        for i in range(len(text)):
-            for n in range(1, depth + 1):
-                if i + n <= len(text):
-                    gram = tuple(text[i:i + n])
-                    counts[gram] = counts.get(gram, 0) + 1
-    return counts
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 3), max_size=30), min_size=1, max_size=3), st.integers(1, 5))
-def test_the_trie_counts_every_substring_up_to_its_depth(texts, depth) -> None:
-    trie = SuffixTrie(depth)
-    for text in texts:
-        trie.begin_text()
-        for t in text:
-            trie.append(t)
-    for gram, count in naive_counts(texts, depth).items():
-        node = trie.walk(list(gram))
-        assert node is not None and trie.count[node] == count
-    assert len(trie.count) - 1 == len(naive_counts(texts, depth))      # nothing else is in it
-
-
-@settings(max_examples=80, deadline=None)
-@given(st.lists(st.integers(0, 4), min_size=1, max_size=60), st.integers(1, 8), st.floats(0.0, 1.0))
-def test_every_proposal_fits_max_rows_and_its_tree_is_well_formed(context, k, ratio) -> None:
-    drafter = SuffixDrafter(None, branch_ratio=ratio, min_prob=0.0)
-    drafter.start(context, None, 0)
-    tree, length = drafter.propose_with_match(context, k, GREEDY, None)
-    if tree is None:
-        assert length == 0
-        return
-    assert 1 <= len(tree) <= drafter.max_rows(k) and max(tree.depths) <= k
-    assert len(tree.children(-1)) <= 2 and drafter.min_match <= length <= drafter.max_match
-    assert context[-length:] in [context[i:i + length] for i in range(len(context) - length)]
-
-
-def test_proposing_on_a_long_context_costs_microseconds() -> None:
-    rng = random.Random(0)
-    context = [rng.randrange(50) for _ in range(4000)]
-    drafter = SuffixDrafter(None)
-    drafter.start(context, None, 0)
-    drafter.propose(context, 5, GREEDY, None)
-    begin = time.perf_counter()
-    for _ in range(1000):
-        context.append(rng.randrange(50))
-        drafter.propose(context, 5, GREEDY, None)
-    per_call = (time.perf_counter() - begin) / 1000
-    assert per_call < 1e-3, f"{per_call * 1e6:.0f} us per proposal"
-
-
-@pytest.mark.parametrize("options, flag", [
-    ({"min_match": 0}, "--suffix-min-match"),
-    ({"max_match": 2, "min_match": 3}, "--suffix-max-match"),
-    ({"min_prob": 1.5}, "--suffix-min-prob"),
-])
-def test_bad_settings_name_the_flag(options, flag) -> None:
-    with pytest.raises(ForerunError, match=flag):
-        drafters.create("suffix", tiny_model(0), options)
+def test_a_shared_memory_of_another_depth_is_refused() -> None:
+    with pytest.raises(ForerunError, match="depth 8"):
+        SuffixDrafter(None, depth=16, memory=SuffixMemory(depth=8, max_tokens=100))
 
 
 # --- auto: the suffix draft on long matches, else the draft model -----------------------------------

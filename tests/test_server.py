@@ -363,6 +363,19 @@ def test_requests_differ_in_length_the_same_way_on_every_server() -> None:
         request_lengths(5, 64, 1.0)
 
 
+def test_bench_serve_sends_prompts_again_or_with_distinct_never_twice() -> None:
+    from forerun.bench.serve_load import level_prompts
+
+    prompts = list(range(10))
+    assert level_prompts(prompts, [3, 12]) == [[0, 1, 2], prompts + [0, 1]]
+    levels = level_prompts(prompts, [2, 3, 4], distinct=True)
+    sent = [p for level in levels for p in level]
+    assert [len(level) for level in levels] == [2, 3, 4] and len(set(sent)) == 9
+    assert sent != sorted(sent) and levels == level_prompts(prompts, [2, 3, 4], distinct=True)
+    with pytest.raises(ForerunError, match="--distinct sends 11 different prompts .* dataset has 10"):
+        level_prompts(prompts, [5, 6], distinct=True)
+
+
 def test_bench_serve_alternates_which_set_up_runs_first() -> None:
     from forerun.bench.serve_load import running_order
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
 import math
 import random
@@ -101,6 +102,23 @@ def request_lengths(count: int, max_tokens: int, spread: float, seed: int = 0) -
     low = shortest(max_tokens, spread)
     draw = random.Random(seed)
     return [draw.randint(low, max_tokens) for _ in range(count)]
+
+
+def level_prompts(prompts: list, counts: list[int], distinct: bool = False, seed: int = 0) -> list[list]:
+    """The prompts each level sends (`counts[i]` for level i): the list over and over from its start
+    at every level; with `distinct`, no prompt twice in the whole run (the list shuffled with `seed`,
+    so every level gets a mix of task kinds, then dealt out in turn), so a drafter that remembers
+    earlier answers finds none of them asked again."""
+    if not distinct:
+        return [list(itertools.islice(itertools.cycle(prompts), n)) for n in counts]
+    if sum(counts) > len(prompts):
+        raise ForerunError(f"--distinct sends {sum(counts)} different prompts ({' + '.join(map(str, counts))}), "
+                           f"but the dataset has {len(prompts)}; use fewer levels or requests per level, "
+                           "or more categories")
+    order = list(prompts)
+    random.Random(seed).shuffle(order)
+    starts = list(itertools.accumulate(counts, initial=0))
+    return [order[start:start + n] for start, n in zip(starts, counts)]
 
 
 def running_order(setups: list, level: int) -> list:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -44,6 +43,9 @@ def register(sub) -> None:
     p.add_argument("--peers", default="", help="llama.cpp: llama-server with one slot per request in flight")
     p.add_argument("--dataset", default="spec-bench")
     p.add_argument("--categories", default=None, help="comma-separated categories or task kinds")
+    p.add_argument("--distinct", action="store_true",
+                   help="send no prompt twice in the run (shuffled, then dealt out across the levels), so no "
+                        "request repeats an earlier one; needs --requests-per-level x the sum of the levels prompts")
     p.add_argument("--out", required=True, help="folder for results.json, report.md and server logs")
     p.set_defaults(func=run)
 
@@ -51,8 +53,8 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from forerun.bench import llamacpp
     from forerun.bench.dataset import load_prompts
-    from forerun.bench.serve_load import (Process, forerun_command, request_lengths, run_level, running_order,
-                                          shortest, write_report)
+    from forerun.bench.serve_load import (Process, forerun_command, level_prompts, request_lengths, run_level,
+                                          running_order, shortest, write_report)
     from forerun.models.load import load_model
 
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
@@ -73,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [tokenizer.apply_chat([{"role": "user", "content": p.text}]) for p in load_prompts(args.dataset, categories)]
     if not prompts:
         raise ForerunError("no prompts to send")
+    sends = level_prompts(prompts, [args.requests_per_level * c for c in args.concurrency], args.distinct)
     top = max(args.concurrency)
     context = max(len(p) for p in prompts) + args.max_tokens + args.num_speculative_tokens + 8
     servers = []
@@ -106,8 +109,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for _, process, _ in servers:
             process.start()
-        for index, c in enumerate(args.concurrency):
-            sent = list(itertools.islice(itertools.cycle(prompts), args.requests_per_level * c))
+        for index, (c, sent) in enumerate(zip(args.concurrency, sends)):
             lengths = request_lengths(len(sent), args.max_tokens, args.length_spread, seed=c)
             for setup, _, port in running_order(servers, index):
                 level = asyncio.run(run_level(f"http://127.0.0.1:{port}/v1", args.model, sent, c, lengths,
@@ -127,7 +129,8 @@ def _header(args: argparse.Namespace) -> str:
     shown = " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench-serve"] else "bench-serve"
     return (f"# forerun bench-serve\n\nMade with `forerun {shown}` on "
             f"{datetime.now(timezone.utc):%Y-%m-%d}. Greedy, max tokens {_lengths(args)}, "
-            f"{args.requests_per_level} x c requests per level, at most c in flight; streamed completions "
+            f"{args.requests_per_level} x c requests per level, at most c in flight"
+            f"{', no prompt sent twice' if args.distinct else ''}; streamed completions "
             "with prompt token ids (the chat template applied). The set-ups run one after another at each level, "
             "in the order given on the first level and reversed on every other one.")
 

@@ -25,6 +25,8 @@ class Drafter(Protocol):
         """How many of the last proposal's tokens the target kept; `aux_logits` [A, vocab] are the
         target's logits at the proposal's aux rows (None when it had none)."""
 
+    # Optional: `end(output_ids)`, the request ended with this output (a drafter that remembers
+    # earlier outputs adds it). `memory`: what it remembers, for LLM.new_engine to share among lanes.
     # Optional: `max_rows(k) -> int`, the most verifier rows after the root that one proposal of k
     # tokens may add (nodes of a wide tree, aux rows). Without it a proposal adds at most k rows.
     # Optional: `cost_per_token() -> float | None`, seconds one more draft token costs, when the

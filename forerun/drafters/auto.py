@@ -28,7 +28,7 @@ from forerun.config import SamplingParams
 from forerun.drafters import register, rows_per_step
 from forerun.drafters.draft_model import SECOND_CHOICE, DraftModelDrafter
 from forerun.drafters.passes import DraftSteps, run_alone
-from forerun.drafters.suffix import SuffixDrafter
+from forerun.drafters.suffix import SuffixDrafter, SuffixMemory
 from forerun.kv_cache import KVCache
 from forerun.models.load import LoadedModel
 from forerun.tree import DraftTree
@@ -38,10 +38,13 @@ from forerun.tree import DraftTree
 class AutoDrafter:
     def __init__(self, target: LoadedModel, model, dtype: str = "bfloat16", device: str | None = None,
                  quantize: str | None = None, min_confidence: float = 0.0, draft_vocab: int | None = None,
-                 long_match: int = 8, second_choice: float = SECOND_CHOICE) -> None:
+                 long_match: int = 8, second_choice: float = SECOND_CHOICE,
+                 memory: SuffixMemory | None = None) -> None:
         """The draft model's settings as DraftModelDrafter takes them; `long_match`: the shortest
-        suffix match (tokens) whose continuation is proposed instead of the draft model's."""
-        self.suffix = SuffixDrafter(target)
+        suffix match (tokens) whose continuation is proposed instead of the draft model's;
+        `memory`: the suffix drafter's memory of earlier outputs, when shared (SuffixDrafter)."""
+        self.suffix = SuffixDrafter(target, memory=memory)
+        self.memory = self.suffix.memory
         self.draft = DraftModelDrafter(target, model, dtype, device, quantize, min_confidence, draft_vocab,
                                        second_choice)
         self.long_match = long_match
@@ -98,6 +101,9 @@ class AutoDrafter:
         """A shared draft forward's seconds (the draft model's) when the coming proposal is the
         draft model's; None when it is the suffix drafter's (no forward to share)."""
         return self.draft.batch_pass_seconds(sequences) if self.planned == "draft" else None
+
+    def end(self, output_ids: list[int]) -> None:
+        self.suffix.end(output_ids)
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
         if self.source == "draft":             # the draft model counts its verdicts (its catch-up gate)

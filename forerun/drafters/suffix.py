@@ -3,8 +3,10 @@ longest match of the context's end, from the prompt, this request's output and e
 
 Two indexes, each a suffix trie cut at `depth` tokens: every node is a string that occurred, with
 how often it occurred (`count`) and when last (`last`). The request's trie holds its prompt and its
-output so far, kept up to date with the tokens that arrived since the last call; the process's trie
-holds the outputs of earlier requests on this drafter (the most recent `max_global_tokens`).
+output so far, kept up to date with the tokens that arrived since the last call; the memory's trie
+holds the outputs of earlier requests (the most recent `max_global_tokens`), each added when its
+request ends. A memory may be shared by several drafters: every lane of a server drafts from what
+any earlier request answered, not only the ones that ran on its lane (LLM.new_engine shares it).
 
 A proposal: find the longest suffix of the context, from `max_match` tokens down to `min_match`,
 that occurred before with something after it (in either trie; the request's wins a tie). Then walk
@@ -19,7 +21,7 @@ The draft is deterministic, so it is verified as one-hot: exact for greedy and s
 Cost: appending a token touches one node per depth (`depth` dictionary steps); a proposal walks at
 most `max_match` suffixes of at most `max_match` tokens plus the draft: tens of microseconds. The
 tries take memory in proportion to tokens × depth: about 16 nodes, ~4 kB, per token (a 4k-token
-prompt ~16 MB; the process's trie is bounded by `max_global_tokens`).
+prompt ~16 MB; the memory's trie is bounded by `max_global_tokens`).
 
 Where it wins: output that repeats its prompt or earlier outputs (code edits, retrieval answers,
 summaries quoting their input, the same question asked again, loops). Where it loses: new prose,
@@ -87,17 +89,46 @@ class SuffixTrie:
         return sorted(self.kids[node].items(), key=lambda kv: (self.count[kv[1]], self.last[kv[1]]), reverse=True)
 
 
+class SuffixMemory:
+    """Earlier requests' outputs, the most recent `max_tokens` of them, indexed in one trie."""
+
+    def __init__(self, depth: int, max_tokens: int) -> None:
+        self.depth, self.max_tokens = depth, max_tokens
+        self.outputs: list[list[int]] = []           # oldest first
+        self.trie = SuffixTrie(depth)
+
+    def remember(self, output: list[int]) -> None:
+        """Add one output, dropping the oldest (down to half the bound) when past the bound."""
+        if not output:
+            return
+        self.outputs.append(list(output[-self.max_tokens:]))
+        if sum(map(len, self.outputs)) > self.max_tokens:
+            while sum(map(len, self.outputs)) > self.max_tokens // 2:
+                self.outputs.pop(0)
+            self.trie = SuffixTrie(self.depth)
+            for text in self.outputs:
+                self._index(text)
+        else:
+            self._index(self.outputs[-1])
+
+    def _index(self, text: list[int]) -> None:
+        self.trie.begin_text()
+        for t in text:
+            self.trie.append(t)
+
+
 @register("suffix")
 class SuffixDrafter:
     stateless = True     # a proposal leaves nothing behind: the engine may propose without verifying
 
     def __init__(self, target: LoadedModel | None = None, max_match: int = 12, min_match: int = 2,
                  depth: int = 16, min_prob: float = 0.1, branch_ratio: float = 0.5,
-                 max_global_tokens: int = 8192) -> None:
+                 max_global_tokens: int = 8192, memory: SuffixMemory | None = None) -> None:
         """`max_match` / `min_match`: the longest and shortest context suffix looked up (tokens);
         `depth`: the tries' depth; `min_prob`: stop the draft when the walked children's shares
         multiply below this; `branch_ratio`: a runner-up seen this share as often as the best child
-        starts a second branch (above 1: never); `max_global_tokens`: earlier outputs remembered."""
+        starts a second branch (above 1: never); `max_global_tokens`: earlier outputs remembered;
+        `memory`: one shared with other drafters (else one of its own)."""
         if min_match < 1:
             raise ForerunError(f"--suffix-min-match must be at least 1, got {min_match}")
         if max_match < min_match:
@@ -108,9 +139,9 @@ class SuffixDrafter:
             raise ForerunError(f"--suffix-min-prob must be in [0, 1], got {min_prob}")
         self.max_match, self.min_match, self.depth = max_match, min_match, depth
         self.min_prob, self.branch_ratio = min_prob, branch_ratio
-        self.max_global_tokens = max_global_tokens
-        self.outputs: list[list[int]] = []           # earlier requests' outputs, oldest first
-        self.global_trie = SuffixTrie(depth)
+        if memory is not None and memory.depth != depth:
+            raise ForerunError(f"a shared suffix memory of depth {memory.depth} cannot serve a drafter of depth {depth}")
+        self.memory = memory if memory is not None else SuffixMemory(depth, max_global_tokens)
         self.local = SuffixTrie(depth)
         self.tokens: list[int] = []                  # what the request's trie holds
         self.prompt_len = 0
@@ -119,9 +150,7 @@ class SuffixDrafter:
         return 2 * k                                 # a main branch and one more of at most k
 
     def start(self, prompt_ids: list[int], target_cache: KVCache | None, max_len: int) -> None:
-        """A new request: the last one's output joins the process's trie; the request's starts over."""
-        if len(self.tokens) > self.prompt_len:
-            self._remember(self.tokens[self.prompt_len:])
+        """A new request: the request's trie starts over."""
         self.local, self.tokens = SuffixTrie(self.depth), []
         self.prompt_len = len(prompt_ids)
         self._extend(list(prompt_ids))
@@ -157,6 +186,10 @@ class SuffixDrafter:
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
         pass   # accepted tokens arrive with the next context
 
+    def end(self, output_ids: list[int]) -> None:
+        """The request ended with `output_ids`: they join the memory for the requests after it."""
+        self.memory.remember(output_ids)
+
     # -- internals ----------------------------------------------------------------------------------
 
     def _extend(self, context: list[int]) -> None:
@@ -171,29 +204,11 @@ class SuffixDrafter:
             self.local.append(t)
         self.tokens.extend(context[n:])
 
-    def _remember(self, output: list[int]) -> None:
-        """Add one output to the process's trie, dropping the oldest when past the bound."""
-        self.outputs.append(list(output[-self.max_global_tokens:]))
-        if sum(map(len, self.outputs)) > self.max_global_tokens:
-            while sum(map(len, self.outputs)) > self.max_global_tokens // 2:
-                self.outputs.pop(0)
-            self.global_trie = SuffixTrie(self.depth)
-            for text in self.outputs:
-                self._index(self.global_trie, text)
-        else:
-            self._index(self.global_trie, self.outputs[-1])
-
-    @staticmethod
-    def _index(trie: SuffixTrie, text: list[int]) -> None:
-        trie.begin_text()
-        for t in text:
-            trie.append(t)
-
     def _match(self, tokens: list[int]) -> tuple[SuffixTrie, int, int] | None:
         """(trie, node, length) of the longest suffix of `tokens` that occurred with a follower."""
         for length in range(min(self.max_match, len(tokens)), self.min_match - 1, -1):
             suffix = tokens[len(tokens) - length:]
-            for trie in (self.local, self.global_trie):
+            for trie in (self.local, self.memory.trie):
                 node = trie.walk(suffix)
                 if node is not None and trie.kids[node]:
                     return trie, node, length
