@@ -392,10 +392,13 @@ def test_the_serve_report_sets_each_run_beside_off_of_its_own_round(tmp_path) ->
     def level(setup, c, tokens, errors=()):
         return LevelResult(setup, c, 4, 1.0, tokens, 0.1, 0.2, 0.01, 0.02, len(errors), [], list(errors))
 
-    write_report(tmp_path, [level("off", 16, 100), level("auto", 16, 99), level("off", 16, 50),
+    counted = level("auto", 16, 99)
+    counted.draft_tokens, counted.accepted_tokens = 120, 90
+    write_report(tmp_path, [level("off", 16, 100), counted, level("off", 16, 50),
                             level("auto", 16, 55, ["APIConnectionError: Connection error."])], "# header")
     report = (tmp_path / "report.md").read_text()
     assert "| auto | 16 | 4 | 99.0 | 0.99× |" in report and "| auto | 16 | 4 | 55.0 | 1.10× |" in report
+    assert "| 120 / 90 | 0 |" in report and "| – | 1 |" in report
     assert "- auto at 16: APIConnectionError: Connection error." in report
     assert json.loads((tmp_path / "results.json").read_text())[3]["errors"] == ["APIConnectionError: Connection error."]
 
@@ -430,6 +433,10 @@ def test_bench_serve_runs_every_set_up_at_each_level_and_writes_its_report(tmp_p
     assert [(r["concurrency"], r["setup"]) for r in levels] == [(1, "off"), (1, "fixed"), (1, "auto"),
                                                               (2, "auto"), (2, "fixed"), (2, "off")]
     assert all(r["failures"] == 0 and r["requests"] <= r["output_tokens"] <= 6 * r["requests"] for r in levels)
+    # Each level's draft counters, read from the server's /metrics around it.
+    assert all(r["draft_tokens"] == r["accepted_tokens"] == 0 for r in levels if r["setup"] == "off")
+    assert all(r["draft_tokens"] >= r["accepted_tokens"] >= 0 for r in levels)
+    assert sum(r["draft_tokens"] for r in levels if r["setup"] == "fixed") > 0
     report = (out / "report.md").read_text()
     assert "| auto | 2 | 2 |" in report and "× off" in report
 

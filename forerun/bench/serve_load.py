@@ -60,6 +60,8 @@ class LevelResult:
     failures: int = 0
     timings: list[dict] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)      # what the failed requests raised, each kind once
+    draft_tokens: int | None = None     # the server's counters over the level (forerun's /metrics; None: not read)
+    accepted_tokens: int | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -216,6 +218,21 @@ def forerun_command(port: int, model: str, quantization: str | None, draft: str 
     return command
 
 
+SPEC_COUNTERS = {"draft_tokens": "forerun:spec_decode_num_draft_tokens",
+                 "accepted_tokens": "forerun:spec_decode_num_accepted_tokens"}
+
+
+def spec_counts(server_url: str) -> dict[str, int]:
+    """Draft tokens proposed and kept so far, from a forerun server's /metrics (`server_url` without /v1)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server_url.rstrip("/") + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    totals = {family.name: sum(s.value for s in family.samples if s.name.endswith("_total"))
+              for family in text_string_to_metric_families(text)}
+    return {field: int(totals.get(name, 0)) for field, name in SPEC_COUNTERS.items()}
+
+
 def write_report(out: Path, levels: list[LevelResult], header: str) -> None:
     (out / "results.json").write_text(json.dumps([{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in levels], indent=1))
     # A level may run more than once: each row is set beside off's run of the same round.
@@ -225,15 +242,18 @@ def write_report(out: Path, levels: list[LevelResult], header: str) -> None:
         rounds[r.setup, r.concurrency] += 1
     off = {key: r.tokens_per_s for r, key in zip(levels, keys) if r.setup == "off"}
     lines = [header, "", "| set-up | concurrency | requests | output tok/s | × off | TTFT p50 / p90 ms | "
-             "time per output token p50 / p90 ms | failed |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "time per output token p50 / p90 ms | drafted / kept tokens | failed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def ms(value: float | None) -> str:
         return "–" if value is None else f"{value * 1000:.0f}"
 
     for r, key in zip(levels, keys):
         ratio = f"{r.tokens_per_s / off[key]:.2f}×" if off.get(key) else "–"
+        drafted = "–" if r.draft_tokens is None else f"{r.draft_tokens} / {r.accepted_tokens}"
         lines.append(f"| {r.setup} | {r.concurrency} | {r.requests} | {r.tokens_per_s:.1f} | {ratio} | "
-                     f"{ms(r.ttft_p50_s)} / {ms(r.ttft_p90_s)} | {ms(r.tpot_p50_s)} / {ms(r.tpot_p90_s)} | {r.failures} |")
+                     f"{ms(r.ttft_p50_s)} / {ms(r.ttft_p90_s)} | {ms(r.tpot_p50_s)} / {ms(r.tpot_p90_s)} | "
+                     f"{drafted} | {r.failures} |")
     failed = [f"- {r.setup} at {r.concurrency}: {error}" for r in levels for error in r.errors]
     if failed:
         lines += ["", "What failed requests raised:", "", *failed]

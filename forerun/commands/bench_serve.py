@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from forerun.bench import llamacpp
     from forerun.bench.dataset import load_prompts
     from forerun.bench.serve_load import (Process, forerun_command, level_prompts, request_lengths, run_level,
-                                          running_order, shortest, write_report)
+                                          running_order, shortest, spec_counts, write_report)
     from forerun.models.load import load_model
 
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
@@ -112,8 +112,14 @@ def run(args: argparse.Namespace) -> int:
         for index, (c, sent) in enumerate(zip(args.concurrency, sends)):
             lengths = request_lengths(len(sent), args.max_tokens, args.length_spread, seed=c)
             for setup, _, port in running_order(servers, index):
-                level = asyncio.run(run_level(f"http://127.0.0.1:{port}/v1", args.model, sent, c, lengths,
-                                              setup=setup))
+                url = f"http://127.0.0.1:{port}"
+                counted = setup in SETUPS                     # forerun's servers: their draft counters
+                before = spec_counts(url) if counted else None
+                level = asyncio.run(run_level(url + "/v1", args.model, sent, c, lengths, setup=setup))
+                if before is not None:
+                    after = spec_counts(url)
+                    level.draft_tokens, level.accepted_tokens = (after[k] - before[k] for k in
+                                                                 ("draft_tokens", "accepted_tokens"))
                 levels.append(level)
                 print(f"forerun: {setup} c={c}: {level.tokens_per_s:.1f} tok/s, TTFT p50 {level.ttft_p50_s * 1000:.0f} ms"
                       f", failed {level.failures}" + (f" ({level.errors[0]})" if level.errors else ""),

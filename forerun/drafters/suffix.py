@@ -144,7 +144,6 @@ class SuffixDrafter:
         self.memory = memory if memory is not None else SuffixMemory(depth, max_global_tokens)
         self.local = SuffixTrie(depth)
         self.tokens: list[int] = []                  # what the request's trie holds
-        self.prompt_len = 0
 
     def max_rows(self, k: int) -> int:
         return 2 * k                                 # a main branch and one more of at most k
@@ -152,7 +151,6 @@ class SuffixDrafter:
     def start(self, prompt_ids: list[int], target_cache: KVCache | None, max_len: int) -> None:
         """A new request: the request's trie starts over."""
         self.local, self.tokens = SuffixTrie(self.depth), []
-        self.prompt_len = len(prompt_ids)
         self._extend(list(prompt_ids))
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
@@ -198,7 +196,6 @@ class SuffixDrafter:
         n = len(self.tokens)
         if len(context) < n or context[:n] != self.tokens:
             self.local, self.tokens = SuffixTrie(self.depth), []
-            self.prompt_len = min(self.prompt_len, len(context))
             n = 0
         for t in context[n:]:
             self.local.append(t)
