@@ -312,7 +312,7 @@ def test_a_failure_inside_the_engine_ends_that_request_only(target_tok) -> None:
                 chunks.append(chunk)
         assert chunks                                               # text before the failure came through
         r = httpx.post(served.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                       json={"model": NAME, "prompt": "!boom", "max_tokens": 10, "stream": True})
+                       json={"model": NAME, "prompt": "!boom", "max_tokens": 10, "temperature": 0, "stream": True})
         assert '"error"' in r.text and r.text.endswith("data: [DONE]\n\n")
         ok = client.completions.create(model=NAME, prompt="fine", max_tokens=10, temperature=0)
         assert ok.choices[0].text == alone(llm, "fine", max_tokens=10)
