@@ -5,8 +5,9 @@ E(K) = (1 − α^(K+1)) / (1 − α) tokens on average and costs c(K+1) + K·c_d
 pass over the root and K draft rows, plus K draft tokens. K = 0 is a plain step (one token for
 c(1)). The policy picks the K in [0, k_max] with the most tokens per second.
 
-- c(r), the target's pass over r rows, is measured once per machine, model and numeric format and
-  cached under FORERUN_HOME/costs (a few seconds for a 1.5B model; delete the folder to measure
+- c(r), the target's pass over r rows, is measured once per machine, model and numeric format (every
+  r up to 16, then a few wider passes up to 128 rows, for a full batch's drafts; linear between
+  them) and cached under FORERUN_HOME/costs (a few seconds for a 1.5B model; delete the folder to measure
   again), then corrected by the steps actually timed: the acceptance rule, a tree's cache
   compaction and a busy machine all count.
 - c_draft, the drafter's cost per proposed token, is timed on every proposal as generation goes.
@@ -53,7 +54,8 @@ from forerun.models.w8a8 import W8A8Linear
 from forerun.paths import forerun_home
 
 POLICIES = ("adaptive", "fixed")
-MEASURED_ROWS = 16         # c(r) is measured for r = 1 .. 16 and extended linearly past it
+MEASURED_ROWS = 16         # c(r) is measured for r = 1 .. 16,
+WIDE_ROWS = (24, 32, 48, 64, 96, 128)   # and at these wider passes (a full batch's rows), linear between
 MEASURE_CONTEXT = 256      # cache length the passes are timed at
 DECAY = 0.95               # weight of an acceptance observation after one more (about 20 steps)
 PRIOR = (1.0, 1.0)         # pseudo-counts (kept, rejected) behind a drafter's first estimate
@@ -112,7 +114,8 @@ def batch_draft_length(lanes: list[tuple[float, float, float]], pass_cost: Calla
 
 @dataclass
 class PassCosts:
-    """The target's pass time for 1 .. len(seconds) rows; linear past the last measured row.
+    """The target's pass time for 1 .. len(seconds) rows, and for the row counts in `wide` past
+    them; linear between those, and past the last with the last two's slope.
 
     Made non-decreasing: a timing that came out below a smaller row count's is noise. With `learn`,
     the steps the engine times (the pass plus the acceptance rule and cache roll-back, on a machine
@@ -122,6 +125,7 @@ class PassCosts:
     (a tree's mask, the rule over its nodes, a window's rows) is not in the offline figure, and a
     drafter whose row count changes every step is priced by it before any count is seen often."""
     seconds: list[float]
+    wide: dict[int, float] = field(default_factory=dict)     # rows past len(seconds) -> seconds
     learn: bool = False
     scale: float = 1.0                                   # running mean of seen / offline, one-row steps
     multi_scale: float | None = None                     # the same over steps of several rows
@@ -131,13 +135,25 @@ class PassCosts:
     def __post_init__(self) -> None:
         for i in range(1, len(self.seconds)):
             self.seconds[i] = max(self.seconds[i], self.seconds[i - 1])
+        floor, wide = self.seconds[-1], {}
+        for rows in sorted(r for r in self.wide if r > len(self.seconds)):
+            floor = wide[rows] = max(self.wide[rows], floor)
+        self.wide = wide
 
     def offline(self, rows: int) -> float:
         s = self.seconds
         if rows <= len(s):
             return s[rows - 1]
-        slope = max(s[-1] - s[-2], 0.0) if len(s) > 1 else s[-1]
-        return s[-1] + slope * (rows - len(s))
+        points = [(len(s), s[-1]), *self.wide.items()]
+        for (r0, t0), (r1, t1) in zip(points, points[1:]):
+            if rows <= r1:
+                return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+        if len(points) > 1:
+            (r0, t0), (r1, t1) = points[-2:]
+            slope = (t1 - t0) / (r1 - r0)
+        else:
+            slope = max(s[-1] - s[-2], 0.0) if len(s) > 1 else s[-1]
+        return points[-1][1] + slope * (rows - points[-1][0])
 
     def __call__(self, rows: int) -> float:
         if not self.online:
@@ -166,26 +182,30 @@ class PassCosts:
 
 
 def measure_pass_costs(decoder, rows: int = MEASURED_ROWS, context: int = MEASURE_CONTEXT,
-                       repeats: int = 3) -> PassCosts:
-    """Time one chain pass over 1..rows rows after `context` cached slots (the fastest of `repeats`).
+                       repeats: int = 3, wide: tuple[int, ...] = WIDE_ROWS) -> PassCosts:
+    """Time one chain pass over 1..rows rows, and over each of `wide` rows past them (those within
+    half the model's context), after `context` cached slots (the fastest of `repeats`).
 
     The cache holds zeros: time does not depend on the values, and nothing is prefilled.
     """
-    context = min(context, decoder.cfg.max_position - rows)
-    cache = decoder.new_cache(context + rows)
-    tokens = torch.zeros(rows, dtype=torch.long, device=decoder.device)
-    positions = torch.arange(context, context + rows, device=decoder.device)
-    seconds = []
+    limit = decoder.cfg.max_position
+    wide = tuple(r for r in wide if rows < r <= limit // 2)
+    widest = max((rows, *wide))
+    context = min(context, limit - widest)
+    cache = decoder.new_cache(context + widest)
+    tokens = torch.zeros(widest, dtype=torch.long, device=decoder.device)
+    positions = torch.arange(context, context + widest, device=decoder.device)
+    timed = {}
     with torch.inference_mode():
-        for r in range(1, rows + 1):
+        for r in (*range(1, rows + 1), *wide):
             best = float("inf")
             for _ in range(repeats + 1):              # the first run warms kernels and buffers
                 cache.length = context
                 start = time.perf_counter()
                 decoder(tokens[:r], positions[:r], cache, layout=RowLayout.chain(context, r), last_only=False)
                 best = min(best, time.perf_counter() - start)
-            seconds.append(best)
-    return PassCosts(seconds)
+            timed[r] = best
+    return PassCosts([timed[r] for r in range(1, rows + 1)], {r: timed[r] for r in wide})
 
 
 def costs_dir() -> Path:
@@ -199,18 +219,20 @@ def pass_costs(model: LoadedModel, rows: int = MEASURED_ROWS) -> PassCosts:
     path = costs_dir() / f"{key}.json" if key else None
     if path is not None and path.exists():
         try:
-            return PassCosts([float(s) for s in json.loads(path.read_text())["seconds"]], learn=True)
+            saved = json.loads(path.read_text())
+            return PassCosts([float(s) for s in saved["seconds"]],
+                             {int(r): float(s) for r, s in saved["wide"].items()}, learn=True)
         except (ValueError, KeyError, TypeError):
             pass                                      # unreadable: measure again and overwrite it
     if path is not None:
-        print(f"forerun: timing {model.name}'s pass over 1-{rows} rows, once for this machine "
+        print(f"forerun: timing {model.name}'s pass over 1-{rows} rows and wider, once for this machine "
               f"(cached in {path.parent})", file=sys.stderr, flush=True)
     costs = measure_pass_costs(model.decoder, rows)
     costs.learn = True
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"model": model.name, "seconds": costs.seconds}))
+        tmp.write_text(json.dumps({"model": model.name, "seconds": costs.seconds, "wide": costs.wide}))
         tmp.replace(path)
     return costs
 
@@ -228,7 +250,7 @@ def _cost_key(model: LoadedModel, rows: int) -> str | None:
     # The CPU's name alone does not tell its kernels apart (one "AMD EPYC" has AVX2 only, another AVX-512).
     parts = [identity, ",".join(kinds), ",".join(dtypes), str(decoder.device), cpu.name(),
              torch.backends.cpu.get_cpu_capability(),
-             str(torch.get_num_threads()), torch.__version__, str(rows), str(MEASURE_CONTEXT)]
+             str(torch.get_num_threads()), torch.__version__, str(rows), str(WIDE_ROWS), str(MEASURE_CONTEXT)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 

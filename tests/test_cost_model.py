@@ -67,8 +67,15 @@ def test_pass_costs_extend_linearly_past_the_measured_rows() -> None:
     assert costs(2) == 2.0 and costs(5) == 5.0
 
 
+def test_wider_passes_measured_past_the_rows_are_interpolated_and_their_slope_extended() -> None:
+    costs = PassCosts([1.0, 2.0, 3.0], {5: 4.0, 9: 12.0})   # flatter to 5 rows, then steeper
+    assert costs(4) == 3.5 and costs(5) == 4.0 and costs(7) == 8.0
+    assert costs(11) == 16.0                                 # past 9: the slope from 5 to 9 (2 a row)
+
+
 def test_a_noisy_measurement_never_makes_more_rows_cheaper() -> None:
     assert PassCosts([0.10, 0.09, 0.12, 0.11]).seconds == [0.10, 0.10, 0.12, 0.12]
+    assert PassCosts([0.10, 0.12], {8: 0.11, 4: 0.15, 2: 0.5}).wide == {4: 0.15, 8: 0.15}
 
 
 def test_drafts_that_promise_too_little_are_not_worth_the_step() -> None:
@@ -282,8 +289,10 @@ def test_the_api_defaults_to_the_adaptive_policy_and_fixed_keeps_k(target4) -> N
 
 
 def test_measured_pass_costs_cover_every_row_count(target4) -> None:
-    costs = measure_pass_costs(target4.decoder, rows=6, context=20, repeats=1)
+    limit = target4.decoder.cfg.max_position
+    costs = measure_pass_costs(target4.decoder, rows=6, context=20, repeats=1, wide=(4, 8, 12, limit))
     assert len(costs.seconds) == 6 and all(s > 0 for s in costs.seconds)
+    assert list(costs.wide) == [8, 12] and costs.wide[8] >= costs.seconds[-1]   # past the rows, within the context
 
 
 def test_pass_costs_are_cached_per_model_and_measured_once(tmp_path, monkeypatch) -> None:
@@ -299,7 +308,8 @@ def test_pass_costs_are_cached_per_model_and_measured_once(tmp_path, monkeypatch
         raise AssertionError("measured again instead of reading the cache")
 
     monkeypatch.setattr(cost_model, "measure_pass_costs", no_measuring)
-    assert pass_costs(model, rows=4).seconds == first.seconds
+    cached = pass_costs(model, rows=4)
+    assert cached.seconds == first.seconds and first.wide and cached.wide == first.wide   # the wider passes too
     files[0].write_text("not json")                        # a damaged cache is measured again, not fatal
     monkeypatch.setattr(cost_model, "measure_pass_costs", measure_pass_costs)
     assert len(pass_costs(model, rows=4).seconds) == 4
