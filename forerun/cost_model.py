@@ -117,7 +117,7 @@ class PassCosts:
     """The target's pass time for 1 .. len(seconds) rows, and for the row counts in `wide` past
     them; linear between those, and past the last with the last two's slope.
 
-    Made non-decreasing: a timing that came out below a smaller row count's is noise. With `learn`,
+    Made non-decreasing: a timing above a wider pass's is noise. With `learn`,
     the steps the engine times (the pass plus the acceptance rule and cache roll-back, on a machine
     as busy as it is now) correct it as generation goes: a row count seen a few times is its own
     running mean, the others the offline figure times the running ratio of seen to offline. Plain
@@ -133,12 +133,14 @@ class PassCosts:
     seen: dict[int, int] = field(default_factory=dict)       # rows -> steps seen
 
     def __post_init__(self) -> None:
-        for i in range(1, len(self.seconds)):
-            self.seconds[i] = max(self.seconds[i], self.seconds[i - 1])
-        floor, wide = self.seconds[-1], {}
-        for rows in sorted(r for r in self.wide if r > len(self.seconds)):
-            floor = wide[rows] = max(self.wide[rows], floor)
-        self.wide = wide
+        # Noise only adds time: a timing above a wider pass's is a slow moment, and comes down to it
+        # (raising the wider ones instead would spread one slow moment over every row count after it).
+        wide = dict(sorted((r, t) for r, t in self.wide.items() if r > len(self.seconds)))
+        times = [*self.seconds, *wide.values()]
+        for i in range(len(times) - 2, -1, -1):
+            times[i] = min(times[i], times[i + 1])
+        self.seconds[:] = times[:len(self.seconds)]
+        self.wide = dict(zip(wide, times[len(self.seconds):]))
 
     def offline(self, rows: int) -> float:
         s = self.seconds
