@@ -49,11 +49,12 @@ def test_a_batched_verification_gives_every_sequence_what_it_gets_alone(quantize
         prefix = data.draw(st.lists(st.integers(0, 98), min_size=1, max_size=100))
         tree = random_tree(data.draw, data.draw(st.integers(0, 6)))
         root = data.draw(st.integers(0, 98))
+        params = data.draw(st.sampled_from([SAMPLED, SamplingParams(max_tokens=8)]))   # sampled or greedy
         jobs = []
         for _ in range(2):
             cache = decoder.new_cache(len(prefix) + len(tree) + 2)
             decoder(torch.tensor(prefix), torch.arange(len(prefix)), cache)
-            jobs.append(VerifyJob(cache, root, tree, SAMPLED))
+            jobs.append(VerifyJob(cache, root, tree, params))
         alone_jobs.append(jobs[0])
         batched_jobs.append(jobs[1])
     batched = verify_many(decoder, batched_jobs)
