@@ -528,3 +528,21 @@ def test_requests_that_arrive_during_a_prefill_join_before_the_next_step() -> No
     finally:
         scheduler.stop()
     assert scheduler.batch.log == [("add", 0), ("add", 1), ("add", 2), ("step", 3)]
+
+
+def test_bench_serve_runs_a_set_up_named_twice_as_a_control_beside_it(tmp_path, monkeypatch) -> None:
+    from forerun.cli import main
+    from forerun.testing import save_hf_folder, tiny_model
+
+    monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
+    folder = save_hf_folder(tiny_model(seed=0), tmp_path / "target")
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("abc abc", "hello")))
+    out = tmp_path / "out"
+    assert main(["bench-serve", "--model", str(folder), "--quantization", "w8a8", "--setups", "off,off",
+                 "--concurrency", "2", "--requests-per-level", "1", "--max-tokens", "4", "--dataset", str(dataset),
+                 "--out", str(out)]) == 0
+    levels = json.loads((out / "results.json").read_text())
+    assert [r["setup"] for r in levels] == ["off", "off#2"] and all(r["failures"] == 0 for r in levels)
+    assert (out / "off#2.log").exists()
+    assert "| off#2 | 2 | 2 |" in (out / "report.md").read_text()

@@ -33,7 +33,9 @@ def register(sub) -> None:
     p.add_argument("--speculative-quantization", default="auto")
     p.add_argument("--draft-vocab", type=int, default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="K: fixed K, and auto's most")
-    p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
+    p.add_argument("--setups", default=",".join(SETUPS),
+                   help=f"comma-separated, of {', '.join(SETUPS)}; one named again runs as a second server of its own "
+                        "(off,auto,off: an off-against-off control, the noise between two identical servers)")
     p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32], help="comma-separated levels; one given again runs again (a repeat, to see the noise)")
     p.add_argument("--requests-per-level", type=int, default=2, help="requests sent at level c: this many times c")
     p.add_argument("--max-tokens", type=int, default=64, help="the longest a request may be")
@@ -79,9 +81,10 @@ def run(args: argparse.Namespace) -> int:
     top = max(args.concurrency)
     context = max(len(p) for p in prompts) + args.max_tokens + args.num_speculative_tokens + 8
     servers = []
-    for setup in setups:
+    for number, kind in enumerate(setups):
+        setup = kind if kind not in setups[:number] else f"{kind}#{setups[:number + 1].count(kind)}"
         port = llamacpp.free_port()
-        policy = {"off": None, "fixed": "fixed", "auto": "adaptive"}[setup]
+        policy = {"off": None, "fixed": "fixed", "auto": "adaptive"}[kind]
         command = forerun_command(port, args.model, args.quantization, args.speculative_model,
                                   args.speculative_quantization, args.draft_vocab, args.num_speculative_tokens,
                                   policy, top)
@@ -113,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             lengths = request_lengths(len(sent), args.max_tokens, args.length_spread, seed=c)
             for setup, _, port in running_order(servers, index):
                 url = f"http://127.0.0.1:{port}"
-                counted = setup in SETUPS                     # forerun's servers: their draft counters
+                counted = setup != "llama-server"            # forerun's servers: their draft counters
                 before = spec_counts(url) if counted else None
                 level = asyncio.run(run_level(url + "/v1", args.model, sent, c, lengths, setup=setup))
                 if before is not None:
