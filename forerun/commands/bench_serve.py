@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     context = max(len(p) for p in prompts) + args.max_tokens + args.num_speculative_tokens + 8
     servers = []
     for number, kind in enumerate(setups):
-        setup = kind if kind not in setups[:number] else f"{kind}#{setups[:number + 1].count(kind)}"
+        count = setups[:number + 1].count(kind)
+        setup = kind if count == 1 else f"{kind}#{count}"
         port = llamacpp.free_port()
         policy = {"off": None, "fixed": "fixed", "auto": "adaptive"}[kind]
         command = forerun_command(port, args.model, args.quantization, args.speculative_model,
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
                 counted = setup != "llama-server"            # forerun's servers: their draft counters
                 before = spec_counts(url) if counted else None
                 level = asyncio.run(run_level(url + "/v1", args.model, sent, c, lengths, setup=setup))
-                if before is not None:
+                if counted:
                     after = spec_counts(url)
                     level.draft_tokens, level.accepted_tokens = (after[k] - before[k] for k in
                                                                  ("draft_tokens", "accepted_tokens"))

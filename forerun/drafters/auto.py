@@ -44,13 +44,16 @@ class AutoDrafter:
         suffix match (tokens) whose continuation is proposed instead of the draft model's;
         `memory`: the suffix drafter's memory of earlier outputs, when shared (SuffixDrafter)."""
         self.suffix = SuffixDrafter(target, memory=memory)
-        self.memory = self.suffix.memory
         self.draft = DraftModelDrafter(target, model, dtype, device, quantize, min_confidence, draft_vocab,
                                        second_choice)
         self.long_match = long_match
         self.steps = {"suffix": 0, "draft": 0}   # proposals made by each, this process
         self.source = "draft"                    # which made the last proposal
         self.planned: str | None = None          # what next_source said for the coming proposal
+
+    @property
+    def memory(self) -> SuffixMemory:
+        return self.suffix.memory
 
     def max_rows(self, k: int) -> int:
         return max(rows_per_step(self.suffix, k), self.draft.max_rows(k))

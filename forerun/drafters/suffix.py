@@ -95,6 +95,7 @@ class SuffixMemory:
     def __init__(self, depth: int, max_tokens: int) -> None:
         self.depth, self.max_tokens = depth, max_tokens
         self.outputs: list[list[int]] = []           # oldest first
+        self.size = 0                                # tokens in them
         self.trie = SuffixTrie(depth)
 
     def remember(self, output: list[int]) -> None:
@@ -102,9 +103,10 @@ class SuffixMemory:
         if not output:
             return
         self.outputs.append(list(output[-self.max_tokens:]))
-        if sum(map(len, self.outputs)) > self.max_tokens:
-            while sum(map(len, self.outputs)) > self.max_tokens // 2:
-                self.outputs.pop(0)
+        self.size += len(self.outputs[-1])
+        if self.size > self.max_tokens:
+            while self.size > self.max_tokens // 2:
+                self.size -= len(self.outputs.pop(0))
             self.trie = SuffixTrie(self.depth)
             for text in self.outputs:
                 self._index(text)
