@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test install models peers clean
+.PHONY: run test install kernels models peers clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -14,9 +14,14 @@ $(STAMP): requirements.txt pyproject.toml
 	$(VPY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-install: $(STAMP)
+# forerun's native kernels (forerun/native/src), compiled once per source version into
+# FORERUN_HOME/kernels/; a machine without a compiler gets a message and the w8a8 format instead.
+kernels: $(STAMP)
+	$(VPY) -m forerun.native.build
 
-models: $(STAMP)
+install: $(STAMP) kernels
+
+models: $(STAMP) kernels
 	$(VENV)/bin/forerun models fetch
 
 # The main job: speculative generation on the default pair, with speed and acceptance figures.

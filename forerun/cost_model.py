@@ -50,6 +50,7 @@ import torch
 from forerun import cpu
 from forerun.models.attention import RowLayout
 from forerun.models.load import LoadedModel, model_identity
+from forerun.models.gguf_format import GGUFLinear
 from forerun.models.w8a8 import W8A8Linear
 from forerun.paths import forerun_home
 
@@ -245,9 +246,10 @@ def _cost_key(model: LoadedModel, rows: int) -> str | None:
     if identity is None:
         return None
     decoder = model.decoder
-    # A w8a8 product's kernel is part of its kind: the kernels cost differently per row count.
-    kinds = sorted({type(m).__name__ + (f"[{m.kernel}]" if isinstance(m, W8A8Linear) else "")
-                    for m in decoder.modules()})
+    # A product's kernel is part of its kind (the kernels cost differently per row count), and so is
+    # whether the layers run natively.
+    kinds = sorted({type(m).__name__ + (f"[{m.kernel}]" if isinstance(m, (W8A8Linear, GGUFLinear)) else "")
+                    for m in decoder.modules()} | {f"native layers: {decoder._native_layers() is not None}"})
     dtypes = sorted({str(t.dtype) for t in [*decoder.parameters(), *decoder.buffers()]})
     # The CPU's name alone does not tell its kernels apart (one "AMD EPYC" has AVX2 only, another AVX-512).
     parts = [identity, ",".join(kinds), ",".join(dtypes), str(decoder.device), cpu.name(),

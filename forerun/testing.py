@@ -91,3 +91,87 @@ def save_hf_folder(model: LoadedModel, folder: Path) -> Path:
     save_file(state, str(folder / "model.safetensors"))
     tiny_tokenizer_folder(folder)
     return folder
+
+
+# --- GGUF blocks for tiny models ------------------------------------------------------------------
+# gguf-py quantizes the 32-input block types (Q4_0, Q5_0, Q8_0, ...) but not the K-quants; these
+# write valid Q4_K / Q5_K / Q6_K blocks (plain min/max scales, not llama.cpp's searched ones), so
+# tests can build small GGUF models in every type the native kernels read.
+
+
+def _f16_bytes(values):
+    import numpy as np
+
+    return np.asarray(values, dtype=np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _pack_k4_scales(sc, mn):
+    """8 six-bit scales and mins per block [n, 8] -> the 12 packed bytes of Q4_K / Q5_K [n, 12]."""
+    import numpy as np
+
+    s = np.zeros((sc.shape[0], 12), dtype=np.uint8)
+    s[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    s[:, 4:8] = (mn[:, 0:4] & 63) | ((mn[:, 4:8] >> 4) << 6)
+    s[:, 8:12] = (sc[:, 4:8] & 0xF) | ((mn[:, 4:8] & 0xF) << 4)
+    return s
+
+
+def _quantize_k4(blocks, levels: int):
+    """Q4_K (levels 15) or Q5_K (31) of float blocks [n, 256]: (d, dmin, sc, mn, q) per block."""
+    import numpy as np
+
+    sub = blocks.reshape(-1, 8, 32)
+    low = np.minimum(sub.min(-1), 0.0)                           # [n, 8]
+    scale = (sub.max(-1) - low) / levels
+    d = np.maximum(scale.max(-1), 1e-10) / 63                    # [n]
+    dmin = np.maximum((-low).max(-1), 1e-10) / 63
+    d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / d[:, None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(-low / dmin[:, None]), 0, 63).astype(np.uint8)
+    step = np.maximum(d[:, None] * sc, 1e-30)[..., None]
+    q = np.clip(np.round((sub + (dmin[:, None] * mn)[..., None]) / step), 0, levels).astype(np.uint8)
+    return d, dmin, sc, mn, q.reshape(-1, 256)
+
+
+def quantize_k(array, kind: str):
+    """Float32 rows [n, k] (k a multiple of 256) as GGUF's Q4_K, Q5_K or Q6_K bytes [n, k / 256 * size]."""
+    import numpy as np
+
+    rows = array.shape[0]
+    blocks = np.ascontiguousarray(array, dtype=np.float32).reshape(-1, 256)
+    n = blocks.shape[0]
+    if kind in ("Q4_K", "Q5_K"):
+        d, dmin, sc, mn, q = _quantize_k4(blocks, 15 if kind == "Q4_K" else 31)
+        lo = (q & 0xF).reshape(n, 4, 2, 32)
+        qs = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(n, 128)
+        parts = [_f16_bytes(d), _f16_bytes(dmin), _pack_k4_scales(sc, mn)]
+        if kind == "Q5_K":
+            high = (q >> 4).reshape(n, 8, 32)                    # bit 4 of element 32 j + l
+            qh = np.zeros((n, 32), dtype=np.uint8)
+            for j in range(8):
+                qh |= (high[:, j] << j).astype(np.uint8)
+            parts.append(qh)
+        parts.append(qs)
+    elif kind == "Q6_K":
+        sub = blocks.reshape(n, 16, 16)
+        scale = np.abs(sub).max(-1) / 32                         # [n, 16]
+        d = (np.maximum(np.abs(scale).max(-1), 1e-10) / 127).astype(np.float16).astype(np.float32)
+        sc = np.clip(np.round(scale / d[:, None]), -128, 127).astype(np.int8)
+        step = np.where(sc == 0, 1e30, d[:, None] * sc)[..., None]
+        q = (np.clip(np.round(sub / step), -32, 31) + 32).astype(np.uint8).reshape(n, 2, 4, 32)
+        ql = np.concatenate([(q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4),
+                             (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)], axis=-1)   # [n, 2, 64]
+        qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+        parts = [ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), _f16_bytes(d)]
+    else:
+        raise ValueError(f"not a K-quant type: {kind}")
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def gguf_bytes(array, kind: str):
+    """Float32 rows [n, k] as GGUF blocks of type `kind` (a gguf.GGMLQuantizationType name)."""
+    import gguf
+
+    if kind.endswith("_K"):
+        return quantize_k(array, kind)
+    return gguf.quants.quantize(array, getattr(gguf.GGMLQuantizationType, kind))

@@ -356,11 +356,14 @@ def test_while_plain_steps_measure_faster_a_long_suffix_match_still_drafts_for_f
     bucket.record(True, 5.0, 0.1)
     bucket.record(False, 50.0, 0.1)                 # plain steps measured ten times faster
     batch.add(1, prompt, params)                    # the same question again, on the same lane
-    batch.add(2, [40, 41], params)
+    # A longer request beside it, so the batch holds two lanes on every step (one lane alone is the
+    # single-request engine, whose own policy may run the draft model).
+    batch.add(2, [40, 41], SamplingParams(max_tokens=64, ignore_eos=True))
     again, other = batch.lanes[1], batch.lanes[2]
     before = {key: dict(lane.engine.drafter.steps) for key, lane in batch.lanes.items()}
-    while not (again.run.seq.finished and other.run.seq.finished):
+    while not again.run.seq.finished:
         batch.step()
+    assert not other.run.seq.finished
     assert again.run.seq.output_ids == earlier
     assert again.engine.drafter.steps["suffix"] > before[1]["suffix"] and again.run.metrics.num_drafts > 0
     for key, lane in batch.lanes.items():           # the draft model never ran

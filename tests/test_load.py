@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -19,7 +20,7 @@ from forerun.models import gguf_loader
 from forerun.models import load as loading
 from forerun.models.embedded import EMBEDDED
 from forerun.models.load import LoadedModel, load_model
-from forerun.testing import save_hf_folder, tiny_model
+from forerun.testing import gguf_bytes, save_hf_folder, tiny_model
 
 # Hugging Face name (without "model.") -> llama.cpp name, as llama.cpp's converter writes them.
 _TOP = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
@@ -43,9 +44,12 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model: LoadedModel, path: Path, arch: str | None = None, quant: gguf.GGMLQuantizationType | None = None,
+def write_gguf(model: LoadedModel, path: Path, arch: str | None = None,
+               quant: gguf.GGMLQuantizationType | str | Callable[[str], str | None] | None = None,
                skip_keys: tuple[str, ...] = (), extra: dict | None = None) -> Path:
-    """Write `model` as llama.cpp would: metadata under `arch.*`, F32 tensors (2-D ones quantized if asked)."""
+    """Write `model` as llama.cpp would: metadata under `arch.*`, F32 tensors (2-D ones quantized if
+    asked: one type for all, or per tensor, a function of its llama.cpp name returning a type name
+    or None for F32)."""
     cfg = model.decoder.cfg
     arch = arch or cfg.architecture
     w = gguf.GGUFWriter(str(path), arch)
@@ -69,8 +73,10 @@ def write_gguf(model: LoadedModel, path: Path, arch: str | None = None, quant: g
                 array = llama_cpp_permute(array, cfg.num_heads)
             elif ".k_proj." in hf:
                 array = llama_cpp_permute(array, cfg.num_kv_heads)
-        if quant is not None and array.ndim == 2:
-            w.add_tensor(llama_cpp_name(hf), gguf.quants.quantize(array, quant), raw_dtype=quant)
+        kind = quant(llama_cpp_name(hf)) if callable(quant) else quant
+        if kind is not None and array.ndim == 2:
+            qtype = kind if isinstance(kind, gguf.GGMLQuantizationType) else gguf.GGMLQuantizationType[kind]
+            w.add_tensor(llama_cpp_name(hf), gguf_bytes(array, qtype.name), raw_dtype=qtype)
         else:
             w.add_tensor(llama_cpp_name(hf), array)
     w.write_header_to_file()
@@ -307,7 +313,7 @@ def test_truncated_gguf_raises_and_leaves_no_half_written_cache(home: Path, tmp_
     whole = write_gguf(tiny_model(seed=11), tmp_path / "whole.gguf").read_bytes()
     path = tmp_path / "cut.gguf"
     path.write_bytes(whole[: len(whole) * 2 // 3])
-    with pytest.raises(ForerunError, match="truncated or corrupt"):
+    with pytest.raises(ForerunError, match=r"cut\.gguf is not a readable GGUF file: tensor \S+ runs past the end.*truncated"):
         load_model(str(path), dtype="float32", with_tokenizer=False)
     # Only complete files: the checksum index may be there, nothing else (no weights, config, .tmp).
     assert [f for f in _cache_files(home) if f != "checksums.json"] == []

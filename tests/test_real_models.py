@@ -232,3 +232,48 @@ class TestW8A8PairIsBitExact:
             print("\nw8a8 pair, greedy, every drafter identical to plain: " + "; ".join(report))
         # Drafts were kept and rejected: verifications of many row counts and paths were compared.
         assert totals[0] > totals[1] > 0
+
+
+@pytest.fixture(scope="class")
+def target_gguf() -> LoadedModel:
+    return load_model(TARGET, quantization="gguf")
+
+
+@pytest.fixture(scope="class")
+def draft_gguf() -> LoadedModel:
+    return load_model(DRAFT, quantization="gguf")
+
+
+class TestGGUFPairIsBitExact:
+    """Target and draft computed from the files' own blocks (Q4_K, Q6_K, Q5_0, Q8_0) by the native
+    kernels and layers: a verified row is bit-identical to one-row decoding's, so every drafter's greedy
+    output equals plain greedy output token for token."""
+
+    def test_every_drafter_reproduces_plain_greedy_output_exactly(
+            self, target_gguf: LoadedModel, draft_gguf: LoadedModel, capsys) -> None:
+        from forerun.models.gguf_format import GGUFLinear
+
+        assert isinstance(target_gguf.decoder.lm_head, GGUFLinear) and target_gguf.decoder._native_layers()
+        params = SamplingParams(max_tokens=W8A8_MAX_TOKENS)
+        prompts = [target_gguf.tokenizer.apply_chat(chat(text)) for text in PAIR_PROMPTS]
+        plain = LLM(target_gguf)
+        want = [plain.generate(ids, params)[0].token_ids for ids in prompts]
+        report, totals = [], [0, 0]
+        for method, options in W8A8_METHODS:
+            uses_draft = method in ("auto", "draft")
+            spec = LLM(target_gguf, speculative_model=draft_gguf if uses_draft else None, speculative_method=method,
+                       speculative_options=options, num_speculative_tokens=3, speculative_k_policy="fixed")
+            drafted = accepted = 0
+            for ids, expected in zip(prompts, want):
+                got = spec.generate(ids, params)[0]
+                assert got.token_ids == expected, (method, spec.tokenizer.decode(got.token_ids),
+                                                   spec.tokenizer.decode(expected))
+                drafted += got.metrics.num_draft_tokens
+                accepted += got.metrics.num_accepted_tokens
+            report.append(f"{method}: {accepted}/{drafted} draft tokens kept")
+            assert drafted > 0, report[-1]
+            totals[0] += drafted
+            totals[1] += accepted
+        with capsys.disabled():
+            print("\ngguf pair, greedy, every drafter identical to plain: " + "; ".join(report))
+        assert totals[0] > totals[1] > 0

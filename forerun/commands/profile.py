@@ -14,20 +14,23 @@ kernels can reach; the rest of the pass is what everything else costs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
 from forerun.errors import ForerunError
 from forerun.models.attention import RowLayout
+from forerun.models.gguf_format import GGUFLinear
 from forerun.models.linear import Int8Linear, Linear
 from forerun.models.load import QUANTIZATIONS
 from forerun.models.w8a8 import W8A8Linear
 
 # Ops by kind, by the name the profiler gives them. Anything else counts as "other ops".
-PRODUCT_OPS = {"quantized::linear_dynamic", "onednn::qlinear_pointwise", "quantized::linear_dynamic_fp16",
+PRODUCT_OPS = {"forerun::product", "quantized::linear_dynamic", "onednn::qlinear_pointwise", "quantized::linear_dynamic_fp16",
                "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::mm", "aten::addmm",
                "aten::linear", "aten::matmul"}
 ATTENTION_OPS = {"aten::bmm", "aten::softmax", "aten::_softmax", "aten::scaled_dot_product_attention",
@@ -39,8 +42,9 @@ ELEMENTWISE_OPS = {"aten::mul", "aten::mul_", "aten::add", "aten::add_", "aten::
                    "aten::rsqrt", "aten::pow", "aten::mean", "aten::abs", "aten::amax", "aten::clamp_min_",
                    "aten::clamp_min", "aten::silu", "aten::addcmul", "aten::roll", "aten::neg", "aten::exp",
                    "aten::masked_fill_", "aten::where", "aten::max", "aten::sum"}
-KINDS = ("products", "attention", "element-wise", "copies", "other ops", "between ops")
-PRODUCT_MODULES = (Linear, Int8Linear, W8A8Linear)
+NATIVE_LAYERS = "forerun::native layer"   # a whole layer in one native call (the gguf format)
+KINDS = ("native layers", "products", "attention", "element-wise", "copies", "other ops", "between ops")
+PRODUCT_MODULES = (Linear, Int8Linear, W8A8Linear, GGUFLinear)
 
 
 @dataclass
@@ -112,7 +116,8 @@ def profile_pass(decoder, rows: int, context: int, steps: int, top: int, bound: 
         start = time.perf_counter()
         one_pass()
         times.append(time.perf_counter() - start)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, named_products(decoder), \
+            named_native_layers(decoder):
         start = time.perf_counter()
         one_pass()
         profiled_ms = (time.perf_counter() - start) * 1000
@@ -131,13 +136,67 @@ def profile_pass(decoder, rows: int, context: int, steps: int, top: int, bound: 
     ops.sort(key=lambda op: -op[1])
     result = Breakdown(rows, wall_ms, kinds, ops[:top])
     if bound:
-        result.products_alone_ms, result.weight_bytes = products_alone(decoder, one_pass, steps)
+        result.products_alone_ms, result.weight_bytes = products_alone(decoder, one_pass, steps, rows)
     return result
 
 
-def products_alone(decoder, one_pass, steps: int) -> tuple[float, int]:
+@contextlib.contextmanager
+def named_products(decoder) -> Iterator[None]:
+    """Every product module's call as a profiler range named forerun::product, so products whose
+    work is no torch op (the native kernels') are counted as products, not as time between ops."""
+    ranges: list = []
+
+    def enter(module, args) -> None:
+        ranges.append(torch.profiler.record_function("forerun::product"))
+        ranges[-1].__enter__()
+
+    def leave(module, args, output) -> None:
+        ranges.pop().__exit__(None, None, None)
+
+    modules = [m for m in decoder.modules() if isinstance(m, PRODUCT_MODULES)]
+    hooks = [h for m in modules for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@contextlib.contextmanager
+def named_native_layers(decoder) -> Iterator[None]:
+    """Every native layer call of `decoder` as a profiler range of its own (no torch op's time)."""
+    prepared = decoder._native_layers()
+    if prepared is None:
+        yield
+        return
+    lib = prepared.lib
+    run = lib.fr_layer
+
+    def named(*args):
+        with torch.profiler.record_function(NATIVE_LAYERS):
+            return run(*args)
+
+    prepared.lib = _Named(lib, named)
+    try:
+        yield
+    finally:
+        prepared.lib = lib
+
+
+class _Named:
+    """The library with fr_layer wrapped, every other function as it is."""
+
+    def __init__(self, lib, fr_layer) -> None:
+        self._lib, self.fr_layer = lib, fr_layer
+
+    def __getattr__(self, name: str):
+        return getattr(self._lib, name)
+
+
+def products_alone(decoder, one_pass, steps: int, rows: int) -> tuple[float, int]:
     """(ms, bytes): the product modules `one_pass` calls, called again back to back on the inputs
-    they had in it (the median of `steps` runs), and the bytes of their weights, each module once."""
+    they had in it (the median of `steps` runs), and the bytes of their weights, each module once.
+    Products inside native layers are no module call of the pass: each is called on random rows."""
     calls: list[tuple[torch.nn.Module, torch.Tensor]] = []
     hooks = [m.register_forward_pre_hook(lambda m, args: calls.append((m, args[0].clone())))
              for m in decoder.modules() if isinstance(m, PRODUCT_MODULES)]
@@ -146,6 +205,10 @@ def products_alone(decoder, one_pass, steps: int) -> tuple[float, int]:
     finally:
         for hook in hooks:
             hook.remove()
+    if decoder._native_layers() is not None:
+        for block in decoder.layers:
+            for module in (block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj):
+                calls.append((module, torch.randn(rows, module.in_features)))
 
     def run() -> None:
         for module, x in calls:
@@ -164,6 +227,8 @@ def products_alone(decoder, one_pass, steps: int) -> tuple[float, int]:
 
 def weight_bytes(module: torch.nn.Module) -> int:
     """Bytes of a product's weights as stored: its own parameters and buffers (w8a8: its int8 weight too)."""
+    if isinstance(module, GGUFLinear):
+        return module.weight_bytes()
     tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
     if isinstance(module, W8A8Linear):
         tensors.append(module.qweight())
@@ -171,6 +236,8 @@ def weight_bytes(module: torch.nn.Module) -> int:
 
 
 def kind_of(op: str) -> str:
+    if op == NATIVE_LAYERS:
+        return "native layers"
     if op in PRODUCT_OPS:
         return "products"
     if op in ATTENTION_OPS:

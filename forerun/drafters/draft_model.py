@@ -354,5 +354,15 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def _num_weights(module: torch.nn.Module) -> int:
-    """Weights in any format: parameters and int8 buffers alike."""
-    return sum(t.numel() for t in [*module.parameters(), *module.buffers()])
+    """Weights in any format: parameters and int8 buffers alike, GGUF blocks by the weights they hold."""
+    from forerun.models.gguf_format import GGUFEmbedding, GGUFLinear
+
+    total = 0
+    for m in module.modules():
+        if isinstance(m, GGUFLinear):
+            total += m.in_features * m.out_features
+        elif isinstance(m, GGUFEmbedding):
+            total += m.num_embeddings * m.embedding_dim
+        else:
+            total += sum(t.numel() for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
+    return total

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from forerun.models.linear import Int8Linear, Linear
 from forerun.models.load import LoadedModel, model_identity
+from forerun.models.gguf_format import GGUFLinear
 from forerun.models.w8a8 import W8A8Linear
 from forerun.paths import forerun_home
 
@@ -125,7 +126,8 @@ def _rows_w8a8(head: W8A8Linear, ids: torch.Tensor) -> nn.Module:
     return W8A8Linear(head.qweight()[ids], head.scale[ids], None if head.bias is None else head.bias[ids])
 
 
-_ROWS = {Linear: _rows_linear, Int8Linear: _rows_int8, W8A8Linear: _rows_w8a8}
+_ROWS = {Linear: _rows_linear, Int8Linear: _rows_int8, W8A8Linear: _rows_w8a8,
+         GGUFLinear: lambda head, ids: head.take_rows(ids.cpu())}
 
 
 def reduced_head(head: nn.Module, ids: torch.Tensor) -> nn.Module:

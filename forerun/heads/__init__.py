@@ -22,6 +22,7 @@ from torch import nn
 from forerun.errors import ForerunError
 from forerun.models.linear import Int8Linear, Linear
 from forerun.models.load import LoadedModel, model_identity
+from forerun.models.gguf_format import GGUFLinear
 from forerun.models.w8a8 import W8A8Linear
 
 CONFIG = "config.json"
@@ -59,6 +60,8 @@ def float_weight(module: nn.Module) -> torch.Tensor:
     """The float32 weight [out, in] of a product in any of forerun's formats."""
     if isinstance(module, W8A8Linear):
         return module.qweight().float() * module.scale[:, None]
+    if isinstance(module, GGUFLinear):
+        return module.dequantized()
     if isinstance(module, Int8Linear):
         return module.qweight.float() * module.scale.float()[:, None]
     if isinstance(module, (Linear, nn.Linear)):
@@ -140,18 +143,24 @@ def build_head(config: HeadConfig, target: LoadedModel) -> nn.Module:
 
 
 def fast_products_(head: nn.Module) -> nn.Module:
-    """Every nn.Linear of a trained head as a w8a8 product where the CPU runs one (a
-    drafting head's weights are read once per draft token, so bytes are its cost), in place."""
+    """Every nn.Linear of a trained head as an 8-bit product (a drafting head's weights are read
+    once per draft token, so bytes are its cost), in place: Q8_0 blocks on the native kernels where
+    they run (the kernels the model's own products use), else w8a8 where fbgemm runs."""
+    from forerun import native
     from forerun.models import w8a8
+    from forerun.models.gguf_format import GGUFLinear
 
     device = next(head.parameters()).device
-    if not w8a8.available(device):
+    blocks = device.type == "cpu" and native.available()
+    if not blocks and not w8a8.available(device):
         return head
     for module in list(head.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                bias = child.bias.detach() if child.bias is not None else None
-                setattr(module, name, W8A8Linear.from_float(child.weight.detach(), bias))
+                weight, bias = child.weight.detach(), child.bias.detach() if child.bias is not None else None
+                fast = GGUFLinear.from_float(weight, bias) if blocks and weight.shape[1] % 32 == 0 \
+                    else W8A8Linear.from_float(weight, bias)
+                setattr(module, name, fast)
     return head
 
 

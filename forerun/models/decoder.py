@@ -8,6 +8,7 @@ verification), whose attention computes every row exactly as it would come out a
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -15,10 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from forerun.kv_cache import KVCache
+from forerun.models import native_layer
 from forerun.models.attention import RowLayout, Segment, attend, key_length
 from forerun.models.linear import Linear
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+NATIVE_ENV = "FORERUN_NATIVE_LAYERS"   # 0: row-exact forwards through PyTorch even where native layers run
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,7 @@ class Decoder(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.activation_dtype: torch.dtype | None = None   # None: the weights' dtype; a format may set float32
         self._rope = Rope(cfg.head_dim, cfg.rope_theta)
+        self._native = False                               # not looked at yet (`_native_layers`)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -204,7 +208,7 @@ class Decoder(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     def tie_weights(self) -> None:
         if self.cfg.tie_embeddings and isinstance(self.lm_head, Linear):
@@ -256,10 +260,17 @@ class Decoder(nn.Module):
         x = self.embed_tokens(tokens).to(dtype)                                    # [B, T, hidden]
         layer_hidden = None
         blocks = self.layers
-        for i in (range(self.cfg.num_layers) if layers is None else layers):
-            x = blocks[i].forward(x, cos, sin, cache, i, mask, causal, layout)
-            if i == hidden_layer:
-                layer_hidden = x
+        order = range(self.cfg.num_layers) if layers is None else layers
+        fast = self._native_layers() if layout is not None and tokens.shape[0] == 1 else None
+        if fast is not None:                     # every row-exact layer in one native call each
+            rows = segments if segments is not None else [Segment(0, t, cache, layout)]
+            x, layer_hidden = native_layer.run_layers(self, fast, x[0], cos[0], sin[0], rows, order, hidden_layer)
+            x, layer_hidden = x[None], None if layer_hidden is None else layer_hidden[None]
+        else:
+            for i in order:
+                x = blocks[i].forward(x, cos, sin, cache, i, mask, causal, layout)
+                if i == hidden_layer:
+                    layer_hidden = x
         for seg in segments if segments is not None else ():
             seg.cache.advance(seg.stop - seg.start)
         if cache is not None:
@@ -273,6 +284,13 @@ class Decoder(nn.Module):
         return DecoderOutput(logits=(self.lm_head if head is None else head)(scored).float(),
                              hidden=x if output_hidden else None,
                              layer_hidden=layer_hidden)
+
+    def _native_layers(self):
+        """The layers' native descriptions (`native_layer.prepare`), made at the first row-exact
+        forward; None where the format has none (or FORERUN_NATIVE_LAYERS=0)."""
+        if self._native is False:
+            self._native = native_layer.prepare(self) if os.environ.get(NATIVE_ENV, "1") != "0" else None
+        return self._native
 
     @staticmethod
     def _mask(mask: torch.Tensor | None, past: int, t: int, device) -> tuple[torch.Tensor | None, bool]:

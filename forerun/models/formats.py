@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from forerun import cpu
+from forerun import cpu, native
 from forerun.errors import ForerunError
 from forerun.models import w8a8
 from forerun.models.linear import quantize_int8_
@@ -56,20 +56,33 @@ FORMATS: dict[str, Format] = {
 }
 
 
+def _gguf_from_float(decoder: nn.Module, progress: bool = False) -> nn.Module:
+    raise ForerunError("--quantization gguf computes a GGUF file's own blocks, and this model was not loaded "
+                       "from a .gguf file; use w8a8 (or auto)")
+
+
+FORMATS["gguf"] = Format("gguf", "a GGUF file's own blocks (Q4_K, Q6_K, Q5_0, Q8_0, ...) through forerun's "
+                                 "native kernels: the file's bytes, rows bit-identical alone or batched",
+                         _gguf_from_float, lambda decoder, state: _gguf_from_float(decoder), ("cpu",))
+GGUF = "gguf"
 AUTO = "auto"
 
 
-def choose_auto(device: torch.device | str) -> tuple[str | None, str]:
+def choose_auto(device: torch.device | str, source_kind: str | None = None) -> tuple[str | None, str]:
     """(format or None for the weights' own dtype, why) for `--quantization auto`.
 
-    Measured on the 1.5B target, one pass at 1 / 8 / 16 rows (docs/benchmarks.md): without native
-    bf16 matrix units (AVX2) bf16 costs 190 ms and more per row while w8a8 stays near flat; with AMX
-    bf16 is flat (215 / 208 / 218 ms) but w8a8 is faster still (78 / 130 / 152 ms) up to ~64 rows,
-    far more than a step verifies. So w8a8 wherever fbgemm runs.
+    A GGUF file on a CPU where forerun's native kernels run: `gguf`, the file's own blocks (the
+    fewest bytes a pass reads, and no conversion). Otherwise w8a8 wherever fbgemm runs: measured on
+    the 1.5B target, one pass at 1 / 8 / 16 rows (docs/benchmarks.md), without native bf16 matrix
+    units (AVX2) bf16 costs 190 ms and more per row while w8a8 stays near flat; with AMX bf16 is
+    flat (215 / 208 / 218 ms) but w8a8 is faster still (78 / 130 / 152 ms).
     """
     kind = torch.device(device).type
     if kind != "cpu":
         return None, f"on {kind} the weights stay in their dtype"
+    if source_kind == "gguf" and native.available():
+        return GGUF, (f"a GGUF file on a CPU the native kernels run ({native.path()} path): its own blocks, "
+                      "the fewest bytes a pass reads, rows bit-identical alone or batched")
     if w8a8.available(device):
         units = "AMX bf16 units, but" if cpu.has_amx() else "no native bf16 matrix units:"
         return "w8a8", (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has {units} int8 products "
@@ -79,11 +92,16 @@ def choose_auto(device: torch.device | str) -> tuple[str | None, str]:
     return "int8", "no fbgemm in this PyTorch: int8 weights"
 
 
-def resolve(name: str | None, device: torch.device | str) -> str | None:
-    """`name` with "auto" replaced by the choice for `device` (which is said on stderr once)."""
+def resolve(name: str | None, device: torch.device | str, source_kind: str | None = None) -> str | None:
+    """`name` with "auto" replaced by the choice for `device` and a model from `source_kind` ("gguf"
+    for a GGUF file), said on stderr once; `gguf` where the native kernels cannot run here becomes
+    w8a8, said once."""
+    if name == GGUF and torch.device(device).type == "cpu" and not native.available():
+        _say_once(f"--quantization gguf: {native.problem()}; using w8a8 instead")
+        return "w8a8"
     if name != AUTO:
         return name
-    chosen, why = choose_auto(device)
+    chosen, why = choose_auto(device, source_kind)
     _say_once(f"--quantization auto: {chosen or 'none'} ({why})")
     return chosen
 
@@ -109,17 +127,44 @@ def check_device(name: str, device: torch.device | str) -> None:
     """A clear error when `device` cannot run format `name`, naming the formats it can."""
     kind = torch.device(device).type
     fmt = get(name)
-    runs = kind in fmt.devices and (name != "w8a8" or w8a8.available(device))
-    if not runs:
-        usable = [f.name for f in FORMATS.values() if kind in f.devices and (f.name != "w8a8" or w8a8.available(device))]
+    if not _runs(name, device):
+        usable = [f.name for f in FORMATS.values() if _runs(f.name, device)]
+        needs = {"w8a8": " with fbgemm", "gguf": " with forerun's native kernels"}.get(name, "")
         raise ForerunError(f"--quantization {name} does not run on {kind} (it needs "
-                           f"{' or '.join(fmt.devices)}{' with fbgemm' if name == 'w8a8' else ''}); on {kind} use "
+                           f"{' or '.join(fmt.devices)}{needs}); on {kind} use "
                            f"{' or '.join(usable) if usable else 'no quantization'}, or leave --quantization out")
+
+
+def _runs(name: str, device: torch.device | str) -> bool:
+    if torch.device(device).type not in FORMATS[name].devices:
+        return False
+    if name == "w8a8":
+        return w8a8.available(device)
+    if name == GGUF:
+        return native.available()
+    return True
+
+
+def current(decoder: nn.Module) -> str | None:
+    """The format `decoder`'s products are in, None for float weights."""
+    from forerun.models.gguf_format import GGUFLinear
+    from forerun.models.linear import Int8Linear
+
+    for module, name in ((GGUFLinear, GGUF), (w8a8.W8A8Linear, "w8a8"), (Int8Linear, "int8")):
+        if isinstance(decoder.lm_head, module):
+            return name
+    return None
 
 
 def quantize_(decoder: nn.Module, name: str, progress: bool = False) -> nn.Module:
     """`decoder` (float weights) to format `name`, in place; `progress`: a bar on stderr where the
-    format can show one (a 1.5B model takes minutes)."""
+    format can show one (a 1.5B model takes minutes). A decoder already in a format keeps it for
+    "auto" or that format's name, and is refused another."""
+    already = current(decoder)
+    if already is not None:
+        if name in (AUTO, already):
+            return decoder
+        raise ForerunError(f"the model is already in {already}; load it again to use {name}")
     name = resolve(name, decoder.device)
     if name is None:
         return decoder

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import struct
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -27,17 +28,20 @@ _TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
+_REFETCH = "download it again (for an embedded model, `forerun models fetch --force NAME`)"
+
+
 def open_reader(path: Path):
-    import gguf
+    """The file's header (`gguf_file.GGUFFile`: metadata and the tensor table, tensors memory-mapped)."""
+    from forerun.models.gguf_file import GGUFFile, GGUFFormatError
 
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises many types on a bad or short file
-        raise ForerunError(
-            f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}). "
-            "It may be truncated or corrupt: download it again (for an embedded model, "
-            "`forerun models fetch --force NAME`)."
-        ) from None
+        return GGUFFile(path)
+    except GGUFFormatError as exc:
+        raise ForerunError(f"{path} is not a readable GGUF file: {exc}; {_REFETCH}") from None
+    except (OSError, ValueError, UnicodeDecodeError, struct.error) as exc:
+        raise ForerunError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}). "
+                           f"It may be truncated or corrupt: {_REFETCH}.") from None
 
 
 def _field(reader, key: str, default=None):
@@ -139,3 +143,43 @@ def iter_tensors(reader, cfg: DecoderConfig, dtype: torch.dtype,
             elif name.endswith(("k_proj.weight", "k_proj.bias")):
                 array = _unpermute(array, cfg.num_kv_heads)
         yield name, torch.from_numpy(array).to(dtype)
+
+
+def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a decoder reads, with its GGUF shape (fastest dimension first: [in, out])."""
+    h, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (h, cfg.vocab_size), "output_norm.weight": (h,)}
+    if not cfg.tie_embeddings:
+        shapes["output.weight"] = (h, cfg.vocab_size)
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        shapes.update({p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,), p + "attn_q.weight": (h, q),
+                       p + "attn_k.weight": (h, kv), p + "attn_v.weight": (h, kv), p + "attn_output.weight": (q, h),
+                       p + "ffn_gate.weight": (h, f), p + "ffn_up.weight": (h, f), p + "ffn_down.weight": (f, h)})
+        if cfg.attention_bias:
+            shapes.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
+    return shapes
+
+
+def check_tensors(reader, cfg: DecoderConfig, path: Path) -> None:
+    """Before any work: every tensor the model needs is there, shaped as its metadata says, with all
+    its bytes inside the file; else a ForerunError naming the file and the tensor."""
+    import gguf
+
+    tensors = {t.name: t for t in reader.tensors}
+    size = Path(path).stat().st_size
+    for name, shape in expected_shapes(cfg).items():
+        t = tensors.get(name)
+        if t is None:
+            raise ForerunError(f"{path}: tensor {name} is missing; the file is incomplete or not a "
+                               f"{cfg.architecture} model")
+        got = tuple(int(d) for d in t.shape)
+        if got != shape:
+            raise ForerunError(f"{path}: tensor {name} has shape {list(got)}, the model's metadata says "
+                               f"{list(shape)}; the file is corrupt or inconsistent")
+        block, type_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        need = int(np.prod(got)) // block * type_bytes
+        if int(t.data_offset) + need > size or t.data.nbytes < need:
+            raise ForerunError(f"{path}: tensor {name} runs past the end of the file ({size:,} bytes); "
+                               "it is truncated: download it again (for an embedded model, "
+                               "`forerun models fetch --force NAME`)")

@@ -128,10 +128,16 @@ def load_model(spec: str, dtype: str | torch.dtype = "bfloat16", device: str | N
         formats.get(quantization)                   # an unknown name fails before any work
     source = resolve(spec)
     torch_dtype, torch_device = parse_dtype(dtype), resolve_device(device)
-    quantization = formats.resolve(quantization, torch_device)
+    quantization = formats.resolve(quantization, torch_device, source.kind)
     if quantization is not None:
         formats.check_device(quantization, torch_device)
-    if source.kind == "gguf":
+    if quantization == formats.GGUF and source.kind != "gguf":
+        raise ForerunError(f"--quantization gguf computes a GGUF file's own blocks, and {spec} is a model folder; "
+                           "use w8a8 (or auto) for it")
+    if source.kind == "gguf" and quantization == formats.GGUF:
+        cfg, _, tok_dir = _load_gguf(source.path, torch_dtype, with_tokenizer, convert=False)
+        decoder = _build_gguf(source.path, cfg, torch_device)
+    elif source.kind == "gguf":
         cfg, weights, tok_dir = _load_gguf(source.path, torch_dtype, with_tokenizer)
         decoder = _build_cached(cfg, weights, quantization, torch_device)
     else:
@@ -156,6 +162,18 @@ def _build_cached(cfg: DecoderConfig, weights: Path, quantization: str | None, d
     decoder = formats.quantize_(build_decoder(cfg, load_file(str(weights)), device), quantization, progress=True)
     _atomic_save_tensors({k: v.contiguous() for k, v in decoder.state_dict().items()}, quantized)
     return decoder
+
+
+def _build_gguf(path: Path, cfg: DecoderConfig, device: torch.device) -> Decoder:
+    """The `gguf` format: products over the file's own blocks (no conversion, nothing cached)."""
+    from forerun.models import gguf_format, gguf_loader
+
+    reader = gguf_loader.open_reader(path)
+    gguf_loader.check_tensors(reader, cfg, path)
+    try:
+        return gguf_format.load_decoder(reader, cfg).to(device)
+    except (KeyError, ValueError) as exc:
+        raise ForerunError(f"{path}: its tensors do not fit the model ({exc}); the file may be corrupt") from None
 
 
 def build_decoder(cfg: DecoderConfig, state: dict[str, torch.Tensor], device: torch.device,
@@ -245,7 +263,9 @@ def _check_gguf_magic(path: Path) -> None:
                            "Pass a .gguf model file (for an embedded model, `forerun models fetch --force NAME`).")
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool):
+def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool, convert: bool = True):
+    """(config, converted weights file, tokenizer folder); `convert`: also dequantize the weights
+    into the cache (the float and w8a8/int8 formats start from them; `gguf` reads the file itself)."""
     from forerun.models import gguf_loader
 
     _check_gguf_magic(path)
@@ -256,13 +276,13 @@ def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool):
     if config_file.is_file() and _is_stale(json.loads(config_file.read_text())):
         for old in [config_file, *cache.glob("weights-*.safetensors")]:
             old.unlink(missing_ok=True)
-    if not weights.is_file() or not config_file.is_file():
+    if (convert and not weights.is_file()) or not config_file.is_file():
         # Read everything before writing anything: a bad file leaves no cache entry behind.
         reader = gguf_loader.open_reader(path)
         cfg = gguf_loader.read_config(reader)
-        state = dict(gguf_loader.iter_tensors(reader, cfg, dtype))
         cache.mkdir(parents=True, exist_ok=True)
-        _atomic_save_tensors(state, weights)
+        if convert:
+            _atomic_save_tensors(dict(gguf_loader.iter_tensors(reader, cfg, dtype)), weights)
         _atomic_write_text(config_file, json.dumps({**asdict(cfg), "conversion": _CONVERSION}, indent=1))
     raw = json.loads(config_file.read_text())
     raw.pop("conversion", None)

@@ -1,0 +1,295 @@
+"""The `gguf` format: a GGUF model's products computed from the file's own weight blocks.
+
+No dequantize-and-requantize: each product reads the blocks the user chose (Q4_K, Q6_K, Q5_0, ...)
+through forerun's kernel library (`forerun/native`), with each row's activations quantized to int8
+blocks and integer dot products inside a block, so a row's result is bit-identical alone or in any
+batch. q/k/v and gate/up run as one product each (one activation quantization, one call per part,
+whatever their block types). A tensor in a type the kernels do not read is dequantized and computed
+as a w8a8 product (row-exact too), and the loader says which.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from forerun import native
+
+
+@dataclass
+class Part:
+    """One GGUF tensor's rows inside a product: `rows` outputs from the packed blocks of `type_id`."""
+    type_id: int
+    rows: int
+    packed: torch.Tensor          # uint8: native.repack's tile layout
+    raw: torch.Tensor | None      # uint8 [rows, row bytes]: the file's blocks (a memory map), for taking rows
+
+
+class _Scratch(threading.local):
+    """Activation buffers reused across calls, per thread (two requests may run products at once)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def act(self, rows: int, k: int) -> torch.Tensor:
+        width = native.act_row_bytes(k)
+        buf = self.buffers.get(k)
+        if buf is None or buf.shape[0] < rows:
+            with torch.inference_mode(False):
+                buf = torch.empty(max(rows, 2 * (buf.shape[0] if buf is not None else 8)), width, dtype=torch.uint8)
+            self.buffers[k] = buf
+        return buf[:rows]
+
+
+_scratch = _Scratch()
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ W.T + bias, W the stacked rows of one or more GGUF tensors (float32 in and out).
+
+    `fallback` parts (a module per part, or None for a native one) cover tensors in types the kernels
+    do not read.
+    """
+
+    def __init__(self, in_features: int, parts: list[Part], bias: torch.Tensor | None = None,
+                 fallback: list[nn.Module | None] | None = None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.parts = parts
+        self.out_features = sum(p.rows for p in parts)
+        self.kernel = native.path()
+        self.fallback = nn.ModuleList(m for m in (fallback or []) if m is not None)
+        self._fallback = fallback or [None] * len(parts)
+        self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+        self._blocks = sorted({native.block_inputs(p.type_id) for p, f in zip(parts, self._fallback) if f is None})
+        for i, p in enumerate(parts):                 # buffers: .to(), state_dict and byte counts see them
+            self.register_buffer(f"packed{i}", p.packed, persistent=False)
+
+    def extra_repr(self) -> str:
+        kinds = ",".join(native.TYPE_NAMES.get(p.type_id, f"fallback{p.type_id}") for p in self.parts)
+        return (f"in_features={self.in_features}, out_features={self.out_features}, parts={kinds}, "
+                f"bias={self.bias is not None}, kernel={self.kernel}")
+
+    def weight_bytes(self) -> int:
+        """Bytes a pass reads: the packed blocks (and any fallback product's own weights)."""
+        total = sum(p.packed.numel() for p, f in zip(self.parts, self._fallback) if f is None)
+        for f in self._fallback:
+            if f is not None:
+                total += sum(t.numel() * t.element_size() for t in [*f.parameters(), *f.buffers()])
+        return total
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+            rows = rows.float().contiguous()
+        m = rows.shape[0]
+        acts = {}
+        for block in self._blocks:
+            acts[block] = native.quantize(rows, block, out=_scratch.act(m, self.in_features), kernel_path=self.kernel) \
+                if len(self._blocks) == 1 else native.quantize(rows, block, kernel_path=self.kernel)
+        y = torch.empty(m, self.out_features, dtype=torch.float32)
+        start = 0
+        bias = self.bias
+        for part, fallback in zip(self.parts, self._fallback):
+            out = y[:, start:start + part.rows]
+            if fallback is not None:
+                out.copy_(fallback(rows))
+                if bias is not None:
+                    out.add_(bias[start:start + part.rows])
+            else:
+                native.matmul(part.type_id, part.packed, part.rows, self.in_features,
+                              acts[native.block_inputs(part.type_id)], m, out,
+                              None if bias is None else bias[start:start + part.rows], kernel_path=self.kernel)
+            start += part.rows
+        return y.view(*shape[:-1], self.out_features)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "GGUFLinear":
+        """A float weight [out, in] (in a multiple of 32) as Q8_0 blocks (gguf-py's quantizer): for
+        weights that come as floats, a trained draft head's, on the same kernels as the model's."""
+        import gguf
+
+        out_features, in_features = weight.shape
+        blocks = gguf.quants.quantize(weight.detach().float().cpu().numpy(), gguf.GGMLQuantizationType.Q8_0)
+        raw = torch.from_numpy(np.ascontiguousarray(blocks)).view(torch.uint8).reshape(out_features, -1)
+        type_id = native.TYPES["Q8_0"]
+        packed = native.repack(type_id, raw.reshape(-1), out_features, in_features)
+        return cls(in_features, [Part(type_id, out_features, packed, raw)], bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [out, in] these blocks hold (fallback parts: their own float weight)."""
+        pieces = []
+        for part, fallback in zip(self.parts, self._fallback):
+            if fallback is not None:
+                from forerun.models.w8a8 import W8A8Linear
+
+                pieces.append(fallback.qweight().float() * fallback.scale[:, None] if isinstance(fallback, W8A8Linear)
+                              else fallback.weight.detach().float())
+            elif part.raw is None:
+                raise TypeError("this product kept no copy of its blocks to dequantize")
+            else:
+                pieces.append(native.dequantize_rows(part.type_id, part.raw.reshape(-1), self.in_features,
+                                                     torch.arange(part.rows)))
+        return torch.cat(pieces)
+
+    def take_rows(self, ids: torch.Tensor) -> "GGUFLinear":
+        """A product scoring only outputs `ids` (a reduced vocabulary): the same blocks, repacked."""
+        if len(self.parts) != 1 or self._fallback[0] is not None or self.parts[0].raw is None:
+            raise TypeError("rows can be taken from a single native GGUF product only")
+        part = self.parts[0]
+        raw = part.raw[ids].contiguous()
+        packed = native.repack(part.type_id, raw.view(-1), len(ids), self.in_features)
+        bias = None if self.bias is None else self.bias[ids]
+        return GGUFLinear(self.in_features, [Part(part.type_id, len(ids), packed, raw)], bias)
+
+
+class GGUFEmbedding(nn.Module):
+    """Rows of a GGUF embedding table dequantized as they are looked up (one row a token is read)."""
+
+    def __init__(self, type_id: int, raw: torch.Tensor, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.type_id, self.raw = type_id, raw                  # raw: uint8 [num_embeddings, row bytes]
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        # Dequantizing needs a tensor to say the module's device and dtype, as nn.Embedding's weight does.
+        self.register_buffer("anchor", torch.zeros(0), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table dequantized (float32, hundreds of MB for a real vocabulary): for code that
+        needs the matrix itself (a checksum, training a head from it); looking rows up reads only them."""
+        return native.dequantize_rows(self.type_id, self.raw, self.embedding_dim,
+                                      torch.arange(self.num_embeddings))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={native.TYPE_NAMES[self.type_id]}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        return native.dequantize_rows(self.type_id, self.raw, self.embedding_dim, flat).view(*ids.shape, -1)
+
+
+def say(message: str) -> None:
+    print(f"forerun: {message}", file=sys.stderr, flush=True)
+
+
+def raw_rows(data: np.ndarray, rows: int) -> torch.Tensor:
+    """A GGUF tensor's bytes (gguf-py's memory map) as uint8 [rows, row bytes], without copying."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # a read-only memory map: nothing here writes to it
+        return torch.from_numpy(np.ascontiguousarray(data).reshape(rows, -1).view(np.uint8))
+
+
+# --- a whole decoder from a GGUF file -------------------------------------------------------------
+
+
+def load_decoder(reader, cfg):
+    """A `Decoder` whose products, embedding and LM head read `reader`'s tensors as stored (the file
+    stays memory-mapped; only the tile layout the kernels read is a copy, made here in seconds)."""
+    from forerun.models.decoder import Decoder
+    from forerun.models.gguf_loader import _unpermute
+
+    tensors = {t.name: t for t in reader.tensors}
+    with torch.device("meta"):
+        decoder = Decoder(cfg)
+    fell_back: list[str] = []
+    permute = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if cfg.architecture in ("llama", "mistral") else {}
+
+    def rows_of(name: str) -> tuple[object, torch.Tensor | None, np.ndarray | None]:
+        """(tensor, its raw rows if a block type the kernels read, its float rows otherwise)."""
+        t = tensors[name]
+        n = int(t.shape[1]) if len(t.shape) > 1 else 1
+        part = name.split(".")[-2]
+        order = _unpermute(np.arange(n), permute[part]) if part in permute and name.startswith("blk.") else None
+        if native.supports(int(t.tensor_type)):
+            raw = raw_rows(t.data, n)
+            return t, (raw if order is None else raw[torch.from_numpy(order)].contiguous()), None
+        dense = _dequantized(t).reshape(n, -1)
+        return t, None, (dense if order is None else dense[order])
+
+    def product(names: list[str], biases: list[str] | None = None) -> GGUFLinear:
+        parts, fallbacks = [], []
+        k = None
+        for name in names:
+            t, raw, dense = rows_of(name)
+            k = int(t.shape[0])
+            n = int(t.shape[1])
+            if raw is not None:
+                parts.append(Part(int(t.tensor_type), n, native.repack(int(t.tensor_type), raw.view(-1), n, k), raw))
+                fallbacks.append(None)
+            else:
+                fell_back.append(f"{name} ({t.tensor_type.name})")
+                parts.append(Part(int(t.tensor_type), n, torch.empty(0, dtype=torch.uint8), None))
+                fallbacks.append(_fallback_product(torch.from_numpy(np.ascontiguousarray(dense))))
+        bias = None
+        if biases:
+            pieces = []
+            for name in biases:
+                b = _dequantized(tensors[name]).reshape(-1)
+                part = name.split(".")[-2]
+                pieces.append(torch.from_numpy(b if part not in permute else _unpermute(b, permute[part]).copy()))
+            bias = torch.cat(pieces)
+        return GGUFLinear(k, parts, bias, fallbacks if any(f is not None for f in fallbacks) else None)
+
+    def norm(name: str) -> nn.Parameter:
+        return nn.Parameter(torch.from_numpy(_dequantized(tensors[name]).reshape(-1).copy()), requires_grad=False)
+
+    for i, block in enumerate(decoder.layers):
+        attn, mlp = block.self_attn, block.mlp
+        p = f"blk.{i}."
+        qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        attn.qkv_proj = product(qkv, [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
+                                if cfg.attention_bias else None)
+        attn.o_proj = product([p + "attn_output.weight"])
+        mlp.gate_up_proj = product([p + "ffn_gate.weight", p + "ffn_up.weight"])
+        mlp.down_proj = product([p + "ffn_down.weight"])
+        del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+        block.input_layernorm.weight = norm(p + "attn_norm.weight")
+        block.post_attention_layernorm.weight = norm(p + "ffn_norm.weight")
+    embd = tensors["token_embd.weight"]
+    if native.supports(int(embd.tensor_type)):
+        decoder.embed_tokens = GGUFEmbedding(int(embd.tensor_type), raw_rows(embd.data, cfg.vocab_size),
+                                             cfg.vocab_size, cfg.hidden_size)
+    else:
+        decoder.embed_tokens = nn.Embedding.from_pretrained(
+            torch.from_numpy(_dequantized(embd).reshape(cfg.vocab_size, -1).copy()), freeze=True)
+    decoder.norm.weight = norm("output_norm.weight")
+    decoder.lm_head = product(["output.weight" if "output.weight" in tensors else "token_embd.weight"])
+    decoder.activation_dtype = torch.float32
+    left = [n for n, t in [*decoder.named_parameters(), *decoder.named_buffers()] if t.is_meta]
+    if left:
+        raise KeyError(f"the GGUF file did not fill {left[:3]}")
+    if fell_back:
+        say(f"--quantization gguf: {len(fell_back)} tensors are in block types the native kernels do not read "
+            f"and run as w8a8 products instead: {', '.join(fell_back[:4])}{' ...' if len(fell_back) > 4 else ''}")
+    return decoder.eval()
+
+
+def _dequantized(t) -> np.ndarray:
+    import gguf
+
+    return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+
+def _fallback_product(weight: torch.Tensor) -> nn.Module:
+    """A tensor the kernels cannot read: a w8a8 product of its dequantized weights (row-exact too)."""
+    from forerun.models import w8a8
+    from forerun.models.linear import Linear
+
+    if w8a8.available("cpu"):
+        return w8a8.W8A8Linear.from_float(weight)
+    layer = Linear(weight.shape[1], weight.shape[0])
+    layer.weight = nn.Parameter(weight.float(), requires_grad=False)
+    return layer

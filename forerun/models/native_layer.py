@@ -1,0 +1,188 @@
+"""Decoding and verification layers in one native call each (forerun/native/src/layer_impl.h).
+
+A decoder whose every layer is GGUF products with RMSNorms (the `gguf` format) runs its row-exact
+forwards here: per layer one call does norm, q/k/v, rope, the cache write, attention, o, residual,
+norm, gate/up, SiLU, down and residual, where the PyTorch path makes some forty small calls.
+Attention reads, for each row, the cache slots it sees in their logical order (the root and its
+ancestors, wherever a tree put them), so branch rows need no entries moved into place, and each
+row's sums run in a fixed order: a row comes out the same alone or beside any others.
+
+`prepare(decoder)` says whether a decoder can run here and keeps its layers' descriptions;
+`run_layers` runs them for one forward.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from forerun import native
+from forerun.models.attention import RowLayout, Segment
+from forerun.models.gguf_format import GGUFLinear
+
+MAX_PARTS = 4
+_i64, _f32p, _u8p, _ptr = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint8), ctypes.c_void_p
+
+
+class Product(ctypes.Structure):
+    _fields_ = [("parts", _i64), ("type", _i64 * MAX_PARTS), ("rows", _i64 * MAX_PARTS),
+                ("packed", _ptr * MAX_PARTS), ("inputs", _i64), ("out", _i64), ("bias", _ptr)]
+
+
+class LayerDesc(ctypes.Structure):
+    _fields_ = [("qkv", Product), ("o", Product), ("gate_up", Product), ("down", Product),
+                ("norm1", _ptr), ("norm2", _ptr), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("ffn", _i64)]
+
+
+class RowDesc(ctypes.Structure):
+    _fields_ = [("k", _ptr), ("v", _ptr), ("layer_stride", _i64), ("slots", _i64), ("write", _i64),
+                ("prefix", _i64), ("n_extra", _i64), ("extra", _ptr), ("cos", _ptr), ("sin", _ptr)]
+
+
+class PassDesc(ctypes.Structure):
+    _fields_ = [("rows", _i64), ("row", ctypes.POINTER(RowDesc)), ("h", _ptr), ("qkv", _ptr), ("att", _ptr),
+                ("tmp", _ptr), ("gu", _ptr), ("act_k", _ptr), ("act_0", _ptr), ("scores", _ptr),
+                ("scores_stride", _i64)]
+
+
+@dataclass
+class NativeLayers:
+    """What the native layers need of a decoder, made once: a description per layer."""
+    layers: list[LayerDesc]
+    path: int                       # index into native.PATHS
+    widest: int                     # the most inputs any product reads (activation buffer rows)
+
+    def __post_init__(self) -> None:
+        self.lib = native.library()   # what runs fr_layer (the profiler wraps it)
+        self.addresses = [ctypes.addressof(layer) for layer in self.layers]
+
+
+def _product(module: nn.Module) -> Product | None:
+    if not isinstance(module, GGUFLinear) or len(module.parts) > MAX_PARTS or any(module._fallback):
+        return None
+    p = Product()
+    p.parts = len(module.parts)
+    for i, part in enumerate(module.parts):
+        p.type[i], p.rows[i], p.packed[i] = part.type_id, part.rows, part.packed.data_ptr()
+    p.inputs, p.out = module.in_features, module.out_features
+    p.bias = None if module.bias is None else module.bias.data_ptr()
+    return p
+
+
+def prepare(decoder) -> NativeLayers | None:
+    """The decoder's layers as native descriptions, or None when some layer cannot run natively
+    (another format, a product with a fallback part, sizes that are not multiples of 16)."""
+    from forerun.models.decoder import RMSNorm
+
+    cfg = decoder.cfg
+    if not native.available() or decoder.dtype != torch.float32 or decoder.device.type != "cpu":
+        return None
+    if any(n % 16 for n in (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size)) or cfg.num_heads % cfg.num_kv_heads:
+        return None
+    layers = []
+    for block in decoder.layers:
+        attn, mlp = block.self_attn, block.mlp
+        norms = (block.input_layernorm, block.post_attention_layernorm)
+        if not all(isinstance(n, RMSNorm) and n.weight.dtype == torch.float32 for n in norms) or attn.q_prescaled:
+            return None
+        products = [_product(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(p is None for p in products):
+            return None
+        desc = LayerDesc(*products)
+        desc.norm1, desc.norm2 = norms[0].weight.data_ptr(), norms[1].weight.data_ptr()
+        desc.eps, desc.scale = norms[0].eps, cfg.head_dim ** -0.5
+        desc.hidden, desc.heads, desc.kv_heads = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
+        desc.head_dim, desc.ffn = cfg.head_dim, cfg.intermediate_size
+        layers.append(desc)
+    widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
+    return NativeLayers(layers, native.PATHS.index(native.path()), widest)
+
+
+def _visible(layout: RowLayout, start: int) -> list[tuple[int, list[int]]]:
+    """For each row of `layout` (fed at slots start, start + 1, ...): (prefix, extra slots): it
+    attends to slots [0, prefix), then to the extra slots, in logical order."""
+    out: list[tuple[int, list[int]] | None] = [None] * len(layout.positions)
+    for group in layout.groups:
+        if group.visible is not None:                       # rows that need not be exact: their mask
+            for i, row in enumerate(group.rows):
+                slots = group.visible[i].nonzero().flatten().tolist()
+                prefix = 0
+                while prefix < len(slots) and slots[prefix] == prefix:
+                    prefix += 1
+                out[row] = (prefix, slots[prefix:])
+            continue
+        holding = dict(group.moves)
+        for row in group.rows:
+            position = layout.positions[row]
+            moved = [s for s in holding if s <= position]
+            prefix = min(moved) if moved else position + 1
+            out[row] = (prefix, [holding.get(s, s) for s in range(prefix, position + 1)])
+    return out  # type: ignore[return-value]
+
+
+class _Rows:
+    """The ctypes rows of one forward and the arrays their pointers point into (kept alive here)."""
+
+    def __init__(self, count: int) -> None:
+        self.array = (RowDesc * count)()
+        self.keep: list = []
+
+
+def _rows(segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor, cfg) -> tuple[_Rows, int]:
+    """Every row's description; the most slots any row attends to."""
+    total = sum(seg.stop - seg.start for seg in segments)
+    rows = _Rows(total)
+    most = 0
+    d = cfg.head_dim
+    for seg in segments:
+        cache = seg.cache
+        if cache.length + seg.stop - seg.start > cache.max_len:
+            raise ValueError(f"KV cache overflow: {cache.length + seg.stop - seg.start} slots needed, "
+                             f"{cache.max_len} allocated")
+        if cache.k.dtype != torch.float32 or cache.k.shape[1] != 1:
+            raise ValueError("native layers need a float32 cache of one sequence")
+        layer_stride = cache.k.stride(0)
+        for i, (prefix, extra) in enumerate(_visible(seg.layout, cache.length)):
+            r = rows.array[seg.start + i]
+            r.k, r.v = cache.k.data_ptr(), cache.v.data_ptr()
+            r.layer_stride, r.slots, r.write = layer_stride, cache.max_len, cache.length + i
+            r.prefix, r.n_extra = prefix, len(extra)
+            if extra:
+                slots = (ctypes.c_int32 * len(extra))(*extra)
+                rows.keep.append(slots)
+                r.extra = ctypes.addressof(slots)
+            r.cos = cos.data_ptr() + (seg.start + i) * d * 4
+            r.sin = sin.data_ptr() + (seg.start + i) * d * 4
+            most = max(most, prefix + len(extra))
+    return rows, most
+
+
+def run_layers(decoder, prepared: NativeLayers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               segments: list[Segment], layers, hidden_layer: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [T, hidden] float32 through `layers` (indices); cos, sin [T, head_dim] at each row's position.
+    Returns (x, the residual stream after `hidden_layer` or None)."""
+    cfg = decoder.cfg
+    t = x.shape[0]
+    cos, sin = cos.reshape(t, -1).float().contiguous(), sin.reshape(t, -1).float().contiguous()
+    rows, most = _rows(segments, cos, sin, cfg)
+    threads = torch.get_num_threads()
+    share_heads = cfg.num_heads // cfg.num_kv_heads
+    stride = share_heads * (-(-most // 16) * 16)
+    act_bytes = native.act_row_bytes(prepared.widest)
+    first = prepared.layers[0]
+    buffers = [torch.empty(t, prepared.widest), torch.empty(t, first.qkv.out), torch.empty(t, cfg.num_heads * cfg.head_dim),
+               torch.empty(t, cfg.hidden_size), torch.empty(t, first.gate_up.out),
+               torch.empty(t, act_bytes, dtype=torch.uint8), torch.empty(t, act_bytes, dtype=torch.uint8),
+               torch.empty(threads, max(stride, 16))]
+    pass_desc = PassDesc(t, rows.array, *(b.data_ptr() for b in buffers), max(stride, 16))
+    x = x.contiguous()
+    lib, path, out, pass_at = prepared.lib, prepared.path, x.data_ptr(), ctypes.addressof(pass_desc)
+    layer_hidden = None
+    for i in layers:
+        lib.fr_layer(path, prepared.addresses[i], pass_at, i, out, threads)
+        if i == hidden_layer:
+            layer_hidden = x.clone()
+    return x, layer_hidden

@@ -1,0 +1,199 @@
+"""forerun's own kernel library: products over GGUF's weight blocks, loaded through ctypes.
+
+`library()` builds the library on first use (`build.py`) and loads it; `problem()` says in one line
+why it cannot be used here (no compiler, a failed build), None when it can. The instruction-set path
+is chosen from the CPU's features (`path()`), or forced with `FORERUN_KERNEL_PATH` (scalar, avx2,
+avx512), and one process uses one path for every product, so a row's result never depends on which
+path another call took.
+
+The functions here take torch tensors and hand their memory to the library; callers keep the
+tensors alive and contiguous (checked).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+import threading
+
+import torch
+
+from forerun.errors import ForerunError
+
+ABI_VERSION = 3
+PATHS = ("scalar", "avx2", "avx512")            # bit i of fr_paths() is PATHS[i]
+PATH_ENV = "FORERUN_KERNEL_PATH"
+
+# GGML type ids the products read, by name (gguf.GGMLQuantizationType).
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+TYPE_NAMES = {v: k for k, v in TYPES.items()}
+
+_c_i64, _c_int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_SIGNATURES = {
+    "fr_abi_version": ([], _c_int),
+    "fr_paths": ([], _c_int),
+    "fr_block_inputs": ([_c_int], _c_int),
+    "fr_gguf_block_bytes": ([_c_int], _c_int),
+    "fr_packed_bytes": ([_c_int, _c_i64, _c_i64], _c_i64),
+    "fr_act_row_bytes": ([_c_i64], _c_i64),
+    "fr_repack": ([_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_int], None),
+    "fr_dequantize_rows": ([_c_int, _ptr, _c_i64, _ptr, _c_i64, _ptr], None),
+    "fr_quantize": ([_c_int, _ptr, _c_i64, _c_i64, _c_i64, _c_int, _ptr], None),
+    "fr_matmul": ([_c_int, _c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _ptr, _c_int], None),
+    "fr_layer": ([_c_int, _ptr, _ptr, _c_i64, _ptr, _c_int], None),
+}
+
+_lock = threading.Lock()
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    from forerun.native import build
+
+    with _lock:
+        try:
+            path = build.build()
+        except build.BuildError as exc:
+            return None, f"the native kernels did not build: {exc}"
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            return None, f"the native kernels did not load ({exc})"
+    for name, (args, result) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
+    if lib.fr_abi_version() != ABI_VERSION:
+        return None, f"the native kernels at {path} are version {lib.fr_abi_version()}, not {ABI_VERSION}"
+    return lib, None
+
+
+def problem() -> str | None:
+    """Why the kernels cannot run here (one line), or None when they can."""
+    return _load()[1]
+
+
+def available() -> bool:
+    return problem() is None
+
+
+def library() -> ctypes.CDLL:
+    lib, why = _load()
+    if lib is None:
+        raise ForerunError(f"{why}; use --quantization w8a8 (or auto, which falls back to it)")
+    return lib
+
+
+def paths() -> list[str]:
+    """The instruction-set paths this CPU runs, the portable one first."""
+    mask = library().fr_paths()
+    return [name for i, name in enumerate(PATHS) if mask >> i & 1]
+
+
+@functools.cache
+def path() -> str:
+    """The path every product of this process takes: `FORERUN_KERNEL_PATH`, else the widest the CPU has."""
+    runs = paths()
+    asked = os.environ.get(PATH_ENV, "").strip().lower()
+    if asked:
+        if asked not in runs:
+            raise ForerunError(f"{PATH_ENV}={asked!r}: this CPU runs {', '.join(runs)}; unset it to let forerun choose")
+        return asked
+    return runs[-1]
+
+
+def supports(type_id: int) -> bool:
+    return type_id in TYPE_NAMES
+
+
+def block_inputs(type_id: int) -> int:
+    """Inputs per block of a type (256 for K-quants, 32 for the others); 0 for a type not read here."""
+    return library().fr_block_inputs(type_id)
+
+
+def gguf_block_bytes(type_id: int) -> int:
+    return library().fr_gguf_block_bytes(type_id)
+
+
+def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> int:
+    if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor, got {t.dtype} {tuple(t.shape)}")
+    return t.data_ptr()
+
+
+def repack(type_id: int, raw: torch.Tensor, n: int, k: int, threads: int | None = None) -> torch.Tensor:
+    """A GGUF tensor's blocks (uint8, n rows of k inputs, as in the file) in the kernels' tile layout."""
+    lib = library()
+    size = lib.fr_packed_bytes(type_id, n, k)
+    if size < 0:
+        raise ValueError(f"type {TYPE_NAMES.get(type_id, type_id)} with {k} inputs a row cannot be read here")
+    expected = n * k // block_inputs(type_id) * gguf_block_bytes(type_id)
+    if raw.numel() != expected:
+        raise ValueError(f"{raw.numel()} bytes for {n} x {k} {TYPE_NAMES[type_id]}, expected {expected}")
+    out = weight_buffer(size)
+    lib.fr_repack(type_id, _check(raw, torch.uint8, "raw"), n, k, out.data_ptr(), threads or torch.get_num_threads())
+    return out
+
+
+HUGE_PAGE = 2 << 20
+
+
+def weight_buffer(size: int) -> torch.Tensor:
+    """uint8 [size] for weights a pass streams through: where the kernel backs it with 2 MiB pages
+    (Linux, transparent huge pages on madvise), one TLB entry covers 512 times the bytes, and the
+    hardware prefetcher, which stops at page edges, runs on."""
+    if size < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(size, dtype=torch.uint8)
+    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pass
+    whole = torch.frombuffer(region, dtype=torch.uint8)       # keeps the mapping alive
+    skip = -whole.data_ptr() % HUGE_PAGE
+    return whole[skip:skip + size]
+
+
+def dequantize_rows(type_id: int, raw: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (int64) of a GGUF tensor of k inputs a row, as float32 [len(rows), k]."""
+    rows = rows.to(torch.int64).contiguous()
+    out = torch.empty(rows.numel(), k, dtype=torch.float32)
+    library().fr_dequantize_rows(type_id, _check(raw, torch.uint8, "raw"), k, rows.data_ptr(), rows.numel(),
+                                 out.data_ptr())
+    return out
+
+
+def act_row_bytes(k: int) -> int:
+    return library().fr_act_row_bytes(k)
+
+
+def quantize(x: torch.Tensor, block: int, out: torch.Tensor | None = None, kernel_path: str | None = None) -> torch.Tensor:
+    """Rows of x [m, k] float32 as the products' int8 activation blocks (of `block` inputs): uint8 [m, row bytes]."""
+    m, k = x.shape
+    stride = x.stride(0)
+    if x.stride(1) != 1:
+        raise ValueError("x's rows must be contiguous")
+    if out is None:
+        out = torch.empty(m, act_row_bytes(k), dtype=torch.uint8)
+    library().fr_quantize(PATHS.index(kernel_path or path()), _check_rows(x), m, k, stride, block,
+                          _check(out, torch.uint8, "out"))
+    return out
+
+
+def _check_rows(x: torch.Tensor) -> int:
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a CPU float32 tensor, got {x.dtype} on {x.device}")
+    return x.data_ptr()
+
+
+def matmul(type_id: int, packed: torch.Tensor, n: int, k: int, act: torch.Tensor, m: int,
+           out: torch.Tensor, bias: torch.Tensor | None = None, kernel_path: str | None = None,
+           threads: int | None = None) -> torch.Tensor:
+    """out[r, :n] = rows' activations times the packed weight (+ bias); out [m, >= n] float32, rows contiguous."""
+    if out.stride(1) != 1 or out.dtype != torch.float32:
+        raise ValueError("out must be float32 with contiguous rows")
+    library().fr_matmul(PATHS.index(kernel_path or path()), type_id, _check(packed, torch.uint8, "packed"), n, k,
+                        _check(act, torch.uint8, "act"), m, out.data_ptr(), out.stride(0),
+                        None if bias is None else _check(bias, torch.float32, "bias"),
+                        threads or torch.get_num_threads())
+    return out

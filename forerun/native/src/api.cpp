@@ -1,0 +1,130 @@
+// The library's C interface (called through ctypes): what this CPU runs, repacking, activation
+// quantization and the product, threads split over output tiles. OpenMP here is the runtime
+// PyTorch already loaded (the same libgomp.so.1), so the two share one pool of threads.
+#include <omp.h>
+#include <stdint.h>
+
+#include "kernels.h"
+
+namespace forerun {
+void repack_tiles(int type, const uint8_t* src, int64_t n, int64_t k, int64_t tile0, int64_t tile1, uint8_t* dst);
+void dequantize_rows(int type, const uint8_t* src, int64_t k, const int64_t* rows, int64_t count, float* out);
+}
+
+using namespace forerun;
+
+namespace {
+
+enum Path : int { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+
+bool cpu_runs(int path) {
+    switch (path) {
+        case SCALAR: return true;
+#if defined(__x86_64__)
+        case AVX2:
+            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        case AVX512:
+            return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
+        default: return false;
+    }
+}
+
+// Tiles [begin, end) of `tiles` for thread `id` of `count`: contiguous, balanced.
+void share(int64_t tiles, int id, int count, int64_t* begin, int64_t* end) {
+    *begin = tiles * id / count;
+    *end = tiles * (id + 1) / count;
+}
+
+int64_t tiles_of(int64_t n) { return (n + LANES - 1) / LANES; }
+
+}  // namespace
+
+extern "C" {
+
+// Bumped whenever the layout or the arithmetic changes (the Python side checks it).
+int fr_abi_version() { return 3; }
+
+// Bit p set: path p (0 scalar, 1 AVX2, 2 AVX-512 VNNI) is built in and runs on this CPU.
+int fr_paths() {
+    int mask = 0;
+    for (int p = SCALAR; p <= AVX512; ++p)
+        if (cpu_runs(p)) mask |= 1 << p;
+    return mask;
+}
+
+int fr_block_inputs(int type) { return block_inputs(type); }
+int fr_gguf_block_bytes(int type) { return gguf_block_bytes(type); }
+
+int64_t fr_packed_bytes(int type, int64_t n, int64_t k) {
+    const int qb = block_inputs(type);
+    if (qb == 0 || k % qb) return -1;
+    return tiles_of(n) * (k / qb) * chunk_bytes(type);
+}
+
+int64_t fr_act_row_bytes(int64_t k) { return (int64_t)act_row_bytes(k); }
+
+void fr_repack(int type, const uint8_t* src, int64_t n, int64_t k, uint8_t* dst, int threads) {
+    const int64_t tiles = tiles_of(n);
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t begin, end;
+        share(tiles, omp_get_thread_num(), omp_get_num_threads(), &begin, &end);
+        repack_tiles(type, src, n, k, begin, end, dst);
+    }
+}
+
+void fr_dequantize_rows(int type, const uint8_t* src, int64_t k, const int64_t* rows, int64_t count, float* out) {
+    dequantize_rows(type, src, k, rows, count, out);
+}
+
+// Rows [0, m) of x quantized in blocks of qb (256 or 32) into act.
+void fr_quantize(int path, const float* x, int64_t m, int64_t k, int64_t ldx, int qb, uint8_t* act) {
+    switch (path) {
+#if defined(__x86_64__)
+        case AVX512: quantize_avx512(x, m, k, ldx, qb, act); break;
+        case AVX2: quantize_avx2(x, m, k, ldx, qb, act); break;
+#endif
+        default: quantize_scalar(x, m, k, ldx, qb, act); break;
+    }
+}
+
+// y[r, c] = sum_k x[r, k] W[c, k] (+ bias[c]) for rows r < m, outputs c < n, from the repacked w
+// and the rows' quantized activations.
+void fr_matmul(int path, int type, const uint8_t* w, int64_t n, int64_t k, const uint8_t* act, int64_t m,
+               float* y, int64_t ldy, const float* bias, int threads) {
+    const int64_t tiles = tiles_of(n);
+    if (threads > tiles) threads = (int)tiles;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t begin, end;
+        share(tiles, omp_get_thread_num(), omp_get_num_threads(), &begin, &end);
+        switch (path) {
+#if defined(__x86_64__)
+            case AVX512: matmul_avx512(type, w, k, act, m, begin, end, n, y, ldy, bias); break;
+            case AVX2: matmul_avx2(type, w, k, act, m, begin, end, n, y, ldy, bias); break;
+#endif
+            default: matmul_scalar(type, w, k, act, m, begin, end, n, y, ldy, bias); break;
+        }
+    }
+}
+
+// One decoder layer over pass->rows rows (layer.h): x [rows, hidden] is the residual stream, updated
+// in place; each row's key and value are written to its cache slot before any row attends.
+void fr_layer(int path, const LayerDesc* l, const PassDesc* pass, int64_t layer, float* x, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        const int id = omp_get_thread_num(), count = omp_get_num_threads();
+        switch (path) {
+#if defined(__x86_64__)
+            case AVX512: layer_avx512(*l, *pass, layer, x, id, count); break;
+            case AVX2: layer_avx2(*l, *pass, layer, x, id, count); break;
+#endif
+            default: layer_scalar(*l, *pass, layer, x, id, count); break;
+        }
+    }
+}
+
+}  // extern "C"

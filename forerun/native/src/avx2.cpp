@@ -1,0 +1,359 @@
+// The AVX2 path (Zen 2/3, Haswell and later without AVX-512 VNNI): a tile's 16 outputs in two
+// halves of 8 ymm lanes. u8 x s8 products are summed in pairs into int16 (vpmaddubsw) and, as far as
+// no sum can pass 32767, several groups' pairs are added in int16 before one vpmaddwd turns them
+// into int32 and applies the sub-block's scale in the same instruction. The float operations per
+// lane are exactly the scalar reference's (kernels.h).
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <string.h>
+
+#include <math.h>
+#include <omp.h>
+
+#include "fr_math.h"
+#include "kernels.h"
+
+namespace forerun {
+
+namespace {
+
+constexpr int ROWS = 4;
+constexpr int HALF = 8;   // lanes a ymm holds
+
+inline int32_t ld32(const void* p) { int32_t v; memcpy(&v, p, 4); return v; }
+inline uint32_t ldu32(const void* p) { uint32_t v; memcpy(&v, p, 4); return v; }
+inline __m256i load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline __m256 f16x8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline __m256i ones16() { return _mm256_set1_epi16(1); }
+
+// Half h of a 32-input unit's 8 k-group vectors.
+inline void nibbles(const uint8_t* qs, int h, __m256i* w) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int v = 0; v < 4; ++v) {
+        const __m256i p = load(qs + 64 * v + 32 * h);
+        w[v] = _mm256_and_si256(p, low);
+        w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+    }
+}
+
+// 32 bits -> 32 bytes, 0xFF where the bit is set.
+inline __m256i bit_bytes(uint32_t bits) {
+    const __m256i shuffle = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                             2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuffle);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+}
+
+inline void add_bit4(const uint8_t* qh, int h, __m256i* w) {
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    for (int g = 0; g < 8; ++g)
+        w[g] = _mm256_or_si256(w[g], _mm256_and_si256(bit_bytes(ldu32(qh + 8 * g + 4 * h)), sixteen));
+}
+
+// Requests for the bytes ahead of the chunk being computed: into L2 far ahead, into L1 near
+// (one core's stream is otherwise limited by how far the hardware prefetcher runs ahead).
+inline void prefetch(const uint8_t* c, int bytes) {
+    for (int i = 0; i < bytes; i += 64) {
+        _mm_prefetch((const char*)c + 16384 + i, _MM_HINT_T1);
+        _mm_prefetch((const char*)c + 1024 + i, _MM_HINT_T0);
+    }
+}
+
+struct Out {
+    float* y[ROWS];
+    const float* bias;
+    int valid;   // outputs of this tile that exist (the last tile may be short)
+};
+
+inline void store(const Out& o, int r, int h, __m256 acc) {
+    const int lanes = o.valid - HALF * h;
+    if (lanes <= 0) return;
+    alignas(32) float v[HALF];
+    _mm256_store_ps(v, acc);
+    float* y = o.y[r] + HALF * h;
+    for (int i = 0; i < HALF && i < lanes; ++i) y[i] = o.bias ? v[i] + o.bias[HALF * h + i] : v[i];
+}
+
+// The u8 x s8 products of k-groups [g0, g0 + count) against x, each lane's pairs summed in int16
+// (vpmaddubsw, then plain 16-bit adds): exact while count * (2 * top * 127) < 32768, which the
+// callers keep (4-bit weights: 8 groups; 5-bit: 4; 6-bit: 2).
+inline __m256i pairs(const __m256i* w, const int8_t* x, int g0, int count) {
+    __m256i t = _mm256_maddubs_epi16(w[g0], _mm256_set1_epi32(ld32(x)));
+    for (int g = 1; g < count; ++g)
+        t = _mm256_add_epi16(t, _mm256_maddubs_epi16(w[g0 + g], _mm256_set1_epi32(ld32(x + 4 * g))));
+    return t;
+}
+
+// Eight lanes' scales as the int16 pair (sc, sc) of each lane, for vpmaddwd.
+inline __m256i scale_pairs(__m256i sc32) {
+    return _mm256_or_si256(_mm256_and_si256(sc32, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc32, 16));
+}
+
+template <int R, bool FIVE>
+void tile_q4k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
+    constexpr int CB = FIVE ? q5k::BYTES : q4k::BYTES;
+    constexpr int RUN = FIVE ? 4 : 8;                 // groups whose pairs fit in int16 together
+    for (int h = 0; h < 2; ++h) {
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t* c = tile + b * CB;
+            if (h == 0) prefetch(c, CB);
+            __m256i isum[R];
+            for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; ++j) {
+                __m256i w[8];
+                nibbles(c + q4k::QS + 256 * j, h, w);
+                if (FIVE) add_bit4(c + q4k::QH + 64 * j, h, w);
+                const __m256i sc = scale_pairs(
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(c + q4k::SC + 16 * j + HALF * h))));
+                for (int r = 0; r < R; ++r) {
+                    const int8_t* x = a[r].q + b * QK_K + 32 * j;
+                    for (int g = 0; g < 8; g += RUN)
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs(w, x + 4 * g, g, RUN), sc));
+                }
+            }
+            __m256i mn[4];
+            for (int i = 0; i < 4; ++i)
+                mn[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(c + q4k::MN + 32 * i + 16 * h)));
+            const __m256 d = f16x8(c + q4k::D + 16 * h), dmin = f16x8(c + q4k::DMIN + 16 * h);
+            for (int r = 0; r < R; ++r) {
+                const int16_t* s = a[r].sum32h + 8 * b;
+                __m256i ms = _mm256_setzero_si256();
+                for (int i = 0; i < 4; ++i)
+                    ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mn[i], _mm256_set1_epi32(ld32(s + 2 * i))));
+                const __m256 dx = _mm256_set1_ps(a[r].d[b]);
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+                acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(ms), acc[r]);
+            }
+        }
+        for (int r = 0; r < R; ++r) store(o, r, h, acc[r]);
+    }
+}
+
+template <int R>
+void tile_q6k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
+    const __m256i top = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t* c = tile + b * q6k::BYTES;
+            if (h == 0) prefetch(c, q6k::BYTES);
+            __m256i isum[R];
+            for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+            for (int u = 0; u < 8; ++u) {
+                __m256i w[8];
+                nibbles(c + q6k::QL + 256 * u, h, w);
+                for (int v = 0; v < 2; ++v) {
+                    const __m256i bits = load(c + q6k::QH + 128 * u + 64 * v + 32 * h);
+                    w[4 * v + 0] = _mm256_or_si256(w[4 * v + 0], _mm256_and_si256(_mm256_slli_epi16(bits, 4), top));
+                    w[4 * v + 1] = _mm256_or_si256(w[4 * v + 1], _mm256_and_si256(_mm256_slli_epi16(bits, 2), top));
+                    w[4 * v + 2] = _mm256_or_si256(w[4 * v + 2], _mm256_and_si256(bits, top));
+                    w[4 * v + 3] = _mm256_or_si256(w[4 * v + 3], _mm256_and_si256(_mm256_srli_epi16(bits, 2), top));
+                }
+                const __m256i sc0 = scale_pairs(
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + q6k::SC + 32 * u + HALF * h))));
+                const __m256i sc1 = scale_pairs(
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + q6k::SC + 32 * u + 16 + HALF * h))));
+                for (int r = 0; r < R; ++r) {
+                    const int8_t* x = a[r].q + b * QK_K + 32 * u;
+                    __m256i p = _mm256_madd_epi16(pairs(w, x, 0, 2), sc0);
+                    p = _mm256_add_epi32(p, _mm256_madd_epi16(pairs(w, x + 8, 2, 2), sc0));
+                    p = _mm256_add_epi32(p, _mm256_madd_epi16(pairs(w, x + 16, 4, 2), sc1));
+                    p = _mm256_add_epi32(p, _mm256_madd_epi16(pairs(w, x + 24, 6, 2), sc1));
+                    isum[r] = _mm256_add_epi32(isum[r], p);
+                }
+            }
+            // The weights were stored as q + 32: take 32 * sum_j sc_j * (sum of x over sub-block j).
+            __m256i scp[8];
+            for (int i = 0; i < 8; ++i) {
+                const __m128i lo = _mm_loadl_epi64((const __m128i*)(c + q6k::SC + 32 * i + HALF * h));
+                const __m128i hi = _mm_loadl_epi64((const __m128i*)(c + q6k::SC + 32 * i + 16 + HALF * h));
+                scp[i] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo, hi));   // lanes: (sc_2i, sc_2i+1)
+            }
+            const __m256 d = f16x8(c + q6k::D + 16 * h);
+            for (int r = 0; r < R; ++r) {
+                const int16_t* s = a[r].sum16h + 16 * b;
+                __m256i offset = _mm256_setzero_si256();
+                for (int i = 0; i < 8; ++i)
+                    offset = _mm256_add_epi32(offset, _mm256_madd_epi16(scp[i], _mm256_set1_epi32(ld32(s + 2 * i))));
+                const __m256i total = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(offset, 5));
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[r].d[b])), _mm256_cvtepi32_ps(total), acc[r]);
+            }
+        }
+        for (int r = 0; r < R; ++r) store(o, r, h, acc[r]);
+    }
+}
+
+template <int R, int TYPE>
+void tile_legacy(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
+    constexpr bool HAS_M = TYPE == Q4_1 || TYPE == Q5_1, FIVE = TYPE == Q5_0 || TYPE == Q5_1;
+    constexpr int CB = TYPE == Q8_0 ? q8_0::BYTES : TYPE == Q4_0 ? q4_0::BYTES : TYPE == Q5_0 ? q5_0::BYTES
+                     : TYPE == Q4_1 ? q4_1::BYTES : q5_1::BYTES;
+    constexpr int QS = HAS_M ? q4_1::QS : q4_0::QS, QH = HAS_M ? q4_1::QH : q4_0::QH;
+    constexpr int OFFSET = TYPE == Q4_0 ? -8 : TYPE == Q5_0 ? -16 : 0;
+    constexpr int RUN = TYPE == Q8_0 ? 1 : FIVE ? 4 : 8;
+    const __m256i ones = ones16();
+    for (int h = 0; h < 2; ++h) {
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t* c = tile + b * CB;
+            if (h == 0) prefetch(c, CB);
+            __m256i w[8], magnitude[8];
+            if (TYPE == Q8_0) {
+                for (int g = 0; g < 8; ++g) {
+                    w[g] = load(c + q8_0::Q + 64 * g + 32 * h);
+                    magnitude[g] = _mm256_abs_epi8(w[g]);
+                }
+            } else {
+                nibbles(c + QS, h, w);
+                if (FIVE) add_bit4(c + QH, h, w);
+            }
+            const __m256 d = f16x8(c + 16 * h);
+            for (int r = 0; r < R; ++r) {
+                const int8_t* x = a[r].q + b * QK_0;
+                __m256i p = _mm256_set1_epi32(OFFSET * a[r].sum32[b]);
+                if (TYPE == Q8_0) {
+                    // |w| times x with w's sign: no pair can saturate (128 * 127 * 2), none can share an int16.
+                    for (int g = 0; g < 8; ++g) {
+                        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(ld32(x + 4 * g)), w[g]);
+                        p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[g], xs), ones));
+                    }
+                } else {
+                    for (int g = 0; g < 8; g += RUN)
+                        p = _mm256_add_epi32(p, _mm256_madd_epi16(pairs(w, x + 4 * g, g, RUN), ones));
+                }
+                const __m256 dx = _mm256_set1_ps(a[r].d[b]);
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(p), acc[r]);
+                if (HAS_M)
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(f16x8(c + q4_1::M + 16 * h), dx),
+                                             _mm256_set1_ps((float)a[r].sum32[b]), acc[r]);
+            }
+        }
+        for (int r = 0; r < R; ++r) store(o, r, h, acc[r]);
+    }
+}
+
+template <int R>
+void tile_any(int type, const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
+    switch (type) {
+        case Q4_K: tile_q4k<R, false>(tile, blocks, a, o); break;
+        case Q5_K: tile_q4k<R, true>(tile, blocks, a, o); break;
+        case Q6_K: tile_q6k<R>(tile, blocks, a, o); break;
+        case Q8_0: tile_legacy<R, Q8_0>(tile, blocks, a, o); break;
+        case Q4_0: tile_legacy<R, Q4_0>(tile, blocks, a, o); break;
+        case Q5_0: tile_legacy<R, Q5_0>(tile, blocks, a, o); break;
+        case Q4_1: tile_legacy<R, Q4_1>(tile, blocks, a, o); break;
+        case Q5_1: tile_legacy<R, Q5_1>(tile, blocks, a, o); break;
+        default: break;
+    }
+}
+
+inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+}  // namespace
+
+void quantize_avx2(const float* x, int64_t m, int64_t k, int64_t ldx, int qb, uint8_t* act) {
+    const size_t stride = act_row_bytes(k);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t r = 0; r < m; ++r) {
+        const float* xr = x + r * ldx;
+        const ActRow a = act_row(act + r * stride, k, qb);
+        int8_t* q = const_cast<int8_t*>(a.q);
+        for (int64_t b = 0; b < k / qb; ++b) {
+            const float* xb = xr + b * qb;
+            __m256 mx = _mm256_setzero_ps();
+            for (int i = 0; i < qb; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+            const float amax = hmax(mx);
+            const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            const_cast<float*>(a.d)[b] = amax / 127.0f;
+            for (int i = 0; i < qb; i += 32) {
+                __m256i v[4];
+                for (int j = 0; j < 4; ++j) v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8 * j), id));
+                const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+                _mm256_storeu_si256((__m256i*)(q + b * qb + i), _mm256_permutevar8x32_epi32(packed, order));
+            }
+        }
+        act_sums(q, k, act + r * stride);
+    }
+}
+
+void matmul_avx2(int type, const uint8_t* w, int64_t k, const uint8_t* act, int64_t m, int64_t tile0,
+                 int64_t tile1, int64_t n, float* y, int64_t ldy, const float* bias) {
+    const int qb = block_inputs(type), cb = chunk_bytes(type);
+    const int64_t blocks = k / qb;
+    const size_t stride = act_row_bytes(k);
+    for (int64_t t = tile0; t < tile1; ++t) {
+        const uint8_t* tile = w + (size_t)t * blocks * cb;
+        const int64_t col = t * LANES;
+        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+            const int rows = (int)(m - r0 < ROWS ? m - r0 : ROWS);
+            ActRow a[ROWS];
+            Out o;
+            o.bias = bias ? bias + col : nullptr;
+            o.valid = (int)(n - col < LANES ? n - col : LANES);
+            for (int r = 0; r < rows; ++r) {
+                a[r] = act_row(act + (r0 + r) * stride, k, qb);
+                o.y[r] = y + (r0 + r) * ldy + col;
+            }
+            switch (rows) {
+                case 1: tile_any<1>(type, tile, blocks, a, o); break;
+                case 2: tile_any<2>(type, tile, blocks, a, o); break;
+                case 3: tile_any<3>(type, tile, blocks, a, o); break;
+                default: tile_any<4>(type, tile, blocks, a, o); break;
+            }
+        }
+    }
+}
+
+namespace {
+// exp_fr (fr_math.h), 8 lanes at a time: the same operations, so the same bits.
+inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_P[0]);
+    for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[i]));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+void exp_shift(float* p, int64_t n, float sub) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(p + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), _mm256_set1_ps(sub))));
+    for (; i < n; ++i) p[i] = exp_fr(p[i] - sub);
+}
+void silu_mul(float* gate, const float* up, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                                 _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; ++i) gate[i] = silu_mul_fr(gate[i], up[i]);
+}
+#define FR_QUANTIZE quantize_avx2
+#define FR_MATMUL matmul_avx2
+#include "layer_impl.h"
+#undef FR_QUANTIZE
+#undef FR_MATMUL
+}  // namespace
+
+void layer_avx2(const LayerDesc& l, const PassDesc& pass, int64_t layer, float* x, int id, int threads) {
+    run_layer(l, pass, layer, x, id, threads);
+}
+
+}  // namespace forerun
+#endif

@@ -1,0 +1,328 @@
+// The AVX-512 VNNI path (Ice Lake, Sapphire Rapids, Zen 4 and later): one zmm lane per output,
+// 16 outputs a tile; each weight vector is unpacked once and used for every row of a row group
+// (4-way u8 x s8 dot products, vpdpbusd), so rows cost little beyond the first. The float
+// operations per lane are exactly the scalar reference's (kernels.h).
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <string.h>
+
+#include <math.h>
+#include <omp.h>
+
+#include "fr_math.h"
+#include "kernels.h"
+
+namespace forerun {
+
+namespace {
+
+constexpr int ROWS = 8;   // rows per group: each group reuses the tile's unpacked weights
+
+inline int32_t ld32(const void* p) { int32_t v; memcpy(&v, p, 4); return v; }
+inline uint64_t ld64(const void* p) { uint64_t v; memcpy(&v, p, 8); return v; }
+inline __m512i load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline __m512 f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline __m512i dot(__m512i acc, __m512i w, const int8_t* x) {
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(ld32(x)));
+}
+
+// init + the dots of k-groups [g0, g0 + count) against x (4 bytes a group), summed over A
+// independent accumulators: a dot's latency is several cycles, and one chain through a single
+// accumulator would leave the unit idle when few rows share the weights. Integer sums: any order.
+template <int A>
+inline __m512i dots(const __m512i* w, const int8_t* x, int g0, int count, __m512i init) {
+    static_assert(A == 1 || A == 2 || A == 4, "1, 2 or 4 accumulators");
+    __m512i p[A];
+    p[0] = init;
+    #pragma GCC unroll 8
+    for (int i = 1; i < A; ++i) p[i] = _mm512_setzero_si512();
+    #pragma GCC unroll 8
+    for (int g = g0; g < g0 + count; ++g) p[(g - g0) % A] = dot(p[(g - g0) % A], w[g], x + 4 * (g - g0));
+    if constexpr (A == 4) return _mm512_add_epi32(_mm512_add_epi32(p[0], p[1]), _mm512_add_epi32(p[2], p[3]));
+    else if constexpr (A == 2) return _mm512_add_epi32(p[0], p[1]);
+    else return p[0];
+}
+
+// Independent accumulators per row: more where fewer rows share the unpacked weights.
+template <int R> constexpr int chains() { return R == 1 ? 4 : R <= 3 ? 2 : 1; }
+
+// The 8 k-group vectors of a 32-input unit: low nibbles are groups 0-3, high nibbles 4-7.
+inline void nibbles(const uint8_t* qs, __m512i* w) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    #pragma GCC unroll 8
+    for (int v = 0; v < 4; ++v) {
+        const __m512i p = load(qs + 64 * v);
+        w[v] = _mm512_and_si512(p, low);
+        w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+    }
+}
+
+inline void add_bit4(const uint8_t* qh, __m512i* w) {
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    #pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) w[g] = _mm512_mask_add_epi8(w[g], (__mmask64)ld64(qh + 8 * g), w[g], sixteen);
+}
+
+// Bytes ahead of the chunk being computed that are requested from memory: one core's stream is
+// otherwise limited by how far the hardware prefetcher runs ahead of the arithmetic.
+#ifndef FORERUN_PREFETCH
+#define FORERUN_PREFETCH 16384
+#endif
+inline void prefetch(const uint8_t* c, int bytes) {
+    #pragma GCC unroll 8
+    for (int i = 0; i < bytes; i += 64) _mm_prefetch((const char*)c + FORERUN_PREFETCH + i, _MM_HINT_T1);
+}
+
+struct Out {
+    float* y[ROWS];
+    const float* bias;
+    __mmask16 valid;
+};
+
+inline void store(const Out& o, int r, __m512 acc) {
+    if (o.bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(o.valid, o.bias));
+    _mm512_mask_storeu_ps(o.y[r], o.valid, acc);
+}
+
+template <int R, bool FIVE>
+void tile_q4k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
+    constexpr int CB = FIVE ? q5k::BYTES : q4k::BYTES;
+    __m512 acc[R];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* c = tile + b * CB;
+        prefetch(c, CB);
+        __m512i isum[R];
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; ++j) {
+            __m512i w[8];
+            nibbles(c + q4k::QS + 256 * j, w);
+            if (FIVE) add_bit4(c + q4k::QH + 64 * j, w);
+            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + q4k::SC + 16 * j)));
+            #pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const __m512i p = dots<chains<R>()>(w, a[r].q + b * QK_K + 32 * j, 0, 8, _mm512_setzero_si512());
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(p, sc));
+            }
+        }
+        __m512i mn[4];
+        #pragma GCC unroll 8
+        for (int i = 0; i < 4; ++i)
+            mn[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(c + q4k::MN + 32 * i)));
+        const __m512 d = f16x16(c + q4k::D), dmin = f16x16(c + q4k::DMIN);
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const int16_t* s = a[r].sum32h + 8 * b;
+            __m512i ms = _mm512_setzero_si512();
+            #pragma GCC unroll 8
+            for (int i = 0; i < 4; ++i) ms = _mm512_dpwssd_epi32(ms, mn[i], _mm512_set1_epi32(ld32(s + 2 * i)));
+            const __m512 dx = _mm512_set1_ps(a[r].d[b]);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(ms), acc[r]);
+        }
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) store(o, r, acc[r]);
+}
+
+template <int R>
+void tile_q6k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
+    const __m512i top = _mm512_set1_epi8(0x30);
+    __m512 acc[R];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* c = tile + b * q6k::BYTES;
+        prefetch(c, q6k::BYTES);
+        __m512i isum[R];
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+        for (int u = 0; u < 8; ++u) {
+            __m512i w[8];
+            nibbles(c + q6k::QL + 256 * u, w);
+            #pragma GCC unroll 8
+            for (int h = 0; h < 2; ++h) {
+                const __m512i v = load(c + q6k::QH + 128 * u + 64 * h);
+                w[4 * h + 0] = _mm512_or_si512(w[4 * h + 0], _mm512_and_si512(_mm512_slli_epi16(v, 4), top));
+                w[4 * h + 1] = _mm512_or_si512(w[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(v, 2), top));
+                w[4 * h + 2] = _mm512_or_si512(w[4 * h + 2], _mm512_and_si512(v, top));
+                w[4 * h + 3] = _mm512_or_si512(w[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(v, 2), top));
+            }
+            const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + q6k::SC + 32 * u)));
+            const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + q6k::SC + 32 * u + 16)));
+            #pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const int8_t* x = a[r].q + b * QK_K + 32 * u;
+                const int32_t* s = a[r].sum16 + 16 * b + 2 * u;
+                const __m512i p0 = dots<(chains<R>() > 2 ? chains<R>() / 2 : 1)>(w, x, 0, 4, _mm512_set1_epi32(-32 * s[0]));
+                const __m512i p1 = dots<(chains<R>() > 2 ? chains<R>() / 2 : 1)>(w, x + 16, 4, 4, _mm512_set1_epi32(-32 * s[1]));
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(p0, sc0),
+                                                                      _mm512_mullo_epi32(p1, sc1)));
+            }
+        }
+        const __m512 d = f16x16(c + q6k::D);
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b])), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) store(o, r, acc[r]);
+}
+
+template <int R, int TYPE>
+void tile_legacy(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
+    constexpr bool HAS_M = TYPE == Q4_1 || TYPE == Q5_1, FIVE = TYPE == Q5_0 || TYPE == Q5_1;
+    constexpr int CB = TYPE == Q8_0 ? q8_0::BYTES : TYPE == Q4_0 ? q4_0::BYTES : TYPE == Q5_0 ? q5_0::BYTES
+                     : TYPE == Q4_1 ? q4_1::BYTES : q5_1::BYTES;
+    constexpr int QS = HAS_M ? q4_1::QS : q4_0::QS, QH = HAS_M ? q4_1::QH : q4_0::QH;
+    constexpr int OFFSET = TYPE == Q8_0 ? -128 : TYPE == Q4_0 ? -8 : TYPE == Q5_0 ? -16 : 0;
+    __m512 acc[R];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* c = tile + b * CB;
+        prefetch(c, CB);
+        __m512i w[8];
+        if (TYPE == Q8_0) {
+            const __m512i flip = _mm512_set1_epi8((char)0x80);   // q + 128 as u8; the offset removes it
+            #pragma GCC unroll 8
+            for (int g = 0; g < 8; ++g) w[g] = _mm512_xor_si512(load(c + q8_0::Q + 64 * g), flip);
+        } else {
+            nibbles(c + QS, w);
+            if (FIVE) add_bit4(c + QH, w);
+        }
+        const __m512 d = f16x16(c);
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const int8_t* x = a[r].q + b * QK_0;
+            const __m512i p = dots<chains<R>()>(w, x, 0, 8, _mm512_set1_epi32(OFFSET * a[r].sum32[b]));
+            const __m512 dx = _mm512_set1_ps(a[r].d[b]);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(p), acc[r]);
+            if (HAS_M)
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(f16x16(c + q4_1::M), dx),
+                                         _mm512_set1_ps((float)a[r].sum32[b]), acc[r]);
+        }
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) store(o, r, acc[r]);
+}
+
+template <int R>
+void tile_any(int type, const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
+    switch (type) {
+        case Q4_K: tile_q4k<R, false>(tile, blocks, a, o); break;
+        case Q5_K: tile_q4k<R, true>(tile, blocks, a, o); break;
+        case Q6_K: tile_q6k<R>(tile, blocks, a, o); break;
+        case Q8_0: tile_legacy<R, Q8_0>(tile, blocks, a, o); break;
+        case Q4_0: tile_legacy<R, Q4_0>(tile, blocks, a, o); break;
+        case Q5_0: tile_legacy<R, Q5_0>(tile, blocks, a, o); break;
+        case Q4_1: tile_legacy<R, Q4_1>(tile, blocks, a, o); break;
+        case Q5_1: tile_legacy<R, Q5_1>(tile, blocks, a, o); break;
+        default: break;
+    }
+}
+
+}  // namespace
+
+void quantize_avx512(const float* x, int64_t m, int64_t k, int64_t ldx, int qb, uint8_t* act) {
+    const size_t stride = act_row_bytes(k);
+    for (int64_t r = 0; r < m; ++r) {
+        const float* xr = x + r * ldx;
+        const ActRow a = act_row(act + r * stride, k, qb);
+        int8_t* q = const_cast<int8_t*>(a.q);
+        for (int64_t b = 0; b < k / qb; ++b) {
+            const float* xb = xr + b * qb;
+            __m512 mx = _mm512_setzero_ps();
+            #pragma GCC unroll 8
+            for (int i = 0; i < qb; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+            const float amax = _mm512_reduce_max_ps(mx);
+            const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            const_cast<float*>(a.d)[b] = amax / 127.0f;
+            #pragma GCC unroll 8
+            for (int i = 0; i < qb; i += 16) {
+                const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), id));
+                _mm_storeu_si128((__m128i*)(q + b * qb + i), _mm512_cvtsepi32_epi8(v));
+            }
+        }
+        act_sums(q, k, act + r * stride);
+    }
+}
+
+void matmul_avx512(int type, const uint8_t* w, int64_t k, const uint8_t* act, int64_t m, int64_t tile0,
+                   int64_t tile1, int64_t n, float* y, int64_t ldy, const float* bias) {
+    const int qb = block_inputs(type), cb = chunk_bytes(type);
+    const int64_t blocks = k / qb;
+    const size_t stride = act_row_bytes(k);
+    for (int64_t t = tile0; t < tile1; ++t) {
+        const uint8_t* tile = w + (size_t)t * blocks * cb;
+        const int64_t col = t * LANES;
+        const int64_t valid = n - col < LANES ? n - col : LANES;
+        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+            const int rows = (int)(m - r0 < ROWS ? m - r0 : ROWS);
+            ActRow a[ROWS];
+            Out o;
+            o.bias = bias ? bias + col : nullptr;
+            o.valid = (__mmask16)((1u << valid) - 1);
+            for (int r = 0; r < rows; ++r) {
+                a[r] = act_row(act + (r0 + r) * stride, k, qb);
+                o.y[r] = y + (r0 + r) * ldy + col;
+            }
+            switch (rows) {
+                case 1: tile_any<1>(type, tile, blocks, a, o); break;
+                case 2: tile_any<2>(type, tile, blocks, a, o); break;
+                case 3: tile_any<3>(type, tile, blocks, a, o); break;
+                case 4: tile_any<4>(type, tile, blocks, a, o); break;
+                case 5: tile_any<5>(type, tile, blocks, a, o); break;
+                case 6: tile_any<6>(type, tile, blocks, a, o); break;
+                case 7: tile_any<7>(type, tile, blocks, a, o); break;
+                default: tile_any<8>(type, tile, blocks, a, o); break;
+            }
+        }
+    }
+}
+
+namespace {
+// exp_fr (fr_math.h), 16 lanes at a time: the same operations, so the same bits.
+inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_P[0]);
+    for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[i]));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+void exp_shift(float* p, int64_t n, float sub) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(p + i, exp16(_mm512_sub_ps(_mm512_loadu_ps(p + i), _mm512_set1_ps(sub))));
+    for (; i < n; ++i) p[i] = exp_fr(p[i] - sub);
+}
+void silu_mul(float* gate, const float* up, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 g = _mm512_loadu_ps(gate + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        _mm512_storeu_ps(gate + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
+                                                 _mm512_loadu_ps(up + i)));
+    }
+    for (; i < n; ++i) gate[i] = silu_mul_fr(gate[i], up[i]);
+}
+#define FR_QUANTIZE quantize_avx512
+#define FR_MATMUL matmul_avx512
+#include "layer_impl.h"
+#undef FR_QUANTIZE
+#undef FR_MATMUL
+}  // namespace
+
+void layer_avx512(const LayerDesc& l, const PassDesc& pass, int64_t layer, float* x, int id, int threads) {
+    run_layer(l, pass, layer, x, id, threads);
+}
+
+}  // namespace forerun
+#endif

@@ -1,0 +1,188 @@
+// A decoder layer over several rows (layer.h), written once and compiled into every path's file
+// (scalar.cpp, avx2.cpp, avx512.cpp), each with its own instruction set. Element-wise work is plain
+// loops the compiler vectorizes; every reduction (a norm's sum of squares, a dot product, softmax's
+// sum) runs over 16 lanes in a fixed order and ends in a fixed tree, and exp is our own polynomial of
+// correctly rounded operations, so every path gives the same bits and a row never depends on the
+// rows beside it.
+//
+// Include inside an anonymous namespace of namespace forerun, after defining
+//   FR_QUANTIZE(x, m, k, ldx, qb, act) and FR_MATMUL(type, w, k, act, m, tile0, tile1, n, y, ldy, bias)
+// as the path's own functions, and the path's exp_shift(p, n, sub): p[i] = e^(p[i] - sub), and
+// silu_mul(gate, up, n): gate[i] = silu(gate[i]) * up[i], both exp_fr's operations (fr_math.h).
+// (The including file includes <math.h>, <omp.h>, <string.h> and kernels.h first, at file scope.)
+
+constexpr int L = 16;   // lanes of every reduction
+
+// Lanes [0, 16) summed as ((l + l+8) + (l+4 ...)) ...: the same tree on every path.
+inline float tree16(const float* a) {
+    float t8[8], t4[4];
+    for (int l = 0; l < 8; ++l) t8[l] = a[l] + a[l + 8];
+    for (int l = 0; l < 4; ++l) t4[l] = t8[l] + t8[l + 4];
+    return (t4[0] + t4[2]) + (t4[1] + t4[3]);
+}
+
+// sum_i a[i] * b[i], n a multiple of 16: lane l accumulates i = l (mod 16) with fma, in order.
+inline float dot16(const float* a, const float* b, int64_t n) {
+    float acc[L] = {};
+    for (int64_t i = 0; i < n; i += L)
+#pragma omp simd
+        for (int l = 0; l < L; ++l) acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
+    return tree16(acc);
+}
+
+inline float sum16(const float* a, int64_t n) {
+    float acc[L] = {};
+    for (int64_t i = 0; i < n; i += L)
+#pragma omp simd
+        for (int l = 0; l < L; ++l) acc[l] += a[i + l];
+    return tree16(acc);
+}
+
+inline void share(int64_t count, int id, int threads, int64_t* begin, int64_t* end) {
+    *begin = count * id / threads;
+    *end = count * (id + 1) / threads;
+}
+
+inline void rmsnorm(const float* x, const float* gain, float eps, int64_t n, float* out) {
+    const float r = 1.0f / sqrtf(dot16(x, x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * r) * gain[i];
+}
+
+// x [head_dim] rotated in place: x[d] cos[d] + x[d +- D/2] sin[d] (sin carries the sign).
+inline void rope(float* x, const float* c, const float* s, int64_t d, float scale) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; ++i) {
+        const float a = x[i], b = x[i + half];
+        x[i] = fmaf(b, s[i], a * c[i]) * scale;
+        x[i + half] = fmaf(a, s[i + half], b * c[i + half]) * scale;
+    }
+}
+
+inline bool needs(const Product& p, int block) {
+    for (int64_t i = 0; i < p.parts; ++i)
+        if (block_inputs((int)p.type[i]) == block) return true;
+    return false;
+}
+
+// Rows [r0, r1) of x (row stride ldx) quantized into whichever activation blocks `p` reads.
+inline void quantize_for(const Product& p, const PassDesc& pass, const float* x, int64_t ldx, int64_t r0, int64_t r1) {
+    const size_t stride = act_row_bytes(p.in);
+    for (int64_t r = r0; r < r1; ++r) {
+        if (needs(p, QK_K)) FR_QUANTIZE(x + r * ldx, 1, p.in, ldx, QK_K, pass.act_k + r * stride);
+        if (needs(p, QK_0)) FR_QUANTIZE(x + r * ldx, 1, p.in, ldx, QK_0, pass.act_0 + r * stride);
+    }
+}
+
+// This thread's share of the product's output tiles, every part's tiles numbered in turn.
+inline void product(const Product& p, const PassDesc& pass, float* y, int id, int threads) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < p.parts; ++i) total += (p.rows[i] + LANES - 1) / LANES;
+    int64_t begin, end;
+    share(total, id, threads, &begin, &end);
+    int64_t first = 0, col = 0;
+    for (int64_t i = 0; i < p.parts; ++i) {
+        const int64_t tiles = (p.rows[i] + LANES - 1) / LANES;
+        const int64_t lo = begin > first ? begin - first : 0, hi = end - first < tiles ? end - first : tiles;
+        if (lo < hi) {
+            const int type = (int)p.type[i];
+            const uint8_t* act = block_inputs(type) == QK_K ? pass.act_k : pass.act_0;
+            FR_MATMUL(type, p.packed[i], p.in, act, pass.rows, lo, hi, p.rows[i], y + col, p.out,
+                      p.bias ? p.bias + col : nullptr);
+        }
+        first += tiles;
+        col += p.rows[i];
+    }
+}
+
+// Row r's attention for the query heads sharing key/value head g: out [heads sharing][head_dim].
+inline void attend(const LayerDesc& l, const RowDesc& row, int64_t layer, int64_t g, const float* q, float* out,
+                   float* scores) {
+    const int64_t d = l.head_dim, share_heads = l.heads / l.kv_heads, n = row.prefix + row.n_extra;
+    const int64_t padded = (n + L - 1) / L * L;
+    const float* keys = row.k + layer * row.layer_stride + g * row.slots * d;
+    const float* values = row.v + layer * row.layer_stride + g * row.slots * d;
+    for (int64_t j = 0; j < n; ++j) {
+        const float* key = keys + (j < row.prefix ? j : row.extra[j - row.prefix]) * d;
+        for (int64_t h = 0; h < share_heads; ++h) scores[h * padded + j] = dot16(q + h * d, key, d);
+    }
+    for (int64_t h = 0; h < share_heads; ++h) {
+        float* p = scores + h * padded;
+        float peak = -INFINITY;
+#pragma omp simd reduction(max : peak)
+        for (int64_t j = 0; j < n; ++j) peak = fmaxf(peak, p[j]);
+        exp_shift(p, n, peak);
+        for (int64_t j = n; j < padded; ++j) p[j] = 0.0f;
+        const float total = sum16(p, padded);
+        float* o = out + h * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = 0.0f;
+        for (int64_t j = 0; j < n; ++j) {
+            const float* value = values + (j < row.prefix ? j : row.extra[j - row.prefix]) * d;
+            const float pj = p[j];
+            for (int64_t i = 0; i < d; ++i) o[i] = fmaf(pj, value[i], o[i]);
+        }
+        for (int64_t i = 0; i < d; ++i) o[i] = o[i] / total;
+    }
+}
+
+// The whole layer for this thread (called by every thread of one parallel region).
+inline void run_layer(const LayerDesc& l, const PassDesc& pass, int64_t layer, float* x, int id, int threads) {
+    const int64_t t = pass.rows, hidden = l.hidden, d = l.head_dim, f = l.ffn;
+    const int64_t q_width = l.heads * d, share_heads = l.heads / l.kv_heads;
+    int64_t r0, r1, u0, u1;
+    share(t, id, threads, &r0, &r1);
+    for (int64_t r = r0; r < r1; ++r) rmsnorm(x + r * hidden, l.norm1, l.eps, hidden, pass.h + r * hidden);
+    quantize_for(l.qkv, pass, pass.h, hidden, r0, r1);
+#pragma omp barrier
+    product(l.qkv, pass, pass.qkv, id, threads);
+#pragma omp barrier
+    share(t * l.kv_heads, id, threads, &u0, &u1);     // units: (row, key/value head)
+    for (int64_t u = u0; u < u1; ++u) {
+        const int64_t r = u / l.kv_heads, g = u % l.kv_heads;
+        const RowDesc& row = pass.row[r];
+        float* qkv = pass.qkv + r * l.qkv.out;
+        for (int64_t h = g * share_heads; h < (g + 1) * share_heads; ++h) rope(qkv + h * d, row.cos, row.sin, d, l.scale);
+        float* k = qkv + q_width + g * d;
+        const float* v = qkv + q_width + l.kv_heads * d + g * d;
+        rope(k, row.cos, row.sin, d, 1.0f);
+        const int64_t at = layer * row.layer_stride + g * row.slots * d + row.write * d;
+        memcpy(row.k + at, k, d * sizeof(float));
+        memcpy(row.v + at, v, d * sizeof(float));
+    }
+#pragma omp barrier
+    for (int64_t u = u0; u < u1; ++u) {                 // every row's key and value are in place now
+        const int64_t r = u / l.kv_heads, g = u % l.kv_heads;
+        attend(l, pass.row[r], layer, g, pass.qkv + r * l.qkv.out + g * share_heads * d,
+               pass.att + r * q_width + g * share_heads * d, pass.scores + id * pass.scores_stride);
+    }
+#pragma omp barrier
+    quantize_for(l.o, pass, pass.att, q_width, r0, r1);
+#pragma omp barrier
+    product(l.o, pass, pass.tmp, id, threads);
+#pragma omp barrier
+    for (int64_t r = r0; r < r1; ++r) {
+        float* xr = x + r * hidden;
+        const float* add = pass.tmp + r * hidden;
+        for (int64_t i = 0; i < hidden; ++i) xr[i] += add[i];
+        rmsnorm(xr, l.norm2, l.eps, hidden, pass.h + r * hidden);
+    }
+    quantize_for(l.gate_up, pass, pass.h, hidden, r0, r1);
+#pragma omp barrier
+    product(l.gate_up, pass, pass.gu, id, threads);
+#pragma omp barrier
+    share(t * f / L, id, threads, &u0, &u1);            // units: 16 columns of the gate half
+    for (int64_t u = u0; u < u1; ++u) {
+        const int64_t r = u * L / f, c0 = u * L % f;
+        float* gate = pass.gu + r * l.gate_up.out + c0;
+        silu_mul(gate, gate + f, L);
+    }
+#pragma omp barrier
+    quantize_for(l.down, pass, pass.gu, l.gate_up.out, r0, r1);
+#pragma omp barrier
+    product(l.down, pass, pass.tmp, id, threads);
+#pragma omp barrier
+    for (int64_t r = r0; r < r1; ++r) {
+        float* xr = x + r * hidden;
+        const float* add = pass.tmp + r * hidden;
+        for (int64_t i = 0; i < hidden; ++i) xr[i] += add[i];
+    }
+}

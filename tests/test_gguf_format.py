@@ -1,0 +1,277 @@
+"""The `gguf` format: a GGUF model's own blocks through the native kernels and native layers.
+
+Tiny models are written as GGUF files in the mixes real files have (K-quants with Q6_K for attn_v,
+ffn_down and the LM head; Q5_0 / Q8_0 where rows are not a multiple of 256), then loaded as a user's
+file would be. Row independence is checked as bit equality, never closeness.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from forerun import drafters, native
+from forerun.config import SamplingParams
+from forerun.engine import Engine
+from forerun.errors import ForerunError
+from forerun.models import attention, formats, native_layer
+from forerun.models.attention import RowLayout
+from forerun.models.gguf_format import GGUFEmbedding, GGUFLinear
+from forerun.models.load import load_model
+from forerun.testing import save_hf_folder, tiny_model
+from forerun.tree import DraftTree
+from forerun.verify import VerifyJob, row_layout, verify, verify_many
+from tests.conftest import perturbed
+from tests.test_load import write_gguf
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: {native.problem()}")
+
+SLOW = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+K_SIZES = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64)
+
+
+def k_quant_mix(name: str) -> str | None:
+    """What a Q4_K_M file holds: Q4_K, with Q6_K for attn_v and ffn_down of every other layer and
+    for the LM head."""
+    if name == "output.weight" or (name.endswith(("attn_v.weight", "ffn_down.weight")) and ".0." in f".{name}"):
+        return "Q6_K"
+    return "Q4_K"
+
+
+def legacy_mix(name: str) -> str | None:
+    """What the 0.5B draft's file holds where rows are not a multiple of 256: Q5_0, Q8_0 for the LM
+    head and some attn_v, Q4_0 for the embedding."""
+    if name == "output.weight" or name == "blk.1.attn_v.weight":
+        return "Q8_0"
+    return "Q4_0" if name == "token_embd.weight" else "Q5_0"
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("gguf_home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FORERUN_HOME", str(folder / "home"))
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def k_file(home: Path) -> Path:
+    return write_gguf(tiny_model(seed=7, num_layers=3, **K_SIZES), home / "k.gguf", quant=k_quant_mix)
+
+
+@pytest.fixture(scope="module")
+def legacy_file(home: Path) -> Path:
+    return write_gguf(tiny_model(seed=8, num_layers=3), home / "legacy.gguf", quant=legacy_mix)
+
+
+@pytest.fixture(scope="module", params=["k", "legacy"])
+def model(request, k_file: Path, legacy_file: Path):
+    path = k_file if request.param == "k" else legacy_file
+    return load_model(str(path), with_tokenizer=False, quantization="gguf")
+
+
+def plain_rows(decoder, prefix: list[int], tokens: list[int]) -> torch.Tensor:
+    """Logits of `tokens` decoded one at a time after `prefix`, as plain decoding computes them."""
+    cache = decoder.new_cache(len(prefix) + len(tokens) + 1)
+    decoder(torch.tensor(prefix), torch.arange(len(prefix)), cache)
+    rows = []
+    for token in tokens:
+        at = cache.length
+        rows.append(decoder(torch.tensor([token]), torch.tensor([at]), cache, layout=RowLayout.chain(at, 1)).logits[0, 0])
+    return torch.stack(rows)
+
+
+# --- loading ---------------------------------------------------------------------------------------
+
+
+def test_the_files_blocks_are_read_as_stored_and_nothing_is_converted(k_file: Path, home: Path) -> None:
+    model = load_model(str(k_file), with_tokenizer=False, quantization="gguf")
+    decoder = model.decoder
+    block = decoder.layers[0]
+    kinds = [native.TYPE_NAMES[p.type_id] for p in block.self_attn.qkv_proj.parts]
+    assert kinds == ["Q4_K", "Q4_K", "Q6_K"]
+    assert isinstance(decoder.lm_head, GGUFLinear) and isinstance(decoder.embed_tokens, GGUFEmbedding)
+    assert [native.TYPE_NAMES[p.type_id] for p in decoder.lm_head.parts] == ["Q6_K"]
+    assert not list((home / "home" / "converted").rglob("weights-*.safetensors"))
+    assert decoder._native_layers() is not None
+
+
+def test_the_format_stays_close_to_the_files_weights_in_float(model) -> None:
+    # Against the same file dequantized to float32: only the rows' int8 activation blocks differ.
+    reference = load_model(str(model.source.path), dtype="float32", with_tokenizer=False).decoder
+    ids = list(range(3, 40, 2))
+    approx = plain_rows(model.decoder, ids[:10], ids[10:])
+    exact = plain_rows(reference, ids[:10], ids[10:])
+    assert (approx - exact).norm() / exact.norm() < 0.03
+    assert (approx.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.8
+
+
+def test_a_tensor_in_a_type_the_kernels_lack_runs_as_w8a8_and_is_named(home: Path, capsys) -> None:
+    path = write_gguf(tiny_model(seed=9, num_layers=2), home / "f16.gguf",
+                      quant=lambda name: None if name == "blk.1.attn_v.weight" else "Q8_0")
+    model = load_model(str(path), with_tokenizer=False, quantization="gguf")
+    err = capsys.readouterr().err
+    assert "1 tensors are in block types the native kernels do not read" in err and "blk.1.attn_v.weight (F32)" in err
+    decoder = model.decoder
+    assert decoder._native_layers() is None                         # the PyTorch path, still row-exact
+    tree = DraftTree([5, 6, 7], [-1, 0, 0])
+    cache = decoder.new_cache(20)
+    decoder(torch.arange(3, 13), torch.arange(10), cache)
+    verified = decoder(torch.tensor([4] + tree.tokens), tree.positions(10), cache, layout=row_layout(tree, 10)).logits[0]
+    for row in range(4):
+        path_ = tree.path_to(row - 1) if row else []
+        assert torch.equal(verified[row], plain_rows(decoder, list(range(3, 13)), [4] + [tree.tokens[i] for i in path_])[-1])
+
+
+def test_a_truncated_file_is_refused_naming_the_file_and_a_tensor(k_file: Path, home: Path) -> None:
+    data = k_file.read_bytes()
+    cut = home / "cut.gguf"
+    cut.write_bytes(data[:len(data) - 3000])
+    with pytest.raises(ForerunError, match=r"cut\.gguf.*(output\.weight|tensor).*(truncated|past the end|corrupt)"):
+        load_model(str(cut), with_tokenizer=False, quantization="gguf")
+
+
+def test_a_model_folder_cannot_take_the_gguf_format(tmp_path: Path) -> None:
+    folder = save_hf_folder(tiny_model(seed=0), tmp_path / "hf")
+    with pytest.raises(ForerunError, match="model folder; use w8a8"):
+        load_model(str(folder), with_tokenizer=False, quantization="gguf")
+
+
+def test_auto_picks_gguf_for_a_gguf_file_and_says_so(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(formats, "_said", set())
+    assert formats.resolve("auto", "cpu", "gguf") == "gguf"
+    assert "--quantization auto: gguf" in capsys.readouterr().err
+    assert formats.resolve("auto", "cpu", "hf") != "gguf"
+
+
+def test_a_reduced_vocabulary_head_scores_exactly_what_the_whole_head_does(model) -> None:
+    from forerun.drafters.draft_vocab import reduced_head
+
+    head = model.decoder.lm_head
+    ids = torch.tensor([0, 5, 17, 40, 98])
+    x = torch.randn(3, head.in_features)
+    assert torch.equal(reduced_head(head, ids)(x), head(x)[:, ids])
+
+
+# --- row independence ------------------------------------------------------------------------------
+
+
+def random_tree(draw, size: int) -> DraftTree:
+    return DraftTree([draw(st.integers(0, 98)) for _ in range(size)], [draw(st.integers(-1, i - 1)) for i in range(size)])
+
+
+@SLOW
+@given(data=st.data(), prefix_len=st.integers(1, 150), nodes=st.integers(0, 15), native_layers=st.booleans())
+def test_every_verified_row_equals_plain_decoding_bit_for_bit(model, monkeypatch, data, prefix_len, nodes,
+                                                               native_layers) -> None:
+    decoder = model.decoder
+    monkeypatch.setattr(decoder, "_native", False if native_layers else None)
+    monkeypatch.setattr(attention, "KEY_BLOCK", data.draw(st.sampled_from([4, 64])))
+    prefix = data.draw(st.lists(st.integers(0, 98), min_size=prefix_len, max_size=prefix_len))
+    tree, root = random_tree(data.draw, nodes), data.draw(st.integers(0, 98))
+    cache = decoder.new_cache(prefix_len + nodes + 1)
+    decoder(torch.tensor(prefix), torch.arange(prefix_len), cache)
+    verified = decoder(torch.tensor([root] + tree.tokens), tree.positions(cache.length), cache,
+                       layout=row_layout(tree, cache.length)).logits[0]
+    for row in range(nodes + 1):
+        path = tree.path_to(row - 1) if row else []
+        alone = plain_rows(decoder, prefix, [root] + [tree.tokens[i] for i in path])[-1]
+        assert torch.equal(verified[row], alone), f"row {row} of {nodes + 1} (path {path}) differs"
+
+
+def test_the_native_layers_compute_what_the_pytorch_path_does(model, monkeypatch) -> None:
+    # The first decoded row reads the same cache on both paths and comes out within float rounding;
+    # later rows read keys that differ in the last bits, which can move a few activations across an
+    # int8 level: both paths then stay as close to the file's weights in float as each other.
+    reference = load_model(str(model.source.path), dtype="float32", with_tokenizer=False).decoder
+    decoder = model.decoder
+    ids = list(range(5, 45))
+    fast = plain_rows(decoder, ids[:30], ids[30:])
+    monkeypatch.setattr(decoder, "_native", None)
+    slow = plain_rows(decoder, ids[:30], ids[30:])
+    exact = plain_rows(reference, ids[:30], ids[30:])
+    assert (fast[0] - slow[0]).norm() / slow[0].norm() < 1e-5
+    for rows in (fast, slow):
+        assert (rows - exact).norm() / exact.norm() < 0.03
+
+
+def test_every_path_computes_a_whole_forward_to_the_same_bits(model, monkeypatch) -> None:
+    decoder = model.decoder
+    prepared = native_layer.prepare(decoder)
+    logits = {}
+    for path in native.paths():
+        monkeypatch.setattr(prepared, "path", native.PATHS.index(path))
+        monkeypatch.setattr(decoder, "_native", prepared)
+        monkeypatch.setattr(decoder.lm_head, "kernel", path)
+        tree = DraftTree([5, 6, 7, 8], [-1, 0, 1, 0])
+        cache = decoder.new_cache(60)
+        decoder(torch.arange(3, 53), torch.arange(50), cache)
+        logits[path] = decoder(torch.tensor([4] + tree.tokens), tree.positions(50), cache,
+                               layout=row_layout(tree, 50)).logits[0]
+    for path, value in logits.items():
+        assert torch.equal(value, logits["scalar"]), path
+
+
+def test_sequences_verified_together_each_equal_their_verification_alone(model) -> None:
+    decoder = model.decoder
+    params = SamplingParams()
+    jobs, alone = [], []
+    for i, (length, tree) in enumerate([(7, DraftTree([5, 6], [-1, 0])), (30, None),
+                                        (64, DraftTree([9, 8, 7, 6], [-1, 0, 0, 2]))]):
+        caches = [decoder.new_cache(length + 6) for _ in range(2)]
+        for cache in caches:
+            decoder(torch.arange(length) % 90 + i, torch.arange(length), cache)
+        jobs.append(VerifyJob(caches[0], 11 + i, tree, params))
+        alone.append(verify(decoder, caches[1], 11 + i, tree, params))
+    for together, single in zip(verify_many(decoder, jobs), alone):
+        assert torch.equal(together.probs, single.probs) and torch.equal(together.hidden, single.hidden)
+
+
+# --- greedy speculation equals plain decoding, for every drafter -----------------------------------
+
+
+METHODS = [("ngram", {}), ("suffix", {}), ("early-exit", {"layer": 2}), ("lookahead", {}),
+           ("lookahead", {"window": 3, "ngram": 3, "guesses": 5})]
+
+
+@pytest.fixture(scope="module")
+def pair(home: Path):
+    base = tiny_model(seed=2, num_layers=4, **K_SIZES)
+    target = load_model(str(write_gguf(base, home / "t.gguf", quant=k_quant_mix)), with_tokenizer=False,
+                        quantization="gguf")
+    draft_file = write_gguf(perturbed(base, 0.3), home / "d.gguf", quant=lambda name: "Q8_0")
+    return target, load_model(str(draft_file), with_tokenizer=False, quantization="auto")
+
+
+@pytest.fixture(scope="module")
+def prompt(pair) -> list[int]:
+    """Text the target wrote itself (sampled), so its n-grams recur in what it writes next."""
+    out = Engine(pair[0]).generate([5, 6, 7], SamplingParams(temperature=1.0, top_k=4, max_tokens=40, seed=1))
+    return [5, 6, 7] + out.token_ids
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("method,options", METHODS, ids=lambda v: str(v))
+def test_greedy_speculation_equals_plain_for_every_drafter(pair, prompt, method, options, k) -> None:
+    target = pair[0]
+    params = SamplingParams(max_tokens=40)
+    plain = Engine(target).generate(prompt, params).token_ids
+    spec = Engine(target, drafters.create(method, target, options), k).generate(prompt, params)
+    assert spec.token_ids == plain
+    assert 0 < spec.metrics.num_accepted_tokens < spec.metrics.num_draft_tokens
+
+
+@pytest.mark.parametrize("method", ["draft", "auto"])
+def test_greedy_speculation_with_a_gguf_draft_model_equals_plain(pair, prompt, method) -> None:
+    target, draft = pair
+    assert isinstance(draft.decoder.lm_head, GGUFLinear)              # auto took the file's own blocks
+    params = SamplingParams(max_tokens=40)
+    plain = Engine(target).generate(prompt, params).token_ids
+    options = {"model": draft, "quantize": "auto"} if method == "draft" else {"model": draft, "long_match": 3}
+    spec = Engine(target, drafters.create(method, target, options), 3).generate(prompt, params)
+    assert spec.token_ids == plain
+    assert 0 < spec.metrics.num_accepted_tokens < spec.metrics.num_draft_tokens
