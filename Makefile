@@ -25,11 +25,12 @@ models: $(STAMP) kernels
 	$(VENV)/bin/forerun models fetch
 
 # The main job: speculative generation on the default pair, with speed and acceptance figures.
-# `auto` picks the numeric format for the CPU found and says which (w8a8 on CPUs without native bf16
-# matrix units: rows verify for about the price of one, bit-identical to plain decoding); the method
-# is `auto` (suffix drafts on long matches, else the draft model over the 32k tokens the target
-# writes most), and each step drafts up to 5 tokens as this machine's measured costs and the
-# acceptance so far say it pays. The output equals the target's own plain greedy output.
+# `auto` picks the numeric format for the model and CPU found and says which (for these GGUF files,
+# `gguf`: their own blocks through forerun's native kernels, rows bit-identical alone or batched;
+# w8a8 where the kernels could not be built); the method is `auto` (suffix drafts on long matches,
+# else the draft model over the 32k tokens the target writes most), and each step drafts up to 5
+# tokens as this machine's measured costs and the acceptance so far say it pays. The output equals
+# the target's own plain greedy output.
 run: models
 	$(VENV)/bin/forerun generate --chat --max-tokens 128 \
 		--prompt "Write a Python function that checks whether a string is a palindrome." \

@@ -19,7 +19,6 @@ from forerun.config import SamplingParams
 from forerun.engine import Engine
 from forerun.errors import ForerunError
 from forerun.models import attention, formats, native_layer
-from forerun.models.attention import RowLayout
 from forerun.models.gguf_format import GGUFEmbedding, GGUFLinear
 from forerun.models.load import load_model
 from forerun.testing import save_hf_folder, tiny_model
@@ -27,6 +26,7 @@ from forerun.tree import DraftTree
 from forerun.verify import VerifyJob, row_layout, verify, verify_many
 from tests.conftest import perturbed
 from tests.test_load import write_gguf
+from tests.test_w8a8 import plain_rows
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: {native.problem()}")
 
@@ -68,21 +68,18 @@ def legacy_file(home: Path) -> Path:
     return write_gguf(tiny_model(seed=8, num_layers=3), home / "legacy.gguf", quant=legacy_mix)
 
 
-@pytest.fixture(scope="module", params=["k", "legacy"])
-def model(request, k_file: Path, legacy_file: Path):
-    path = k_file if request.param == "k" else legacy_file
+@pytest.fixture(scope="module")
+def llama_file(home: Path) -> Path:
+    """A llama model: its q and k rows stored as llama.cpp interleaves them, so the loader must reorder
+    the blocks' rows (and the float path does the same to the dequantized weights)."""
+    return write_gguf(tiny_model(seed=10, num_layers=2, architecture="llama"), home / "llama.gguf", arch="llama",
+                      quant="Q8_0")
+
+
+@pytest.fixture(scope="module", params=["k", "legacy", "llama"])
+def model(request, k_file: Path, legacy_file: Path, llama_file: Path):
+    path = {"k": k_file, "legacy": legacy_file, "llama": llama_file}[request.param]
     return load_model(str(path), with_tokenizer=False, quantization="gguf")
-
-
-def plain_rows(decoder, prefix: list[int], tokens: list[int]) -> torch.Tensor:
-    """Logits of `tokens` decoded one at a time after `prefix`, as plain decoding computes them."""
-    cache = decoder.new_cache(len(prefix) + len(tokens) + 1)
-    decoder(torch.tensor(prefix), torch.arange(len(prefix)), cache)
-    rows = []
-    for token in tokens:
-        at = cache.length
-        rows.append(decoder(torch.tensor([token]), torch.tensor([at]), cache, layout=RowLayout.chain(at, 1)).logits[0, 0])
-    return torch.stack(rows)
 
 
 # --- loading ---------------------------------------------------------------------------------------
@@ -146,6 +143,15 @@ def test_auto_picks_gguf_for_a_gguf_file_and_says_so(monkeypatch, capsys) -> Non
     assert formats.resolve("auto", "cpu", "gguf") == "gguf"
     assert "--quantization auto: gguf" in capsys.readouterr().err
     assert formats.resolve("auto", "cpu", "hf") != "gguf"
+
+
+def test_a_model_in_a_format_keeps_it_for_auto_and_refuses_another(model) -> None:
+    decoder = model.decoder
+    assert formats.current(decoder) == "gguf"
+    assert formats.quantize_(decoder, "auto") is decoder and formats.quantize_(decoder, "gguf") is decoder
+    with pytest.raises(ForerunError, match="already in gguf; load it again to use w8a8"):
+        formats.quantize_(decoder, "w8a8")
+    assert isinstance(decoder.lm_head, GGUFLinear)
 
 
 def test_a_reduced_vocabulary_head_scores_exactly_what_the_whole_head_does(model) -> None:

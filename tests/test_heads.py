@@ -374,3 +374,26 @@ def test_drafters_of_one_target_share_one_copy_of_a_head(target, medusa_head, ea
     first, second = (drafters.create(which, target, {"head": folder}) for _ in range(2))
     module = "heads" if which == "medusa" else "head"
     assert getattr(first, module) is getattr(second, module)      # a server's lanes hold one head between them
+
+
+@pytest.mark.skipif(not __import__("forerun").native.available(), reason="native kernels unavailable")
+def test_heads_on_a_gguf_target_run_on_its_kernels_and_equal_plain(target, medusa_head, eagle_head, tmp_path,
+                                                                   monkeypatch) -> None:
+    from forerun.heads import shared_head
+    from forerun.models.gguf_format import GGUFLinear
+    from forerun.models.load import load_model
+    from tests.test_load import write_gguf
+
+    monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
+    blocks = load_model(str(write_gguf(target, tmp_path / "looper.gguf", quant="Q8_0")), with_tokenizer=False,
+                        quantization="gguf")
+    for which, (folder, _) in (("medusa", medusa_head), ("eagle", eagle_head)):
+        head_folder = retargeted(folder, blocks, tmp_path / which)
+        _, head = shared_head(head_folder, blocks, which)
+        assert any(isinstance(m, GGUFLinear) for m in head.modules())     # the model's kernels, Q8_0
+        for prompt in prompts_of(3, start=40):
+            plain = Engine(blocks).generate(prompt, SamplingParams(max_tokens=25)).token_ids
+            out = Engine(blocks, drafters.create(which, blocks, {"head": str(head_folder)}), 4).generate(
+                prompt, SamplingParams(max_tokens=25))
+            assert out.token_ids == plain
+            assert out.metrics.num_draft_tokens > 0

@@ -77,7 +77,7 @@ def test_the_command_prints_one_line_per_row_count(folder: Path, capsys, monkeyp
     assert main(["profile", "--model", str(folder), "--dtype", "float32", "--rows", "1,2", "--steps", "1",
                  "--context", "8"]) == 0
     out = capsys.readouterr().out
-    assert "| rows | pass | products |" in out
+    assert "| rows | pass | native layers | products |" in out
     assert [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and
             line.split("|")[1].strip().isdigit()] == ["1", "2"]
 

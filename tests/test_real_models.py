@@ -147,7 +147,8 @@ class TestSpeculativePairIsExact:
     def test_speculative_output_equals_plain_or_parts_only_at_a_near_tie(
             self, target: LoadedModel, draft: LoadedModel, capsys, record_property) -> None:
         plain = LLM(target)
-        spec = LLM(target, speculative_model=draft, num_speculative_tokens=4)
+        # Fixed K: every step drafts, so the acceptance below is the draft's, not the cost policy's choice.
+        spec = LLM(target, speculative_model=draft, num_speculative_tokens=4, speculative_k_policy="fixed")
         params = SamplingParams(max_tokens=PAIR_MAX_TOKENS)
         identical, accepted, drafted, report = 0, 0, 0, []
         for text in PAIR_PROMPTS:
@@ -202,36 +203,41 @@ W8A8_METHODS = [("auto", {}), ("draft", {"draft_vocab": 32768}), ("suffix", {"mi
 W8A8_MAX_TOKENS = 32
 
 
+def every_drafter_reproduces_plain(target: LoadedModel, draft: LoadedModel, label: str, capsys) -> None:
+    """Every drafter at a fixed K over the pair: greedy output equal to plain token for token."""
+    params = SamplingParams(max_tokens=W8A8_MAX_TOKENS)
+    prompts = [target.tokenizer.apply_chat(chat(text)) for text in PAIR_PROMPTS]
+    plain = LLM(target)
+    want = [plain.generate(ids, params)[0].token_ids for ids in prompts]
+    report, totals = [], [0, 0]
+    for method, options in W8A8_METHODS:
+        uses_draft = method in ("auto", "draft")
+        spec = LLM(target, speculative_model=draft if uses_draft else None, speculative_method=method,
+                   speculative_options=options, num_speculative_tokens=3, speculative_k_policy="fixed")
+        drafted = accepted = 0
+        for ids, expected in zip(prompts, want):
+            got = spec.generate(ids, params)[0]
+            assert got.token_ids == expected, (method, spec.tokenizer.decode(got.token_ids),
+                                               spec.tokenizer.decode(expected))
+            drafted += got.metrics.num_draft_tokens
+            accepted += got.metrics.num_accepted_tokens
+        report.append(f"{method}: {accepted}/{drafted} draft tokens kept")
+        assert drafted > 0, report[-1]
+        totals[0] += drafted
+        totals[1] += accepted
+    with capsys.disabled():
+        print(f"\n{label} pair, greedy, every drafter identical to plain: " + "; ".join(report))
+    # Drafts were kept and rejected: verifications of many row counts and paths were compared.
+    assert totals[0] > totals[1] > 0
+
+
 class TestW8A8PairIsBitExact:
     """Target and draft in w8a8: a verified row's logits are bit-identical to one-row decoding's, so
     every drafter's greedy output equals plain greedy output token for token, no near-tie excuse."""
 
     def test_every_drafter_reproduces_plain_greedy_output_exactly(
             self, target_w8a8: LoadedModel, draft_w8a8: LoadedModel, capsys) -> None:
-        params = SamplingParams(max_tokens=W8A8_MAX_TOKENS)
-        prompts = [target_w8a8.tokenizer.apply_chat(chat(text)) for text in PAIR_PROMPTS]
-        plain = LLM(target_w8a8)
-        want = [plain.generate(ids, params)[0].token_ids for ids in prompts]
-        report, totals = [], [0, 0]
-        for method, options in W8A8_METHODS:
-            uses_draft = method in ("auto", "draft")
-            spec = LLM(target_w8a8, speculative_model=draft_w8a8 if uses_draft else None, speculative_method=method,
-                       speculative_options=options, num_speculative_tokens=3, speculative_k_policy="fixed")
-            drafted = accepted = 0
-            for ids, expected in zip(prompts, want):
-                got = spec.generate(ids, params)[0]
-                assert got.token_ids == expected, (method, spec.tokenizer.decode(got.token_ids),
-                                                   spec.tokenizer.decode(expected))
-                drafted += got.metrics.num_draft_tokens
-                accepted += got.metrics.num_accepted_tokens
-            report.append(f"{method}: {accepted}/{drafted} draft tokens kept")
-            assert drafted > 0, report[-1]
-            totals[0] += drafted
-            totals[1] += accepted
-        with capsys.disabled():
-            print("\nw8a8 pair, greedy, every drafter identical to plain: " + "; ".join(report))
-        # Drafts were kept and rejected: verifications of many row counts and paths were compared.
-        assert totals[0] > totals[1] > 0
+        every_drafter_reproduces_plain(target_w8a8, draft_w8a8, "w8a8", capsys)
 
 
 @pytest.fixture(scope="class")
@@ -254,26 +260,4 @@ class TestGGUFPairIsBitExact:
         from forerun.models.gguf_format import GGUFLinear
 
         assert isinstance(target_gguf.decoder.lm_head, GGUFLinear) and target_gguf.decoder._native_layers()
-        params = SamplingParams(max_tokens=W8A8_MAX_TOKENS)
-        prompts = [target_gguf.tokenizer.apply_chat(chat(text)) for text in PAIR_PROMPTS]
-        plain = LLM(target_gguf)
-        want = [plain.generate(ids, params)[0].token_ids for ids in prompts]
-        report, totals = [], [0, 0]
-        for method, options in W8A8_METHODS:
-            uses_draft = method in ("auto", "draft")
-            spec = LLM(target_gguf, speculative_model=draft_gguf if uses_draft else None, speculative_method=method,
-                       speculative_options=options, num_speculative_tokens=3, speculative_k_policy="fixed")
-            drafted = accepted = 0
-            for ids, expected in zip(prompts, want):
-                got = spec.generate(ids, params)[0]
-                assert got.token_ids == expected, (method, spec.tokenizer.decode(got.token_ids),
-                                                   spec.tokenizer.decode(expected))
-                drafted += got.metrics.num_draft_tokens
-                accepted += got.metrics.num_accepted_tokens
-            report.append(f"{method}: {accepted}/{drafted} draft tokens kept")
-            assert drafted > 0, report[-1]
-            totals[0] += drafted
-            totals[1] += accepted
-        with capsys.disabled():
-            print("\ngguf pair, greedy, every drafter identical to plain: " + "; ".join(report))
-        assert totals[0] > totals[1] > 0
+        every_drafter_reproduces_plain(target_gguf, draft_gguf, "gguf", capsys)

@@ -6,7 +6,8 @@ contenders, each a llama-server of its own on a loopback port, started once and 
 `llama-plain`, `llama-draft` (its draft-model speculation, same draft GGUF, at each K) and
 `llama-ngram` (its n-gram speculation, drafts of K tokens). Every request carries forerun's prompt
 token ids, max tokens and sampling settings, with `cache_prompt: false` so each run processes its
-prompt. llama.cpp runs the GGUF files as they are (their own quantization); forerun dequantizes them.
+prompt. llama.cpp runs the GGUF files as they are (their own quantization), as forerun's gguf format
+does; forerun's other formats dequantize them.
 
 Build ahead of time with `make peers`, which calls `main()`.
 """
@@ -498,8 +499,9 @@ def describe(setup_contenders: list) -> str:
             flags.setdefault(c.method, f"{label}: `{' '.join(_shown(c.server.spec.flags()))}`")
     threads = next((c.server.spec.threads for c in setup_contenders if isinstance(c, LlamaCppContender)), None)
     return (f"llama.cpp peers (llama-*): llama-server from the llama.cpp tree in llama-cpp-python {VERSION}, "
-            f"built with {' '.join(CMAKE_FLAGS)}; it runs the same GGUF files in their own quantization "
-            "(forerun dequantizes them), so its tokens seldom equal forerun plain's all the way; it gets the same "
+            f"built with {' '.join(CMAKE_FLAGS)}; it runs the same GGUF files in their own quantization (as "
+            "forerun's gguf format does, with its own activation rounding and summation order; other formats "
+            "dequantize them), so its tokens equal forerun plain's all the way on some prompts only; it gets the same "
             "prompt token ids, max tokens and sampling (greedy: top-k 1), stops at its model's end-of-generation "
             f"tokens, processes every prompt (cache_prompt false) and uses {threads} threads like torch. Flags "
             "(at the first K; each K has a server of its own): "

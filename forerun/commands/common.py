@@ -32,9 +32,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
-                   help="the target's numeric format, plain and speculative runs alike: int8 (weights), w8a8 "
-                        "(weights and activations; rows bit-identical alone or batched) or auto (the fastest "
-                        "exact one for this CPU, said on stderr)")
+                   help="the target's numeric format, plain and speculative runs alike: gguf (a GGUF file's own "
+                        "blocks through forerun's native kernels), w8a8 (int8 weights and activations), int8 "
+                        "(weights) or auto (the fastest exact one for this model and CPU, said on stderr); gguf "
+                        "and w8a8 keep a row's result bit-identical alone or batched")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -45,7 +46,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-model", default=None,
                    help="draft model (implies --speculative-method auto unless another method is named)")
     g.add_argument("--speculative-quantization", default=None, choices=list(QUANTIZATIONS),
-                   help="the draft model's numeric format (cheaper drafts; output stays exact): int8, w8a8 or auto")
+                   help="the draft model's numeric format (cheaper drafts; output stays exact): gguf, w8a8, int8 "
+                        "or auto")
     g.add_argument("--draft-min-confidence", type=float, default=0.0,
                    help="end a draft early when the draft model's top probability falls below this")
     g.add_argument("--draft-second-choice", type=float, default=None, metavar="P",

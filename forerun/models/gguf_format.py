@@ -199,82 +199,89 @@ def load_decoder(reader, cfg):
     """A `Decoder` whose products, embedding and LM head read `reader`'s tensors as stored (the file
     stays memory-mapped; only the tile layout the kernels read is a copy, made here in seconds)."""
     from forerun.models.decoder import Decoder
-    from forerun.models.gguf_loader import _unpermute
 
-    tensors = {t.name: t for t in reader.tensors}
+    source = _Tensors(reader, cfg)
     with torch.device("meta"):
         decoder = Decoder(cfg)
-    fell_back: list[str] = []
-    permute = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if cfg.architecture in ("llama", "mistral") else {}
-
-    def rows_of(name: str) -> tuple[object, torch.Tensor | None, np.ndarray | None]:
-        """(tensor, its raw rows if a block type the kernels read, its float rows otherwise)."""
-        t = tensors[name]
-        n = int(t.shape[1]) if len(t.shape) > 1 else 1
-        part = name.split(".")[-2]
-        order = _unpermute(np.arange(n), permute[part]) if part in permute and name.startswith("blk.") else None
-        if native.supports(int(t.tensor_type)):
-            raw = raw_rows(t.data, n)
-            return t, (raw if order is None else raw[torch.from_numpy(order)].contiguous()), None
-        dense = _dequantized(t).reshape(n, -1)
-        return t, None, (dense if order is None else dense[order])
-
-    def product(names: list[str], biases: list[str] | None = None) -> GGUFLinear:
-        parts, fallbacks = [], []
-        k = None
-        for name in names:
-            t, raw, dense = rows_of(name)
-            k = int(t.shape[0])
-            n = int(t.shape[1])
-            if raw is not None:
-                parts.append(Part(int(t.tensor_type), n, native.repack(int(t.tensor_type), raw.view(-1), n, k), raw))
-                fallbacks.append(None)
-            else:
-                fell_back.append(f"{name} ({t.tensor_type.name})")
-                parts.append(Part(int(t.tensor_type), n, torch.empty(0, dtype=torch.uint8), None))
-                fallbacks.append(_fallback_product(torch.from_numpy(np.ascontiguousarray(dense))))
-        bias = None
-        if biases:
-            pieces = []
-            for name in biases:
-                b = _dequantized(tensors[name]).reshape(-1)
-                part = name.split(".")[-2]
-                pieces.append(torch.from_numpy(b if part not in permute else _unpermute(b, permute[part]).copy()))
-            bias = torch.cat(pieces)
-        return GGUFLinear(k, parts, bias, fallbacks if any(f is not None for f in fallbacks) else None)
-
-    def norm(name: str) -> nn.Parameter:
-        return nn.Parameter(torch.from_numpy(_dequantized(tensors[name]).reshape(-1).copy()), requires_grad=False)
-
     for i, block in enumerate(decoder.layers):
-        attn, mlp = block.self_attn, block.mlp
-        p = f"blk.{i}."
-        qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
-        attn.qkv_proj = product(qkv, [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
-                                if cfg.attention_bias else None)
-        attn.o_proj = product([p + "attn_output.weight"])
-        mlp.gate_up_proj = product([p + "ffn_gate.weight", p + "ffn_up.weight"])
-        mlp.down_proj = product([p + "ffn_down.weight"])
+        attn, mlp, p = block.self_attn, block.mlp, f"blk.{i}."
+        biases = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"] if cfg.attention_bias else None
+        attn.qkv_proj = source.product([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], biases)
+        attn.o_proj = source.product([p + "attn_output.weight"])
+        mlp.gate_up_proj = source.product([p + "ffn_gate.weight", p + "ffn_up.weight"])
+        mlp.down_proj = source.product([p + "ffn_down.weight"])
         del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
-        block.input_layernorm.weight = norm(p + "attn_norm.weight")
-        block.post_attention_layernorm.weight = norm(p + "ffn_norm.weight")
-    embd = tensors["token_embd.weight"]
-    if native.supports(int(embd.tensor_type)):
-        decoder.embed_tokens = GGUFEmbedding(int(embd.tensor_type), raw_rows(embd.data, cfg.vocab_size),
-                                             cfg.vocab_size, cfg.hidden_size)
-    else:
-        decoder.embed_tokens = nn.Embedding.from_pretrained(
-            torch.from_numpy(_dequantized(embd).reshape(cfg.vocab_size, -1).copy()), freeze=True)
-    decoder.norm.weight = norm("output_norm.weight")
-    decoder.lm_head = product(["output.weight" if "output.weight" in tensors else "token_embd.weight"])
+        block.input_layernorm.weight = source.vector(p + "attn_norm.weight")
+        block.post_attention_layernorm.weight = source.vector(p + "ffn_norm.weight")
+    decoder.embed_tokens = source.embedding("token_embd.weight")
+    decoder.norm.weight = source.vector("output_norm.weight")
+    decoder.lm_head = source.product(["output.weight" if "output.weight" in source.tensors else "token_embd.weight"])
     decoder.activation_dtype = torch.float32
     left = [n for n, t in [*decoder.named_parameters(), *decoder.named_buffers()] if t.is_meta]
     if left:
         raise KeyError(f"the GGUF file did not fill {left[:3]}")
-    if fell_back:
-        say(f"--quantization gguf: {len(fell_back)} tensors are in block types the native kernels do not read "
-            f"and run as w8a8 products instead: {', '.join(fell_back[:4])}{' ...' if len(fell_back) > 4 else ''}")
+    if source.fell_back:
+        names = source.fell_back
+        say(f"--quantization gguf: {len(names)} tensors are in block types the native kernels do not read "
+            f"and run as w8a8 products instead: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}")
     return decoder.eval()
+
+
+class _Tensors:
+    """A GGUF file's tensors as the pieces of a decoder: products, vectors, the embedding."""
+
+    def __init__(self, reader, cfg) -> None:
+        self.tensors = {t.name: t for t in reader.tensors}
+        # llama.cpp interleaves llama/mistral q and k rows for its rope; ours pairs i with i + D/2.
+        self.permute = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} \
+            if cfg.architecture in ("llama", "mistral") else {}
+        self.fell_back: list[str] = []        # tensors in block types the kernels do not read
+
+    def _order(self, name: str, rows: int) -> np.ndarray | None:
+        from forerun.models.gguf_loader import unpermute
+
+        part = name.split(".")[-2]
+        if part not in self.permute or not name.startswith("blk."):
+            return None
+        return unpermute(np.arange(rows), self.permute[part])
+
+    def part(self, name: str) -> tuple[Part, nn.Module | None, int]:
+        """(the tensor's rows as a product part, a fallback module for a type the kernels lack, inputs)."""
+        t = self.tensors[name]
+        k, n, type_id = int(t.shape[0]), int(t.shape[1]), int(t.tensor_type)
+        order = self._order(name, n)
+        if native.supports(type_id):
+            raw = raw_rows(t.data, n)
+            raw = raw if order is None else raw[torch.from_numpy(order)].contiguous()
+            return Part(type_id, n, native.repack(type_id, raw.view(-1), n, k), raw), None, k
+        self.fell_back.append(f"{name} ({t.tensor_type.name})")
+        dense = _dequantized(t).reshape(n, -1)
+        dense = dense if order is None else dense[order]
+        weight = torch.from_numpy(np.ascontiguousarray(dense))
+        return Part(type_id, n, torch.empty(0, dtype=torch.uint8), None), _fallback_product(weight), k
+
+    def product(self, names: list[str], biases: list[str] | None = None) -> GGUFLinear:
+        parts, fallbacks, k = [], [], 0
+        for name in names:
+            part, fallback, k = self.part(name)
+            parts.append(part)
+            fallbacks.append(fallback)
+        bias = torch.cat([self.vector(name).detach() for name in biases]) if biases else None
+        return GGUFLinear(k, parts, bias, fallbacks if any(f is not None for f in fallbacks) else None)
+
+    def vector(self, name: str) -> nn.Parameter:
+        """A 1-D tensor (a norm's gain, a bias) as float32, rows reordered like its product's."""
+        values = _dequantized(self.tensors[name]).reshape(-1)
+        order = self._order(name, values.shape[0])
+        values = values if order is None else values[order]
+        return nn.Parameter(torch.from_numpy(np.array(values, dtype=np.float32)), requires_grad=False)
+
+    def embedding(self, name: str) -> nn.Module:
+        t = self.tensors[name]
+        dim, vocab = int(t.shape[0]), int(t.shape[1])
+        if native.supports(int(t.tensor_type)):
+            return GGUFEmbedding(int(t.tensor_type), raw_rows(t.data, vocab), vocab, dim)
+        return nn.Embedding.from_pretrained(torch.from_numpy(_dequantized(t).reshape(vocab, -1).copy()), freeze=True)
 
 
 def _dequantized(t) -> np.ndarray:

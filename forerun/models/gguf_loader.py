@@ -109,7 +109,7 @@ def hf_name(gguf_name: str) -> str | None:
     return f"{mapped}.{kind}" if mapped else None
 
 
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row interleaving (its rope pairs rows 2i, 2i+1; ours pairs i, i + D/2).
 
     llama.cpp's converter writes reshape(H, 2, D/2).swapaxes(1, 2); the inverse is
@@ -139,9 +139,9 @@ def iter_tensors(reader, cfg: DecoderConfig, dtype: torch.dtype,
             raise ForerunError(f"cannot read tensor {t.name} ({exc}); the GGUF file may be corrupt") from None
         if cfg.architecture in ("llama", "mistral"):
             if name.endswith(("q_proj.weight", "q_proj.bias")):
-                array = _unpermute(array, cfg.num_heads)
+                array = unpermute(array, cfg.num_heads)
             elif name.endswith(("k_proj.weight", "k_proj.bias")):
-                array = _unpermute(array, cfg.num_kv_heads)
+                array = unpermute(array, cfg.num_kv_heads)
         yield name, torch.from_numpy(array).to(dtype)
 
 

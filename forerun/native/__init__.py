@@ -157,6 +157,9 @@ def weight_buffer(size: int) -> torch.Tensor:
 def dequantize_rows(type_id: int, raw: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tensor:
     """Rows `rows` (int64) of a GGUF tensor of k inputs a row, as float32 [len(rows), k]."""
     rows = rows.to(torch.int64).contiguous()
+    stored = raw.numel() // (k // block_inputs(type_id) * gguf_block_bytes(type_id))
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= stored):
+        raise IndexError(f"row out of range [0, {stored})")
     out = torch.empty(rows.numel(), k, dtype=torch.float32)
     library().fr_dequantize_rows(type_id, _check(raw, torch.uint8, "raw"), k, rows.data_ptr(), rows.numel(),
                                  out.data_ptr())
@@ -171,10 +174,12 @@ def quantize(x: torch.Tensor, block: int, out: torch.Tensor | None = None, kerne
     """Rows of x [m, k] float32 as the products' int8 activation blocks (of `block` inputs): uint8 [m, row bytes]."""
     m, k = x.shape
     stride = x.stride(0)
-    if x.stride(1) != 1:
-        raise ValueError("x's rows must be contiguous")
+    if x.stride(1) != 1 or k % block:
+        raise ValueError(f"x's rows must be contiguous and a multiple of {block} wide, got {tuple(x.shape)}")
     if out is None:
         out = torch.empty(m, act_row_bytes(k), dtype=torch.uint8)
+    elif out.shape[0] < m or out.numel() < m * act_row_bytes(k):
+        raise ValueError(f"out holds {tuple(out.shape)}, {m} rows of {act_row_bytes(k)} bytes are needed")
     library().fr_quantize(PATHS.index(kernel_path or path()), _check_rows(x), m, k, stride, block,
                           _check(out, torch.uint8, "out"))
     return out
@@ -190,9 +195,15 @@ def matmul(type_id: int, packed: torch.Tensor, n: int, k: int, act: torch.Tensor
            out: torch.Tensor, bias: torch.Tensor | None = None, kernel_path: str | None = None,
            threads: int | None = None) -> torch.Tensor:
     """out[r, :n] = rows' activations times the packed weight (+ bias); out [m, >= n] float32, rows contiguous."""
-    if out.stride(1) != 1 or out.dtype != torch.float32:
-        raise ValueError("out must be float32 with contiguous rows")
-    library().fr_matmul(PATHS.index(kernel_path or path()), type_id, _check(packed, torch.uint8, "packed"), n, k,
+    lib = library()
+    if out.stride(1) != 1 or out.dtype != torch.float32 or out.shape[0] < m or out.shape[1] < n:
+        raise ValueError(f"out must be float32 [>= {m}, >= {n}] with contiguous rows, got {tuple(out.shape)}")
+    if packed.numel() != lib.fr_packed_bytes(type_id, n, k) or act.numel() < m * act_row_bytes(k):
+        raise ValueError(f"packed ({packed.numel()} bytes) or act ({act.numel()}) do not fit {n} x {k} "
+                         f"{TYPE_NAMES.get(type_id, type_id)} for {m} rows")
+    if bias is not None and bias.numel() < n:
+        raise ValueError(f"bias has {bias.numel()} values for {n} outputs")
+    lib.fr_matmul(PATHS.index(kernel_path or path()), type_id, _check(packed, torch.uint8, "packed"), n, k,
                         _check(act, torch.uint8, "act"), m, out.data_ptr(), out.stride(0),
                         None if bias is None else _check(bias, torch.float32, "bias"),
                         threads or torch.get_num_threads())
