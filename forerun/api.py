@@ -10,6 +10,7 @@ from forerun.cost_model import DraftLengthPolicy, pass_costs
 from forerun.drafters.draft_model import DRAFT_MODEL_METHODS
 from forerun.engine import Engine, RequestOutput
 from forerun.errors import ForerunError
+from forerun.logprobs import TokenLogprob
 from forerun.metrics import SpecMetrics
 from forerun.models import formats
 from forerun.models.load import LoadedModel, load_model
@@ -20,6 +21,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: list[TokenLogprob] | None = None   # each of token_ids', when SamplingParams.logprobs asks
 
 
 @dataclass
@@ -30,6 +32,7 @@ class GenerationResult:
     elapsed_s: float                     # generation only, model loading excluded
     first_token_s: float
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # each prompt token's (entry 0 None), if asked
 
     @property
     def text(self) -> str:
@@ -150,5 +153,6 @@ class LLM:
 
     @staticmethod
     def _result(prompt, ids: list[int], out: RequestOutput) -> GenerationResult:
-        return GenerationResult(prompt, ids, [CompletionOutput(out.text, out.token_ids, out.finish_reason)],
-                                out.elapsed_s, out.first_token_s, out.metrics)
+        completion = CompletionOutput(out.text, out.token_ids, out.finish_reason, out.logprobs)
+        return GenerationResult(prompt, ids, [completion], out.elapsed_s, out.first_token_s, out.metrics,
+                                out.prompt_logprobs)

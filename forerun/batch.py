@@ -5,8 +5,9 @@ over the shared target and draft weights. A step plans every lane's draft (the l
 forwards run as one forward over all their rows, drafters/passes.py), verifies all of them in one
 target pass (`verify_many`: each sequence's rows on its own cache, every row exactly as it would
 come out alone), then accepts, rolls back and emits per lane. Requests join (a prefill of
-their own) and leave between steps; an idle lane is kept for the next request, so a drafter's
-one-off set-up is paid once per lane, not per request.
+their own, or a copy of another's of the same prompt: n completions) and leave between steps;
+an idle lane is kept for the next request, so a drafter's one-off set-up is paid once per lane,
+not per request.
 
 Load: with B sequences, a step of K drafts each verifies about B·(K+1) rows, and rows stop being
 nearly free as B grows. Where the lanes have cost policies, the step's K is capped at the common
@@ -36,6 +37,7 @@ from forerun.config import SamplingParams
 from forerun.cost_model import batch_draft_length
 from forerun.drafters.passes import run_passes
 from forerun.engine import Engine, Plan, RequestOutput, Running, StepOutput
+from forerun.errors import ForerunError
 from forerun.verify import Verification, VerifyJob, verify, verify_many
 
 
@@ -147,13 +149,22 @@ class BatchEngine:
             self.idle.append(self._new())
         return self._checker.check_fits(prompt_ids, params)
 
-    def add(self, key: Hashable, prompt_ids: list[int], params: SamplingParams) -> StepOutput:
-        """Start a request under `key` (prefill and first token); the caller must not exceed max_seqs."""
+    def add(self, key: Hashable, prompt_ids: list[int], params: SamplingParams,
+            like: Hashable | None = None) -> StepOutput:
+        """Start a request under `key` (prefill and first token); the caller must not exceed max_seqs.
+        `like`: the key of a request of the same prompt added since the last step, whose prefill
+        this one shares (n completions of one prompt: one prefill, each its own seed)."""
         if self.full:
             raise RuntimeError(f"{len(self.lanes)} requests already run; max_seqs is {self.max_seqs}")
+        shared = None
+        if like is not None:
+            if like not in self.lanes:
+                raise ForerunError(f"like={like!r} names no running request: a prefill is shared with a "
+                                   "request added before this one and not removed yet")
+            shared = self.lanes[like].run
         engine = self._engine()
         try:
-            run, first = engine.begin(prompt_ids, params)
+            run, first = engine.begin(prompt_ids, params, like=shared)
         except BaseException:
             self.idle.append(engine)
             raise
@@ -209,8 +220,7 @@ class BatchEngine:
                 continue
             try:
                 emitted = lane.engine.finish(lane.run, plan, ver, timed=not shared)
-                seq = lane.run.seq
-                results[key] = StepResult(StepOutput(emitted, seq.take_text(), seq.finished))
+                results[key] = StepResult(lane.run.step_output(emitted))
             except Exception as exc:                    # noqa: BLE001
                 results[key] = StepResult(None, exc)
         ks = [lane.engine.last_k for _, lane, _ in planned if lane.engine.last_k is not None]

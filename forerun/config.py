@@ -1,10 +1,17 @@
 """User-facing settings as frozen dataclasses; each checks its own values and names the bad field."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from numbers import Integral
 
 from forerun.errors import ForerunError
+
+# A temperature below this samples as greedy (as vLLM does): dividing logits by it overflows float32,
+# and the distribution is a one-hot at the argmax to every digit a float holds anyway.
+GREEDY_BELOW = 1e-5
+SEED_RANGE = (-(2 ** 63), 2 ** 64)   # what torch.Generator.manual_seed takes (end excluded)
+MAX_LOGPROBS = 20                    # most alternatives a token's log probability comes with (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -16,16 +23,23 @@ class SamplingParams:
     stop: tuple[str, ...] = ()        # strings that end generation (not included in the text)
     seed: int | None = None           # seeds the sampler; None draws a fresh seed
     ignore_eos: bool = False          # keep going past stop tokens (benchmarks)
+    # Log probabilities (the target's raw logits, before temperature, top-k and top-p): None computes
+    # none; N gives each generated token's, with the N likeliest tokens at its position beside it.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first has none)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
-        if not self.temperature >= 0:
-            raise ForerunError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ForerunError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ForerunError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (not isinstance(self.seed, Integral)
+                                      or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise ForerunError(f"seed must be a whole number in [-2**63, 2**64), got {self.seed!r}")
         # Whole numbers only: a float slips past `< 0` (NaN always does) and fails deep in torch later.
         if not isinstance(self.top_k, Integral) or self.top_k < 0:
             raise ForerunError(f"top_k must be a whole number >= 0 (0 keeps every token), got {self.top_k!r}")
@@ -35,10 +49,17 @@ class SamplingParams:
             raise ForerunError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(not s for s in self.stop):
             raise ForerunError("stop strings must not be empty")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ForerunError(f"{name} must be a whole number from 0 to {MAX_LOGPROBS} (alternatives per "
+                                   f"token), or None for no log probabilities, got {value!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax decoding: temperature 0, or one below GREEDY_BELOW."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)

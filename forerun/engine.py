@@ -14,6 +14,7 @@ from forerun.drafters import Drafter, rows_per_step
 from forerun.drafters.passes import DraftPass, DraftSteps, run_alone
 from forerun.errors import ForerunError
 from forerun.kv_cache import KVCache
+from forerun.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from forerun.metrics import SpecMetrics
 from forerun.models import linear
 from forerun.models.load import LoadedModel
@@ -28,6 +29,8 @@ class StepOutput:
     token_ids: list[int]         # tokens emitted by this step
     text: str                    # text that became final with them
     finished: bool
+    logprobs: list[TokenLogprob] | None = None   # each token's, aligned with token_ids (params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # the first step's only (params.prompt_logprobs)
 
 
 @dataclass
@@ -39,6 +42,8 @@ class RequestOutput:
     elapsed_s: float             # generation only, from prefill to the last token
     first_token_s: float         # time to the first token
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    logprobs: list[TokenLogprob] | None = None                 # each of token_ids' (params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # each prompt token's, entry 0 None
 
     @property
     def tokens_per_s(self) -> float:
@@ -54,6 +59,16 @@ class Running:
     metrics: SpecMetrics
     start: float                 # perf_counter at its prefill
     first_token_s: float = 0.0
+    # The prefill's raw logits at the prompt's last position [1, vocab], kept until the first step:
+    # another request of the same prompt may start from them and a copy of the cache (`begin(like=)`).
+    prefill_logits: torch.Tensor | None = None
+    logprobs: list[TokenLogprob] | None = None                 # every emitted token's, when asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def step_output(self, emitted: list[int]) -> StepOutput:
+        """What a step that appended `emitted` hands out: the tokens, their text and log probabilities."""
+        logprobs = self.logprobs[len(self.logprobs) - len(emitted):] if self.logprobs is not None else None
+        return StepOutput(emitted, self.seq.take_text(), self.seq.finished, logprobs)
 
 
 @dataclass
@@ -114,36 +129,76 @@ class Engine:
         run, first = self.begin(prompt_ids, params)
         yield first
         while not run.seq.finished:
-            emitted = self.step(run)
-            yield StepOutput(emitted, run.seq.take_text(), run.seq.finished)
+            yield run.step_output(self.step(run))
         out = self.end(run)
         if result is not None:
             result.append(out)
 
-    def begin(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Running, StepOutput]:
-        """Prefill a request and sample its first token."""
+    def begin(self, prompt_ids: list[int], params: SamplingParams,
+              like: Running | None = None) -> tuple[Running, StepOutput]:
+        """Prefill a request and sample its first token. `like`: a running request of the same
+        prompt that has not stepped yet (n completions of one prompt; usually another engine's, as
+        a drafter follows one request at a time); this one then copies its cache and samples from
+        its last logits with its own generator, instead of a prefill."""
         max_len = self.check_fits(prompt_ids, params)
+        if like is not None:
+            _check_shareable(like, prompt_ids)
         decoder = self.target.decoder
         seq = Sequence(prompt_ids, params, self.target.tokenizer, self.stop_ids)
         run = Running(seq, decoder.new_cache(max_len), make_generator(params.seed, decoder.device),
-                      SpecMetrics(num_speculative_tokens=self.k), time.perf_counter())
-        ids = torch.tensor(prompt_ids, device=decoder.device)
+                      SpecMetrics(num_speculative_tokens=self.k), time.perf_counter(),
+                      logprobs=[] if params.logprobs is not None else None)
         if self.policy is not None:
             self.policy.start()
         with linear.prefill():
             if self.drafter is not None:
                 self.drafter.start(seq.prompt_ids, run.cache, max_len)
-            # Prefill the whole prompt; only the last position's logits are needed.
-            out = decoder(ids, torch.arange(len(prompt_ids), device=decoder.device), run.cache, last_only=True,
-                          output_hidden=self.feed_features is not None, all_hidden=True)
-            logits = out.logits[0]
+            hidden = None
+            if like is not None and self._can_share(like, params):
+                logits = _share_prefill(run, like)
+            else:
+                logits, hidden = self._prefill(run)
         if self.feed_features is not None:
-            self.feed_features(out.hidden[0])                               # [T, hidden]
+            self.feed_features(hidden)                                      # [T, hidden]
+        run.prefill_logits = logits                                         # [1, vocab]
         first = int(sample(probabilities(logits, params), run.gen)[0])
+        if run.logprobs is not None:
+            run.logprobs += token_logprobs(logits, [first], params.logprobs)
         run.metrics.record_step(0, 0, 1)
         seq.append(first)
         run.first_token_s = time.perf_counter() - run.start
-        return run, StepOutput([first], seq.take_text(), seq.finished)
+        out = run.step_output([first])
+        out.prompt_logprobs = run.prompt_logprobs
+        return run, out
+
+    def _prefill(self, run: Running) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole prompt through the target: the last position's raw logits [1, vocab], and every
+        position's final hidden state [T, hidden] when the drafter reads them."""
+        decoder, prompt, params = self.target.decoder, run.seq.prompt_ids, run.seq.params
+        ids = torch.tensor(prompt, device=decoder.device)
+        scored = params.prompt_logprobs is not None
+        # Sampling needs the last position's logits alone. The prompt's log probabilities score the
+        # other rows' hidden states apart, a slice at a time: the last row comes out as without them.
+        out = decoder(ids, torch.arange(len(prompt), device=decoder.device), run.cache, last_only=True,
+                      output_hidden=self.feed_features is not None or scored, all_hidden=True)
+        if scored:
+            hidden = out.hidden[0]                                          # [T, hidden]
+
+            def score(a: int, b: int) -> torch.Tensor:
+                with torch.inference_mode():
+                    return decoder.lm_head(hidden[None, a:b])[0].float()    # [b - a, vocab]
+
+            run.prompt_logprobs = prompt_logprobs(score, prompt, params.prompt_logprobs)
+        return out.logits[0], out.hidden[0] if self.feed_features is not None else None
+
+    def _can_share(self, like: Running, params: SamplingParams) -> bool:
+        """Whether this engine's request may start from `like`'s prefill. A drafter that reads the
+        target's features needs every prompt position's hidden state, which is not kept: it gets a
+        prefill of its own (so do prompt log probabilities with more alternatives than `like` has)."""
+        if self.feed_features is not None:
+            return False
+        want = params.prompt_logprobs
+        return want is None or (like.prompt_logprobs is not None and like.seq.params.prompt_logprobs >= want)
 
     def end(self, run: Running) -> RequestOutput:
         """The request is over (finished or given up): the drafter hears its output; returns it."""
@@ -155,7 +210,8 @@ class Engine:
     def output(self, run: Running) -> RequestOutput:
         seq = run.seq
         return RequestOutput(seq.prompt_ids, seq.output_ids, seq.text, seq.finish_reason,
-                             time.perf_counter() - run.start, run.first_token_s, run.metrics)
+                             time.perf_counter() - run.start, run.first_token_s, run.metrics,
+                             run.logprobs, run.prompt_logprobs)
 
     def step(self, run: Running) -> list[int]:
         """One step of a running request: draft, verify, accept. Returns the tokens it emitted."""
@@ -250,6 +306,11 @@ class Engine:
             emitted.append(token)
             if seq.append(token):
                 break
+        if run.logprobs is not None:
+            # Each token from the row that predicted it: the root's (row 0), then each kept node's.
+            rows = [0] + [1 + node for node in path[:len(emitted) - 1]]
+            run.logprobs += token_logprobs(ver.logits[rows], emitted, seq.params.logprobs)
+        run.prefill_logits = None              # stepped: its prefill can no longer be shared
         run.metrics.record_step(len(tree) if tree else 0, len(path), len(emitted))
         return emitted
 
@@ -296,6 +357,30 @@ class Engine:
         for _ in self.stream(prompt_ids, params, result):
             pass
         return result[0]
+
+
+def _check_shareable(like: Running, prompt_ids: list[int]) -> None:
+    """A clear error when `like`'s prefill cannot serve a request of `prompt_ids`."""
+    if like.seq.prompt_ids != list(prompt_ids):
+        raise ForerunError("a prefill can be shared only by requests of the same prompt, and this "
+                           "prompt differs from the one of the request named to share it")
+    if like.prefill_logits is None or like.cache.length != len(prompt_ids):
+        raise ForerunError("the request named to share its prefill has already stepped (its cache holds "
+                           "more than the prompt): start every request of one prompt before the next step")
+
+
+def _share_prefill(run: Running, like: Running) -> torch.Tensor:
+    """Copy `like`'s prompt slots into `run`'s cache (both empty past the prompt: `like` has not
+    stepped); its prompt log probabilities too, cut to `run`'s count. Returns the last logits."""
+    n = like.cache.length
+    run.cache.k[:, :, :, :n] = like.cache.k[:, :, :, :n]             # [layers, B, kv_heads, n, head_dim]
+    run.cache.v[:, :, :, :n] = like.cache.v[:, :, :, :n]
+    run.cache.advance(n)
+    top = run.seq.params.prompt_logprobs
+    if top is not None:
+        run.prompt_logprobs = [None] + [TokenLogprob(t.token_id, t.logprob, t.top[:top])
+                                        for t in like.prompt_logprobs[1:]]
+    return like.prefill_logits
 
 
 def _timed(steps: DraftSteps) -> Generator[DraftPass, torch.Tensor, tuple[object, float]]:

@@ -15,16 +15,22 @@ class SpecMetrics:
     num_emitted_in_drafts: int = 0    # tokens emitted by the steps that verified a draft
     accepted_per_position: list[int] = field(default_factory=list)  # [K] kept counts by draft position
     draft_seconds: float = 0.0        # wall time the drafter spent proposing (shadow proposals too)
+    acceptance_histogram: list[int] = field(default_factory=list)  # [j]: drafting steps that kept j tokens
+    steps: list[tuple[int, int]] = field(default_factory=list)     # (drafted, kept) of each drafting step
 
     def record_step(self, drafted: int, accepted: int, emitted: int) -> None:
         """One target forward that verified `drafted` tokens, kept `accepted`, emitted `emitted`."""
         self.num_target_forwards += 1
         self.num_emitted_tokens += emitted
+        counted = min(accepted, emitted)  # a stop inside the run: what was not emitted does not count
         if drafted:
             self.num_drafts += 1
             self.num_draft_tokens += drafted
             self.num_emitted_in_drafts += emitted
-        counted = min(accepted, emitted)  # a stop inside the run: what was not emitted does not count
+            if len(self.acceptance_histogram) <= counted:
+                self.acceptance_histogram += [0] * (counted + 1 - len(self.acceptance_histogram))
+            self.acceptance_histogram[counted] += 1
+            self.steps.append((drafted, counted))
         self.num_accepted_tokens += counted
         if len(self.accepted_per_position) < self.num_speculative_tokens:
             self.accepted_per_position += [0] * (self.num_speculative_tokens - len(self.accepted_per_position))
@@ -44,6 +50,11 @@ class SpecMetrics:
         mine = self.accepted_per_position + [0] * (width - len(self.accepted_per_position))
         theirs = other.accepted_per_position + [0] * (width - len(other.accepted_per_position))
         self.accepted_per_position = [a + b for a, b in zip(mine, theirs)]
+        # Totals only: the per-step record stays with each request (a server merges without end).
+        hist = self.acceptance_histogram
+        hist += [0] * (len(other.acceptance_histogram) - len(hist))
+        for j, count in enumerate(other.acceptance_histogram):
+            hist[j] += count
 
     @property
     def acceptance_rate(self) -> float:

@@ -24,6 +24,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_probs = sorted_logits.softmax(-1)
         # Keep a token while the mass before it is below top_p: the smallest set reaching top_p.
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        # The likeliest token always stays: a top_p below float32's smallest number (1e-46) compares
+        # as 0, and 0 >= 0 would drop every token.
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)

@@ -11,6 +11,14 @@ Events reach the caller through `on_event(request, event)`, called on the loop t
 hands them to its asyncio loop. An exception inside the engine for one request ends that request
 with an error event and the others go on; if the loop itself dies, every request still queued or
 running ends with an error event, `alive` turns False and `submit` refuses new ones.
+
+Shutting down (`drain`, safe to call from a signal handler): new requests are refused, those still
+waiting end at once with a "shutdown" failure (a client may send them elsewhere), the running ones
+go on until they finish or the grace period ends, when each left is cut with a "shutdown" failure
+(named in `cut`); then the loop returns.
+
+A request of a group (the `n` samples of one prompt) names the group's first request in `like`:
+admitted in the same round, it copies that request's prefill instead of running its own.
 """
 from __future__ import annotations
 
@@ -32,6 +40,8 @@ from forerun.errors import ForerunError
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list | None = None     # the target's TokenLogprob of each token, when the request asked
+    prompt_logprobs: list | None = None   # the first Delta: the prompt's, when the request asked
 
 
 @dataclass
@@ -42,6 +52,7 @@ class Done:
 @dataclass
 class Failed:
     message: str
+    reason: str = "engine"      # "engine": the engine failed; "shutdown": the server is stopping
 
 
 Event = Delta | Done | Failed
@@ -55,6 +66,7 @@ class Request:
     id: int = field(default_factory=itertools.count().__next__)
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    like: "Request | None" = None    # the group's first request, whose prefill this one may share
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -65,6 +77,10 @@ class QueueFull(ForerunError):
 
 
 class EngineStopped(ForerunError):
+    pass
+
+
+class ShuttingDown(EngineStopped):
     pass
 
 
@@ -84,6 +100,10 @@ class Scheduler:
         self._looping = threading.Event()   # the loop runs, on whichever thread
         self._keep_going: Callable[[], bool] = lambda: True
         self.died: str | None = None        # why the loop ended, if it did
+        # When the running requests are cut (perf_counter), once `drain` was called; set by a plain
+        # assignment so a signal handler may call it while the loop holds the lock.
+        self._drain_deadline: float | None = None
+        self.cut: list[int] = []            # ids of the requests cut at the end of a drain
 
     # --- the caller's side ---------------------------------------------------------------------
 
@@ -112,20 +132,39 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def drain(self, grace: float) -> None:
+        """Stop: refuse new requests, end the waiting ones, give the running ones `grace` seconds
+        to finish, then cut them. Only assigns, so a signal handler may call it at any moment; a
+        second call moves the deadline (0: cut now)."""
+        self._drain_deadline = time.perf_counter() + max(grace, 0.0)
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
     @property
     def alive(self) -> bool:
         return self._looping.is_set() and self.died is None
 
     def submit(self, request: Request) -> None:
         """Queue `request`; QueueFull when max_waiting requests already wait."""
-        self.batch.check_fits(request.prompt_ids, request.params)     # a clear error before queueing
+        self.submit_group([request])
+
+    def submit_group(self, requests: list[Request]) -> None:
+        """Queue `requests` side by side (the samples of one prompt, admitted together where lanes
+        are free); all or none: QueueFull when they would pass max_waiting."""
+        for request in requests:
+            self.batch.check_fits(request.prompt_ids, request.params)     # a clear error before queueing
         with self._cond:
+            if self.draining:
+                raise ShuttingDown("the server is shutting down and takes no new requests; send it to another "
+                                   "replica, or again once the server is back")
             if not self.alive:
                 raise EngineStopped(f"the engine loop has stopped and takes no requests: {self.died or 'not started'}")
             self._drop_cancelled()
-            if len(self._waiting) >= self.max_waiting:
+            if len(self._waiting) + len(requests) > self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting; try again later")
-            self._waiting.append(request)
+            self._waiting.extend(requests)
             self._cond.notify()
 
     def counts(self) -> tuple[int, int]:
@@ -149,6 +188,8 @@ class Scheduler:
                 self._drop_cancelled()
                 if self._stop or not self._keep_going():
                     return None
+                if self.draining:
+                    return self._drained()
                 free = self.batch.max_seqs - len(self._running)
                 admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
                 for r in admitted:
@@ -157,12 +198,30 @@ class Scheduler:
                     return admitted
                 self._cond.wait(0.5)
 
+    def _drained(self) -> list[Request] | None:
+        """While draining (under the lock): end the waiting requests; past the deadline, cut the
+        running ones. None once nothing runs; else no request to admit."""
+        waiting, self._waiting = list(self._waiting), collections.deque()
+        for r in waiting:
+            r.cancel()
+            _emit(r, Failed("the server is shutting down and did not start this request; send it again",
+                            "shutdown"))
+        if self._running and time.perf_counter() >= self._drain_deadline:
+            for r in list(self._running.values()):
+                del self._running[r.id]
+                self.batch.remove(r.id)
+                self.cut.append(r.id)
+                _emit(r, Failed("the server is shutting down: this request was cut at the end of its grace "
+                                "period; send it again", "shutdown"))
+        return None if not self._running else []
+
     def _loop(self) -> None:
         try:
             while (admitted := self._admit()) is not None:
+                fresh: set[int] = set()                 # begun this round, not stepped: their prefill can be shared
                 while admitted:                         # and those that came while these prefilled
                     for request in admitted:
-                        self._begin(request)
+                        self._begin(request, fresh)
                     admitted = self._admit(wait=False)
                 self._leave_cancelled()
                 for rid, result in self.batch.step().items():
@@ -170,7 +229,8 @@ class Scheduler:
                     if result.error is not None:
                         self._end(request, Failed(f"{type(result.error).__name__}: {result.error}"))
                         continue
-                    _emit(request, Delta(result.output.text, result.output.token_ids))
+                    out = result.output
+                    _emit(request, Delta(out.text, out.token_ids, out.logprobs))
                     if result.output.finished:
                         self._end(request, None)
         except BaseException as exc:                    # noqa: BLE001 - recorded for /health
@@ -187,7 +247,7 @@ class Scheduler:
         finally:
             self._looping.clear()
 
-    def _begin(self, request: Request) -> None:
+    def _begin(self, request: Request, fresh: set[int]) -> None:
         if request.cancelled.is_set():                  # gone while it waited: no prefill for nobody
             with self._cond:
                 self._running.pop(request.id, None)
@@ -195,13 +255,18 @@ class Scheduler:
         if self.on_start is not None:
             self.on_start(request)
         try:
-            first = self.batch.add(request.id, request.prompt_ids, request.params)
+            if request.like is not None and request.like.id in fresh:
+                first = self.batch.add(request.id, request.prompt_ids, request.params, like=request.like.id)
+            else:
+                first = self.batch.add(request.id, request.prompt_ids, request.params)
         except Exception as exc:                        # noqa: BLE001 - one request fails, the loop goes on
             with self._cond:
                 self._running.pop(request.id, None)
             _emit(request, Failed(f"{type(exc).__name__}: {exc}"))
             return
-        _emit(request, Delta(first.text, first.token_ids))
+        if not first.finished:                          # it stays in its lane: its prefill can be shared
+            fresh.add(request.id)
+        _emit(request, Delta(first.text, first.token_ids, first.logprobs, first.prompt_logprobs))
         if first.finished:
             self._end(request, None)
 

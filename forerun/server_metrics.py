@@ -2,6 +2,9 @@
 
 Counted when a request finishes (its speculation counters come from the engine's SpecMetrics), so
 the totals agree with what the responses said; queue gauges are read when /metrics is scraped.
+Engine failures (`request_failure`), requests cut by a shutdown (`request_success` with reason
+"abort", as vLLM counts them) and requests refused before the engine saw them (`request_rejected`,
+by HTTP status: client mistakes, a full queue, a wrong key) are kept apart.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from forerun.engine import RequestOutput
+from forerun.metrics import SpecMetrics
 from forerun.scheduler import Request
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -34,6 +38,13 @@ class ServerMetrics:
         self.requests = Counter("forerun:request_success", "Finished requests, by finish reason",
                                 ["finished_reason"], registry=r)
         self.failures = Counter("forerun:request_failure", "Requests ended by an error in the engine", registry=r)
+        self.rejections = Counter("forerun:request_rejected", "Requests refused before the engine saw them, "
+                                  "by HTTP status", ["status"], registry=r)
+        self.acceptance_rate = Gauge("forerun:spec_decode_draft_acceptance_rate",
+                                     "Draft tokens kept over draft tokens proposed, finished requests", registry=r)
+        self.efficiency = Gauge("forerun:spec_decode_efficiency", "Tokens emitted by drafting steps over the most "
+                                "they could emit (K + 1 each), finished requests", registry=r)
+        self.total = SpecMetrics()
         self.ttft = Histogram("forerun:time_to_first_token_seconds", "Arrival to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("forerun:e2e_request_latency_seconds", "Arrival to last token",
@@ -53,6 +64,9 @@ class ServerMetrics:
         now = time.perf_counter()
         m = output.metrics
         self.drafts.inc(m.num_drafts)
+        self.total.merge(m)
+        self.acceptance_rate.set(self.total.acceptance_rate)
+        self.efficiency.set(self.total.efficiency)
         self.draft_tokens.inc(m.num_draft_tokens)
         self.accepted.inc(m.num_accepted_tokens)
         for position, kept in enumerate(m.accepted_per_position, 1):
@@ -66,6 +80,12 @@ class ServerMetrics:
 
     def failed(self) -> None:
         self.failures.inc()
+
+    def aborted(self) -> None:
+        self.requests.labels(finished_reason="abort").inc()
+
+    def rejected(self, status: int) -> None:
+        self.rejections.labels(status=str(status)).inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -18,6 +18,9 @@ class Verification:
     probs: torch.Tensor   # [N+1, vocab] processed target distribution after the root (row 0) and each node
     hidden: torch.Tensor  # [N+1, hidden] final hidden state of each row (for feature-level drafters)
     aux_logits: torch.Tensor | None = None  # [A, vocab] raw target logits of the tree's aux rows, if any
+    # [N+1, vocab] raw target logits of the root and each node (a view of the pass's), only for a
+    # request that asks for log probabilities: the engine scores the rows it emits from.
+    logits: torch.Tensor | None = None
 
 
 def verify(target: Decoder, cache: KVCache, root: int, tree: DraftTree | None,
@@ -39,7 +42,8 @@ def verify(target: Decoder, cache: KVCache, root: int, tree: DraftTree | None,
     n = len(tree) + 1
     logits = out.logits[0]                                                           # [R, vocab]
     return Verification(probs=probabilities(logits[:n], params), hidden=out.hidden[0, :n],
-                        aux_logits=logits[n:] if tree.aux_tokens else None)
+                        aux_logits=logits[n:] if tree.aux_tokens else None,
+                        logits=logits[:n] if params.logprobs is not None else None)
 
 
 @dataclass
@@ -79,7 +83,8 @@ def verify_many(target: Decoder, jobs: list[VerifyJob]) -> list[Verification]:
         probs = one_hot[seg.start:seg.start + n] if one_hot is not None and job.params.greedy \
             else probabilities(rows[:n], job.params)
         results.append(Verification(probs=probs, hidden=hidden[seg.start:seg.start + n],
-                                    aux_logits=rows[n:] if tree.aux_tokens else None))
+                                    aux_logits=rows[n:] if tree.aux_tokens else None,
+                                    logits=rows[:n] if job.params.logprobs is not None else None))
     return results
 
 

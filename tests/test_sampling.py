@@ -121,7 +121,8 @@ def test_unseeded_generators_draw_fresh_seeds():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("temperature", -0.1), ("temperature", math.nan),
+    ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf),
+    ("seed", 2 ** 64), ("seed", -(2 ** 63) - 1), ("seed", 1.5),
     ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5), ("top_p", math.nan),
     ("top_k", -1), ("top_k", 2.5),
     ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", math.nan), ("max_tokens", 1.5),
@@ -143,6 +144,30 @@ def test_valid_sampling_params_and_stop_normalisation():
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
     assert SamplingParams(stop=None).stop == ()
     assert SamplingParams().greedy
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-40, 1e-45, 1e-300])
+def test_a_temperature_below_the_epsilon_is_greedy_not_nonsense(temperature):
+    # Dividing by 1e-40 overflows float32 to inf and the softmax to NaN (sampled as the last id).
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9]])
+    assert torch.equal(probabilities(logits, params), torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+    assert not SamplingParams(temperature=1e-4).greedy
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 1e-50, 5e-324, 1e-9])
+def test_any_top_p_keeps_the_likeliest_token(top_p):
+    # top_p under float32's smallest number compares as 0 and once dropped every token (NaN rows).
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
+    probs = probabilities(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert torch.isfinite(probs).all()
+    assert torch.equal(probs, torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0))
+
+
+def test_seeds_across_the_generator_range_are_taken():
+    for seed in (-(2 ** 63), 2 ** 64 - 1, 0):
+        assert make_generator(SamplingParams(seed=seed).seed) is not None
 
 
 def test_speculative_config_needs_at_least_one_token_when_speculating():

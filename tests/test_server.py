@@ -22,6 +22,7 @@ from forerun.engine import Engine
 from forerun.errors import ForerunError
 from forerun.scheduler import Scheduler
 from forerun.server import ServerConfig, create_app
+from forerun.server_http import TimedH11Protocol
 from forerun.server_metrics import ServerMetrics
 
 KEY = "test-key"
@@ -33,19 +34,20 @@ class Served:
     """A started server: its base URL, scheduler and metrics; stop() shuts it down."""
 
     def __init__(self, llm: LLM, api_key: str | None = KEY, max_waiting: int = 512, max_num_seqs: int = 64,
-                 new_engine=None) -> None:
+                 new_engine=None, header_timeout: float = 10.0, **config) -> None:
         self.llm = llm
         self.batch = (BatchEngine(llm.new_engine, max_num_seqs, engines=[llm.engine]) if new_engine is None
                       else BatchEngine(new_engine, max_num_seqs))
         self.metrics = ServerMetrics(self.batch)
         self.scheduler = Scheduler(self.batch, max_waiting)
         self.scheduler.start()
-        app = create_app(llm, self.scheduler, ServerConfig(NAME, CONTEXT, api_key), self.metrics)
+        app = create_app(llm, self.scheduler, ServerConfig(NAME, CONTEXT, api_key, **config), self.metrics)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
+                                                    http=TimedH11Protocol.with_timeout(header_timeout)))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -192,7 +194,8 @@ BAD = [
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": {"text": "a"}}, "prompt"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 17}, "n"),
     ({"stop": [""]}, "stop"),
     ({"stop": 5}, "stop"),
     ({"top_k": -3}, "top_k"),

@@ -27,27 +27,38 @@ METHOD_OPTIONS: dict[str, dict[str, str]] = {
 }
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, quantization: str | None = None) -> None:
+    """`quantization`: the --quantization default ("auto" for the commands that answer requests;
+    then "none" asks for the weights in --dtype)."""
     p.add_argument("--model", required=True, help="embedded name, .gguf file, model folder or hub id")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
+    choices = list(QUANTIZATIONS) + (["none"] if quantization is not None else [])
+    p.add_argument("--quantization", default=quantization, choices=choices,
                    help="the target's numeric format, plain and speculative runs alike: gguf (a GGUF file's own "
                         "blocks through forerun's native kernels), w8a8 (int8 weights and activations), int8 "
                         "(weights) or auto (the fastest exact one for this model and CPU, said on stderr); gguf "
-                        "and w8a8 keep a row's result bit-identical alone or batched")
+                        "and w8a8 keep a row's result bit-identical alone or batched"
+                        + (f"; none: the weights in --dtype (default: {quantization})" if quantization else ""))
 
 
-def add_spec_args(p: argparse.ArgumentParser) -> None:
+def quantization_arg(value: str | None) -> str | None:
+    """--quantization as the loaders take it: "none" is the weights' own dtype."""
+    return None if value == "none" else value
+
+
+def add_spec_args(p: argparse.ArgumentParser, quantization: str | None = None) -> None:
+    """`quantization`: the --speculative-quantization default (as in add_model_args)."""
     g = p.add_argument_group("speculation")
     g.add_argument("--speculative-method", default=None,
                    help="auto (suffix draft on long matches, else the draft model), draft, suffix, ngram, "
                         "early-exit or lookahead")
     g.add_argument("--speculative-model", default=None,
                    help="draft model (implies --speculative-method auto unless another method is named)")
-    g.add_argument("--speculative-quantization", default=None, choices=list(QUANTIZATIONS),
+    g.add_argument("--speculative-quantization", default=quantization,
+                   choices=list(QUANTIZATIONS) + (["none"] if quantization is not None else []),
                    help="the draft model's numeric format (cheaper drafts; output stays exact): gguf, w8a8, int8 "
-                        "or auto")
+                        "or auto" + (f"; none: the weights in --dtype (default: {quantization})" if quantization else ""))
     g.add_argument("--draft-min-confidence", type=float, default=0.0,
                    help="end a draft early when the draft model's top probability falls below this")
     g.add_argument("--draft-second-choice", type=float, default=None, metavar="P",
@@ -105,7 +116,8 @@ def spec_from_args(args: argparse.Namespace, method: str | None = None) -> tuple
     if method in DRAFT_MODEL_METHODS and not args.speculative_model:
         raise ForerunError(f"--speculative-method {method} needs --speculative-model")
     names = METHOD_OPTIONS.get(method, {})
-    options = {kw: getattr(args, dest) for dest, kw in names.items() if getattr(args, dest, None) is not None}
+    # "none" (a format flag's own dtype) is no option at all.
+    options = {kw: getattr(args, dest) for dest, kw in names.items() if getattr(args, dest, None) not in (None, "none")}
     if method in DRAFT_MODEL_METHODS:
         options.update(dtype=args.dtype, device=args.device)
     return method, options

@@ -7,17 +7,17 @@ import sys
 
 from forerun.api import LLM
 from forerun.commands.common import (add_model_args, add_prompt_args, add_sampling_args, add_spec_args,
-                                     read_prompts_file, sampling_from_args, spec_from_args)
+                                     quantization_arg, read_prompts_file, sampling_from_args, spec_from_args)
 from forerun.errors import ForerunError
 
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text, with or without speculation")
-    add_model_args(p)
+    add_model_args(p, quantization="auto")
     add_prompt_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     add_sampling_args(p)
-    add_spec_args(p)
+    add_spec_args(p, quantization="auto")
     p.set_defaults(func=run)
 
 
@@ -25,7 +25,7 @@ def build_llm(args: argparse.Namespace, method: str | None = None) -> LLM:
     method, options = spec_from_args(args, method)
     return LLM(model=args.model, speculative_method=method, speculative_options=options,
                num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
-               quantization=args.quantization, speculative_k_policy=args.speculative_k_policy)
+               quantization=quantization_arg(args.quantization), speculative_k_policy=args.speculative_k_policy)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ class Tokenizer:
             if str(token) in _STOP_TEXTS:
                 stops.add(int(token_id))
         self.stop_ids: frozenset[int] = frozenset(stops)
+        self._pieces: dict[int, str] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -30,6 +31,13 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def piece(self, token_id: int) -> str:
+        """One token's own text, special tokens included (logprobs name tokens by it)."""
+        text = self._pieces.get(token_id)
+        if text is None:
+            text = self._pieces[token_id] = self.hf.decode([token_id], skip_special_tokens=False)
+        return text
 
     def apply_chat(self, messages: list[dict]) -> list[int]:
         if not getattr(self.hf, "chat_template", None):

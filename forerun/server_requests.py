@@ -1,0 +1,361 @@
+"""What a client sends to `forerun serve`: the body read, every field checked, and the request schemas.
+
+A request is read and checked before the engine sees it. Anything wrong raises BadRequest (HTTP
+4xx in OpenAI's error shape, naming the field and saying what to send instead): a field of the
+wrong type or range, a field of the other route, a field forerun cannot honour (`logit_bias`,
+`tools`, ...) set to anything but its neutral value, a name no API knows, text that is not valid
+Unicode, token ids outside the vocabulary, a body nested too deeply to parse. The pydantic models
+at the end only describe the two requests for /openapi.json and /docs; the checks are the
+functions here.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import ClientDisconnect
+
+from forerun.config import SEED_RANGE, SamplingParams
+from forerun.errors import ForerunError
+
+MAX_LOGPROBS = 20                 # most alternatives a position's logprobs may list
+MAX_N = 16                        # most samples one request may ask for
+CHARS_PER_TOKEN = 16              # a prompt longer than max_model_len x this is refused before tokenizing
+ROLES = {"system", "user", "assistant", "tool", "developer"}   # developer: OpenAI's newer name for system
+
+# Fields each route takes; others are refused by name (a typo or a feature forerun lacks).
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
+           "stream_options", "logprobs", "ignore_eos", "user", "store", "metadata", "service_tier"}
+_COMPLETIONS = _COMMON | {"prompt", "echo"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls"}
+# Fields of OpenAI's or vLLM's API that forerun cannot honour, with the values that ask for nothing.
+_NEUTRAL: dict[str, tuple] = {
+    "best_of": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0), "suffix": (None, ""),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,),
+    "web_search_options": (None,), "length_penalty": (None, 1), "use_beam_search": (None, False),
+}
+
+
+class BadRequest(Exception):
+    """A request the server refuses: the HTTP status and OpenAI's error fields."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+
+
+class ClientGone(Exception):
+    """The client hung up before its body arrived: nobody to answer."""
+
+
+@dataclass
+class Limits:
+    """What the server allows a request."""
+    max_model_len: int                # prompt plus max_tokens may not exceed it
+    vocab_size: int                   # token ids in a prompt must be below it
+    max_body_bytes: int
+    max_n: int = MAX_N
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_model_len * CHARS_PER_TOKEN
+
+
+@dataclass
+class Checked:
+    """A request whose fields are all checked; its prompt still to tokenize."""
+    chat: bool
+    prompt: str | list[int] | list[dict]   # completions text, token ids, or chat turns
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None                   # alternatives per position; None: no logprobs
+    echo: bool                             # completions: the prompt leads the text (and its logprobs)
+    body: dict = field(repr=False)
+
+
+# --- the body --------------------------------------------------------------------------------------
+
+
+async def read_json(request, max_bytes: int, timeout: float) -> dict:
+    """The body as a JSON object: 413 past `max_bytes`, 408 when it takes over `timeout` seconds to
+    arrive, ClientGone when the client hangs up mid-body."""
+    import asyncio
+
+    raw = bytearray()
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > max_bytes:
+                    raise BadRequest(f"request body is over the limit of {max_bytes} bytes", None, 413)
+    except TimeoutError:
+        raise BadRequest(f"the request body did not arrive within {timeout:g} s", None, 408) from None
+    except ClientDisconnect:
+        raise ClientGone() from None
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply to read; send a flat JSON object") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
+    """Every field of a completions (`chat` False) or chat request, before any tokenizing."""
+    _check_names(body, chat)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required: the name /v1/models lists", "model")
+    if model != served_name:
+        raise BadRequest(f"model {model!r} is not served here; this server serves {served_name!r}",
+                         "model", code="model_not_found")
+    n = whole(body, "n", 1)
+    if not 1 <= n <= limits.max_n:
+        raise BadRequest(f"n must be between 1 and {limits.max_n}, got {n}", "n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise BadRequest("best_of is not supported (it would rank samples by likelihood); leave it out or "
+                         "set it equal to n", "best_of")
+    stream = flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object such as {\"include_usage\": true}", "stream_options")
+    include_usage = bool((options or {}).get("include_usage"))
+    if chat:
+        logprobs = whole(body, "top_logprobs", 0 if flag(body, "logprobs") else None)
+        if logprobs is not None and not flag(body, "logprobs"):
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        name, echo = "top_logprobs", False
+        prompt: str | list[int] | list[dict] = _chat_turns(body, limits)
+    else:
+        logprobs, name, echo = whole(body, "logprobs", None), "logprobs", flag(body, "echo")
+        prompt = _completion_prompt(body, limits)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise BadRequest(f"{name} must be between 0 and {MAX_LOGPROBS}, got {logprobs}", name)
+    return Checked(chat, prompt, n, stream, include_usage, logprobs, echo, body)
+
+
+def _check_names(body: dict, chat: bool) -> None:
+    taken = _CHAT if chat else _COMPLETIONS
+    for name, value in body.items():
+        if name in taken:
+            continue
+        if name in _NEUTRAL:
+            if name == "best_of" or any(value == neutral for neutral in _NEUTRAL[name]):
+                continue                      # asks for nothing (best_of is checked against n)
+            raise BadRequest(f"{name} is not supported by this server; leave it out", name)
+        other = "/v1/completions" if chat else "/v1/chat/completions"
+        if name in (_COMPLETIONS if chat else _CHAT):
+            raise BadRequest(f"{name} belongs to {other}, not this route", name)
+        raise BadRequest(f"unknown field {name!r}: this route takes {', '.join(sorted(taken))}", name)
+
+
+def _completion_prompt(body: dict, limits: Limits) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]                    # the client libraries' one-prompt batch
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("prompt is empty: give at least one character", "prompt")
+        return text(prompt, "prompt", limits.max_prompt_chars)
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise BadRequest(f"token id {bad} is outside the vocabulary (0 to {limits.vocab_size - 1})", "prompt")
+        if len(prompt) > limits.max_model_len:
+            raise BadRequest(f"the prompt's {len(prompt)} tokens are over this server's context of "
+                             f"{limits.max_model_len}", "prompt")
+        return [int(t) for t in prompt]
+    if isinstance(prompt, list) and not prompt:
+        raise BadRequest("prompt is empty: give at least one token", "prompt")
+    raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+
+
+def _chat_turns(body: dict, limits: Limits) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {\"role\", \"content\"} objects", "messages")
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a 'role' and a 'content'", "messages")
+        role = m["role"]
+        if role not in ROLES:
+            raise BadRequest(f"messages[{i}].role {role[:40]!r} is not one of {', '.join(sorted(ROLES))}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):         # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string", "messages")
+        text(content, "messages", limits.max_prompt_chars)
+        turns.append({"role": "system" if role == "developer" else role, "content": content})
+    chars = sum(len(t["content"]) for t in turns)
+    if chars > limits.max_prompt_chars:
+        raise BadRequest(f"the messages hold {chars} characters, over this server's limit of "
+                         f"{limits.max_prompt_chars} ({CHARS_PER_TOKEN} per token of context); shorten them",
+                         "messages")
+    return turns
+
+
+def sampling(checked: Checked, prompt_tokens: int, limits: Limits) -> list[SamplingParams]:
+    """One SamplingParams per choice (seeds seed, seed+1, ... when a seed is given)."""
+    body = checked.body
+    temperature = number(body, "temperature", 1.0)
+    if temperature < 0:
+        raise BadRequest(f"temperature must be >= 0 (0 is greedy), got {temperature}", "temperature")
+    top_p = number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k = whole(body, "top_k", 0)
+    if top_k == -1:
+        top_k = 0                             # vLLM's "off"
+    if top_k < 0:
+        raise BadRequest(f"top_k must be >= 0 (0 or -1 keep every token), got {top_k}", "top_k")
+    max_tokens, name = _max_tokens(checked, prompt_tokens, limits)
+    seed = whole(body, "seed", None)
+    if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1] - (checked.n - 1):
+        raise BadRequest(f"seed must be in [-2**63, 2**64 - n), got {seed}", "seed")
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise BadRequest("stop must be a string or a list of strings", "stop")
+    if any(not s for s in stop):
+        raise BadRequest("stop strings must not be empty", "stop")
+    for s in stop:
+        text(s, "stop", limits.max_prompt_chars)
+    prompt_logprobs = checked.logprobs if checked.echo and checked.logprobs is not None else None
+    try:
+        return [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                               stop=tuple(stop), seed=None if seed is None else seed + i,
+                               ignore_eos=flag(body, "ignore_eos"), logprobs=checked.logprobs,
+                               prompt_logprobs=prompt_logprobs)
+                for i in range(checked.n)]
+    except ForerunError as exc:
+        raise BadRequest(str(exc), None) from None
+
+
+def _max_tokens(checked: Checked, prompt_tokens: int, limits: Limits) -> tuple[int, str]:
+    """The most tokens to generate and the field that said so. `echo` with max_tokens 0 scores the
+    prompt alone (evaluation harnesses): one token is generated and left out of the answer."""
+    body = checked.body
+    room = limits.max_model_len - prompt_tokens
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = whole(body, name, None)
+    if max_tokens is None:
+        max_tokens = room
+    if max_tokens == 0 and checked.echo:
+        max_tokens = 1
+    elif max_tokens < 1:
+        raise BadRequest(f"{name} must be >= 1 (0 only with echo), got {max_tokens}", name)
+    if prompt_tokens + max_tokens > limits.max_model_len:
+        raise BadRequest(f"the prompt ({prompt_tokens} tokens) plus {name} ({max_tokens}) is "
+                         f"{prompt_tokens + max_tokens} tokens, over this server's context of "
+                         f"{limits.max_model_len}; shorten the prompt or lower {name}", name)
+    return max_tokens, name
+
+
+def scores_prompt_only(checked: Checked) -> bool:
+    """echo with max_tokens 0: the answer is the prompt and its logprobs, nothing generated."""
+    return checked.echo and checked.body.get("max_tokens") == 0
+
+
+# --- values ----------------------------------------------------------------------------------------
+
+
+def is_int(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(value):
+        raise BadRequest(f"{name} must be a finite number, got {value!r}", name)
+    return float(value)
+
+
+def whole(body: dict, name: str, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not is_int(value):
+        raise BadRequest(f"{name} must be a whole number, got {value!r}", name)
+    return int(value)
+
+
+def flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+def text(value: str, name: str, max_chars: int) -> str:
+    """`value` if it is valid Unicode within `max_chars` characters."""
+    if len(value) > max_chars:
+        raise BadRequest(f"{name} is {len(value)} characters, over this server's limit of {max_chars} "
+                         f"({CHARS_PER_TOKEN} per token of context); shorten it", name)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(f"{name} is not valid Unicode: a lone surrogate {value[exc.start]!r} at character "
+                         f"{exc.start}; send surrogates in pairs", name) from None
+    return value
+
+
+# --- the schemas (for /openapi.json and /docs) -----------------------------------------------------
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(description="the name /v1/models lists")
+    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate (default: the context's room)")
+    temperature: float | None = Field(None, ge=0, description="0 (or below 1e-5) is greedy; default 1")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1 keep every token")
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1] - MAX_N)
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N, description="samples of the prompt (seeds seed, seed+1, ...)")
+    stream: bool | None = None
+    stream_options: dict | None = Field(None, description='{"include_usage": true}')
+    ignore_eos: bool | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] = Field(description="text, or token ids")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives listed per token")
+    echo: bool | None = Field(None, description="the prompt leads the text (max_tokens 0: the prompt alone)")
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

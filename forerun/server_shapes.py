@@ -1,0 +1,193 @@
+"""What `forerun serve` answers: OpenAI's response and chunk shapes, logprobs, speculation figures.
+
+One `Reply` per HTTP request, one `Choice` per sample (`n`). A streamed choice sends what it has not
+sent yet (text and logprobs) in each chunk; `echo` puts the prompt (and its logprobs) before the
+first. Speculation figures follow vLLM's per-request spec-decode shape, per choice, so tools that
+read vLLM's read these unchanged; summed over every choice they equal the /metrics counters.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from forerun.engine import RequestOutput
+from forerun.metrics import SpecMetrics
+from forerun.scheduler import Delta
+from forerun.server_requests import Checked
+
+LOGPROB_FLOOR = -9999.0           # JSON has no -Infinity: a token the model rules out gets this
+
+
+@dataclass
+class Choice:
+    """One sample's text and logprobs so far, and what of them a stream has sent."""
+    index: int
+    pieces: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)          # TokenLogprob per generated token
+    prompt_logprobs: list | None = None                   # echo: the prompt's (first entry None)
+    output: RequestOutput | None = None                   # once finished
+    finish_reason: str | None = None                      # overrides the output's (echo alone)
+    sent_pieces: int = 0
+    sent_logprobs: int = 0
+    echoed: bool = False
+    text_offset: int = 0                                  # completions logprobs: where the next token starts
+
+    def add(self, delta: Delta) -> None:
+        self.pieces.append(delta.text)
+        self.token_ids += delta.token_ids
+        if delta.logprobs:
+            self.logprobs += delta.logprobs
+
+    @property
+    def reason(self) -> str | None:
+        if self.output is None:
+            return None
+        return self.finish_reason or self.output.finish_reason
+
+
+class Reply:
+    """OpenAI's response and chunk shapes for one request."""
+
+    def __init__(self, checked: Checked, model: str, prompt_ids: list[int], tokenizer, prompt_text: str) -> None:
+        self.checked, self.model, self.prompt_ids, self.tokenizer = checked, model, prompt_ids, tokenizer
+        self.prompt_text = prompt_text
+        self.chat = checked.chat
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if self.chat else "text_completion"
+
+    # --- whole ---------------------------------------------------------------------------------
+
+    def whole(self, choices: list[Choice], stats: list[dict | None]) -> dict:
+        shaped = []
+        for choice, figures in zip(choices, stats):
+            text = "".join(choice.pieces)
+            if self.chat:
+                entry = {"index": choice.index, "message": {"role": "assistant", "content": text},
+                         "logprobs": self._chat_logprobs(choice.logprobs)}
+            else:
+                entry = {"index": choice.index, "text": self.prompt_text + text,
+                         "logprobs": self._completion_logprobs(choice, self._echo_entries(choice) + choice.logprobs)}
+            entry["finish_reason"] = choice.reason
+            if figures is not None:
+                entry["speculative_decoding_stats"] = figures
+            shaped.append(entry)
+        return self._top(self.object, shaped, usage=self.usage(choices), stats=stats)
+
+    # --- streamed ------------------------------------------------------------------------------
+
+    def opening(self) -> list[dict]:
+        """Chunks sent before any token: chat's role, one per choice."""
+        if not self.chat:
+            return []
+        return [self._top(self.object + ".chunk", [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}])
+                for i in range(self.checked.n)]
+
+    def chunk(self, choice: Choice, stats: dict | None = None) -> dict | None:
+        """What `choice` has not sent yet (None: nothing); with its finish reason (and `stats`) once done."""
+        text = "".join(choice.pieces[choice.sent_pieces:])
+        entries = choice.logprobs[choice.sent_logprobs:]
+        prefix_text, prefix_entries = "", []
+        if not choice.echoed and (text or entries or choice.output is not None):
+            prefix_text, prefix_entries = self.prompt_text, self._echo_entries(choice)
+            choice.echoed = True
+        choice.sent_pieces, choice.sent_logprobs = len(choice.pieces), len(choice.logprobs)
+        if not (text or entries or prefix_text or choice.output is not None):
+            return None
+        if self.chat:
+            entry = {"index": choice.index, "delta": {"content": text} if text else {},
+                     "logprobs": self._chat_logprobs(entries)}
+        else:
+            entry = {"index": choice.index, "text": prefix_text + text,
+                     "logprobs": self._completion_logprobs(choice, prefix_entries + entries)}
+        entry["finish_reason"] = choice.reason
+        if stats is not None:
+            entry["speculative_decoding_stats"] = stats
+        return self._top(self.object + ".chunk", [entry])
+
+    def usage_chunk(self, choices: list[Choice], stats: list[dict | None]) -> dict:
+        return self._top(self.object + ".chunk", [], usage=self.usage(choices), stats=stats)
+
+    # --- pieces --------------------------------------------------------------------------------
+
+    def usage(self, choices: list[Choice]) -> dict:
+        n = sum(len(c.token_ids) for c in choices)
+        prompt = len(self.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+
+    def _top(self, obj: str, choices: list[dict], usage: dict | None = None,
+             stats: list[dict | None] | None = None) -> dict:
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        if stats is not None and len(stats) == 1 and stats[0] is not None:
+            out["speculative_decoding_stats"] = stats[0]     # where a reader of the whole response looks
+        return out
+
+    def _echo_entries(self, choice: Choice) -> list:
+        """The prompt's logprob entries, echo with logprobs only ([None] * len first when missing)."""
+        if not self.checked.echo or self.checked.logprobs is None:
+            return []
+        return list(choice.prompt_logprobs or [None] * len(self.prompt_ids))
+
+    def _completion_logprobs(self, choice: Choice, entries: list) -> dict | None:
+        """The completions shape: tokens, token_logprobs, top_logprobs and text offsets."""
+        if self.checked.logprobs is None:
+            return None
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = choice.text_offset
+        for i, entry in enumerate(entries):
+            if entry is None:                               # the prompt's first token: nothing before it
+                token = self.tokenizer.piece(self.prompt_ids[i]) if self.tokenizer is not None else ""
+                tokens.append(token)
+                token_logprobs.append(None)
+                top.append(None)
+            else:
+                token = self._piece(entry.token_id)
+                tokens.append(token)
+                token_logprobs.append(_floor(entry.logprob))
+                top.append({self._piece(t): _floor(lp) for t, lp in entry.top})
+            offsets.append(offset)
+            offset += len(token)
+        choice.text_offset = offset
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def _chat_logprobs(self, entries: list) -> dict | None:
+        if self.checked.logprobs is None:
+            return None
+        return {"content": [{**self._token(e.token_id, e.logprob),
+                             "top_logprobs": [self._token(t, lp) for t, lp in e.top]} for e in entries]}
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        piece = self._piece(token_id)
+        return {"token": piece, "logprob": _floor(logprob), "bytes": list(piece.encode("utf-8", "replace"))}
+
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.piece(token_id) if self.tokenizer is not None else f"<{token_id}>"
+
+
+def _floor(logprob: float) -> float:
+    return max(float(logprob), LOGPROB_FLOOR)
+
+
+def spec_stats(m: SpecMetrics, detailed: bool) -> dict | None:
+    """vLLM's per-request spec-decode figures of one sample; None when it never verified a draft."""
+    if m.num_speculative_tokens == 0:
+        return None
+    steps, accepted = m.num_drafts, m.num_accepted_tokens
+    figures = {
+        "mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
+        "draft_acceptance_rate": accepted / m.num_draft_tokens if m.num_draft_tokens else 0.0,
+        "acceptance_histogram": {str(j): c for j, c in enumerate(m.acceptance_histogram) if c},
+        "num_spec_steps": steps,
+        "num_accepted_draft_tokens": accepted,
+        "num_draft_tokens": m.num_draft_tokens,
+        "num_spec_tokens": m.num_speculative_tokens,
+    }
+    if detailed:
+        figures["per_step_accepted"] = [kept for _, kept in m.steps]
+        figures["per_step_drafted"] = [drafted for drafted, _ in m.steps]
+    return figures

@@ -1,0 +1,214 @@
+"""The parts of OpenAI's API beyond one plain completion, each exact under speculation: `n` samples
+sharing a prefill, the target's logprobs (completions, chat, echo), and per-request speculation
+figures in vLLM's shape that add up to /metrics."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from forerun.api import LLM
+from forerun.config import SamplingParams
+from forerun.engine import Engine
+from test_server import KEY, NAME, Served, _metric
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def plain(target_tok):
+    s = Served(LLM(target_tok))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def speculative(target_tok):
+    llm = LLM(target_tok, speculative_method="ngram", num_speculative_tokens=3, speculative_k_policy="fixed")
+    s = Served(llm, spec_stats="detailed")
+    yield s
+    s.stop()
+
+
+def post(served, body: dict, path: str = "/v1/completions") -> dict:
+    r = httpx.post(served.url + path, json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(served, body: dict, path: str = "/v1/completions") -> list[dict]:
+    chunks = []
+    with httpx.stream("POST", served.url + path, json={**body, "stream": True}, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def alone(llm: LLM, prompt: str, **params):
+    ids = llm.tokenizer.encode(prompt)
+    return Engine(llm.target).generate(ids, SamplingParams(**params))
+
+
+# --- n -----------------------------------------------------------------------------------------
+
+
+def test_n_samples_with_a_seed_are_each_the_sample_of_its_own_seed(plain) -> None:
+    body = {"model": NAME, "prompt": "abc", "max_tokens": 16, "temperature": 1.0, "seed": 11, "n": 3}
+    out = post(plain, body)
+    texts = [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+    assert texts == [alone(plain.llm, "abc", max_tokens=16, temperature=1.0, seed=11 + i).text for i in range(3)]
+    assert len(set(texts)) > 1                                   # the seeds differ
+    generated = sum(len(alone(plain.llm, "abc", max_tokens=16, temperature=1.0, seed=11 + i).token_ids)
+                    for i in range(3))
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": generated, "total_tokens": 3 + generated}
+    assert post(plain, body)["choices"] == out["choices"]       # and reproduce
+    chunks = stream(plain, body)
+    streamed = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
+                for i in range(3)]
+    assert streamed == texts
+
+
+def test_n_greedy_chat_samples_are_all_the_greedy_answer(plain) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    out = post(plain, {"model": NAME, "messages": messages, "max_tokens": 10, "temperature": 0, "n": 2},
+               "/v1/chat/completions")
+    want = Engine(plain.llm.target).generate(plain.llm.tokenizer.apply_chat(messages),
+                                             SamplingParams(max_tokens=10)).text
+    assert [c["message"]["content"] for c in out["choices"]] == [want, want]
+
+
+def test_n_samples_that_end_at_their_first_token(plain) -> None:
+    # The first sample leaves its lane at once: the others prefill on their own instead of sharing.
+    out = post(plain, {"model": NAME, "prompt": "hello", "max_tokens": 1, "n": 3, "temperature": 0})
+    assert [c["text"] for c in out["choices"]] == [alone(plain.llm, "hello", max_tokens=1).text] * 3
+    out = post(plain, {"model": NAME, "prompt": "hello", "max_tokens": 0, "echo": True, "logprobs": 1, "n": 2})
+    assert [c["text"] for c in out["choices"]] == ["hello", "hello"]
+    assert out["choices"][0]["logprobs"] == out["choices"][1]["logprobs"]
+
+
+# --- logprobs ----------------------------------------------------------------------------------
+
+
+def _direct_logprobs(llm: LLM, ids: list[int]) -> list[list[float]]:
+    """log_softmax of one target forward over `ids`: row i predicts token i + 1."""
+    import torch
+
+    decoder = llm.target.decoder
+    cache = decoder.new_cache(len(ids) + 1)
+    with torch.inference_mode():
+        logits = decoder(torch.tensor(ids), torch.arange(len(ids)), cache).logits[0]
+    return torch.log_softmax(logits.float(), -1).tolist()
+
+
+@pytest.mark.parametrize("server", ["plain", "speculative"])
+def test_completion_logprobs_are_the_target_s_own(server, request) -> None:
+    served = request.getfixturevalue(server)
+    out = post(served, {"model": NAME, "prompt": "abcabcabc", "max_tokens": 12, "temperature": 0, "logprobs": 3})
+    choice = out["choices"][0]
+    lp = choice["logprobs"]
+    ids = served.llm.tokenizer.encode("abcabcabc")
+    gen = alone(served.llm, "abcabcabc", max_tokens=12).token_ids
+    assert choice["text"] == served.llm.tokenizer.decode(gen)
+    assert lp["tokens"] == [served.llm.tokenizer.piece(t) for t in gen]
+    direct = _direct_logprobs(served.llm, ids + gen)
+    for i, token in enumerate(gen):
+        row = direct[len(ids) - 1 + i]
+        assert lp["token_logprobs"][i] == pytest.approx(row[token], abs=1e-4)
+        top = lp["top_logprobs"][i]
+        assert len(top) == 3 and max(top.values()) == pytest.approx(lp["token_logprobs"][i], abs=1e-6)  # greedy
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(gen))]
+
+
+def test_speculative_logprobs_equal_the_plain_run_s(plain, speculative) -> None:
+    body = {"model": NAME, "prompt": "abcabcabc", "max_tokens": 20, "temperature": 0, "logprobs": 2}
+    a, b = post(plain, body)["choices"][0], post(speculative, body)["choices"][0]
+    assert a["text"] == b["text"] and a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+    assert b["logprobs"]["token_logprobs"] == pytest.approx(a["logprobs"]["token_logprobs"], abs=1e-5)
+    assert b["speculative_decoding_stats"]["num_accepted_draft_tokens"] > 0      # it did speculate
+
+
+def test_chat_logprobs_and_streamed_logprobs(plain) -> None:
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hey"}], "max_tokens": 8, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    whole = post(plain, body, "/v1/chat/completions")["choices"][0]
+    content = whole["logprobs"]["content"]
+    assert "".join(e["token"] for e in content) == whole["message"]["content"]
+    for e in content:
+        assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"]
+        assert e["bytes"] == list(e["token"].encode()) and e["logprob"] <= 0
+    chunks = stream(plain, body, "/v1/chat/completions")
+    streamed = [e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
+    assert streamed == content
+    no_lp = post(plain, {**body, "logprobs": False, "top_logprobs": None}, "/v1/chat/completions")["choices"][0]
+    assert no_lp["logprobs"] is None
+
+
+def test_echo_scores_the_prompt(plain) -> None:
+    out = post(plain, {"model": NAME, "prompt": "hello", "max_tokens": 0, "echo": True, "logprobs": 1})
+    choice = out["choices"][0]
+    assert choice["text"] == "hello" and out["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert lp["tokens"] == list("hello") and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    ids = plain.llm.tokenizer.encode("hello")
+    direct = _direct_logprobs(plain.llm, ids)
+    for i in range(1, len(ids)):
+        assert lp["token_logprobs"][i] == pytest.approx(direct[i - 1][ids[i]], abs=1e-4)
+    with_text = post(plain, {"model": NAME, "prompt": "hello", "max_tokens": 4, "echo": True, "temperature": 0})
+    assert with_text["choices"][0]["text"] == "hello" + alone(plain.llm, "hello", max_tokens=4).text
+    chunks = stream(plain, {"model": NAME, "prompt": "hello", "max_tokens": 4, "echo": True, "temperature": 0,
+                            "logprobs": 1})
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == with_text["choices"][0]["text"]
+    streamed = [t for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                for t in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed[0] is None and streamed[1:5] == pytest.approx(lp["token_logprobs"][1:], abs=1e-6)
+
+
+# --- speculation figures -------------------------------------------------------------------------
+
+
+def test_per_request_figures_have_vllm_s_shape_and_add_up_to_the_metrics(target_tok) -> None:
+    llm = LLM(target_tok, speculative_method="ngram", num_speculative_tokens=3, speculative_k_policy="fixed")
+    served = Served(llm, spec_stats="detailed")
+    try:
+        figures = []
+        for prompt in ("abcabcabcabc", "hello hello hello"):
+            out = post(served, {"model": NAME, "prompt": prompt, "max_tokens": 30, "temperature": 0})
+            figures.append(out["choices"][0]["speculative_decoding_stats"])
+            assert out["speculative_decoding_stats"] == figures[-1]       # n = 1: at the root as well
+        chunks = stream(served, {"model": NAME, "prompt": "xyzxyzxyz", "max_tokens": 30, "temperature": 0,
+                                 "n": 2, "stream_options": {"include_usage": True}})
+        last = [ch for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+        assert len(last) == 2 and all("speculative_decoding_stats" in ch for ch in last)
+        figures += [ch["speculative_decoding_stats"] for ch in last]
+        for f in figures:
+            assert f["num_spec_tokens"] == 3
+            assert sum(f["acceptance_histogram"].values()) == f["num_spec_steps"] == len(f["per_step_drafted"])
+            assert sum(int(j) * c for j, c in f["acceptance_histogram"].items()) == f["num_accepted_draft_tokens"]
+            assert sum(f["per_step_accepted"]) == f["num_accepted_draft_tokens"]
+            assert sum(f["per_step_drafted"]) == f["num_draft_tokens"]
+            assert f["mean_acceptance_length"] == pytest.approx(1 + f["num_accepted_draft_tokens"] / f["num_spec_steps"])
+            assert f["draft_acceptance_rate"] == pytest.approx(f["num_accepted_draft_tokens"] / f["num_draft_tokens"])
+        text = httpx.get(served.url + "/metrics", headers=AUTH).text
+        assert _metric(text, "forerun:spec_decode_num_drafts_total") == sum(f["num_spec_steps"] for f in figures)
+        drafted = sum(f["num_draft_tokens"] for f in figures)
+        accepted = sum(f["num_accepted_draft_tokens"] for f in figures)
+        assert _metric(text, "forerun:spec_decode_num_draft_tokens_total") == drafted
+        assert _metric(text, "forerun:spec_decode_num_accepted_tokens_total") == accepted
+        assert accepted > 0
+        assert _metric(text, "forerun:spec_decode_draft_acceptance_rate") == pytest.approx(accepted / drafted)
+        assert 0 < _metric(text, "forerun:spec_decode_efficiency") <= 1
+    finally:
+        served.stop()
+
+
+def test_without_the_flag_responses_carry_no_figures(target_tok) -> None:
+    served = Served(LLM(target_tok, speculative_method="ngram", num_speculative_tokens=3))
+    try:
+        out = post(served, {"model": NAME, "prompt": "abcabc", "max_tokens": 3})
+        assert "speculative_decoding_stats" not in out and "speculative_decoding_stats" not in out["choices"][0]
+    finally:
+        served.stop()
