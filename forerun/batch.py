@@ -30,8 +30,8 @@ from __future__ import annotations
 import collections
 import math
 import time
-from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Generator, Hashable, Sequence
 
 from forerun.config import SamplingParams
 from forerun.cost_model import batch_draft_length
@@ -45,6 +45,17 @@ from forerun.verify import Verification, VerifyJob, verify, verify_many
 class Lane:
     engine: Engine
     run: Running
+
+
+@dataclass
+class Prefill:
+    """A request whose prompt is being prefilled a chunk at a time (`BatchEngine.start`)."""
+    engine: Engine
+    steps: Generator[None, None, tuple[Running, StepOutput]]
+    prompt_ids: list[int]
+    params: SamplingParams
+    # Requests of the same prompt that start from this one's prefill once it is done (n samples).
+    followers: list[tuple[Hashable, SamplingParams]] = field(default_factory=list)
 
 
 @dataclass
@@ -127,6 +138,7 @@ class BatchEngine:
         self.new_engine = new_engine
         self.max_seqs = max_seqs
         self.lanes: dict[Hashable, Lane] = {}
+        self.prefilling: dict[Hashable, Prefill] = {}   # started, prompt not through yet (oldest first)
         self.idle: list[Engine] = list(engines)
         self._checker: Engine | None = engines[0] if engines else None   # answers check_fits; may also run a lane
         self.last_k: int | None = None     # the draft length the last step allowed (None: no drafter)
@@ -140,7 +152,12 @@ class BatchEngine:
 
     @property
     def full(self) -> bool:
-        return len(self.lanes) >= self.max_seqs
+        return self.size >= self.max_seqs
+
+    @property
+    def size(self) -> int:
+        """Requests holding a lane: running, prefilling, or waiting on another's prefill."""
+        return len(self.lanes) + sum(1 + len(p.followers) for p in self.prefilling.values())
 
     def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Engine.check_fits, asked of one engine kept for it (any lane answers alike); it takes no
@@ -155,7 +172,7 @@ class BatchEngine:
         `like`: the key of a request of the same prompt added since the last step, whose prefill
         this one shares (n completions of one prompt: one prefill, each its own seed)."""
         if self.full:
-            raise RuntimeError(f"{len(self.lanes)} requests already run; max_seqs is {self.max_seqs}")
+            raise RuntimeError(f"{self.size} requests already run; max_seqs is {self.max_seqs}")
         shared = None
         if like is not None:
             if like not in self.lanes:
@@ -171,8 +188,76 @@ class BatchEngine:
         self.lanes[key] = Lane(engine, run)
         return first
 
+    def start(self, key: Hashable, prompt_ids: list[int], params: SamplingParams,
+              like: Hashable | None = None) -> None:
+        """`add` without the prefill: the request's prompt goes through in `prefill` calls, a chunk
+        at a time, between steps of the running requests (chunked prefill). `like`: the key of a
+        request of the same prompt still prefilling, whose prefill this one then shares (otherwise
+        it prefills on its own)."""
+        if self.full:
+            raise RuntimeError(f"{self.size} requests already run; max_seqs is {self.max_seqs}")
+        first = self.prefilling.get(like) if like is not None else None
+        if first is not None and first.prompt_ids == list(prompt_ids):
+            first.followers.append((key, params))
+            return
+        engine = self._engine()
+        self.prefilling[key] = Prefill(engine, engine.begin_steps(prompt_ids, params), list(prompt_ids), params)
+
+    def prefill(self, budget_s: float) -> dict[Hashable, StepResult]:
+        """Prefill chunks of the started requests, oldest first, for about `budget_s` seconds (at
+        least one chunk when the budget is above 0). Returns the first step of each request whose
+        prefill completed (its followers' too), or the error that ended it; those run from the
+        next `step`."""
+        results: dict[Hashable, StepResult] = {}
+        started = time.perf_counter()
+        while self.prefilling and budget_s > 0:
+            key, job = next(iter(self.prefilling.items()))
+            try:
+                next(job.steps)
+                if time.perf_counter() - started >= budget_s:
+                    break
+                continue
+            except StopIteration as stop:
+                run, first = stop.value
+                del self.prefilling[key]
+                self.lanes[key] = Lane(job.engine, run)
+                results[key] = StepResult(first)
+                for follower, params in job.followers:
+                    results[follower] = self._follow(follower, job.prompt_ids, params, key)
+            except Exception as exc:                    # noqa: BLE001 - this request fails, the others go on
+                self._drop_prefill(key)
+                results[key] = StepResult(None, exc)
+            if time.perf_counter() - started >= budget_s:
+                break
+        return results
+
+    def _follow(self, key: Hashable, prompt_ids: list[int], params: SamplingParams, like: Hashable) -> StepResult:
+        try:
+            return StepResult(self.add(key, prompt_ids, params, like=like))
+        except Exception as exc:                        # noqa: BLE001
+            return StepResult(None, exc)
+
+    def _drop_prefill(self, key: Hashable) -> None:
+        """Stop `key`'s prefill; its followers prefill on their own instead."""
+        job = self.prefilling.pop(key)
+        job.steps.close()
+        self.idle.append(job.engine)
+        for follower, params in job.followers:
+            engine = self._engine()
+            self.prefilling[follower] = Prefill(engine, engine.begin_steps(job.prompt_ids, params),
+                                                job.prompt_ids, params)
+
     def remove(self, key: Hashable) -> RequestOutput | None:
-        """End the request under `key` (finished or not); its output so far, None if unknown."""
+        """End the request under `key` (finished or not; prefilling too); its output so far, None
+        if it had none."""
+        if key in self.prefilling:
+            self._drop_prefill(key)
+            return None
+        for job in self.prefilling.values():
+            for i, (follower, _) in enumerate(job.followers):
+                if follower == key:
+                    del job.followers[i]
+                    return None
         lane = self.lanes.pop(key, None)
         if lane is None:
             return None

@@ -24,6 +24,12 @@ from forerun.tree import DraftTree
 from forerun.verify import Verification, verify
 
 
+# Prompt tokens per prefill forward. A batch steps its running requests between a long prompt's
+# chunks (chunked prefill), and the bounds are fixed by the prompt alone, so the prefill is the same
+# computation in every batch.
+PREFILL_CHUNK = 64
+
+
 @dataclass
 class StepOutput:
     token_ids: list[int]         # tokens emitted by this step
@@ -140,6 +146,17 @@ class Engine:
         prompt that has not stepped yet (n completions of one prompt; usually another engine's, as
         a drafter follows one request at a time); this one then copies its cache and samples from
         its last logits with its own generator, instead of a prefill."""
+        steps = self.begin_steps(prompt_ids, params, like)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+
+    def begin_steps(self, prompt_ids: list[int], params: SamplingParams,
+                    like: Running | None = None) -> Generator[None, None, tuple[Running, StepOutput]]:
+        """`begin` one prefill forward at a time: yields between the prompt's chunks (a batch steps
+        its running requests there, chunked prefill); returns what `begin` does."""
         max_len = self.check_fits(prompt_ids, params)
         if like is not None:
             _check_shareable(like, prompt_ids)
@@ -150,14 +167,14 @@ class Engine:
                       logprobs=[] if params.logprobs is not None else None)
         if self.policy is not None:
             self.policy.start()
-        with linear.prefill():
-            if self.drafter is not None:
+        if self.drafter is not None:
+            with linear.prefill():
                 self.drafter.start(seq.prompt_ids, run.cache, max_len)
-            hidden = None
-            if like is not None and self._can_share(like, params):
-                logits = _share_prefill(run, like)
-            else:
-                logits, hidden = self._prefill(run)
+        hidden = None
+        if like is not None and self._can_share(like, params):
+            logits = _share_prefill(run, like)
+        else:
+            logits, hidden = yield from self._prefill(run)
         if self.feed_features is not None:
             self.feed_features(hidden)                                      # [T, hidden]
         run.prefill_logits = logits                                         # [1, vocab]
@@ -171,25 +188,37 @@ class Engine:
         out.prompt_logprobs = run.prompt_logprobs
         return run, out
 
-    def _prefill(self, run: Running) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The whole prompt through the target: the last position's raw logits [1, vocab], and every
-        position's final hidden state [T, hidden] when the drafter reads them."""
+    def _prefill(self, run: Running) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor | None]]:
+        """The whole prompt through the target, PREFILL_CHUNK tokens a forward (yielding between
+        them): the last position's raw logits [1, vocab], and every position's final hidden state
+        [T, hidden] when the drafter reads them. The chunks' bounds depend on the prompt alone, so
+        a prompt's cache comes out the same whether its chunks run back to back or between other
+        requests' steps."""
         decoder, prompt, params = self.target.decoder, run.seq.prompt_ids, run.seq.params
         ids = torch.tensor(prompt, device=decoder.device)
         scored = params.prompt_logprobs is not None
+        keep = self.feed_features is not None or scored
+        hiddens = []
         # Sampling needs the last position's logits alone. The prompt's log probabilities score the
         # other rows' hidden states apart, a slice at a time: the last row comes out as without them.
-        out = decoder(ids, torch.arange(len(prompt), device=decoder.device), run.cache, last_only=True,
-                      output_hidden=self.feed_features is not None or scored, all_hidden=True)
+        for start in range(0, len(prompt), PREFILL_CHUNK):
+            if start:
+                yield
+            stop = min(start + PREFILL_CHUNK, len(prompt))
+            with linear.prefill():        # entered per chunk: a step between chunks is no prefill
+                out = decoder(ids[start:stop], torch.arange(start, stop, device=decoder.device), run.cache,
+                              last_only=True, output_hidden=keep, all_hidden=True)
+            if keep:
+                hiddens.append(out.hidden[0])                               # [chunk, hidden]
+        hidden = torch.cat(hiddens) if keep else None                       # [T, hidden]
         if scored:
-            hidden = out.hidden[0]                                          # [T, hidden]
 
             def score(a: int, b: int) -> torch.Tensor:
                 with torch.inference_mode():
                     return decoder.lm_head(hidden[None, a:b])[0].float()    # [b - a, vocab]
 
             run.prompt_logprobs = prompt_logprobs(score, prompt, params.prompt_logprobs)
-        return out.logits[0], out.hidden[0] if self.feed_features is not None else None
+        return out.logits[0], hidden if self.feed_features is not None else None
 
     def _can_share(self, like: Running, params: SamplingParams) -> bool:
         """Whether this engine's request may start from `like`'s prefill. A drafter that reads the

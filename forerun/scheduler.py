@@ -1,11 +1,16 @@
 """Requests from many clients, one engine: a waiting queue, a loop thread, events back per request.
 
 The loop runs a BatchEngine (forerun/batch.py): between steps it admits waiting requests, first
-come first served, while fewer than its max_seqs run (each starts with its own prefill; those that
-arrive during these prefills are admitted too before the step, so a burst of requests joins one
-batch rather than the first stepping alone while the rest wait), drops the cancelled ones (a
-client went away), then steps every running request in one target pass. With max_seqs 1 requests
+come first served, while fewer than its max_seqs run, drops the cancelled ones (a client went
+away), prefills, then steps every running request in one target pass. With max_seqs 1 requests
 run one after another.
+
+Prefills run a chunk of the prompt at a time (chunked prefill, `BatchEngine.prefill`). While no
+request is decoding, without limit: a burst of requests is prefilled, those that arrive during
+these prefills too, and then steps as one batch rather than the first stepping alone while the rest
+wait. While requests decode, prefill gets PREFILL_SHARE seconds per second of steps (a chunk at
+least, a step's worth saved up at most), so a long prompt slows the running requests to about half
+their pace instead of stopping them for its whole prefill.
 
 Events reach the caller through `on_event(request, event)`, called on the loop thread; the server
 hands them to its asyncio loop. An exception inside the engine for one request ends that request
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import threading
 import time
 import traceback
@@ -72,6 +78,11 @@ class Request:
         self.cancelled.set()
 
 
+# While requests decode, waiting prompts are prefilled for this many seconds per second of steps
+# (at least a chunk at a time): the running requests keep half their pace through a long prompt.
+PREFILL_SHARE = 1.0
+
+
 class QueueFull(ForerunError):
     pass
 
@@ -86,9 +97,10 @@ class ShuttingDown(EngineStopped):
 
 class Scheduler:
     def __init__(self, batch: BatchEngine, max_waiting: int = 256,
-                 on_start: Callable[[Request], None] | None = None) -> None:
+                 on_start: Callable[[Request], None] | None = None, prefill_share: float = PREFILL_SHARE) -> None:
         """`max_waiting`: requests allowed to wait beyond the running ones; `on_start` is called on
-        the loop thread when a request starts running (metrics)."""
+        the loop thread when a request starts running (metrics); `prefill_share`: seconds of
+        prefill per second of steps while requests are decoding."""
         self.batch = batch
         self.max_waiting = max_waiting
         self.on_start = on_start
@@ -104,6 +116,9 @@ class Scheduler:
         # assignment so a signal handler may call it while the loop holds the lock.
         self._drain_deadline: float | None = None
         self.cut: list[int] = []            # ids of the requests cut at the end of a drain
+        self.prefill_share = prefill_share
+        self._credit = 0.0                  # seconds of prefill the steps have paid for (chunked prefill)
+        self._fresh: set[int] = set()       # prefilled since the last step
 
     # --- the caller's side ---------------------------------------------------------------------
 
@@ -218,13 +233,23 @@ class Scheduler:
     def _loop(self) -> None:
         try:
             while (admitted := self._admit()) is not None:
-                fresh: set[int] = set()                 # begun this round, not stepped: their prefill can be shared
-                while admitted:                         # and those that came while these prefilled
+                while True:                             # and those that came while these prefilled
                     for request in admitted:
-                        self._begin(request, fresh)
+                        self._begin(request)
+                    self._leave_cancelled()
+                    self._prefill()
                     admitted = self._admit(wait=False)
-                self._leave_cancelled()
-                for rid, result in self.batch.step().items():
+                    if not admitted:
+                        break
+                started = time.perf_counter()
+                results = self.batch.step()
+                if results:
+                    # Prefill may take as much time as the steps did (PREFILL_SHARE of it), a
+                    # step's worth at most saved up.
+                    step = time.perf_counter() - started
+                    self._credit = min(self._credit + self.prefill_share * step, self.prefill_share * step)
+                self._fresh.clear()
+                for rid, result in results.items():
                     request = self._running[rid]
                     if result.error is not None:
                         self._end(request, Failed(f"{type(result.error).__name__}: {result.error}"))
@@ -247,28 +272,46 @@ class Scheduler:
         finally:
             self._looping.clear()
 
-    def _begin(self, request: Request, fresh: set[int]) -> None:
+    def _begin(self, request: Request) -> None:
+        """Start `request`'s prefill (run by `_prefill`, a chunk at a time)."""
         if request.cancelled.is_set():                  # gone while it waited: no prefill for nobody
             with self._cond:
                 self._running.pop(request.id, None)
             return
         if self.on_start is not None:
             self.on_start(request)
+        like = request.like.id if request.like is not None else None
         try:
-            if request.like is not None and request.like.id in fresh:
-                first = self.batch.add(request.id, request.prompt_ids, request.params, like=request.like.id)
-            else:
-                first = self.batch.add(request.id, request.prompt_ids, request.params)
+            self.batch.start(request.id, request.prompt_ids, request.params, like=like)
         except Exception as exc:                        # noqa: BLE001 - one request fails, the loop goes on
             with self._cond:
                 self._running.pop(request.id, None)
             _emit(request, Failed(f"{type(exc).__name__}: {exc}"))
-            return
-        if not first.finished:                          # it stays in its lane: its prefill can be shared
-            fresh.add(request.id)
-        _emit(request, Delta(first.text, first.token_ids, first.logprobs, first.prompt_logprobs))
-        if first.finished:
-            self._end(request, None)
+
+    def _prefill(self) -> None:
+        """Prefill chunks within the budget: without limit while no request has decoded since these
+        were admitted (a burst is prefilled, then steps as one batch), else the time saved up from
+        the steps (chunked prefill: a long prompt never stalls the running requests for long)."""
+        decoding = any(rid not in self._fresh for rid in self.batch.lanes)
+        budget = self._credit if decoding else math.inf
+        started = time.perf_counter()
+        results = self.batch.prefill(budget)
+        if decoding:
+            self._credit -= time.perf_counter() - started
+        for rid, result in results.items():
+            request = self._running.get(rid)
+            if request is None:
+                continue
+            if result.error is not None:
+                with self._cond:
+                    self._running.pop(rid, None)
+                _emit(request, Failed(f"{type(result.error).__name__}: {result.error}"))
+                continue
+            first = result.output
+            self._fresh.add(rid)
+            _emit(request, Delta(first.text, first.token_ids, first.logprobs, first.prompt_logprobs))
+            if first.finished:
+                self._end(request, None)
 
     def _leave_cancelled(self) -> None:
         with self._cond:

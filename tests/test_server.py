@@ -481,20 +481,29 @@ class _Recorded:
     def __init__(self, during_first_add) -> None:
         self.log: list[tuple[str, int]] = []
         self.lanes: set[int] = set()
+        self.started: list[int] = []
         self.during_first_add = during_first_add
 
     def check_fits(self, prompt_ids, params) -> int:
         return len(prompt_ids)
 
-    def add(self, key, prompt_ids, params):
+    def start(self, key, prompt_ids, params, like=None) -> None:
+        self.started.append(key)
+
+    def prefill(self, budget_s):
+        from forerun.batch import StepResult
         from forerun.engine import StepOutput
 
-        self.log.append(("add", len(self.lanes)))
-        self.lanes.add(key)
-        if self.during_first_add is not None:
-            arrive, self.during_first_add = self.during_first_add, None
-            arrive()
-        return StepOutput([1], "a", False)
+        results = {}
+        for key in self.started:
+            self.log.append(("add", len(self.lanes)))
+            self.lanes.add(key)
+            if self.during_first_add is not None:
+                arrive, self.during_first_add = self.during_first_add, None
+                arrive()
+            results[key] = StepResult(StepOutput([1], "a", False))
+        self.started = []
+        return results
 
     def step(self):
         from forerun.batch import StepResult

@@ -40,6 +40,9 @@ def register(sub) -> None:
                    help="on SIGTERM / SIGINT, seconds running requests get to finish before they are cut")
     g.add_argument("--per-request-spec-decode-stats", default="none", choices=["none", "summary", "detailed"],
                    help="each choice carries its speculation figures in vLLM's shape (detailed: per step too)")
+    g.add_argument("--prefill-share", type=float, default=None, metavar="S",
+                   help="while requests decode, seconds of prompt prefill per second of their steps (default 1: "
+                        "a long prompt slows them to about half pace; inf: each prompt whole before the next step)")
     g.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT,
                    help="seconds a connection may take to send a request's headers before it is closed")
     g.add_argument("--body-timeout", type=float, default=30.0,
@@ -50,7 +53,7 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from forerun.batch import BatchEngine
     from forerun.commands.generate import build_llm
-    from forerun.scheduler import Scheduler
+    from forerun.scheduler import PREFILL_SHARE, Scheduler
     from forerun.server import ServerConfig, create_app
     from forerun.server_metrics import ServerMetrics
 
@@ -68,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     batch = BatchEngine(llm.new_engine, args.max_num_seqs, engines=[llm.engine])
     batch.prepare()                                 # every lane's drafter set up before the first request
     metrics = ServerMetrics(batch)
-    scheduler = Scheduler(batch, args.max_waiting)
+    scheduler = Scheduler(batch, args.max_waiting,
+                          prefill_share=PREFILL_SHARE if args.prefill_share is None else args.prefill_share)
     app = create_app(llm, scheduler, config, metrics)
     server, http = _start_http(app, args)
     print(f"forerun: serving {config.served_model_name} on http://{args.host}:{args.port}/v1 "
@@ -99,6 +103,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ForerunError(f"--port must be between 1 and 65535, got {args.port}")
     if args.max_waiting < 0:
         raise ForerunError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.prefill_share is not None and not args.prefill_share > 0:
+        raise ForerunError(f"--prefill-share must be above 0 (inf: whole prompts), got {args.prefill_share}")
     for name in ("shutdown_timeout", "header_timeout", "body_timeout"):
         if not getattr(args, name) >= 0:
             raise ForerunError(f"--{name.replace('_', '-')} must be >= 0 seconds, got {getattr(args, name)}")
