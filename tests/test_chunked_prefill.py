@@ -2,6 +2,7 @@
 requests' steps between its chunks, and every request's output is the one it gets alone."""
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -100,11 +101,13 @@ def test_followers_share_the_prefill_once_it_is_done(quantized) -> None:
         assert firsts[key].output.token_ids == Engine(quantized).begin(LONG, p)[1].token_ids
 
 
-def test_the_server_loop_keeps_decoding_while_a_long_prompt_prefills(quantized) -> None:
+@pytest.mark.parametrize("share", [1.0, math.inf])
+def test_the_server_loop_keeps_decoding_while_a_long_prompt_prefills(quantized, share) -> None:
     """Between the long request's submission and its first token the running request keeps
-    stepping (the old loop prefilled a prompt whole: one step at most)."""
+    stepping; with an unlimited share (`--prefill-share inf`, each prompt whole, as before chunked
+    prefill) it gets a step at most."""
     llm = LLM(quantized)
-    scheduler = Scheduler(BatchEngine(llm.new_engine, 4, engines=[llm.engine]))
+    scheduler = Scheduler(BatchEngine(llm.new_engine, 4, engines=[llm.engine]), prefill_share=share)
     events: list[tuple[str, object]] = []            # appended from the loop thread and this one
     stepping, done = threading.Event(), threading.Event()
 
@@ -127,4 +130,7 @@ def test_the_server_loop_keeps_decoding_while_a_long_prompt_prefills(quantized) 
         scheduler.stop()
     names = [name for name, _ in events]
     between = names[names.index("submitted"):names.index("long")]
-    assert between.count("short") >= len(LONG) // PREFILL_CHUNK, between
+    if share == 1.0:
+        assert between.count("short") >= len(LONG) // PREFILL_CHUNK, between
+    else:
+        assert between.count("short") <= 1, between

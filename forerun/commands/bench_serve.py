@@ -9,7 +9,11 @@ from pathlib import Path
 
 from forerun.errors import ForerunError
 
-SETUPS = ("off", "fixed", "auto")
+SETUPS = ("off", "fixed", "auto", "off-whole")
+# Each set-up: its speculation policy (None: off) and `forerun serve` flags of its own. off-whole
+# prefills each prompt whole before the next step (no chunked prefill): the control for it.
+_SETUP_SERVE = {"off": (None, []), "fixed": ("fixed", []), "auto": ("adaptive", []),
+                "off-whole": (None, ["--prefill-share", "inf"])}
 
 
 def _ints(text: str) -> list[int]:
@@ -33,8 +37,9 @@ def register(sub) -> None:
     p.add_argument("--speculative-quantization", default="auto")
     p.add_argument("--draft-vocab", type=int, default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="K: fixed K, and auto's most")
-    p.add_argument("--setups", default=",".join(SETUPS),
-                   help=f"comma-separated, of {', '.join(SETUPS)}; one named again runs as a second server of its own "
+    p.add_argument("--setups", default="off,fixed,auto",
+                   help=f"comma-separated, of {', '.join(SETUPS)} (off-whole: off with each prompt prefilled whole, "
+                        "no chunked prefill); one named again runs as a second server of its own "
                         "(off,auto,off: an off-against-off control, the noise between two identical servers)")
     p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32], help="comma-separated levels; one given again runs again (a repeat, to see the noise)")
     p.add_argument("--requests-per-level", type=int, default=2, help="requests sent at level c: this many times c")
@@ -63,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:
         raise ForerunError(f"unknown set-up {unknown[0]!r}; use some of {', '.join(SETUPS)}")
-    if any(s != "off" for s in setups) and args.speculative_model is None:
+    if any(_SETUP_SERVE[s][0] is not None for s in setups) and args.speculative_model is None:
         raise ForerunError("the fixed and auto set-ups draft with a model: give --speculative-model, or --setups off")
     if args.requests_per_level < 1 or args.max_tokens < 1:
         raise ForerunError("--requests-per-level and --max-tokens must be at least 1")
@@ -85,10 +90,10 @@ def run(args: argparse.Namespace) -> int:
         count = setups[:number + 1].count(kind)
         setup = kind if count == 1 else f"{kind}#{count}"
         port = llamacpp.free_port()
-        policy = {"off": None, "fixed": "fixed", "auto": "adaptive"}[kind]
+        policy, flags = _SETUP_SERVE[kind]
         command = forerun_command(port, args.model, args.quantization, args.speculative_model,
                                   args.speculative_quantization, args.draft_vocab, args.num_speculative_tokens,
-                                  policy, top)
+                                  policy, top) + flags
         servers.append((setup, Process(command, f"http://127.0.0.1:{port}/health", out / f"{setup}.log"), port))
     if "llama.cpp" in args.peers:
         gguf, problem = llamacpp._gguf(args.model)
