@@ -200,8 +200,7 @@ class BatchEngine:
         if first is not None and first.prompt_ids == list(prompt_ids):
             first.followers.append((key, params))
             return
-        engine = self._engine()
-        self.prefilling[key] = Prefill(engine, engine.begin_steps(prompt_ids, params), list(prompt_ids), params)
+        self._queue_prefill(key, list(prompt_ids), params)
 
     def prefill(self, budget_s: float) -> dict[Hashable, StepResult]:
         """Prefill chunks of the started requests, oldest first, for about `budget_s` seconds (at
@@ -209,14 +208,12 @@ class BatchEngine:
         prefill completed (its followers' too), or the error that ended it; those run from the
         next `step`."""
         results: dict[Hashable, StepResult] = {}
-        started = time.perf_counter()
-        while self.prefilling and budget_s > 0:
+        started, chunks = time.perf_counter(), 0
+        while self.prefilling and budget_s > 0 and (not chunks or time.perf_counter() - started < budget_s):
+            chunks += 1
             key, job = next(iter(self.prefilling.items()))
             try:
-                next(job.steps)
-                if time.perf_counter() - started >= budget_s:
-                    break
-                continue
+                next(job.steps)                         # one chunk
             except StopIteration as stop:
                 run, first = stop.value
                 del self.prefilling[key]
@@ -227,9 +224,11 @@ class BatchEngine:
             except Exception as exc:                    # noqa: BLE001 - this request fails, the others go on
                 self._drop_prefill(key)
                 results[key] = StepResult(None, exc)
-            if time.perf_counter() - started >= budget_s:
-                break
         return results
+
+    def _queue_prefill(self, key: Hashable, prompt_ids: list[int], params: SamplingParams) -> None:
+        engine = self._engine()
+        self.prefilling[key] = Prefill(engine, engine.begin_steps(prompt_ids, params), prompt_ids, params)
 
     def _follow(self, key: Hashable, prompt_ids: list[int], params: SamplingParams, like: Hashable) -> StepResult:
         try:
@@ -243,9 +242,7 @@ class BatchEngine:
         job.steps.close()
         self.idle.append(job.engine)
         for follower, params in job.followers:
-            engine = self._engine()
-            self.prefilling[follower] = Prefill(engine, engine.begin_steps(job.prompt_ids, params),
-                                                job.prompt_ids, params)
+            self._queue_prefill(follower, job.prompt_ids, params)
 
     def remove(self, key: Hashable) -> RequestOutput | None:
         """End the request under `key` (finished or not; prefilling too); its output so far, None

@@ -23,7 +23,7 @@ go on until they finish or the grace period ends, when each left is cut with a "
 (named in `cut`); then the loop returns.
 
 A request of a group (the `n` samples of one prompt) names the group's first request in `like`:
-admitted in the same round, it copies that request's prefill instead of running its own.
+started while that one still prefills, it copies its prefill once done instead of running its own.
 """
 from __future__ import annotations
 

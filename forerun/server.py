@@ -52,14 +52,13 @@ class ServerConfig:
     spec_stats: str = "none"         # per-request speculation figures: none, summary or detailed
 
 
-def error_response(message: str, param: str | None = None, status: int = 400,
-                   kind: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status)
+def _error_body(exc: BadRequest) -> dict:
+    """OpenAI's error shape: a response's body, or a stream's last event."""
+    return {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}}
 
 
 def _refused(exc: BadRequest) -> JSONResponse:
-    return error_response(exc.message, exc.param, exc.status, exc.kind, exc.code)
+    return JSONResponse(_error_body(exc), status_code=exc.status)
 
 
 def _schema(model) -> dict:
@@ -107,12 +106,13 @@ def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerM
         metrics.rejected(exc.status_code)
         what = {404: f"no route {request.url.path}: see /docs", 405: f"{request.method} is not allowed on "
                 f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
-        return error_response(what, None, exc.status_code, "invalid_request_error", None)
+        return _refused(BadRequest(what, None, exc.status_code))
 
     @app.exception_handler(Exception)
     async def server_error(request: HTTPRequest, exc: Exception) -> Response:
         log.error("forerun: %s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
-        return error_response(f"the server failed on this request: {type(exc).__name__}", None, 500, "server_error")
+        return _refused(BadRequest(f"the server failed on this request: {type(exc).__name__}", None, 500,
+                                   "server_error"))
 
     @app.get("/health", summary="200 while the engine runs; 503 once it stopped or is shutting down")
     async def health() -> Response:
@@ -223,18 +223,19 @@ def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerM
                 if event is None:
                     continue
                 if isinstance(event, Failed):
-                    return _failure(event)
+                    return _refused(_failure(event))
                 run.take(index, event, metrics)
             return JSONResponse(run.reply.whole(run.choices, run.stats()))
         finally:
             run.cancel()            # a no-op once finished; frees the sequences if we left early
 
-    def _failure(event: Failed) -> JSONResponse:
+    def _failure(event: Failed) -> BadRequest:
+        """The error a failed generation ends with (counted): an engine failure, or a shutdown's cut."""
         if event.reason == "shutdown":
             metrics.aborted()
-            return error_response(event.message, None, 503, "server_error", "shutting_down")
+            return BadRequest(event.message, None, 503, "server_error", "shutting_down")
         metrics.failed()
-        return error_response(f"generation failed: {event.message}", None, 500, "server_error")
+        return BadRequest(f"generation failed: {event.message}", None, 500, "server_error")
 
     async def _stream(run: "_Run") -> AsyncIterator[str]:
         reply = run.reply
@@ -244,13 +245,7 @@ def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerM
             while not run.done:
                 index, event = await run.events.get()
                 if isinstance(event, Failed):
-                    if event.reason == "shutdown":
-                        metrics.aborted()
-                    else:
-                        metrics.failed()
-                    message = event.message if event.reason == "shutdown" else f"generation failed: {event.message}"
-                    yield _sse({"error": {"message": message, "type": "server_error", "param": None,
-                                          "code": "shutting_down" if event.reason == "shutdown" else None}})
+                    yield _sse(_error_body(_failure(event)))
                     break
                 choice = run.take(index, event, metrics)
                 chunk = reply.chunk(choice, run.stats_of(choice))

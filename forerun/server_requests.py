@@ -10,6 +10,7 @@ functions here.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from dataclasses import dataclass, field
@@ -88,8 +89,6 @@ class Checked:
 async def read_json(request, max_bytes: int, timeout: float) -> dict:
     """The body as a JSON object: 413 past `max_bytes`, 408 when it takes over `timeout` seconds to
     arrive, ClientGone when the client hangs up mid-body."""
-    import asyncio
-
     raw = bytearray()
     try:
         async with asyncio.timeout(timeout):

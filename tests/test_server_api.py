@@ -11,6 +11,7 @@ import pytest
 from forerun.api import LLM
 from forerun.config import SamplingParams
 from forerun.engine import Engine
+from test_logprobs import direct_logprobs
 from test_server import KEY, NAME, Served, _metric
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -93,17 +94,6 @@ def test_n_samples_that_end_at_their_first_token(plain) -> None:
 # --- logprobs ----------------------------------------------------------------------------------
 
 
-def _direct_logprobs(llm: LLM, ids: list[int]) -> list[list[float]]:
-    """log_softmax of one target forward over `ids`: row i predicts token i + 1."""
-    import torch
-
-    decoder = llm.target.decoder
-    cache = decoder.new_cache(len(ids) + 1)
-    with torch.inference_mode():
-        logits = decoder(torch.tensor(ids), torch.arange(len(ids)), cache).logits[0]
-    return torch.log_softmax(logits.float(), -1).tolist()
-
-
 @pytest.mark.parametrize("server", ["plain", "speculative"])
 def test_completion_logprobs_are_the_target_s_own(server, request) -> None:
     served = request.getfixturevalue(server)
@@ -114,7 +104,7 @@ def test_completion_logprobs_are_the_target_s_own(server, request) -> None:
     gen = alone(served.llm, "abcabcabc", max_tokens=12).token_ids
     assert choice["text"] == served.llm.tokenizer.decode(gen)
     assert lp["tokens"] == [served.llm.tokenizer.piece(t) for t in gen]
-    direct = _direct_logprobs(served.llm, ids + gen)
+    direct = direct_logprobs(served.llm.target, ids + gen).tolist()
     for i, token in enumerate(gen):
         row = direct[len(ids) - 1 + i]
         assert lp["token_logprobs"][i] == pytest.approx(row[token], abs=1e-4)
@@ -154,7 +144,7 @@ def test_echo_scores_the_prompt(plain) -> None:
     lp = choice["logprobs"]
     assert lp["tokens"] == list("hello") and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     ids = plain.llm.tokenizer.encode("hello")
-    direct = _direct_logprobs(plain.llm, ids)
+    direct = direct_logprobs(plain.llm.target, ids).tolist()
     for i in range(1, len(ids)):
         assert lp["token_logprobs"][i] == pytest.approx(direct[i - 1][ids[i]], abs=1e-4)
     with_text = post(plain, {"model": NAME, "prompt": "hello", "max_tokens": 4, "echo": True, "temperature": 0})
