@@ -44,6 +44,8 @@ peers: $(STAMP)
 	$(VPY) -c 'import sys; from forerun.bench.llamacpp import main; sys.exit(main())'
 
 test: models
+	$(VENV)/bin/ruff check forerun tests
+	$(VENV)/bin/ruff format --check forerun tests
 	$(VPY) -m pytest -q -rs
 
 clean:

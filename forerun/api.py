@@ -1,19 +1,20 @@
 """The vLLM-shaped Python API: LLM(model=..., speculative_model=...).generate(prompts, SamplingParams(...))."""
+
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 from forerun import drafters
-from forerun.config import SamplingParams, SpeculativeConfig
-from forerun.cost_model import DraftLengthPolicy, pass_costs
+from forerun.base.config import SamplingParams, SpeculativeConfig
+from forerun.base.errors import ForerunError
 from forerun.drafters.draft_model import DRAFT_MODEL_METHODS
-from forerun.engine import Engine, RequestOutput
-from forerun.errors import ForerunError
-from forerun.logprobs import TokenLogprob
-from forerun.metrics import SpecMetrics
+from forerun.engine.engine import Engine, RequestOutput
+from forerun.engine.metrics import SpecMetrics
 from forerun.models import formats
 from forerun.models.load import LoadedModel, load_model
+from forerun.policy.cost_model import DraftLengthPolicy, pass_costs
+from forerun.verification.logprobs import TokenLogprob
 
 
 @dataclass
@@ -21,18 +22,18 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str
-    logprobs: list[TokenLogprob] | None = None   # each of token_ids', when SamplingParams.logprobs asks
+    logprobs: list[TokenLogprob] | None = None  # each of token_ids', when SamplingParams.logprobs asks
 
 
 @dataclass
 class GenerationResult:
     prompt: str | list[dict] | list[int]
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]      # one completion per prompt (vLLM's shape)
-    elapsed_s: float                     # generation only, model loading excluded
+    outputs: list[CompletionOutput]  # one completion per prompt (vLLM's shape)
+    elapsed_s: float  # generation only, model loading excluded
     first_token_s: float
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
-    prompt_logprobs: list[TokenLogprob | None] | None = None   # each prompt token's (entry 0 None), if asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # each prompt token's (entry 0 None), if asked
 
     @property
     def text(self) -> str:
@@ -67,10 +68,18 @@ class LLM:
     pays best (0 when drafts keep failing; forerun/cost_model.py), with "fixed" always that many.
     """
 
-    def __init__(self, model: str | LoadedModel, speculative_model: str | LoadedModel | None = None,
-                 num_speculative_tokens: int = 5, speculative_method: str | None = None,
-                 speculative_options: dict | None = None, dtype: str = "bfloat16", device: str = "cpu",
-                 quantization: str | None = None, speculative_k_policy: str = "adaptive") -> None:
+    def __init__(
+        self,
+        model: str | LoadedModel,
+        speculative_model: str | LoadedModel | None = None,
+        num_speculative_tokens: int = 5,
+        speculative_method: str | None = None,
+        speculative_options: dict | None = None,
+        dtype: str = "bfloat16",
+        device: str = "cpu",
+        quantization: str | None = None,
+        speculative_k_policy: str = "adaptive",
+    ) -> None:
         if isinstance(model, LoadedModel):
             self.target = model
             if quantization is not None:
@@ -81,8 +90,10 @@ class LLM:
         options = dict(speculative_options or {})
         if speculative_model is not None:
             if speculative_method not in (None, *DRAFT_MODEL_METHODS):
-                raise ForerunError(f"speculative_model is a draft model, but speculative_method {speculative_method!r} "
-                                   f"runs none; use {' or '.join(DRAFT_MODEL_METHODS)}, or leave it out")
+                raise ForerunError(
+                    f"speculative_model is a draft model, but speculative_method {speculative_method!r} "
+                    f"runs none; use {' or '.join(DRAFT_MODEL_METHODS)}, or leave it out"
+                )
             speculative_method = speculative_method or "auto"
             options.setdefault("model", speculative_model)
             options.setdefault("dtype", dtype)
@@ -92,8 +103,12 @@ class LLM:
             raise ForerunError(f"num_speculative_tokens {num_speculative_tokens} is beyond the model's context")
         if isinstance(options.get("model"), str):
             # Loaded once here, so every engine's drafter (one per batched sequence) shares the weights.
-            options["model"] = load_model(options["model"], options.get("dtype", dtype),
-                                          options.get("device", device), quantization=options.pop("quantize", None))
+            options["model"] = load_model(
+                options["model"],
+                options.get("dtype", dtype),
+                options.get("device", device),
+                quantization=options.pop("quantize", None),
+            )
         self._drafter_options = options
         self.engine = self.new_engine()
 
@@ -132,7 +147,9 @@ class LLM:
             prompts = [prompts]
         return [self._run(p, params) for p in prompts]
 
-    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None) -> list[GenerationResult]:
+    def chat(
+        self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None
+    ) -> list[GenerationResult]:
         """One conversation (a list of {"role", "content"}) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return [self._run(list(c), params or SamplingParams()) for c in conversations]
@@ -154,5 +171,6 @@ class LLM:
     @staticmethod
     def _result(prompt, ids: list[int], out: RequestOutput) -> GenerationResult:
         completion = CompletionOutput(out.text, out.token_ids, out.finish_reason, out.logprobs)
-        return GenerationResult(prompt, ids, [completion], out.elapsed_s, out.first_token_s, out.metrics,
-                                out.prompt_logprobs)
+        return GenerationResult(
+            prompt, ids, [completion], out.elapsed_s, out.first_token_s, out.metrics, out.prompt_logprobs
+        )

@@ -1,4 +1,5 @@
 """The `forerun` command: each subcommand lives in forerun/commands/ and registers itself."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,7 +7,7 @@ import importlib
 import pkgutil
 import sys
 
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
 
 
 def build_parser() -> argparse.ArgumentParser:

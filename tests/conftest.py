@@ -1,4 +1,5 @@
 """Shared fixtures: tiny fp32 random models and the character-level tokenizer, built once per session."""
+
 from __future__ import annotations
 
 import copy
@@ -6,23 +7,33 @@ import copy
 import pytest
 import torch
 
+from forerun.base.paths import forerun_home
 from forerun.models.load import LoadedModel
+from forerun.models.testing import tiny_model, tiny_tokenizer
 from forerun.models.tokenizer import Tokenizer
-from forerun.testing import tiny_model, tiny_tokenizer
 
 # The test machine is shared: one intra-op thread is faster than fighting for cores with tiny tensors.
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _private_cost_cache(tmp_path_factory: pytest.TempPathFactory):
-    """Pass costs measured in tests (tiny models in temporary folders, real ones on one thread) stay
-    out of the user's cache. Session-wide, so module fixtures that build engines are covered too."""
-    from forerun import cost_model
+# Caches keyed by what they hold (downloads, conversions, compiled kernels, built peers), which the
+# tests share with the user's FORERUN_HOME; everything else (measured pass costs above all) is private.
+SHARED_CACHES = ("models", "converted", "kernels", "peers", "draft-vocab")
 
-    folder = tmp_path_factory.getbasetemp() / "costs"
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_home(tmp_path_factory: pytest.TempPathFactory):
+    """FORERUN_HOME for the session: a temporary folder that links the user's content-keyed caches, so
+    pass costs measured in tests (tiny models in temporary folders, real ones on one thread) stay out
+    of the user's cache. Session-wide, so module fixtures that build engines are covered too."""
+    real = forerun_home()
+    home = tmp_path_factory.getbasetemp() / "home"
+    home.mkdir()
+    for name in SHARED_CACHES:
+        (real / name).mkdir(exist_ok=True)
+        (home / name).symlink_to(real / name, target_is_directory=True)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cost_model, "costs_dir", lambda: folder)
+        patch.setenv("FORERUN_HOME", str(home))
         yield
 
 

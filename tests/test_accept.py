@@ -5,6 +5,7 @@ target's distribution, within a total-variation bound derived from the sample si
 written here (always accept; recover from p instead of the residual; an off-by-one target row) must
 fail the same checks, so the checks are known to have teeth.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,10 +14,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from forerun.accept import Acceptance, accept, accept_chain
-from forerun.config import SamplingParams
-from forerun.sampling import probabilities
-from forerun.tree import DraftTree
+from forerun.base.config import SamplingParams
+from forerun.verification.accept import Acceptance, accept, accept_chain
+from forerun.verification.sampling import probabilities
+from forerun.verification.tree import DraftTree
 
 B = 256  # rows per batched exact-table case: an outcome that must always happen is checked 256 times
 
@@ -56,10 +57,14 @@ def test_a_first_position_rejection_emits_only_the_recovered_token():
 
 
 def test_a_middle_rejection_keeps_the_prefix_and_ignores_later_drafts():
-    target = t([[0.0, 1.0, 0.0, 0.0],     # draft 1 certain
-                [0.2, 0.0, 0.3, 0.5],     # draft 1 impossible -> reject; residual [0, 0, 0, .5] -> 3
-                [0.0, 0.0, 1.0, 0.0],     # never looked at
-                [0.0, 0.0, 1.0, 0.0]])
+    target = t(
+        [
+            [0.0, 1.0, 0.0, 0.0],  # draft 1 certain
+            [0.2, 0.0, 0.3, 0.5],  # draft 1 impossible -> reject; residual [0, 0, 0, .5] -> 3
+            [0.0, 0.0, 1.0, 0.0],  # never looked at
+            [0.0, 0.0, 1.0, 0.0],
+        ]
+    )
     q = t([[0.0, 1.0, 0.0, 0.0], [0.2, 0.5, 0.3, 0.0], [0.0, 0.0, 1.0, 0.0]])
     num, nxt = run_chain(target, [1, 1, 2], q)
     assert num.tolist() == [1] * B and nxt.tolist() == [3] * B
@@ -73,7 +78,7 @@ def test_a_draft_with_zero_target_probability_is_always_rejected(seed):
     num, nxt = run_chain(target, [0], q, seed)
     assert num.tolist() == [0] * B
     assert 0 not in nxt.tolist()
-    num, nxt = run_chain(target, [0], None, seed)   # the same for a one-hot (deterministic) draft
+    num, nxt = run_chain(target, [0], None, seed)  # the same for a one-hot (deterministic) draft
     assert num.tolist() == [0] * B and 0 not in nxt.tolist()
 
 
@@ -82,7 +87,7 @@ def test_a_draft_impossible_under_both_draft_and_target_is_rejected():
     target = t([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]])
     q = t([[0.0, 1.0, 0.0]])
     num, nxt = run_chain(target, [0], q)
-    assert num.tolist() == [0] * B and set(nxt.tolist()) == {2}   # residual max(0, p - q) = [0, 0, .5]
+    assert num.tolist() == [0] * B and set(nxt.tolist()) == {2}  # residual max(0, p - q) = [0, 0, .5]
 
 
 def test_a_draft_the_draft_model_gave_zero_but_the_target_likes_is_kept():
@@ -92,35 +97,40 @@ def test_a_draft_the_draft_model_gave_zero_but_the_target_likes_is_kept():
     assert num.tolist() == [1] * B and nxt.tolist() == [0] * B
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=2),
-                                    SamplingParams(temperature=1.0, top_p=0.6)])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.6)]
+)
 def test_a_draft_outside_the_targets_top_k_or_top_p_is_rejected_and_never_recovered(params):
     # Target logits rank tokens 1 > 0 > 2 > 3 with probabilities [.3, .5, .15, .05]:
     # top_k=2 and top_p=0.6 both keep {1, 0}. The draft (processed the same way) proposed 2.
     target_logits = t([[0.3, 0.5, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]).log()
-    target = probabilities(target_logits, params)                               # [2, 4]
+    target = probabilities(target_logits, params)  # [2, 4]
     assert target[0, 2] == 0 and target[0, 3] == 0
-    q = probabilities(t([[0.1, 0.1, 0.7, 0.1]]).log(), params)                  # draft likes token 2
+    q = probabilities(t([[0.1, 0.1, 0.7, 0.1]]).log(), params)  # draft likes token 2
     num, nxt = run_chain(target, [2], q)
     assert num.tolist() == [0] * B
     assert set(nxt.tolist()) <= {0, 1}
 
 
-@pytest.mark.parametrize("drafts,expected_num,expected_next", [
-    ([3, 1, 0], 3, 2),   # all match the argmaxes [3, 1, 0], bonus = argmax of row 3
-    ([3, 1, 2], 2, 0),   # third differs: corrected to the argmax 0
-    ([0, 1, 0], 0, 3),   # first differs: later matches do not count
-    ([3, 0, 0], 1, 1),
-])
+@pytest.mark.parametrize(
+    "drafts,expected_num,expected_next",
+    [
+        ([3, 1, 0], 3, 2),  # all match the argmaxes [3, 1, 0], bonus = argmax of row 3
+        ([3, 1, 2], 2, 0),  # third differs: corrected to the argmax 0
+        ([0, 1, 0], 0, 3),  # first differs: later matches do not count
+        ([3, 0, 0], 1, 1),
+    ],
+)
 def test_greedy_keeps_the_longest_prefix_matching_the_argmax(drafts, expected_num, expected_next):
-    target = probabilities(t([[0.1, 0.2, 0.3, 0.9], [0.0, 2.0, 1.0, 0.5],
-                              [5.0, 1.0, 2.0, 3.0], [0.0, 0.0, 4.0, 1.0]]), SamplingParams())
+    target = probabilities(
+        t([[0.1, 0.2, 0.3, 0.9], [0.0, 2.0, 1.0, 0.5], [5.0, 1.0, 2.0, 3.0], [0.0, 0.0, 4.0, 1.0]]), SamplingParams()
+    )
     num, nxt = accept_chain(target[None], torch.tensor([drafts]), None, None, greedy=True)
     assert (num.item(), nxt.item()) == (expected_num, expected_next)
 
 
 def test_greedy_batch_rows_are_independent():
-    target = torch.eye(4)[torch.tensor([[3, 1, 0, 2], [0, 0, 0, 0]])]                          # [2, 4, 4] one-hots
+    target = torch.eye(4)[torch.tensor([[3, 1, 0, 2], [0, 0, 0, 0]])]  # [2, 4, 4] one-hots
     drafts = torch.tensor([[3, 1, 0], [0, 1, 0]])
     num, nxt = accept_chain(target, drafts, None, None, greedy=True)
     assert num.tolist() == [3, 1] and nxt.tolist() == [2, 0]
@@ -130,7 +140,7 @@ def test_deterministic_draft_certain_under_the_target_is_kept():
     target = t([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0], [0.2, 0.3, 0.5]])
     num, nxt = run_chain(target, [2, 1], None)
     assert num.tolist() == [2] * B
-    assert set(nxt.tolist()) == {0, 1, 2}   # the bonus samples the last row
+    assert set(nxt.tolist()) == {0, 1, 2}  # the bonus samples the last row
 
 
 def test_deterministic_draft_rejection_recovers_from_the_target_without_the_draft():
@@ -172,15 +182,14 @@ TREE_TOKENS, TREE_PARENTS = [0, 1, 2, 3, 4, 4], [-1, -1, -1, 0, 0, 1]
 
 
 def test_greedy_tree_follows_the_argmax_through_the_branches():
-    rows = [1, 3, 4, 0, 2, 3, 1]   # argmax after root, n0, n1, n2, n3, n4, n5
+    rows = [1, 3, 4, 0, 2, 3, 1]  # argmax after root, n0, n1, n2, n3, n4, n5
     target = torch.eye(5)[rows]
     out = accept(target, DraftTree(TREE_TOKENS, TREE_PARENTS), None, greedy=True)
-    assert out == Acceptance(path=[1, 5], tokens=[1, 4, 1])          # root->n1 (1), n1->n5 (4), bonus 1
-    rows[0] = 3                                                        # no child of the root matches
+    assert out == Acceptance(path=[1, 5], tokens=[1, 4, 1])  # root->n1 (1), n1->n5 (4), bonus 1
+    rows[0] = 3  # no child of the root matches
     assert accept(torch.eye(5)[rows], DraftTree(TREE_TOKENS, TREE_PARENTS), None, True) == Acceptance([], [3])
-    rows[0], rows[1] = 0, 3                                            # n0 then n3 (a leaf): bonus after n3
-    assert accept(torch.eye(5)[rows], DraftTree(TREE_TOKENS, TREE_PARENTS), None, True) == \
-        Acceptance([0, 3], [0, 3, 2])
+    rows[0], rows[1] = 0, 3  # n0 then n3 (a leaf): bonus after n3
+    assert accept(torch.eye(5)[rows], DraftTree(TREE_TOKENS, TREE_PARENTS), None, True) == Acceptance([0, 3], [0, 3, 2])
 
 
 def test_stochastic_tree_tries_siblings_in_turn_with_the_residual():
@@ -194,7 +203,7 @@ def test_stochastic_tree_tries_siblings_in_turn_with_the_residual():
     q[3:] = t([0.2, 0.2, 0.2, 0.2, 0.2])
     target = torch.zeros(7, 5)
     target[0] = t([0, 0.6, 0.4, 0, 0])
-    target[1:] = torch.eye(5)[[0, 4, 3, 0, 0, 3]]     # after n1, token 4 (n5) is certain; after n5 -> 3
+    target[1:] = torch.eye(5)[[0, 4, 3, 0, 0, 3]]  # after n1, token 4 (n5) is certain; after n5 -> 3
     tree = DraftTree(TREE_TOKENS, TREE_PARENTS, q)
     outcomes = {}
     for seed in range(400):
@@ -205,8 +214,8 @@ def test_stochastic_tree_tries_siblings_in_turn_with_the_residual():
 
 def test_stochastic_tree_recovers_from_the_residual_when_every_child_is_rejected():
     target = torch.zeros(7, 5)
-    target[0] = t([0, 0, 0, 0.5, 0.5])            # no child of the root (tokens 0, 1, 2) is possible
-    for q in (None, torch.full((6, 5), 0.2), t([[0, 0, 0, 0.5, 0.5]] * 6)):   # one-hot, uniform, q(x) = 0
+    target[0] = t([0, 0, 0, 0.5, 0.5])  # no child of the root (tokens 0, 1, 2) is possible
+    for q in (None, torch.full((6, 5), 0.2), t([[0, 0, 0, 0.5, 0.5]] * 6)):  # one-hot, uniform, q(x) = 0
         tree = DraftTree(TREE_TOKENS, TREE_PARENTS, q)
         seen = {tuple(accept(target, tree, torch.Generator().manual_seed(s), False).tokens) for s in range(50)}
         assert seen == {(3,), (4,)}
@@ -246,17 +255,17 @@ def tv(samples: torch.Tensor, truth: torch.Tensor) -> float:
 
 @dataclass
 class MarkovTarget:
-    p1: torch.Tensor   # [V] after the prompt
-    m: torch.Tensor    # [K, V, V] m[t-2][prev] = distribution of token t given token t-1 (t = 2..K+1)
+    p1: torch.Tensor  # [V] after the prompt
+    m: torch.Tensor  # [K, V, V] m[t-2][prev] = distribution of token t given token t-1 (t = 2..K+1)
 
     @classmethod
-    def random(cls, gen: torch.Generator) -> "MarkovTarget":
+    def random(cls, gen: torch.Generator) -> MarkovTarget:
         return cls(random_dists((), gen), random_dists((K, V), gen))
 
     def rows(self, drafts: torch.Tensor) -> torch.Tensor:
         """Target distributions for chains of drafts [B, K]: [B, K+1, V]."""
         b = drafts.shape[0]
-        later = [self.m[i][drafts[:, i]] for i in range(drafts.shape[1])]                    # K x [B, V]
+        later = [self.m[i][drafts[:, i]] for i in range(drafts.shape[1])]  # K x [B, V]
         return torch.stack([self.p1.expand(b, V)] + later, dim=1)
 
     def joint(self) -> torch.Tensor:
@@ -319,7 +328,7 @@ def chain_samples(rule, deterministic: bool, n: int = N_CHAIN, seed: int = 0):
         for i in range(K - 1):
             dists.append(qm[i][cols[-1]])
             cols.append(torch.multinomial(dists[-1], 1, generator=gen).squeeze(-1))
-        drafts, q = torch.stack(cols, dim=1), torch.stack(dists, dim=1)                 # [n, K], [n, K, V]
+        drafts, q = torch.stack(cols, dim=1), torch.stack(dists, dim=1)  # [n, K], [n, K, V]
     num, nxt = rule(target.rows(drafts), drafts, q, gen, False)
     first = torch.where(num >= 1, drafts[:, 0], nxt)
     second = torch.where(num >= 2, drafts[:, 1], torch.where(num == 1, nxt, torch.full_like(nxt, -1)))
@@ -329,7 +338,7 @@ def chain_samples(rule, deterministic: bool, n: int = N_CHAIN, seed: int = 0):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["sampled-drafts", "one-hot-drafts"])
 def test_chain_rule_emits_exactly_the_target_distribution(deterministic):
     target, first, pairs, num = chain_samples(accept_chain, deterministic)
-    assert (num > 0).float().mean() > 0.2 and (num < K).float().mean() > 0.2   # both branches exercised
+    assert (num > 0).float().mean() > 0.2 and (num < K).float().mean() > 0.2  # both branches exercised
     assert tv(first, target.p1) < tv_bound(V, N_CHAIN)
     assert tv(pairs, target.joint()) < tv_bound(V * V, N_CHAIN)
 
@@ -366,14 +375,15 @@ def tree_samples(rule, deterministic: bool, n: int = N_TREE, seed: int = 1):
     gen = torch.Generator().manual_seed(seed)
     target = MarkovTarget.random(gen)
     q_root, q_next = random_dists((), gen, sharp=2.0), random_dists((V,), gen, sharp=2.0)
-    if deterministic:   # two distinct fixed guesses under the root, one under the first
+    if deterministic:  # two distinct fixed guesses under the root, one under the first
         tokens = torch.tensor([2, 5, 1]).expand(n, -1)
-    else:               # siblings drawn independently from the same q, grandchild from q_next
+    else:  # siblings drawn independently from the same q, grandchild from q_next
         ab = torch.multinomial(q_root, 2 * n, replacement=True, generator=gen).view(n, 2)
         c = torch.multinomial(q_next[ab[:, 0]], 1, generator=gen)
-        tokens = torch.cat([ab, c], dim=1)                                                   # [n, 3]
-    rows = torch.stack([target.p1.expand(n, V), target.m[0][tokens[:, 0]], target.m[0][tokens[:, 1]],
-                        target.m[1][tokens[:, 2]]], dim=1)                                    # [n, 4, V]
+        tokens = torch.cat([ab, c], dim=1)  # [n, 3]
+    rows = torch.stack(
+        [target.p1.expand(n, V), target.m[0][tokens[:, 0]], target.m[0][tokens[:, 1]], target.m[1][tokens[:, 2]]], dim=1
+    )  # [n, 4, V]
     firsts, seconds = [], []
     for i, toks in enumerate(tokens.tolist()):
         probs = None if deterministic else torch.stack([q_root, q_root, q_next[toks[0]]])

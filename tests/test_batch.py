@@ -5,6 +5,7 @@ the same in any batch, and attention runs each sequence's rows on its own cache,
 verification must give every sequence the very logits it gets alone, and a batched request the very
 tokens (greedy or sampled with its seed) it gets alone.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -14,15 +15,20 @@ from hypothesis import strategies as st
 
 from forerun import drafters
 from forerun.api import LLM
-from forerun.batch import BatchEngine
-from forerun.config import SamplingParams
-from forerun.cost_model import DraftLengthPolicy, PassCosts, batch_draft_length, expected_tokens
-from forerun.engine import Engine
-from forerun.errors import ForerunError
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.engine.batch import BatchEngine
+from forerun.engine.engine import Engine
+from forerun.models.testing import tiny_model
 from forerun.models.w8a8 import quantize_decoder_
-from forerun.testing import tiny_model
-from forerun.tree import DraftTree
-from forerun.verify import VerifyJob, verify, verify_many
+from forerun.policy.cost_model import (
+    DraftLengthPolicy,
+    PassCosts,
+    batch_draft_length,
+    expected_tokens,
+)
+from forerun.verification.tree import DraftTree
+from forerun.verification.verify import VerifyJob, verify, verify_many
 
 SLOW = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=8)
@@ -49,7 +55,7 @@ def test_a_batched_verification_gives_every_sequence_what_it_gets_alone(quantize
         prefix = data.draw(st.lists(st.integers(0, 98), min_size=1, max_size=100))
         tree = random_tree(data.draw, data.draw(st.integers(0, 6)))
         root = data.draw(st.integers(0, 98))
-        params = data.draw(st.sampled_from([SAMPLED, SamplingParams(max_tokens=8)]))   # sampled or greedy
+        params = data.draw(st.sampled_from([SAMPLED, SamplingParams(max_tokens=8)]))  # sampled or greedy
         jobs = []
         for _ in range(2):
             cache = decoder.new_cache(len(prefix) + len(tree) + 2)
@@ -64,8 +70,8 @@ def test_a_batched_verification_gives_every_sequence_what_it_gets_alone(quantize
         assert torch.equal(got.probs, want.probs), f"sequence {i} of {count}: distributions differ"
         other = batched_jobs[i].cache
         assert other.length == job.cache.length
-        assert torch.equal(other.k[:, :, :, :other.length], job.cache.k[:, :, :, :other.length])
-        assert torch.equal(other.v[:, :, :, :other.length], job.cache.v[:, :, :, :other.length])
+        assert torch.equal(other.k[:, :, :, : other.length], job.cache.k[:, :, :, : other.length])
+        assert torch.equal(other.v[:, :, :, : other.length], job.cache.v[:, :, :, : other.length])
 
 
 # --- the batch engine ------------------------------------------------------------------------------
@@ -93,13 +99,15 @@ def run_batched(batch: BatchEngine, requests: list[tuple[list[int], SamplingPara
     return [done[i] for i in range(len(requests))]
 
 
-REQUESTS = [([5, 6, 7, 5, 6, 7, 5], SamplingParams(max_tokens=30)),
-            ([9], SamplingParams(max_tokens=12)),
-            ([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=25)),
-            ([40, 41], SamplingParams(max_tokens=1)),
-            ([7, 7, 7, 7], SamplingParams(temperature=1.0, top_k=5, max_tokens=20, seed=3)),
-            ([60, 61, 62, 60, 61], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=18, seed=11)),
-            ([33, 34, 35], SamplingParams(max_tokens=22))]
+REQUESTS = [
+    ([5, 6, 7, 5, 6, 7, 5], SamplingParams(max_tokens=30)),
+    ([9], SamplingParams(max_tokens=12)),
+    ([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=25)),
+    ([40, 41], SamplingParams(max_tokens=1)),
+    ([7, 7, 7, 7], SamplingParams(temperature=1.0, top_k=5, max_tokens=20, seed=3)),
+    ([60, 61, 62, 60, 61], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=18, seed=11)),
+    ([33, 34, 35], SamplingParams(max_tokens=22)),
+]
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +124,13 @@ def w8a8_draft():
 def test_each_batched_request_equals_its_run_alone(quantized, w8a8_draft, method, max_seqs) -> None:
     model = {"draft": w8a8_draft, "auto": w8a8_draft}.get(method)
     options = {"long_match": 3} if method == "auto" else {}
-    llm = LLM(quantized, speculative_model=model, speculative_method=method, num_speculative_tokens=3,
-              speculative_options=options)
+    llm = LLM(
+        quantized,
+        speculative_model=model,
+        speculative_method=method,
+        num_speculative_tokens=3,
+        speculative_options=options,
+    )
     alone = [Engine(quantized).generate(prompt, params).token_ids for prompt, params in REQUESTS]
     batch = BatchEngine(llm.new_engine, max_seqs)
     got = run_batched(batch, REQUESTS)
@@ -127,7 +140,7 @@ def test_each_batched_request_equals_its_run_alone(quantized, w8a8_draft, method
     for (prompt, params), tokens, want in zip(REQUESTS, got, alone):
         if params.greedy or method is None:
             assert tokens == want, f"prompt {prompt}"
-    assert not batch.lanes and 1 <= len(batch.idle) <= min(max_seqs, len(REQUESTS))   # lanes are reused
+    assert not batch.lanes and 1 <= len(batch.idle) <= min(max_seqs, len(REQUESTS))  # lanes are reused
 
 
 def test_sampled_speculation_with_a_seed_gives_the_same_tokens_batched_or_alone(quantized) -> None:
@@ -202,10 +215,10 @@ def flat_then_linear(rows: int) -> float:
 def test_speculation_backs_off_as_the_batch_fills() -> None:
     lanes = [(0.8, 0.001, 1.0)]
     ks = [batch_draft_length(lanes * b, flat_then_linear, 5) for b in (1, 2, 4, 8, 16, 64)]
-    assert ks[0] >= 4                                  # rows free: draft long
-    assert ks == sorted(ks, reverse=True)              # never more as the batch grows
-    assert ks[-1] == 0                                 # every row dear: plain steps
-    assert batch_draft_length([(0.0, 0.001, 1.0)], flat_then_linear, 5) == 0   # drafts that never hold: none
+    assert ks[0] >= 4  # rows free: draft long
+    assert ks == sorted(ks, reverse=True)  # never more as the batch grows
+    assert ks[-1] == 0  # every row dear: plain steps
+    assert batch_draft_length([(0.0, 0.001, 1.0)], flat_then_linear, 5) == 0  # drafts that never hold: none
 
 
 def test_the_batch_draft_length_is_the_best_common_length() -> None:
@@ -214,7 +227,9 @@ def test_the_batch_draft_length_is_the_best_common_length() -> None:
 
     def rate(k: int) -> float:
         rows = sum(1 + k for _ in lanes)
-        return sum(expected_tokens(a, k) for a, _, _ in lanes) / (flat_then_linear(rows) + sum(k * c for _, c, _ in lanes))
+        return sum(expected_tokens(a, k) for a, _, _ in lanes) / (
+            flat_then_linear(rows) + sum(k * c for _, c, _ in lanes)
+        )
 
     assert all(rate(chosen) >= rate(k) for k in range(1, 7)) and rate(chosen) > rate(0)
 
@@ -229,39 +244,39 @@ def test_the_batch_caps_each_lanes_draft_length_by_the_load(quantized) -> None:
     one = BatchEngine(new_engine, 1)
     one.add(0, prompt, SamplingParams(max_tokens=20))
     one.step()
-    assert one.last_k > 0                              # alone, rows are free: it drafts
+    assert one.last_k > 0  # alone, rows are free: it drafts
     many = BatchEngine(new_engine, 40)
     for key in range(40):
         many.add(key, prompt, SamplingParams(max_tokens=20))
     many.step()
-    assert many.last_k == 0                            # 40 sequences fill every row: plain steps
+    assert many.last_k == 0  # 40 sequences fill every row: plain steps
 
 
 def test_a_batch_drafts_only_while_drafting_measures_faster() -> None:
-    from forerun.batch import EXPLORE_EVERY, Rates
+    from forerun.engine.batch import EXPLORE_EVERY, Rates
 
     rates = Rates()
-    assert rates.choose_drafting() is True                 # each option is tried first
+    assert rates.choose_drafting() is True  # each option is tried first
     rates.record(True, 18.0, 0.10)
     assert rates.choose_drafting() is False
-    rates.record(False, 20.0, 0.10)                        # plain steps measure a little faster
+    rates.record(False, 20.0, 0.10)  # plain steps measure a little faster
     choices = [rates.choose_drafting() for _ in range(4 * EXPLORE_EVERY)]
-    assert choices.count(True) == 4                        # drafting again only to re-measure
+    assert choices.count(True) == 4  # drafting again only to re-measure
     rates.record(True, 50.0, 0.10)
-    rates.record(True, 50.0, 0.10)                         # drafting got faster (say the batch shrank)
+    rates.record(True, 50.0, 0.10)  # drafting got faster (say the batch shrank)
     every = rates.explore_every(drafting_better=True)
     picks = [rates.choose_drafting() for _ in range(every)]
     assert picks.count(False) == 1 and picks[-1] is False  # now plain steps are the ones re-measured
 
 
 def test_drafting_that_measures_only_a_little_faster_is_not_chosen() -> None:
-    from forerun.batch import DRAFTING_EDGE, EXPLORE_EVERY, Rates
+    from forerun.engine.batch import DRAFTING_EDGE, EXPLORE_EVERY, Rates
 
     rates = Rates()
-    rates.record(True, 20.0 * (1 + DRAFTING_EDGE / 2), 0.10)   # within the edge: noise, or no gain
+    rates.record(True, 20.0 * (1 + DRAFTING_EDGE / 2), 0.10)  # within the edge: noise, or no gain
     rates.record(False, 20.0, 0.10)
     assert not rates.drafting_better()
-    assert [rates.choose_drafting() for _ in range(EXPLORE_EVERY)].count(True) == 1   # tries only
+    assert [rates.choose_drafting() for _ in range(EXPLORE_EVERY)].count(True) == 1  # tries only
     rates = Rates()
     rates.record(True, 20.0 * (1 + 2 * DRAFTING_EDGE), 0.10)
     rates.record(False, 20.0, 0.10)
@@ -270,10 +285,10 @@ def test_drafting_that_measures_only_a_little_faster_is_not_chosen() -> None:
 
 
 def test_a_dear_option_is_tried_again_only_as_often_as_it_is_cheap_to() -> None:
-    from forerun.batch import EXPLORE_SHARE, Rates
+    from forerun.engine.batch import EXPLORE_SHARE, Rates
 
     rates = Rates()
-    rates.record(True, 10.0, 0.50)                         # a drafting step: 0.5 s at half the rate
+    rates.record(True, 10.0, 0.50)  # a drafting step: 0.5 s at half the rate
     rates.record(False, 20.0, 0.10)
     # A try loses 0.5 s x (1 - 10/20) = 0.25 s; at 2 % of 0.1 s steps that is one try per 125 steps.
     assert rates.explore_every(drafting_better=False) == round(0.25 / (EXPLORE_SHARE * 0.10))
@@ -282,40 +297,46 @@ def test_a_dear_option_is_tried_again_only_as_often_as_it_is_cheap_to() -> None:
 
 
 def test_tries_that_keep_measuring_worse_fade_out_and_one_that_wins_brings_them_back() -> None:
-    from forerun.batch import EXPLORE_EVERY, EXPLORE_MAX, Rates
+    from forerun.engine.batch import EXPLORE_EVERY, EXPLORE_MAX, Rates
 
     rates = Rates()
     rates.record(True, 18.0, 0.10)
-    rates.record(False, 20.0, 0.10)                        # plain measures faster: a full batch
+    rates.record(False, 20.0, 0.10)  # plain measures faster: a full batch
     gaps, since = [], 0
     for _ in range(12 * EXPLORE_MAX):
         since += 1
         if rates.choose_drafting():
             gaps.append(since)
             since = 0
-            rates.record(True, 18.0, 0.10)                 # every try measures worse again
+            rates.record(True, 18.0, 0.10)  # every try measures worse again
         else:
             rates.record(False, 20.0, 0.10)
-    assert gaps[:6] == [EXPLORE_EVERY, 2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY, 8 * EXPLORE_EVERY,
-                        16 * EXPLORE_EVERY, EXPLORE_MAX]
-    assert set(gaps[5:]) == {EXPLORE_MAX}                  # and never stop altogether
+    assert gaps[:6] == [
+        EXPLORE_EVERY,
+        2 * EXPLORE_EVERY,
+        4 * EXPLORE_EVERY,
+        8 * EXPLORE_EVERY,
+        16 * EXPLORE_EVERY,
+        EXPLORE_MAX,
+    ]
+    assert set(gaps[5:]) == {EXPLORE_MAX}  # and never stop altogether
     while not rates.choose_drafting():
         rates.record(False, 20.0, 0.10)
-    rates.record(True, 60.0, 0.10)                         # a try wins (the batch got cheaper to draft for)
+    rates.record(True, 60.0, 0.10)  # a try wins (the batch got cheaper to draft for)
     assert rates.losses == 0 and rates.choose_drafting() is True
     rates.record(True, 60.0, 0.10)
     every = rates.explore_every(drafting_better=True)
-    assert every < 2 * EXPLORE_EVERY                       # the spacing starts over, priced by cost alone
+    assert every < 2 * EXPLORE_EVERY  # the spacing starts over, priced by cost alone
     picks = [rates.choose_drafting() for _ in range(every)]
     assert picks.count(False) == 1
 
 
 def test_lanes_that_step_plainly_count_as_plain_rows_in_the_batch_length() -> None:
-    from forerun.cost_model import PassCosts, batch_draft_length
+    from forerun.policy.cost_model import PassCosts, batch_draft_length
 
     flat = PassCosts([0.1] * 8 + [0.2] * 8)
     sure = (0.9, 0.0, 1.0)
-    assert batch_draft_length([sure], flat, 4) == 4                       # 5 rows ride on the flat part
+    assert batch_draft_length([sure], flat, 4) == 4  # 5 rows ride on the flat part
     # Four lanes stepping plainly take four of the eight flat rows: three draft tokens still fit.
     assert batch_draft_length([sure], flat, 4, plain_lanes=4) == 3
 
@@ -331,31 +352,37 @@ def test_while_plain_steps_measure_faster_no_lane_is_asked_to_draft(quantized, w
     for lane in batch.lanes.values():
         choose = lane.engine.choose
         lane.engine.choose = lambda run, choose=choose: asked.append(run) or choose(run)
-    bucket = batch.rates[2 .bit_length()]
+    bucket = batch.rates[(2).bit_length()]
     bucket.record(True, 5.0, 0.1)
-    bucket.record(False, 50.0, 0.1)                 # plain steps measured ten times faster
+    bucket.record(False, 50.0, 0.1)  # plain steps measured ten times faster
     for _ in range(4):
         batch.step()
         assert batch.last_k == 0
     assert asked == []
-    assert all(lane.run.metrics.num_drafts == 0 and lane.run.metrics.draft_seconds == 0
-               for lane in batch.lanes.values())
+    assert all(
+        lane.run.metrics.num_drafts == 0 and lane.run.metrics.draft_seconds == 0 for lane in batch.lanes.values()
+    )
 
 
 def test_while_plain_steps_measure_faster_a_long_suffix_match_still_drafts_for_free(quantized, w8a8_draft) -> None:
-    llm = LLM(quantized, speculative_model=w8a8_draft, speculative_method="auto", num_speculative_tokens=3,
-              speculative_options={"long_match": 3})
+    llm = LLM(
+        quantized,
+        speculative_model=w8a8_draft,
+        speculative_method="auto",
+        num_speculative_tokens=3,
+        speculative_options={"long_match": 3},
+    )
     batch = BatchEngine(llm.new_engine, 2)
     prompt, params = [5, 6, 7], SamplingParams(max_tokens=16)
-    batch.add(0, prompt, params)                    # alone: its output is then remembered by its lane
+    batch.add(0, prompt, params)  # alone: its output is then remembered by its lane
     while not batch.lanes[0].run.seq.finished:
         batch.step()
     earlier = batch.remove(0).token_ids
     assert len(earlier) > 4
-    bucket = batch.rates[2 .bit_length()]
+    bucket = batch.rates[(2).bit_length()]
     bucket.record(True, 5.0, 0.1)
-    bucket.record(False, 50.0, 0.1)                 # plain steps measured ten times faster
-    batch.add(1, prompt, params)                    # the same question again, on the same lane
+    bucket.record(False, 50.0, 0.1)  # plain steps measured ten times faster
+    batch.add(1, prompt, params)  # the same question again, on the same lane
     # A longer request beside it, so the batch holds two lanes on every step (one lane alone is the
     # single-request engine, whose own policy may run the draft model).
     batch.add(2, [40, 41], SamplingParams(max_tokens=64, ignore_eos=True))
@@ -366,9 +393,9 @@ def test_while_plain_steps_measure_faster_a_long_suffix_match_still_drafts_for_f
     assert not other.run.seq.finished
     assert again.run.seq.output_ids == earlier
     assert again.engine.drafter.steps["suffix"] > before[1]["suffix"] and again.run.metrics.num_drafts > 0
-    for key, lane in batch.lanes.items():           # the draft model never ran
+    for key, lane in batch.lanes.items():  # the draft model never ran
         assert lane.engine.drafter.steps["draft"] == before[key]["draft"]
-    assert bucket.drafting == 5.0 and bucket.plain != 50.0      # measured as plain steps
+    assert bucket.drafting == 5.0 and bucket.plain != 50.0  # measured as plain steps
 
 
 def test_every_lane_drafts_from_what_any_earlier_request_answered(quantized) -> None:
@@ -386,14 +413,14 @@ def test_every_lane_drafts_from_what_any_earlier_request_answered(quantized) -> 
     # The same question on the other lane: it drafts the whole answer from the shared memory.
     batch.remove(1)
     batch.idle.remove(other)
-    batch.idle.append(other)                        # the next request runs on the lane that never saw it
+    batch.idle.append(other)  # the next request runs on the lane that never saw it
     batch.add(2, prompt, params)
     assert batch.lanes[2].engine is other
     while not batch.lanes[2].run.seq.finished:
         batch.step()
     again = batch.remove(2)
     fresh = LLM(quantized, speculative_method="suffix", num_speculative_tokens=3, speculative_k_policy="fixed")
-    alone = fresh.engine.generate(prompt, params)   # a memory without the answer: drafts from the prompt alone
+    alone = fresh.engine.generate(prompt, params)  # a memory without the answer: drafts from the prompt alone
     assert again.token_ids == alone.token_ids == answer
     assert again.metrics.num_accepted_tokens == again.metrics.num_draft_tokens
     assert again.metrics.num_target_forwards < alone.metrics.num_target_forwards

@@ -1,4 +1,5 @@
 """`forerun bench` end to end on a tiny random model and a three-prompt JSONL, plus its bad inputs."""
+
 from __future__ import annotations
 
 import json
@@ -7,20 +8,22 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from forerun.bench import BenchConfig, run_bench, valid_methods
-from forerun.commands.bench import HEAD_METHODS
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.base.prompts import MT_BENCH, SPEC_BENCH_FILE, load_prompts
 from forerun.bench import runner
-from forerun.bench.dataset import MT_BENCH, SPEC_BENCH_FILE, load_prompts
+from forerun.bench.runner import BenchConfig, run_bench, valid_methods
 from forerun.bench.summary import OVERALL, by_task, predicted_length
 from forerun.cli import main
-from forerun.config import SamplingParams
-from forerun.errors import ForerunError
-from forerun.testing import save_hf_folder, tiny_model
+from forerun.commands.bench import HEAD_METHODS
+from forerun.models.testing import save_hf_folder, tiny_model
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-PROMPTS = [{"prompt": "abc abc abc abc abc abc", "category": "code"},
-           {"turns": ["the cat the cat the cat", "and then?"], "category": "chat"},
-           {"prompt": "hello hello hello hello", "category": "chat"}]
+PROMPTS = [
+    {"prompt": "abc abc abc abc abc abc", "category": "code"},
+    {"turns": ["the cat the cat the cat", "and then?"], "category": "chat"},
+    {"prompt": "hello hello hello hello", "category": "chat"},
+]
 KS = (1, 2)
 MAX_TOKENS = 8
 
@@ -30,8 +33,12 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bench")
     dataset = root / "prompts.jsonl"
     dataset.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    return {"root": root, "target": save_hf_folder(tiny_model(seed=0), root / "target"),
-            "draft": save_hf_folder(tiny_model(seed=0, num_layers=1), root / "draft"), "dataset": dataset}
+    return {
+        "root": root,
+        "target": save_hf_folder(tiny_model(seed=0), root / "target"),
+        "draft": save_hf_folder(tiny_model(seed=0, num_layers=1), root / "draft"),
+        "dataset": dataset,
+    }
 
 
 # Every method that runs without a trained head (medusa and eagle need one: tests/test_heads.py).
@@ -39,16 +46,41 @@ METHODS = [m for m in valid_methods() if m not in HEAD_METHODS]
 
 
 def bench_args(folders: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    return ["bench", "--model", str(folders["target"]), "--dtype", "float32", "--dataset", str(folders["dataset"]),
-            "--max-tokens", str(MAX_TOKENS), "--out", str(out), "--no-progress", *extra]
+    return [
+        "bench",
+        "--model",
+        str(folders["target"]),
+        "--dtype",
+        "float32",
+        "--dataset",
+        str(folders["dataset"]),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--out",
+        str(out),
+        "--no-progress",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
 def full_run(folders: dict[str, Path]) -> Path:
     """Every registered method at K = 1 and 2, with the transformers peers, once for the module."""
     out = folders["root"] / "full"
-    code = main(bench_args(folders, out, "--methods", ",".join(METHODS), "--speculative-model",
-                           str(folders["draft"]), "--sweep-k", ",".join(map(str, KS)), "--peers", "transformers"))
+    code = main(
+        bench_args(
+            folders,
+            out,
+            "--methods",
+            ",".join(METHODS),
+            "--speculative-model",
+            str(folders["draft"]),
+            "--sweep-k",
+            ",".join(map(str, KS)),
+            "--peers",
+            "transformers",
+        )
+    )
     assert code == 0
     return out
 
@@ -60,7 +92,7 @@ def read_records(out: Path) -> list[dict]:
 def section(report: str, heading: str) -> str:
     """The text under `### heading` (or `## heading`) up to the next heading of any level."""
     start = report.index(f"{heading}\n")
-    rest = report[start + len(heading) + 1:]
+    rest = report[start + len(heading) + 1 :]
     return rest.split("\n#", 1)[0]
 
 
@@ -70,7 +102,7 @@ def section(report: str, heading: str) -> str:
 def test_results_hold_one_line_per_prompt_method_and_k(full_run: Path) -> None:
     records = read_records(full_run)
     speculative = len(METHODS) - 1
-    peers = 1 + 2 * len(KS)                       # hf-plain, then hf-assisted and hf-prompt-lookup per K
+    peers = 1 + 2 * len(KS)  # hf-plain, then hf-assisted and hf-prompt-lookup per K
     assert len(records) == len(PROMPTS) * (1 + speculative * len(KS) + peers)
     keys = {(r["prompt_id"], r["method"], r["k"]) for r in records}
     assert len(keys) == len(records)
@@ -83,7 +115,7 @@ def test_runs_of_a_prompt_are_interleaved_with_plain_first(full_run: Path) -> No
     order = [(r["prompt_id"], r["method"]) for r in read_records(full_run)]
     prompt_ids = [p for p, _ in order]
     blocks = [prompt_ids[i] for i in range(len(prompt_ids)) if i == 0 or prompt_ids[i] != prompt_ids[i - 1]]
-    assert blocks == ["1", "2", "3"]                   # each prompt's runs back to back
+    assert blocks == ["1", "2", "3"]  # each prompt's runs back to back
     firsts = [m for i, (p, m) in enumerate(order) if i == 0 or order[i - 1][0] != p]
     assert firsts == ["plain"] * len(PROMPTS)
 
@@ -108,8 +140,10 @@ def test_transformers_peers_run_on_the_same_prompts(full_run: Path) -> None:
     # the same drafts as forerun's draft method, so it takes the same number of forwards; prompt
     # lookup keeps some copies on these repetitive prompts, so it takes fewer than one per token.
     for r in hf_plain:
-        assert r["spec"] == {"num_target_forwards": r["num_generated_tokens"],
-                             "num_emitted_tokens": r["num_generated_tokens"]}
+        assert r["spec"] == {
+            "num_target_forwards": r["num_generated_tokens"],
+            "num_emitted_tokens": r["num_generated_tokens"],
+        }
     forwards = {(r["prompt_id"], r["method"], r["k"]): r["spec"]["num_target_forwards"] for r in records if r["spec"]}
     for (prompt, method, k), count in forwards.items():
         if method == "hf-assisted":
@@ -138,7 +172,7 @@ def test_report_has_a_row_per_method_in_every_category_and_overall(full_run: Pat
         assert "| hf-plain (transformers) |" in table
     matrix = section(report, "## Speedup over plain decoding, by task kind")
     assert "| method | code | chat | overall |" in matrix
-    assert "| draft K≤2 |" in matrix            # adaptive by default: K is the most a step drafts
+    assert "| draft K≤2 |" in matrix  # adaptive by default: K is the most a step drafts
 
 
 def test_every_record_has_its_decode_rate_and_the_report_shows_it(full_run: Path) -> None:
@@ -150,14 +184,17 @@ def test_every_record_has_its_decode_rate_and_the_report_shows_it(full_run: Path
     assert any(r["decode_tokens_per_s"] for r in records)
     overall = section((full_run / "report.md").read_text(), "## Overall")
     assert "| tokens/s | decode tok/s | TTFT ms |" in overall
-    assert "× llama.cpp plain" not in overall          # no llama.cpp in this run
+    assert "× llama.cpp plain" not in overall  # no llama.cpp in this run
 
 
 def test_draft_time_per_token_is_recorded_and_reported(full_run: Path) -> None:
     records = [r for r in read_records(full_run) if r["engine"] == "forerun" and r["method"] != "plain"]
     assert all(r["spec"]["draft_seconds"] > 0 for r in records if r["spec"]["num_draft_tokens"])
-    header, rule, *rows = [line for line in section((full_run / "report.md").read_text(), "## Overall").splitlines()
-                           if line.startswith("|")]
+    header, rule, *rows = [
+        line
+        for line in section((full_run / "report.md").read_text(), "## Overall").splitlines()
+        if line.startswith("|")
+    ]
     column = header.split(" | ").index("draft ms per token")
     cells = {(row.split(" | ")[0].lstrip("| "), row.split(" | ")[1]): row.split(" | ")[column] for row in rows}
     drafting = {(r["method"], r["k"]) for r in records if r["spec"]["num_draft_tokens"]}
@@ -179,26 +216,45 @@ def test_plots_are_png_files_that_open(full_run: Path) -> None:
 
 def test_a_second_identical_run_makes_no_new_runs(full_run: Path, folders: dict[str, Path]) -> None:
     before = (full_run / "results.jsonl").read_text()
-    code = main(bench_args(folders, full_run, "--methods", ",".join(METHODS), "--speculative-model",
-                           str(folders["draft"]), "--sweep-k", "1,2"))   # peers left out: their lines stay
+    code = main(
+        bench_args(
+            folders,
+            full_run,
+            "--methods",
+            ",".join(METHODS),
+            "--speculative-model",
+            str(folders["draft"]),
+            "--sweep-k",
+            "1,2",
+        )
+    )  # peers left out: their lines stay
     assert code == 0
     assert (full_run / "results.jsonl").read_text() == before
-    assert "(transformers)" not in (full_run / "report.md").read_text()   # the report covers this command
+    assert "(transformers)" not in (full_run / "report.md").read_text()  # the report covers this command
 
 
 # --- resuming ---------------------------------------------------------------------------------
 
 
 def small_config(folders: dict[str, Path], out: Path, **changes) -> BenchConfig:
-    fields = dict(model=str(folders["target"]), out=out, methods=["plain", "draft"],
-                  speculative_model=str(folders["draft"]), dataset=str(folders["dataset"]),
-                  sampling=SamplingParams(max_tokens=MAX_TOKENS), ks=[2], dtype="float32", warmup=False,
-                  progress=False)
+    fields = dict(
+        model=str(folders["target"]),
+        out=out,
+        methods=["plain", "draft"],
+        speculative_model=str(folders["draft"]),
+        dataset=str(folders["dataset"]),
+        sampling=SamplingParams(max_tokens=MAX_TOKENS),
+        ks=[2],
+        dtype="float32",
+        warmup=False,
+        progress=False,
+    )
     return BenchConfig(**{**fields, **changes})
 
 
-def test_an_interrupted_run_resumes_where_it_stopped(folders: dict[str, Path], tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_interrupted_run_resumes_where_it_stopped(
+    folders: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     measured = runner._measure
     calls = []
 
@@ -214,7 +270,7 @@ def test_an_interrupted_run_resumes_where_it_stopped(folders: dict[str, Path], t
     assert len(read_records(tmp_path)) == 3
     assert "interrupted after 3 of 6 runs" in (tmp_path / "report.md").read_text()
     with (tmp_path / "results.jsonl").open("a") as f:
-        f.write('{"prompt_id": "3", "meth')          # a write torn by the interruption
+        f.write('{"prompt_id": "3", "meth')  # a write torn by the interruption
     monkeypatch.setattr(runner, "_measure", measured)
     first_three = (tmp_path / "results.jsonl").read_text().splitlines()[:3]
     result = run_bench(small_config(folders, tmp_path))
@@ -224,8 +280,9 @@ def test_an_interrupted_run_resumes_where_it_stopped(folders: dict[str, Path], t
     assert all(r["identical_to_plain"] for r in read_records(tmp_path))
 
 
-def test_a_quantized_draft_is_loaded_quantized_once_and_recorded(folders: dict[str, Path], tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_quantized_draft_is_loaded_quantized_once_and_recorded(
+    folders: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from forerun.models import formats
 
     loads, quantized = [], []
@@ -234,8 +291,8 @@ def test_a_quantized_draft_is_loaded_quantized_once_and_recorded(folders: dict[s
     monkeypatch.setattr(formats, "quantize_", lambda *a: quantized.append(a[1]) or quantize(*a))
     options = {"draft": {"quantize": "int8", "min_confidence": 0.0}}
     run_bench(small_config(folders, tmp_path, method_options=options, ks=[1, 2]))
-    assert loads == [None, "int8"]                 # the target as asked, the draft in int8
-    assert quantized == ["int8"]                   # once, while loading: not again per drafter
+    assert loads == [None, "int8"]  # the target as asked, the draft in int8
+    assert quantized == ["int8"]  # once, while loading: not again per drafter
     drafts = [r for r in read_records(tmp_path) if r["method"] == "draft"]
     assert drafts and all(r["options"]["quantize"] == "int8" for r in drafts)
     assert all(r["identical_to_plain"] for r in drafts)
@@ -264,8 +321,7 @@ def test_unknown_category_lists_the_valid_ones(capsys, folders: dict[str, Path],
     assert "unknown category 'poetry'" in err and "code, chat" in err
 
 
-def test_dataset_line_without_prompt_or_turns_names_the_line(capsys, folders: dict[str, Path],
-                                                             tmp_path: Path) -> None:
+def test_dataset_line_without_prompt_or_turns_names_the_line(capsys, folders: dict[str, Path], tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "fine"}\n\n{"category": "chat", "text": "no prompt here"}\n')
     assert main(bench_args(folders, tmp_path / "out", "--dataset", str(bad))) == 2
@@ -279,12 +335,22 @@ def test_draft_method_without_a_draft_model_says_so(capsys, folders: dict[str, P
 
 
 def test_transformers_peer_on_a_model_it_cannot_load_is_noted_and_the_rest_runs(
-        capsys, folders: dict[str, Path], tmp_path: Path) -> None:
+    capsys, folders: dict[str, Path], tmp_path: Path
+) -> None:
     # forerun reads any *.safetensors in the folder; transformers looks for model.safetensors only.
     odd = save_hf_folder(tiny_model(seed=0), tmp_path / "odd")
     (odd / "model.safetensors").rename(odd / "weights.safetensors")
-    args = bench_args(folders, tmp_path / "out", "--methods", "plain,draft", "--speculative-model",
-                      str(folders["draft"]), "--peers", "transformers", "--no-warmup")
+    args = bench_args(
+        folders,
+        tmp_path / "out",
+        "--methods",
+        "plain,draft",
+        "--speculative-model",
+        str(folders["draft"]),
+        "--peers",
+        "transformers",
+        "--no-warmup",
+    )
     args[args.index("--model") + 1] = str(odd)
     assert main(args) == 0
     err = capsys.readouterr().err
@@ -295,8 +361,17 @@ def test_transformers_peer_on_a_model_it_cannot_load_is_noted_and_the_rest_runs(
 
 
 def test_peers_can_name_single_transformers_contenders(folders: dict[str, Path], tmp_path: Path) -> None:
-    args = bench_args(folders, tmp_path / "out", "--methods", "plain,ngram", "--num-speculative-tokens", "2",
-                      "--peers", "hf-prompt-lookup", "--no-warmup")
+    args = bench_args(
+        folders,
+        tmp_path / "out",
+        "--methods",
+        "plain,ngram",
+        "--num-speculative-tokens",
+        "2",
+        "--peers",
+        "hf-prompt-lookup",
+        "--no-warmup",
+    )
     assert main(args) == 0
     methods = {(r["engine"], r["method"], r["k"]) for r in read_records(tmp_path / "out")}
     assert methods == {("forerun", "plain", 0), ("forerun", "ngram", 2), ("transformers", "hf-prompt-lookup", 2)}
@@ -320,22 +395,43 @@ def test_spec_bench_is_bundled_with_its_licence_and_filters_by_task_kind() -> No
     assert len(mt) == 80 and {p.task for p in mt} == {MT_BENCH} and len({p.category for p in mt}) == 8
     two_each = load_prompts("spec-bench", ["translation", "writing"], limit_per_category=2)
     assert [p.category for p in two_each] == ["writing", "writing", "translation", "translation"]
-    assert two_each[0].prompt_id == "81"                  # Spec-Bench's own question_id
+    assert two_each[0].prompt_id == "81"  # Spec-Bench's own question_id
 
 
 def test_summary_takes_median_speedup_and_pools_acceptance() -> None:
     def rec(prompt: str, method: str, k: int, speedup: float, spec: dict | None) -> dict:
-        return {"prompt_id": prompt, "task": "t", "method": method, "engine": "forerun", "k": k,
-                "num_generated_tokens": 10, "elapsed_s": 1.0, "first_token_s": 0.1,
-                "speedup_vs_plain": speedup, "identical_to_plain": True, "spec": spec}
+        return {
+            "prompt_id": prompt,
+            "task": "t",
+            "method": method,
+            "engine": "forerun",
+            "k": k,
+            "num_generated_tokens": 10,
+            "elapsed_s": 1.0,
+            "first_token_s": 0.1,
+            "speedup_vs_plain": speedup,
+            "identical_to_plain": True,
+            "spec": spec,
+        }
 
     def spec(drafted: int, accepted: int, forwards: int, per_position: list[int]) -> dict:
-        return {"num_draft_tokens": drafted, "num_accepted_tokens": accepted, "num_target_forwards": forwards,
-                "num_emitted_tokens": 10, "num_drafts": drafted // 2, "accepted_per_position": per_position}
+        return {
+            "num_draft_tokens": drafted,
+            "num_accepted_tokens": accepted,
+            "num_target_forwards": forwards,
+            "num_emitted_tokens": 10,
+            "num_drafts": drafted // 2,
+            "accepted_per_position": per_position,
+        }
 
-    records = [rec("1", "plain", 0, 1.0, None), rec("2", "plain", 0, 1.0, None), rec("3", "plain", 0, 1.0, None),
-               rec("1", "ngram", 2, 1.0, spec(8, 6, 5, [4, 2])), rec("2", "ngram", 2, 3.0, spec(4, 0, 10, [0, 0])),
-               rec("3", "ngram", 2, 1.5, spec(4, 2, 8, [2, 0]))]
+    records = [
+        rec("1", "plain", 0, 1.0, None),
+        rec("2", "plain", 0, 1.0, None),
+        rec("3", "plain", 0, 1.0, None),
+        rec("1", "ngram", 2, 1.0, spec(8, 6, 5, [4, 2])),
+        rec("2", "ngram", 2, 3.0, spec(4, 0, 10, [0, 0])),
+        rec("3", "ngram", 2, 1.5, spec(4, 2, 8, [2, 0])),
+    ]
     rows = {r.label: r for r in by_task(records, ["t"])[OVERALL]}
     ngram = rows["ngram K=2"]
     assert ngram.speedup == 1.5

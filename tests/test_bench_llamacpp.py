@@ -1,6 +1,7 @@
 """The llama.cpp peer without llama.cpp: missing or failing builds become notes, the command lines it
 would run, the answers it parses, and a whole bench against a stand-in llama-server; plus the
 decode-rate figures every contender gets."""
+
 from __future__ import annotations
 
 import json
@@ -12,24 +13,32 @@ from pathlib import Path
 
 import pytest
 
+from forerun.base.config import SamplingParams
 from forerun.bench import llamacpp
 from forerun.bench.contenders import decode_rate
-from forerun.bench.llamacpp import (LLAMA_DRAFT, LLAMA_NGRAM, LLAMA_PLAIN, LlamaCppUnavailable, LlamaServer,
-                                    ServerSpec, parse_completion, request_body)
+from forerun.bench.llamacpp import (
+    LLAMA_DRAFT,
+    LLAMA_NGRAM,
+    LLAMA_PLAIN,
+    LlamaCppUnavailable,
+    LlamaServer,
+    ServerSpec,
+    parse_completion,
+    request_body,
+)
 from forerun.bench.report import ReportContext, render
 from forerun.bench.summary import OVERALL, by_task
 from forerun.cli import main
-from forerun.config import SamplingParams
 from forerun.models.load import ModelSource
+from forerun.models.testing import save_hf_folder, tiny_model
 from forerun.models.tokenizer import Tokenizer
-from forerun.testing import save_hf_folder, tiny_model
 
 PROMPTS = [{"prompt": "abc abc abc abc", "category": "code"}, {"prompt": "hello hello hello", "category": "chat"}]
 MAX_TOKENS = 6
 
 # A stand-in for llama-server: notes its command line, answers /health, and answers /completion
 # with the prompt's last tokens, slowly enough that a decode rate can be measured.
-FAKE_SERVER = r'''
+FAKE_SERVER = r"""
 import json, os, sys, time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -66,16 +75,36 @@ class Handler(BaseHTTPRequestHandler):
 
 
 HTTPServer(("127.0.0.1", int(argv[argv.index("--port") + 1])), Handler).serve_forever()
-'''
+"""
 
 # What llama-server 0.3.36 answers on /completion (return_tokens true), trimmed of settings.
 CANNED_ANSWER = {
-    "index": 0, "content": "def f", "tokens": [], "id_slot": 0, "stop": True, "model": "target.gguf",
-    "tokens_predicted": 3, "tokens_evaluated": 5, "has_new_line": False, "truncated": False,
-    "stop_type": "eos", "stopping_word": "", "tokens_cached": 7,
-    "timings": {"cache_n": 0, "prompt_n": 5, "prompt_ms": 40.0, "prompt_per_token_ms": 8.0,
-                "prompt_per_second": 125.0, "predicted_n": 3, "predicted_ms": 100.0,
-                "predicted_per_token_ms": 50.0, "predicted_per_second": 20.0, "draft_n": 4, "draft_n_accepted": 3},
+    "index": 0,
+    "content": "def f",
+    "tokens": [],
+    "id_slot": 0,
+    "stop": True,
+    "model": "target.gguf",
+    "tokens_predicted": 3,
+    "tokens_evaluated": 5,
+    "has_new_line": False,
+    "truncated": False,
+    "stop_type": "eos",
+    "stopping_word": "",
+    "tokens_cached": 7,
+    "timings": {
+        "cache_n": 0,
+        "prompt_n": 5,
+        "prompt_ms": 40.0,
+        "prompt_per_token_ms": 8.0,
+        "prompt_per_second": 125.0,
+        "predicted_n": 3,
+        "predicted_ms": 100.0,
+        "predicted_per_token_ms": 50.0,
+        "predicted_per_second": 20.0,
+        "draft_n": 4,
+        "draft_n_accepted": 3,
+    },
 }
 
 
@@ -84,8 +113,11 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bench_llama")
     dataset = root / "prompts.jsonl"
     dataset.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    return {"target": save_hf_folder(tiny_model(seed=0), root / "target"),
-            "draft": save_hf_folder(tiny_model(seed=0, num_layers=1), root / "draft"), "dataset": dataset}
+    return {
+        "target": save_hf_folder(tiny_model(seed=0), root / "target"),
+        "draft": save_hf_folder(tiny_model(seed=0, num_layers=1), root / "draft"),
+        "dataset": dataset,
+    }
 
 
 @pytest.fixture
@@ -101,8 +133,22 @@ def pretend_gguf(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def bench_args(folders: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    return ["bench", "--model", str(folders["target"]), "--dtype", "float32", "--dataset", str(folders["dataset"]),
-            "--max-tokens", str(MAX_TOKENS), "--out", str(out), "--no-progress", "--no-warmup", *extra]
+    return [
+        "bench",
+        "--model",
+        str(folders["target"]),
+        "--dtype",
+        "float32",
+        "--dataset",
+        str(folders["dataset"]),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--out",
+        str(out),
+        "--no-progress",
+        "--no-warmup",
+        *extra,
+    ]
 
 
 def read_records(out: Path) -> list[dict]:
@@ -112,9 +158,9 @@ def read_records(out: Path) -> list[dict]:
 # --- unavailable: a note, never a crash -------------------------------------------------------
 
 
-def test_a_failed_llama_build_is_noted_and_the_forerun_runs_go_on(capsys, folders: dict[str, Path], home: Path,
-                                                                  tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_llama_build_is_noted_and_the_forerun_runs_go_on(
+    capsys, folders: dict[str, Path], home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pretend_gguf(monkeypatch)
 
     def no_build(*_args, **_kwargs):
@@ -128,8 +174,9 @@ def test_a_failed_llama_build_is_noted_and_the_forerun_runs_go_on(capsys, folder
     assert "llama.cpp peer left out: could not download" in (tmp_path / "out" / "report.md").read_text()
 
 
-def test_a_model_folder_is_noted_as_not_runnable_by_llama_cpp(capsys, folders: dict[str, Path], home: Path,
-                                                              tmp_path: Path) -> None:
+def test_a_model_folder_is_noted_as_not_runnable_by_llama_cpp(
+    capsys, folders: dict[str, Path], home: Path, tmp_path: Path
+) -> None:
     assert main(bench_args(folders, tmp_path / "out", "--methods", "plain", "--peers", "llama-plain")) == 0
     assert "llama.cpp peer left out: it runs .gguf files only" in capsys.readouterr().err
     assert {r["method"] for r in read_records(tmp_path / "out")} == {"plain"}
@@ -144,23 +191,26 @@ def test_a_binary_without_the_stamp_of_a_finished_build_is_not_found(home: Path)
     assert llamacpp.find_server() == server
 
 
-def test_a_failed_download_says_what_failed_and_leaves_no_stamp(home: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_download_says_what_failed_and_leaves_no_stamp(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def pip_fails(command, **_kwargs):
         assert command[1:4] == ["-m", "pip", "download"] and f"llama-cpp-python=={llamacpp.VERSION}" in command
         return llamacpp.subprocess.CompletedProcess(command, 1, "", "ERROR: Could not find a version\n")
 
     monkeypatch.setattr(llamacpp.subprocess, "run", pip_fails)
-    with pytest.raises(LlamaCppUnavailable, match="could not download llama-cpp-python 0.3.36 with pip "
-                                                  r"\(ERROR: Could not find a version\)"):
+    with pytest.raises(
+        LlamaCppUnavailable,
+        match="could not download llama-cpp-python 0.3.36 with pip "
+        r"\(ERROR: Could not find a version\)",
+    ):
         llamacpp.build(say=lambda _: None)
     assert not llamacpp.stamp_path().exists() and llamacpp.find_server() is None
     assert llamacpp.main() == 1
 
 
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake")
-def test_a_failed_compile_names_the_step_and_the_log(home: Path, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_compile_names_the_step_and_the_log(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A stand-in sdist whose llama.cpp tree CMake refuses.
     tree = tmp_path / f"llama_cpp_python-{llamacpp.VERSION}" / "vendor" / "llama.cpp"
     tree.mkdir(parents=True)
@@ -188,14 +238,27 @@ def test_a_failed_compile_names_the_step_and_the_log(home: Path, tmp_path: Path,
 def test_server_flags_for_plain_draft_and_ngram() -> None:
     model, draft = Path("/m/target.gguf"), Path("/m/draft.gguf")
     plain = ServerSpec(LLAMA_PLAIN, 0, model, threads=3, context=300).flags()
-    assert plain == ["-m", "/m/target.gguf", "-t", "3", "-td", "3", "-c", "300", "-np", "1", "-cram", "0",
-                     "--no-webui"]
+    assert plain == ["-m", "/m/target.gguf", "-t", "3", "-td", "3", "-c", "300", "-np", "1", "-cram", "0", "--no-webui"]
     drafted = ServerSpec(LLAMA_DRAFT, 4, model, threads=3, context=300, draft=draft).flags()
-    assert drafted[len(plain):] == ["--spec-type", "draft-simple", "-md", "/m/draft.gguf", "--spec-draft-n-max", "4",
-                                    "--spec-draft-p-min", "0.75"]
+    assert drafted[len(plain) :] == [
+        "--spec-type",
+        "draft-simple",
+        "-md",
+        "/m/draft.gguf",
+        "--spec-draft-n-max",
+        "4",
+        "--spec-draft-p-min",
+        "0.75",
+    ]
     ngram = ServerSpec(LLAMA_NGRAM, 2, model, threads=3, context=300, ngram=3).flags()
-    assert ngram[len(plain):] == ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
-                                  "--spec-ngram-simple-size-m", "2"]
+    assert ngram[len(plain) :] == [
+        "--spec-type",
+        "ngram-simple",
+        "--spec-ngram-simple-size-n",
+        "3",
+        "--spec-ngram-simple-size-m",
+        "2",
+    ]
 
 
 def test_server_listens_on_loopback_at_its_port_and_records_flags_without_paths() -> None:
@@ -204,9 +267,11 @@ def test_server_listens_on_loopback_at_its_port_and_records_flags_without_paths(
     server.port = 4321
     command = server.command()
     assert command[0] == "/bin/llama-server" and command[-4:] == ["--host", "127.0.0.1", "--port", "4321"]
-    assert spec.options() == {"version": llamacpp.VERSION, "threads": 2,
-                              "flags": "--spec-type draft-simple -md draft.gguf --spec-draft-n-max 2 "
-                                       "--spec-draft-p-min 0.75"}
+    assert spec.options() == {
+        "version": llamacpp.VERSION,
+        "threads": 2,
+        "flags": "--spec-type draft-simple -md draft.gguf --spec-draft-n-max 2 --spec-draft-p-min 0.75",
+    }
 
 
 def test_specs_cover_each_k_and_leave_draft_out_without_a_draft_model() -> None:
@@ -225,18 +290,17 @@ exit 0
 
 
 @pytest.mark.parametrize("crash", [True, False])
-def test_repacked_weights_that_crash_a_batch_turn_repacking_off_once_per_cpu(home: Path, tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch,
-                                                                             crash: bool) -> None:
+def test_repacked_weights_that_crash_a_batch_turn_repacking_off_once_per_cpu(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crash: bool
+) -> None:
     (tmp_path / "llama-bench").write_text(FAKE_BENCH)
     (tmp_path / "llama-bench").chmod(0o755)
     monkeypatch.setenv("FAKE_BENCH_CRASH", "1" if crash else "0")
     binary = tmp_path / "llama-server"
     assert llamacpp.repack_works(binary, Path("/m/target.gguf"), 2) is not crash
-    assert llamacpp.repack_works(binary, Path("/m/target.gguf"), 2) is not crash    # remembered, not probed again
+    assert llamacpp.repack_works(binary, Path("/m/target.gguf"), 2) is not crash  # remembered, not probed again
     assert (tmp_path / "probes").read_text().count("run") == 1
-    spec = llamacpp.server_specs(Path("/m/target.gguf"), None, [2], 2, 100, llamacpp.LLAMA_METHODS,
-                                 repack=not crash)[0]
+    spec = llamacpp.server_specs(Path("/m/target.gguf"), None, [2], 2, 100, llamacpp.LLAMA_METHODS, repack=not crash)[0]
     assert ("--no-repack" in spec.flags()) is crash
     assert ("--no-repack" in spec.options().get("flags", "")) is crash
 
@@ -306,21 +370,37 @@ def fake_server(tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch) -> 
     return started
 
 
-def test_llama_contenders_run_beside_forerun_and_their_servers_stop(fake_server: Path, folders: dict[str, Path],
-                                                                    tmp_path: Path) -> None:
+def test_llama_contenders_run_beside_forerun_and_their_servers_stop(
+    fake_server: Path, folders: dict[str, Path], tmp_path: Path
+) -> None:
     out = tmp_path / "out"
-    code = main(bench_args(folders, out, "--methods", "plain", "--speculative-model", str(folders["draft"]),
-                           "--sweep-k", "2,3", "--peers", "llama.cpp"))
+    code = main(
+        bench_args(
+            folders,
+            out,
+            "--methods",
+            "plain",
+            "--speculative-model",
+            str(folders["draft"]),
+            "--sweep-k",
+            "2,3",
+            "--peers",
+            "llama.cpp",
+        )
+    )
     assert code == 0
     records = read_records(out)
     llama = {(r["method"], r["k"]) for r in records if r["engine"] == "llama.cpp"}
     assert llama == {(LLAMA_PLAIN, 0)} | {(m, k) for m in (LLAMA_DRAFT, LLAMA_NGRAM) for k in (2, 3)}
     for r in records:
         if r["engine"] == "llama.cpp":
-            assert r["output_token_ids"] == r["output_token_ids"][:MAX_TOKENS] and r["num_generated_tokens"] == MAX_TOKENS
+            assert (
+                r["output_token_ids"] == r["output_token_ids"][:MAX_TOKENS] and r["num_generated_tokens"] == MAX_TOKENS
+            )
             assert r["engine_timings"]["predicted_per_second"] == 250.0
-            assert r["decode_tokens_per_s"] == pytest.approx(decode_rate(MAX_TOKENS, r["elapsed_s"], r["first_token_s"]),
-                                                             rel=1e-3)
+            assert r["decode_tokens_per_s"] == pytest.approx(
+                decode_rate(MAX_TOKENS, r["elapsed_s"], r["first_token_s"]), rel=1e-3
+            )
     # One server per configuration, each started with torch's thread count, all stopped at the end.
     started = [(int(p.stem), json.loads(p.read_text())) for p in fake_server.glob("*.json")]
     assert len(started) == len(llama)
@@ -337,10 +417,26 @@ def test_llama_contenders_run_beside_forerun_and_their_servers_stop(fake_server:
 
 def test_single_llama_contenders_can_be_named(fake_server: Path, folders: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "out"
-    assert main(bench_args(folders, out, "--methods", "plain", "--num-speculative-tokens", "2",
-                           "--peers", "llama-plain,llama-ngram")) == 0
+    assert (
+        main(
+            bench_args(
+                folders,
+                out,
+                "--methods",
+                "plain",
+                "--num-speculative-tokens",
+                "2",
+                "--peers",
+                "llama-plain,llama-ngram",
+            )
+        )
+        == 0
+    )
     assert {(r["engine"], r["method"], r["k"]) for r in read_records(out)} == {
-        ("forerun", "plain", 0), ("llama.cpp", LLAMA_PLAIN, 0), ("llama.cpp", LLAMA_NGRAM, 2)}
+        ("forerun", "plain", 0),
+        ("llama.cpp", LLAMA_PLAIN, 0),
+        ("llama.cpp", LLAMA_NGRAM, 2),
+    }
 
 
 def _alive(pid: int) -> bool:
@@ -354,37 +450,48 @@ def _alive(pid: int) -> bool:
 # --- decode rates in the summary and the report -----------------------------------------------
 
 
-def rec(prompt: str, task: str, method: str, engine: str, k: int, tokens: int, elapsed: float,
-        first: float) -> dict:
-    return {"prompt_id": prompt, "task": task, "method": method, "engine": engine, "k": k,
-            "num_generated_tokens": tokens, "elapsed_s": elapsed, "first_token_s": first,
-            "decode_tokens_per_s": decode_rate(tokens, elapsed, first), "speedup_vs_plain": None,
-            "identical_to_plain": None, "spec": None}
+def rec(prompt: str, task: str, method: str, engine: str, k: int, tokens: int, elapsed: float, first: float) -> dict:
+    return {
+        "prompt_id": prompt,
+        "task": task,
+        "method": method,
+        "engine": engine,
+        "k": k,
+        "num_generated_tokens": tokens,
+        "elapsed_s": elapsed,
+        "first_token_s": first,
+        "decode_tokens_per_s": decode_rate(tokens, elapsed, first),
+        "speedup_vs_plain": None,
+        "identical_to_plain": None,
+        "spec": None,
+    }
 
 
 def hand_made_records() -> list[dict]:
     # Decode rates (tokens 11, so 10 after the first): llama-plain 10/s on every prompt;
     # forerun plain 5, 10, 20 /s; forerun draft 20, 40, 40 /s.
-    return [rec("1", "code", LLAMA_PLAIN, "llama.cpp", 0, 11, 1.5, 0.5),
-            rec("2", "code", LLAMA_PLAIN, "llama.cpp", 0, 11, 1.5, 0.5),
-            rec("3", "chat", LLAMA_PLAIN, "llama.cpp", 0, 11, 1.5, 0.5),
-            rec("1", "code", "plain", "forerun", 0, 11, 2.5, 0.5),
-            rec("2", "code", "plain", "forerun", 0, 11, 1.5, 0.5),
-            rec("3", "chat", "plain", "forerun", 0, 11, 1.0, 0.5),
-            rec("1", "code", "draft", "forerun", 3, 11, 1.0, 0.5),
-            rec("2", "code", "draft", "forerun", 3, 11, 0.75, 0.5),
-            rec("3", "chat", "draft", "forerun", 3, 11, 0.75, 0.5)]
+    return [
+        rec("1", "code", LLAMA_PLAIN, "llama.cpp", 0, 11, 1.5, 0.5),
+        rec("2", "code", LLAMA_PLAIN, "llama.cpp", 0, 11, 1.5, 0.5),
+        rec("3", "chat", LLAMA_PLAIN, "llama.cpp", 0, 11, 1.5, 0.5),
+        rec("1", "code", "plain", "forerun", 0, 11, 2.5, 0.5),
+        rec("2", "code", "plain", "forerun", 0, 11, 1.5, 0.5),
+        rec("3", "chat", "plain", "forerun", 0, 11, 1.0, 0.5),
+        rec("1", "code", "draft", "forerun", 3, 11, 1.0, 0.5),
+        rec("2", "code", "draft", "forerun", 3, 11, 0.75, 0.5),
+        rec("3", "chat", "draft", "forerun", 3, 11, 0.75, 0.5),
+    ]
 
 
 def test_decode_rate_is_pooled_and_compared_per_prompt_with_llama_plain() -> None:
     table = by_task(hand_made_records(), ["code", "chat"])
     code = {r.label: r for r in table["code"]}
-    assert code["plain"].decode_tokens_per_s == pytest.approx(20 / 3.0)       # 20 tokens over 3 s
-    assert code["plain"].vs_llama_plain == pytest.approx(0.75)              # median of 0.5 and 1.0
-    assert code["draft K=3"].vs_llama_plain == pytest.approx(3.0)           # median of 2 and 4
+    assert code["plain"].decode_tokens_per_s == pytest.approx(20 / 3.0)  # 20 tokens over 3 s
+    assert code["plain"].vs_llama_plain == pytest.approx(0.75)  # median of 0.5 and 1.0
+    assert code["draft K=3"].vs_llama_plain == pytest.approx(3.0)  # median of 2 and 4
     assert code[LLAMA_PLAIN].vs_llama_plain == pytest.approx(1.0)
     overall = {r.label: r for r in table[OVERALL]}
-    assert overall["plain"].vs_llama_plain == pytest.approx(1.0)            # median of 0.5, 1, 2
+    assert overall["plain"].vs_llama_plain == pytest.approx(1.0)  # median of 0.5, 1, 2
     assert overall["draft K=3"].vs_llama_plain == pytest.approx(4.0)
 
 
@@ -397,7 +504,7 @@ def test_report_shows_decode_rates_and_the_llama_plain_table() -> None:
     assert "| draft K=3 | 3.00× | 4.00× | 4.00× |" in table
     overall = report.split("## Overall\n", 1)[1].split("\n#", 1)[0]
     assert "| decode tok/s |" in overall
-    assert "| draft | 3 | – | 13.2 | 30.0 |" in overall           # 33 tokens in 2.5 s; 30 after the first in 1 s
+    assert "| draft | 3 | – | 13.2 | 30.0 |" in overall  # 33 tokens in 2.5 s; 30 after the first in 1 s
 
 
 def test_no_llama_plain_no_llama_table() -> None:

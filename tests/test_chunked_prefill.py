@@ -1,5 +1,6 @@
 """Chunked prefill: a long prompt goes through PREFILL_CHUNK tokens a forward with the running
 requests' steps between its chunks, and every request's output is the one it gets alone."""
+
 from __future__ import annotations
 
 import math
@@ -9,20 +10,20 @@ import pytest
 import torch
 
 from forerun.api import LLM
-from forerun.batch import BatchEngine
-from forerun.config import SamplingParams
-from forerun.engine import PREFILL_CHUNK, Engine
+from forerun.base.config import SamplingParams
+from forerun.engine.batch import BatchEngine
+from forerun.engine.engine import PREFILL_CHUNK, Engine
+from forerun.models.testing import tiny_model
 from forerun.models.w8a8 import quantize_decoder_
-from forerun.scheduler import Delta, Done, Request, Scheduler
-from forerun.testing import tiny_model
+from forerun.serve.scheduler import Done, Request, Scheduler
 
-LONG = [(7 * i) % 90 + 4 for i in range(PREFILL_CHUNK * 5 + 9)]      # 5 whole chunks and a part
+LONG = [(7 * i) % 90 + 4 for i in range(PREFILL_CHUNK * 5 + 9)]  # 5 whole chunks and a part
 
 
 @pytest.fixture(scope="module")
 def quantized():
     model = tiny_model(seed=4, max_position=1024)
-    quantize_decoder_(model.decoder)                                  # rows bit-exact alone or batched
+    quantize_decoder_(model.decoder)  # rows bit-exact alone or batched
     return model
 
 
@@ -37,7 +38,7 @@ def test_a_prompt_yields_between_its_chunks_and_ends_as_begin_does(quantized) ->
         except StopIteration as stop:
             run, first = stop.value
             break
-    assert yields == len(LONG) // PREFILL_CHUNK                       # one between each two chunks
+    assert yields == len(LONG) // PREFILL_CHUNK  # one between each two chunks
     assert run.cache.length == len(LONG)
     _, alone = Engine(quantized).begin(LONG, SamplingParams(max_tokens=4))
     assert first.token_ids == alone.token_ids
@@ -52,7 +53,9 @@ def test_the_chunks_give_the_prompt_s_cache_of_a_whole_prefill_within_rounding(q
         whole = decoder(torch.tensor(LONG), torch.arange(len(LONG)), whole_cache, last_only=True).logits[0]
     run, _ = Engine(model).begin(LONG, SamplingParams(max_tokens=2))
     torch.testing.assert_close(run.prefill_logits, whole, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(run.cache.k[..., :len(LONG), :], whole_cache.k[..., :len(LONG), :], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        run.cache.k[..., : len(LONG), :], whole_cache.k[..., : len(LONG), :], rtol=1e-4, atol=1e-4
+    )
 
 
 def test_steps_run_between_a_long_prompt_s_chunks_and_outputs_equal_their_runs_alone(quantized) -> None:
@@ -66,13 +69,13 @@ def test_steps_run_between_a_long_prompt_s_chunks_and_outputs_equal_their_runs_a
     batch.start("l", long_, params)
     steps_during = 0
     while "l" not in got:
-        results = batch.prefill(1e-9)                                # one chunk a call
+        results = batch.prefill(1e-9)  # one chunk a call
         if "l" in results:
             got["l"] = list(results["l"].output.token_ids)
         for key, result in batch.step().items():
             got[key] += result.output.token_ids
             steps_during += key == "s"
-    assert steps_during >= len(long_) // PREFILL_CHUNK               # the short one kept stepping
+    assert steps_during >= len(long_) // PREFILL_CHUNK  # the short one kept stepping
     while any(not lane.run.seq.finished for lane in batch.lanes.values()):
         for key, result in batch.step().items():
             got[key] += result.output.token_ids
@@ -108,7 +111,7 @@ def test_the_server_loop_keeps_decoding_while_a_long_prompt_prefills(quantized, 
     prefill) it gets a step at most."""
     llm = LLM(quantized)
     scheduler = Scheduler(BatchEngine(llm.new_engine, 4, engines=[llm.engine]), prefill_share=share)
-    events: list[tuple[str, object]] = []            # appended from the loop thread and this one
+    events: list[tuple[str, object]] = []  # appended from the loop thread and this one
     stepping, done = threading.Event(), threading.Event()
 
     def recorder(name: str):
@@ -117,6 +120,7 @@ def test_the_server_loop_keeps_decoding_while_a_long_prompt_prefills(quantized, 
             stepping.set()
             if isinstance(event, Done) and name == "long":
                 done.set()
+
         return on_event
 
     scheduler.start()
@@ -129,7 +133,7 @@ def test_the_server_loop_keeps_decoding_while_a_long_prompt_prefills(quantized, 
     finally:
         scheduler.stop()
     names = [name for name, _ in events]
-    between = names[names.index("submitted"):names.index("long")]
+    between = names[names.index("submitted") : names.index("long")]
     if share == 1.0:
         assert between.count("short") >= len(LONG) // PREFILL_CHUNK, between
     else:

@@ -1,4 +1,5 @@
 """The `forerun` command, run in-process on tiny Hugging Face folders: output records and bad input."""
+
 from __future__ import annotations
 
 import json
@@ -7,16 +8,36 @@ from pathlib import Path
 import pytest
 
 from forerun.api import LLM
+from forerun.base.config import SamplingParams
 from forerun.cli import main
-from forerun.config import SamplingParams
 from forerun.models.embedded import EMBEDDED
-from forerun.testing import save_hf_folder, tiny_model
+from forerun.models.testing import save_hf_folder, tiny_model
 
-RECORD_FIELDS = {"prompt_index", "text", "token_ids", "num_prompt_tokens", "num_generated_tokens",
-                 "finish_reason", "elapsed_s", "tokens_per_s", "first_token_s", "decode_tokens_per_s"}
-SPEC_FIELDS = {"num_speculative_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-               "num_emitted_tokens", "accepted_per_position", "acceptance_rate", "mean_accepted_length",
-               "efficiency", "predicted_mean_accepted_length", "draft_seconds"}
+RECORD_FIELDS = {
+    "prompt_index",
+    "text",
+    "token_ids",
+    "num_prompt_tokens",
+    "num_generated_tokens",
+    "finish_reason",
+    "elapsed_s",
+    "tokens_per_s",
+    "first_token_s",
+    "decode_tokens_per_s",
+}
+SPEC_FIELDS = {
+    "num_speculative_tokens",
+    "num_drafts",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "num_emitted_tokens",
+    "accepted_per_position",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "efficiency",
+    "predicted_mean_accepted_length",
+    "draft_seconds",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +87,7 @@ def test_generate_json_prints_one_record_per_prompt_matching_the_api(capsys, fol
     assert [r["prompt_index"] for r in rows] == [0, 1]
     llm = LLM(str(folder), dtype="float32")
     for row, prompt in zip(rows, ["hello there", "abc"]):
-        assert set(row) == RECORD_FIELDS                  # no spec object without speculation
+        assert set(row) == RECORD_FIELDS  # no spec object without speculation
         want = llm.generate(prompt, SamplingParams(max_tokens=6))[0]
         assert row["token_ids"] == want.token_ids and row["text"] == want.text
         assert row["num_prompt_tokens"] == len(llm.tokenizer.encode(prompt))
@@ -76,16 +97,27 @@ def test_generate_json_prints_one_record_per_prompt_matching_the_api(capsys, fol
         assert 0 <= row["first_token_s"] <= row["elapsed_s"]
         # The decode rate counts the tokens after the first over the time after the first.
         decode_s = row["elapsed_s"] - row["first_token_s"]
-        if row["num_generated_tokens"] > 1 and decode_s > 0.005:   # both times are rounded to 0.1 ms
+        if row["num_generated_tokens"] > 1 and decode_s > 0.005:  # both times are rounded to 0.1 ms
             assert row["decode_tokens_per_s"] == pytest.approx((row["num_generated_tokens"] - 1) / decode_s, rel=0.05)
 
 
 def test_generate_reads_prompts_file_with_prompt_and_turns_records(capsys, folder: Path, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "first", "id": 7}) + "\n\n"
-                       + json.dumps({"turns": ["second one", "a follow-up"]}) + "\n")
-    code, out, err = generate(capsys, folder, "--prompt", "zero", "--prompts-file", str(prompts),
-                              "--max-tokens", "4", "--ignore-eos", "--json")
+    prompts.write_text(
+        json.dumps({"prompt": "first", "id": 7}) + "\n\n" + json.dumps({"turns": ["second one", "a follow-up"]}) + "\n"
+    )
+    code, out, err = generate(
+        capsys,
+        folder,
+        "--prompt",
+        "zero",
+        "--prompts-file",
+        str(prompts),
+        "--max-tokens",
+        "4",
+        "--ignore-eos",
+        "--json",
+    )
     assert code == 0, err
     rows = records(out)
     assert [r["prompt_index"] for r in rows] == [0, 1, 2]
@@ -107,13 +139,23 @@ def test_speculative_json_has_spec_counters_and_the_plain_tokens(capsys, folder:
     assert code == 0, err
     # Fixed K: a draft that is the target itself costs a pass per token, so the adaptive policy
     # would (rightly) stop drafting; this test is about the counters. Chains: no second-choice leaves.
-    code, spec_out, err = generate(capsys, folder, *args, "--speculative-model", str(folder),
-                                   "--num-speculative-tokens", "3", "--speculative-k-policy", "fixed",
-                                   "--draft-second-choice", "2")
+    code, spec_out, err = generate(
+        capsys,
+        folder,
+        *args,
+        "--speculative-model",
+        str(folder),
+        "--num-speculative-tokens",
+        "3",
+        "--speculative-k-policy",
+        "fixed",
+        "--draft-second-choice",
+        "2",
+    )
     assert code == 0, err
     (plain,), (spec_row,) = records(plain_out), records(spec_out)
     assert set(spec_row) == RECORD_FIELDS | {"spec"}
-    assert spec_row["token_ids"] == plain["token_ids"]     # greedy speculation is exact
+    assert spec_row["token_ids"] == plain["token_ids"]  # greedy speculation is exact
     spec = spec_row["spec"]
     assert set(spec) == SPEC_FIELDS
     assert spec["num_speculative_tokens"] == 3 and len(spec["accepted_per_position"]) == 3
@@ -127,8 +169,19 @@ def test_speculative_json_has_spec_counters_and_the_plain_tokens(capsys, folder:
 
 
 def test_generate_without_json_streams_text_and_summarises_on_stderr(capsys, folder: Path) -> None:
-    code, out, err = generate(capsys, folder, "--prompt", "stream me", "--max-tokens", "5", "--ignore-eos",
-                              "--speculative-model", str(folder), "--num-speculative-tokens", "2")
+    code, out, err = generate(
+        capsys,
+        folder,
+        "--prompt",
+        "stream me",
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+        "--speculative-model",
+        str(folder),
+        "--num-speculative-tokens",
+        "2",
+    )
     assert code == 0, err
     want = LLM(str(folder), dtype="float32").generate("stream me", SamplingParams(max_tokens=5, ignore_eos=True))[0]
     assert out == want.text + "\n"
@@ -145,8 +198,14 @@ def test_models_list_json_prints_one_row_per_embedded_model(capsys, home: Path) 
     assert [r["name"] for r in rows] == list(EMBEDDED)
     for row in rows:
         model = EMBEDDED[row["name"]]
-        assert row == {"name": model.name, "role": model.role, "path": str(home / "models" / model.filename),
-                       "bytes": model.size, "sha256": model.sha256, "fetched": False}
+        assert row == {
+            "name": model.name,
+            "role": model.role,
+            "path": str(home / "models" / model.filename),
+            "bytes": model.size,
+            "sha256": model.sha256,
+            "fetched": False,
+        }
 
 
 def test_models_list_plain_names_every_model_and_its_state(capsys) -> None:
@@ -190,8 +249,7 @@ def test_prompts_file_with_invalid_json_or_missing_file_exits_2(capsys, folder: 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "ok"}\n{"prompt": \n')
     assert_user_error(*generate(capsys, folder, "--prompts-file", str(prompts))[::2], "line 2", "not valid JSON")
-    assert_user_error(*generate(capsys, folder, "--prompts-file", str(tmp_path / "none.jsonl"))[::2],
-                      "does not exist")
+    assert_user_error(*generate(capsys, folder, "--prompts-file", str(tmp_path / "none.jsonl"))[::2], "does not exist")
     prompts.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
     assert_user_error(*generate(capsys, folder, "--prompts-file", str(prompts))[::2], "not UTF-8")
 
@@ -209,13 +267,15 @@ def test_prompt_plus_max_tokens_beyond_context_exits_2_before_generating(capsys,
 
 
 def test_speculative_tokens_below_one_exits_2(capsys, folder: Path) -> None:
-    code, _, err = generate(capsys, folder, "--prompt", "x", "--speculative-model", str(folder),
-                            "--num-speculative-tokens", "0")
+    code, _, err = generate(
+        capsys, folder, "--prompt", "x", "--speculative-model", str(folder), "--num-speculative-tokens", "0"
+    )
     assert_user_error(code, err, "num_speculative_tokens", "0")
 
 
-def test_draft_with_a_different_tokenizer_names_the_first_differing_id(capsys, folder: Path,
-                                                                       other_tokenizer_folder: Path) -> None:
+def test_draft_with_a_different_tokenizer_names_the_first_differing_id(
+    capsys, folder: Path, other_tokenizer_folder: Path
+) -> None:
     from transformers import AutoTokenizer
 
     a_id = AutoTokenizer.from_pretrained(str(folder)).convert_tokens_to_ids("a")

@@ -1,5 +1,6 @@
 """The cost model: draft lengths chosen from synthetic cost curves, acceptance tracking, probes and
 shadow proposals, the engine under an adaptive policy (output unchanged), and cached pass costs."""
+
 from __future__ import annotations
 
 import json
@@ -7,19 +8,27 @@ import json
 import pytest
 import torch
 
-from forerun import cost_model, drafters
+from forerun import drafters
 from forerun.api import LLM
-from forerun.config import SamplingParams
-from forerun.cost_model import DraftLengthPolicy, PassCosts, best_k, expected_tokens, measure_pass_costs, pass_costs
-from forerun.engine import Engine
-from forerun.errors import ForerunError
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.engine.engine import Engine
 from forerun.models.load import LoadedModel, load_model
-from forerun.testing import save_hf_folder, tiny_model
-from forerun.tree import DraftTree
+from forerun.models.testing import save_hf_folder, tiny_model
+from forerun.policy import cost_model
+from forerun.policy.cost_model import (
+    DraftLengthPolicy,
+    PassCosts,
+    best_k,
+    expected_tokens,
+    measure_pass_costs,
+    pass_costs,
+)
+from forerun.verification.tree import DraftTree
 from tests.conftest import perturbed
 
-FLAT = PassCosts([0.100] * 4 + [0.110] * 4 + [0.200] * 8)     # w8a8-like: flat to four rows, then steps
-LINEAR = PassCosts([0.050 * r for r in range(1, 17)])          # every row costs a full pass (bf16 on AVX2)
+FLAT = PassCosts([0.100] * 4 + [0.110] * 4 + [0.200] * 8)  # w8a8-like: flat to four rows, then steps
+LINEAR = PassCosts([0.050 * r for r in range(1, 17)])  # every row costs a full pass (bf16 on AVX2)
 SLOPED = PassCosts([0.100 * (1 + 0.05 * r) for r in range(16)])  # each extra row adds 5 % of a pass
 
 
@@ -32,7 +41,7 @@ def test_expected_tokens_is_the_geometric_sum() -> None:
 def test_failing_drafts_choose_a_plain_step() -> None:
     assert best_k(0.0, FLAT, draft_cost=0.0, k_max=8) == 0
     for alpha in (0.05, 0.2, 0.4):
-        assert best_k(alpha, FLAT, draft_cost=0.05, k_max=8) == 0   # a draft token at half a pass
+        assert best_k(alpha, FLAT, draft_cost=0.05, k_max=8) == 0  # a draft token at half a pass
 
 
 def test_free_drafts_on_flat_rows_pay_even_at_low_acceptance() -> None:
@@ -41,8 +50,8 @@ def test_free_drafts_on_flat_rows_pay_even_at_low_acceptance() -> None:
 
 def test_high_acceptance_and_flat_rows_choose_a_long_draft() -> None:
     assert best_k(0.95, FLAT, draft_cost=0.0, k_max=3) == 3
-    assert best_k(0.95, FLAT, draft_cost=0.001, k_max=16) >= 7     # the step at eight rows is worth it at 0.95
-    assert best_k(0.4, FLAT, draft_cost=0.0, k_max=16) == 3         # three drafts ride on the flat part for free
+    assert best_k(0.95, FLAT, draft_cost=0.001, k_max=16) >= 7  # the step at eight rows is worth it at 0.95
+    assert best_k(0.4, FLAT, draft_cost=0.0, k_max=16) == 3  # three drafts ride on the flat part for free
 
 
 def test_rows_that_cost_a_pass_each_never_pay() -> None:
@@ -68,9 +77,9 @@ def test_pass_costs_extend_linearly_past_the_measured_rows() -> None:
 
 
 def test_wider_passes_measured_past_the_rows_are_interpolated_and_their_slope_extended() -> None:
-    costs = PassCosts([1.0, 2.0, 3.0], {5: 4.0, 9: 12.0})   # flatter to 5 rows, then steeper
+    costs = PassCosts([1.0, 2.0, 3.0], {5: 4.0, 9: 12.0})  # flatter to 5 rows, then steeper
     assert costs(4) == 3.5 and costs(5) == 4.0 and costs(7) == 8.0
-    assert costs(11) == 16.0                                 # past 9: the slope from 5 to 9 (2 a row)
+    assert costs(11) == 16.0  # past 9: the slope from 5 to 9 (2 a row)
 
 
 def test_a_slow_moment_in_the_measurement_comes_down_to_the_wider_passes() -> None:
@@ -89,7 +98,7 @@ def test_drafts_that_promise_too_little_are_not_worth_the_step() -> None:
 def test_the_policy_stops_drafting_when_drafts_fail_and_probes_ever_less_often() -> None:
     policy = DraftLengthPolicy(FLAT, k_max=5)
     policy.start()
-    policy.time_proposal(0.02, 5, 5)                       # a draft model: a fifth of a pass per token
+    policy.time_proposal(0.02, 5, 5)  # a draft model: a fifth of a pass per token
     kinds = []
     for _ in range(300):
         k, probe = policy.choose()
@@ -97,27 +106,27 @@ def test_the_policy_stops_drafting_when_drafts_fail_and_probes_ever_less_often()
             policy.plain()
             kinds.append("plain")
         else:
-            policy.drafted(k, 0, probe)                    # every draft rejected at once
+            policy.drafted(k, 0, probe)  # every draft rejected at once
             kinds.append("probe" if probe else "draft")
-    assert kinds[:2] == ["draft", "draft"]                 # starts optimistic (α prior 0.5)
+    assert kinds[:2] == ["draft", "draft"]  # starts optimistic (α prior 0.5)
     probes = [i for i, kind in enumerate(kinds) if kind == "probe"]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps == sorted(gaps) and gaps[-1] == 65          # waits double up to 64 plain steps
-    assert kinds[-150:].count("plain") >= 147               # on failing text: a probe in ~65 steps at most
+    assert gaps == sorted(gaps) and gaps[-1] == 65  # waits double up to 64 plain steps
+    assert kinds[-150:].count("plain") >= 147  # on failing text: a probe in ~65 steps at most
 
 
 def test_probes_of_a_dear_drafter_are_spaced_to_cost_at_most_two_percent() -> None:
     policy = DraftLengthPolicy(FLAT, k_max=5)
     policy.start()
-    policy.time_proposal(0.05, 1, 1)                       # half a pass per draft token (early exit)
-    policy.drafted(1, 1, probe=True)                       # a probe that was kept
+    policy.time_proposal(0.05, 1, 1)  # half a pass per draft token (early exit)
+    policy.drafted(1, 1, probe=True)  # a probe that was kept
     # The probe cost half a pass beyond a plain step; 25 plain steps make that 2 % of them.
     assert policy.probe_wait == 25
     cheap = DraftLengthPolicy(FLAT, k_max=5)
     cheap.start()
     cheap.time_proposal(0.0001, 1, 1)
     cheap.drafted(1, 1, probe=True)
-    assert cheap.probe_wait == 4                           # a nearly free probe may come again soon
+    assert cheap.probe_wait == 4  # a nearly free probe may come again soon
 
 
 def test_a_free_stateless_drafter_is_measured_in_the_shadow_without_probes() -> None:
@@ -129,9 +138,9 @@ def test_a_free_stateless_drafter_is_measured_in_the_shadow_without_probes() -> 
     assert policy.choose(can_shadow=True) == (0, False)
     for _ in range(30):
         policy.plain()
-    assert policy.choose(can_shadow=True) == (0, False)   # no probe: shadows keep measuring
+    assert policy.choose(can_shadow=True) == (0, False)  # no probe: shadows keep measuring
     for _ in range(40):
-        policy.shadow(1.0)                                  # the text turned repetitive
+        policy.shadow(1.0)  # the text turned repetitive
     k, probe = policy.choose(can_shadow=True)
     assert k >= 3 and not probe
 
@@ -149,11 +158,11 @@ def test_a_request_unlike_earlier_ones_moves_off_their_acceptance_within_a_few_s
     policy = DraftLengthPolicy(FLAT, k_max=5)
     policy.start()
     for _ in range(50):
-        policy.drafted(5, 5, False)                  # earlier requests: every draft kept
+        policy.drafted(5, 5, False)  # earlier requests: every draft kept
     policy.start()
     for _ in range(4):
-        policy.drafted(5, 0, False)                  # this one: the first token always rejected
-    assert policy.alpha < 0.5                        # with all earlier requests' weight it would be ~0.85
+        policy.drafted(5, 0, False)  # this one: the first token always rejected
+    assert policy.alpha < 0.5  # with all earlier requests' weight it would be ~0.85
 
 
 def test_each_source_of_drafts_has_its_own_acceptance() -> None:
@@ -168,7 +177,7 @@ def test_each_source_of_drafts_has_its_own_acceptance() -> None:
     assert policy.alpha > 0.9
     policy.select("suffix")
     assert policy.alpha < 0.2
-    policy.start()                                   # a new request starts from each one's history
+    policy.start()  # a new request starts from each one's history
     assert policy.alpha < 0.2
     policy.select("draft")
     assert policy.alpha > 0.9
@@ -185,36 +194,36 @@ def test_a_catch_up_is_paid_once_what_drafting_would_have_saved_reaches_its_cost
     policy = DraftLengthPolicy(FLAT, k_max=4)
     policy.start()
     for _ in range(20):
-        policy.drafted(4, 4, False)                  # drafts that are always kept
+        policy.drafted(4, 4, False)  # drafts that are always kept
     saving = policy.saving(draft_cost=0.01)
     assert 0 < saving < FLAT(1)
-    cost = 5.5 * saving                              # the catch-up costs five and a half steps' saving
+    cost = 5.5 * saving  # the catch-up costs five and a half steps' saving
     answers = [policy.pays_setup(cost, 0.01) for _ in range(8)]
-    assert policy.saving(0.01, alpha=0.1) < saving             # drafts kept less often save less
-    assert answers == [False] * 6 + [True, False]    # paid on the 7th step; the count starts again
-    assert policy.pays_setup(0.0)                    # nothing to catch up: always
+    assert policy.saving(0.01, alpha=0.1) < saving  # drafts kept less often save less
+    assert answers == [False] * 6 + [True, False]  # paid on the 7th step; the count starts again
+    assert policy.pays_setup(0.0)  # nothing to catch up: always
     policy.start()
-    assert policy.forgone == 0.0                     # a new request starts from nothing
+    assert policy.forgone == 0.0  # a new request starts from nothing
 
 
 def test_a_catch_up_the_tokens_left_cannot_win_back_is_never_paid() -> None:
     policy = DraftLengthPolicy(FLAT, k_max=4)
     policy.start()
     saving = policy.saving(draft_cost=0.01, alpha=0.9)
-    policy.remaining = 10                            # the request may emit 10 more tokens at most
+    policy.remaining = 10  # the request may emit 10 more tokens at most
     assert not any(policy.pays_setup(11 * saving, 0.01, 0.9) for _ in range(100))
     policy.remaining = 100
     assert any(policy.pays_setup(11 * saving, 0.01, 0.9) for _ in range(100))
     policy.start()
-    assert policy.remaining is None                  # unknown until the engine's next step says
+    assert policy.remaining is None  # unknown until the engine's next step says
 
 
 def test_a_catch_up_is_never_paid_for_drafts_that_do_not_pay() -> None:
-    policy = DraftLengthPolicy(LINEAR, k_max=4)      # every row costs a full pass
+    policy = DraftLengthPolicy(LINEAR, k_max=4)  # every row costs a full pass
     policy.start()
     assert policy.saving(draft_cost=0.01) == 0.0
     assert not any(policy.pays_setup(0.001, 0.01) for _ in range(100))
-    assert DraftLengthPolicy(LINEAR, k_max=4, fixed=True).pays_setup(100.0)   # fixed K: the experiment pays
+    assert DraftLengthPolicy(LINEAR, k_max=4, fixed=True).pays_setup(100.0)  # fixed K: the experiment pays
 
 
 # --- the engine under a policy ---------------------------------------------------------------------
@@ -261,7 +270,7 @@ def test_the_engine_stops_verifying_drafts_that_keep_failing(target4, stateless)
     assert m.num_drafts <= 16
     assert policy.alpha < 0.2
     if stateless:
-        assert drafter.calls > 50                           # still proposing, in the shadow of plain steps
+        assert drafter.calls > 50  # still proposing, in the shadow of plain steps
 
 
 @pytest.mark.parametrize("method,options", [("ngram", {}), ("early-exit", {"layer": 3}), ("lookahead", {})])
@@ -295,7 +304,7 @@ def test_measured_pass_costs_cover_every_row_count(target4) -> None:
     limit = target4.decoder.cfg.max_position
     costs = measure_pass_costs(target4.decoder, rows=6, context=20, repeats=1, wide=(4, 8, 12, limit))
     assert len(costs.seconds) == 6 and all(s > 0 for s in costs.seconds)
-    assert list(costs.wide) == [8, 12] and costs.wide[8] >= costs.seconds[-1]   # past the rows, within the context
+    assert list(costs.wide) == [8, 12] and costs.wide[8] >= costs.seconds[-1]  # past the rows, within the context
 
 
 def test_pass_costs_are_cached_per_model_and_measured_once(tmp_path, monkeypatch) -> None:
@@ -312,8 +321,8 @@ def test_pass_costs_are_cached_per_model_and_measured_once(tmp_path, monkeypatch
 
     monkeypatch.setattr(cost_model, "measure_pass_costs", no_measuring)
     cached = pass_costs(model, rows=4)
-    assert cached.seconds == first.seconds and first.wide and cached.wide == first.wide   # the wider passes too
-    files[0].write_text("not json")                        # a damaged cache is measured again, not fatal
+    assert cached.seconds == first.seconds and first.wide and cached.wide == first.wide  # the wider passes too
+    files[0].write_text("not json")  # a damaged cache is measured again, not fatal
     monkeypatch.setattr(cost_model, "measure_pass_costs", measure_pass_costs)
     assert len(pass_costs(model, rows=4).seconds) == 4
     assert len(json.loads(files[0].read_text())["seconds"]) == 4
@@ -336,8 +345,8 @@ def test_a_drafter_that_knows_its_token_cost_is_believed_over_the_call_time(targ
     policy = DraftLengthPolicy(SLOPED, k_max=3)
     engine = Engine(target4, CostlyDrafter(0, stateless=False), 3, policy)
     engine.generate(PROMPT, SamplingParams(max_tokens=3))
-    assert policy.draft_cost == pytest.approx(0.5)        # not the microseconds its call took
-    assert policy.choose() == (0, False)                  # half a second per token never pays here
+    assert policy.draft_cost == pytest.approx(0.5)  # not the microseconds its call took
+    assert policy.choose() == (0, False)  # half a second per token never pays here
 
 
 class WindowDrafter(WrongDrafter):
@@ -345,15 +354,20 @@ class WindowDrafter(WrongDrafter):
 
     def propose(self, context, k, params, generator) -> DraftTree:
         self.calls += 1
-        return DraftTree([self.token] * k, list(range(-1, k - 1)), aux_tokens=[self.token] * 8,
-                         aux_offsets=list(range(1, 9)), aux_mask=torch.ones(8, 9, dtype=torch.bool))
+        return DraftTree(
+            [self.token] * k,
+            list(range(-1, k - 1)),
+            aux_tokens=[self.token] * 8,
+            aux_offsets=list(range(1, 9)),
+            aux_mask=torch.ones(8, 9, dtype=torch.bool),
+        )
 
 
 def test_aux_rows_count_as_rows_the_draft_adds(target4) -> None:
     policy = DraftLengthPolicy(SLOPED, k_max=2)
     engine = Engine(target4, WindowDrafter(0, stateless=False), 2, policy)
-    engine.generate(PROMPT, SamplingParams(max_tokens=3))              # one step: the one-token first draft
-    assert policy.rows_per_token == pytest.approx(9.0)                # its node and the eight aux rows
+    engine.generate(PROMPT, SamplingParams(max_tokens=3))  # one step: the one-token first draft
+    assert policy.rows_per_token == pytest.approx(9.0)  # its node and the eight aux rows
 
 
 class GuesslessWindowDrafter(WrongDrafter):
@@ -361,39 +375,44 @@ class GuesslessWindowDrafter(WrongDrafter):
 
     def propose(self, context, k, params, generator) -> DraftTree:
         self.calls += 1
-        return DraftTree([], [], aux_tokens=[self.token] * 8, aux_offsets=list(range(1, 9)),
-                         aux_mask=torch.ones(8, 9, dtype=torch.bool))
+        return DraftTree(
+            [],
+            [],
+            aux_tokens=[self.token] * 8,
+            aux_offsets=list(range(1, 9)),
+            aux_mask=torch.ones(8, 9, dtype=torch.bool),
+        )
 
 
 def test_a_window_without_guesses_counts_as_a_failed_draft(target4) -> None:
-    policy = DraftLengthPolicy(FLAT, k_max=2)                      # rows cheap: only acceptance can say no
+    policy = DraftLengthPolicy(FLAT, k_max=2)  # rows cheap: only acceptance can say no
     drafter = GuesslessWindowDrafter(0, stateless=False)
     engine = Engine(target4, drafter, 2, policy)
     out = engine.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))
     assert len(out.token_ids) == 24 and out.metrics.num_draft_tokens == 0
-    assert policy.alpha < 0.4                                      # below the prior: each window a failed draft
-    assert drafter.calls <= 6                                      # first draft and a few probes, not every step
+    assert policy.alpha < 0.4  # below the prior: each window a failed draft
+    assert drafter.calls <= 6  # first draft and a few probes, not every step
 
 
 def test_learned_costs_follow_the_steps_the_engine_times() -> None:
     costs = PassCosts([0.10, 0.10, 0.11, 0.12], learn=True)
-    costs.observe(1, 0.20)                     # the machine is twice as busy as when measured
-    assert costs(1) == pytest.approx(0.20) and costs(3) == pytest.approx(0.22)   # scaled offline figures
+    costs.observe(1, 0.20)  # the machine is twice as busy as when measured
+    assert costs(1) == pytest.approx(0.20) and costs(3) == pytest.approx(0.22)  # scaled offline figures
     for _ in range(10):
-        costs.observe(2, 0.30)                 # drafting steps cost more than the offline pass said
-    assert costs(2) == pytest.approx(0.30, rel=0.02)      # its own running mean
-    assert costs(3) >= costs(2)                            # never cheaper for more rows
+        costs.observe(2, 0.30)  # drafting steps cost more than the offline pass said
+    assert costs(2) == pytest.approx(0.30, rel=0.02)  # its own running mean
+    assert costs(3) >= costs(2)  # never cheaper for more rows
     assert costs(6) >= costs(4)
 
 
 def test_verifications_of_changing_size_are_priced_by_what_verifications_cost() -> None:
     costs = PassCosts([0.10 + 0.003 * r for r in range(16)], learn=True)
     for _ in range(20):
-        costs.observe(1, 0.10)                 # plain steps cost what was measured
+        costs.observe(1, 0.10)  # plain steps cost what was measured
     for rows in range(18, 26):
-        costs.observe(rows, 1.6 * costs.offline(rows))   # each count once: none is its own mean yet
+        costs.observe(rows, 1.6 * costs.offline(rows))  # each count once: none is its own mean yet
     assert costs(1) == pytest.approx(0.10)
-    assert costs(23) > 1.45 * costs.offline(23)          # not the one-row steps' ratio of 1
+    assert costs(23) > 1.45 * costs.offline(23)  # not the one-row steps' ratio of 1
     assert costs(30) > 1.45 * costs.offline(30)
 
 
@@ -405,11 +424,11 @@ def test_synthetic_curves_do_not_learn() -> None:
 
 @pytest.mark.parametrize("read_seconds,drafts", [(1.0, False), (1e-6, True)], ids=["dear", "cheap"])
 def test_a_draft_model_reads_a_long_prompt_only_when_the_answer_can_pay_for_it(target4, read_seconds, drafts) -> None:
-    prompt = [(7 * i) % 50 + 3 for i in range(40)]           # a 40-token catch-up before the first draft
+    prompt = [(7 * i) % 50 + 3 for i in range(40)]  # a 40-token catch-up before the first draft
     plain = Engine(target4).generate(prompt, GREEDY).token_ids
     drafter = drafters.create("draft", target4, {"model": perturbed(target4, 0.05)})
     engine = Engine(target4, drafter, 3, DraftLengthPolicy(FLAT, k_max=3))
-    drafter.read_seconds = read_seconds                       # seconds per token of catch-up
+    drafter.read_seconds = read_seconds  # seconds per token of catch-up
     out = engine.generate(prompt, GREEDY)
     assert out.token_ids == plain
     # Dear: 40 s of catch-up against at most a pass saved per step, never paid in 60 steps.
@@ -418,20 +437,20 @@ def test_a_draft_model_reads_a_long_prompt_only_when_the_answer_can_pay_for_it(t
 
 
 def test_auto_keeps_the_acceptance_of_its_suffix_and_draft_model_apart(target4) -> None:
-    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 3 + [20, 21]     # copies, then new text
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 3 + [20, 21]  # copies, then new text
     plain = Engine(target4).generate(prompt, GREEDY).token_ids
-    auto = drafters.create("auto", target4, {"model": target4, "long_match": 4})   # the target drafts: always kept
+    auto = drafters.create("auto", target4, {"model": target4, "long_match": 4})  # the target drafts: always kept
     policy = DraftLengthPolicy(FLAT, k_max=3)
     out = Engine(target4, auto, 3, policy).generate(prompt, GREEDY)
     assert out.token_ids == plain
     assert auto.steps["draft"] > 0 and set(policy.sources) <= {"suffix", "draft"}
     draft = policy.sources["draft"]
     assert draft.current.alpha > 0.9 and draft.timed and draft.draft_cost > 0
-    assert auto.draft.acceptance.alpha > 0.9          # the draft model's own count, for its catch-up gate
+    assert auto.draft.acceptance.alpha > 0.9  # the draft model's own count, for its catch-up gate
 
 
 def test_the_engine_times_its_steps_into_learned_costs(target4) -> None:
-    costs = PassCosts([1.0] * 16, learn=True)             # absurd offline figures, corrected by timing
+    costs = PassCosts([1.0] * 16, learn=True)  # absurd offline figures, corrected by timing
     policy = DraftLengthPolicy(costs, k_max=3)
     Engine(target4, drafters.create("ngram", target4, {}), 3, policy).generate(PROMPT, GREEDY)
     assert costs.seen and costs(1) < 0.5
@@ -444,7 +463,7 @@ def test_a_waiting_catch_up_is_owed_what_the_steps_meanwhile_cost_beyond_drafted
         policy = DraftLengthPolicy(FLAT, k_max=4)
         policy.start()
         policy.remaining = 1000
-        policy.pays_setup(10.0, 0.01, 0.9)           # the first ask: one token's saving
+        policy.pays_setup(10.0, 0.01, 0.9)  # the first ask: one token's saving
         before = policy.forgone
         for rows, tokens, seconds in steps:
             policy.timed_step(rows, seconds)
@@ -456,4 +475,4 @@ def test_a_waiting_catch_up_is_owed_what_the_steps_meanwhile_cost_beyond_drafted
     assert 0 < saving < FLAT(1)
     assert forgone_after([(1, 1, FLAT(1))] * 3) == pytest.approx(3 * saving)
     assert forgone_after([(5, 4, FLAT(5))] * 3) == 0.0
-    assert forgone_after([(5, 1, FLAT(5))]) == pytest.approx(FLAT(5) - FLAT(1) + saving)   # a failed draft: its rows too
+    assert forgone_after([(5, 1, FLAT(5))]) == pytest.approx(FLAT(5) - FLAT(1) + saving)  # a failed draft: its rows too

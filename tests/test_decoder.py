@@ -1,12 +1,13 @@
 """The lean decoder: every way of feeding tokens (prefill, decode, chunks, masks, trees) agrees."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from forerun.models.decoder import Decoder
-from forerun.testing import tiny_config, tiny_decoder
-from forerun.tree import DraftTree
+from forerun.models.testing import tiny_config, tiny_decoder
+from forerun.verification.tree import DraftTree
 
 ATOL = 1e-4
 SEQ = [5, 17, 3, 99, 42, 8, 64, 1, 23, 77, 11, 50]
@@ -40,7 +41,7 @@ def test_chunked_prefill_equals_full_prefill(decoder, chunks):
     cache = decoder.new_cache(64)
     rows, start = [], 0
     for size in chunks:
-        ids = SEQ[start:start + size]
+        ids = SEQ[start : start + size]
         rows.append(decoder(torch.tensor(ids), torch.arange(start, start + size), cache).logits[0])
         start += size
     torch.testing.assert_close(torch.cat(rows), full, atol=ATOL, rtol=0)
@@ -62,7 +63,7 @@ def test_explicit_causal_mask_gives_the_same_logits_as_the_default(decoder, past
         decoder(torch.tensor(SEQ[:past]), torch.arange(past), cache_b)
     ids, pos = torch.tensor(SEQ[past:]), torch.arange(past, len(SEQ))
     default = decoder(ids, pos, cache_a).logits
-    causal = torch.ones(t, past + t, dtype=torch.bool).tril(diagonal=past)       # [T, past+T]
+    causal = torch.ones(t, past + t, dtype=torch.bool).tril(diagonal=past)  # [T, past+T]
     explicit = decoder(ids, pos, cache_b, causal).logits
     torch.testing.assert_close(explicit, default, atol=ATOL, rtol=0)
     # A 3-d (batched) mask is the same mask.
@@ -77,7 +78,7 @@ def test_a_wrong_mask_changes_the_logits(decoder):
     # Guard for the mask tests above: the mask is actually used.
     t = len(SEQ)
     default = decoder(torch.tensor(SEQ), torch.arange(t), decoder.new_cache(64)).logits
-    full = torch.ones(t, t, dtype=torch.bool)                                        # no causality
+    full = torch.ones(t, t, dtype=torch.bool)  # no causality
     leaky = decoder(torch.tensor(SEQ), torch.arange(t), decoder.new_cache(64), full).logits
     assert not torch.allclose(leaky[0, :-1], default[0, :-1], atol=1e-3)
 
@@ -101,7 +102,7 @@ def test_tree_mask_gives_every_node_the_logits_of_its_root_to_node_path(decoder,
     if past:
         decoder(torch.tensor(prompt), torch.arange(past), cache)
     ids = torch.tensor([root] + tree.tokens)
-    out = decoder(ids, tree.positions(past), cache, tree.attention_mask(past)).logits[0]   # [N+1, vocab]
+    out = decoder(ids, tree.positions(past), cache, tree.attention_mask(past)).logits[0]  # [N+1, vocab]
     assert cache.length == past + len(tree) + 1
     for node in range(len(tree)):
         path = prompt + [root] + [tree.tokens[i] for i in tree.path_to(node)]
@@ -114,7 +115,7 @@ def test_positions_matter_through_rope(decoder):
     ids = torch.tensor(SEQ[:6])
     a = decoder(ids, torch.arange(6), decoder.new_cache(64)).logits
     gapped = decoder(ids, torch.tensor([0, 1, 2, 4, 5, 6]), decoder.new_cache(64)).logits
-    torch.testing.assert_close(a[0, :3], gapped[0, :3], atol=ATOL, rtol=0)   # same relative positions
+    torch.testing.assert_close(a[0, :3], gapped[0, :3], atol=ATOL, rtol=0)  # same relative positions
     assert not torch.allclose(a[0, 3:], gapped[0, 3:], atol=1e-3)
 
 
@@ -147,7 +148,7 @@ def test_layer_subset_equals_a_model_made_of_those_layers(decoder):
     expected = short(ids, pos, short.new_cache(16))
     torch.testing.assert_close(out.logits, expected.logits, atol=ATOL, rtol=0)
     assert cache.length == 5
-    assert torch.count_nonzero(cache.k[1, :, :, :5]) == 0   # a skipped layer leaves its cache alone
+    assert torch.count_nonzero(cache.k[1, :, :, :5]) == 0  # a skipped layer leaves its cache alone
     assert torch.count_nonzero(cache.k[2, :, :, :5]) > 0
     assert not torch.allclose(out.logits, full_logits(decoder, SEQ[:5])[None], atol=1e-3)
 
@@ -203,8 +204,8 @@ def test_grouped_query_attention_matches_repeated_kv_heads(heads, kv_heads):
         x = gqa(ids[:split], torch.arange(split), c1).logits
         y = mha(ids[:split], torch.arange(split), c2).logits
         for i in range(split, 6):
-            x = gqa(ids[i:i + 1], torch.tensor([i]), c1).logits
-            y = mha(ids[i:i + 1], torch.tensor([i]), c2).logits
+            x = gqa(ids[i : i + 1], torch.tensor([i]), c1).logits
+            y = mha(ids[i : i + 1], torch.tensor([i]), c2).logits
         torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
 
 

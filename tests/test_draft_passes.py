@@ -1,6 +1,7 @@
 """Draft forwards shared across sequences (drafters/passes.py): one forward for every lane's pass,
 each lane getting exactly what its pass gets alone (w8a8 rows are independent), fewer forwards for
 the batch, and one lane's failure its own."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,13 +10,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from forerun.api import LLM
-from forerun.batch import BatchEngine
-from forerun.config import SamplingParams
-from forerun.cost_model import batch_draft_length
+from forerun.base.config import SamplingParams
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.drafters.passes import DraftPass, forward, run_alone, run_passes
+from forerun.engine.batch import BatchEngine
+from forerun.models.testing import tiny_model
 from forerun.models.w8a8 import quantize_decoder_
-from forerun.testing import tiny_model
+from forerun.policy.cost_model import batch_draft_length
 
 SLOW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 GREEDY = SamplingParams(max_tokens=40)
@@ -59,7 +60,7 @@ def test_a_shared_forward_gives_every_pass_its_logits_alone(draft, data, count: 
         assert torch.equal(logits, want), f"pass {i} of {count}"
         q = shared[i]
         assert q.cache.length == p.cache.length == p.start + len(p.tokens)
-        assert torch.equal(q.cache.k[:, :, :, :q.cache.length], p.cache.k[:, :, :, :p.cache.length])
+        assert torch.equal(q.cache.k[:, :, :, : q.cache.length], p.cache.k[:, :, :, : p.cache.length])
     assert all(q.shared == count and q.rows == sum(len(p.tokens) for p in shared) for q in shared)
     assert [q.lead for q in shared] == [True] + [False] * (count - 1)
 
@@ -80,8 +81,9 @@ def test_proposals_made_together_equal_proposals_made_alone(target, draft, draft
         alone = [proposer(target, draft, p, draft_vocab=draft_vocab) for p in PROMPTS]
         together = [proposer(target, draft, p, draft_vocab=draft_vocab) for p in PROMPTS]
         want = [d.propose(p, 4, params, torch.Generator().manual_seed(i)) for i, (d, p) in enumerate(alone)]
-        got = run_passes([d.propose_steps(p, 4, params, torch.Generator().manual_seed(i))
-                          for i, (d, p) in enumerate(together)])
+        got = run_passes(
+            [d.propose_steps(p, 4, params, torch.Generator().manual_seed(i)) for i, (d, p) in enumerate(together)]
+        )
         for w, g in zip(want, got):
             assert g.tokens == w.tokens and g.parents == w.parents
             if not params.greedy:
@@ -95,12 +97,16 @@ def test_one_proposal_that_fails_leaves_the_others_their_drafts(target, draft) -
         yield DraftPass(draft.decoder, filled_cache(draft.decoder, [1, 2], 4), [3], 2)
         raise RuntimeError("drafter broke")
 
-    def out_of_vocabulary():             # its forward cannot run
+    def out_of_vocabulary():  # its forward cannot run
         yield DraftPass(draft.decoder, filled_cache(draft.decoder, [1, 2], 4), [3, 10**6], 2)
         return "unreachable"
 
-    steps = [good[0][0].propose_steps(PROMPTS[0], 3, GREEDY, None), raising(), out_of_vocabulary(),
-             good[1][0].propose_steps(PROMPTS[1], 3, GREEDY, None)]
+    steps = [
+        good[0][0].propose_steps(PROMPTS[0], 3, GREEDY, None),
+        raising(),
+        out_of_vocabulary(),
+        good[1][0].propose_steps(PROMPTS[1], 3, GREEDY, None),
+    ]
     got = run_passes(steps)
     assert isinstance(got[1], RuntimeError) and str(got[1]) == "drafter broke"
     assert isinstance(got[2], IndexError)
@@ -125,9 +131,15 @@ class CountingForwards:
 
 @pytest.mark.parametrize("method", ["draft", "auto"])
 def test_lanes_drafting_together_share_each_draft_forward(target, draft, method) -> None:
-    options = {"long_match": 99} if method == "auto" else {}     # auto: the draft model every step
-    llm = LLM(target, speculative_model=draft, speculative_method=method, num_speculative_tokens=3,
-              speculative_k_policy="fixed", speculative_options=options)
+    options = {"long_match": 99} if method == "auto" else {}  # auto: the draft model every step
+    llm = LLM(
+        target,
+        speculative_model=draft,
+        speculative_method=method,
+        num_speculative_tokens=3,
+        speculative_k_policy="fixed",
+        speculative_options=options,
+    )
     batch = BatchEngine(llm.new_engine, 4)
     prompts = [[11, 12, 13], [21, 22], [31, 32, 33, 34], [41]]
     for key, prompt in enumerate(prompts):
@@ -139,17 +151,17 @@ def test_lanes_drafting_together_share_each_draft_forward(target, draft, method)
             results = batch.step()
             assert all(r.error is None for r in results.values())
     finally:
-        del decoder.forward                 # the class's forward again
+        del decoder.forward  # the class's forward again
     # Four lanes drafting three tokens a step: three shared forwards a step, not twelve.
     assert counter.calls == 9
 
 
 def test_shared_draft_forwards_let_a_batch_draft_where_one_after_another_would_not() -> None:
-    def flat(rows: int) -> float:       # the target: rows free up to 16
+    def flat(rows: int) -> float:  # the target: rows free up to 16
         return 0.1 * max(1, rows / 16)
 
     one_after_another = [(0.8, 0.05, 1.0)] * 4
     assert batch_draft_length(one_after_another, flat, 4) == 0
     shared = [(0.8, 0.0, 1.0)] * 4
     assert batch_draft_length(shared, flat, 4, draft_pass=0.05) >= 2
-    assert batch_draft_length(shared, flat, 4, draft_pass=0.5) == 0     # a dear shared forward: none
+    assert batch_draft_length(shared, flat, 4, draft_pass=0.5) == 0  # a dear shared forward: none

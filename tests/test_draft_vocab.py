@@ -4,6 +4,7 @@ Tokens outside the draft's vocabulary get draft probability 0; the target decide
 greedy output equals plain decoding and sampled output follows the target's distribution, even when
 the target likes tokens the draft cannot propose.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,17 +12,25 @@ from pathlib import Path
 import pytest
 import torch
 
-import forerun.engine as engine_module
-from forerun.config import SamplingParams
+import forerun.engine.engine as engine_module
+from forerun.base.config import SamplingParams
 from forerun.drafters import draft_vocab
 from forerun.drafters.draft_model import DraftModelDrafter
-from forerun.engine import Engine
-from forerun.models.load import LoadedModel, ModelSource
+from forerun.engine.engine import Engine
+from forerun.models.load import LoadedModel
+from forerun.models.testing import tiny_model
 from forerun.models.w8a8 import quantize_decoder_
-from forerun.testing import tiny_model
 from tests.conftest import perturbed
-from tests.test_drafters_common import (CONTROL_RUNS, RUNS, SAMPLING, exact_marginals, keep_every_draft, self_prompt,
-                                        speculative_samples, total_variation)
+from tests.test_drafters_common import (
+    CONTROL_RUNS,
+    RUNS,
+    SAMPLING,
+    exact_marginals,
+    keep_every_draft,
+    self_prompt,
+    speculative_samples,
+    total_variation,
+)
 
 
 def test_the_choice_keeps_stop_tokens_then_the_most_chosen_then_the_lowest_ids() -> None:
@@ -47,8 +56,9 @@ def test_the_vocabulary_comes_from_the_targets_top_choices_on_held_out_prompts(t
     assert len(set(top) & set(ids.tolist())) >= 25
 
 
-def test_the_choice_is_cached_per_target_and_size(target_tok: LoadedModel, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_choice_is_cached_per_target_and_size(
+    target_tok: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FORERUN_HOME", str(tmp_path))
     monkeypatch.setattr(draft_vocab, "model_identity", lambda model: "tiny-target")
     first = draft_vocab.draft_vocabulary(target_tok, 50)
@@ -58,7 +68,7 @@ def test_the_choice_is_cached_per_target_and_size(target_tok: LoadedModel, tmp_p
     real = draft_vocab.target_choice_counts
     monkeypatch.setattr(draft_vocab, "target_choice_counts", lambda *a: measured.append(1) or real(*a))
     assert torch.equal(draft_vocab.draft_vocabulary(target_tok, 50), first) and not measured
-    cached.write_text("{not json")                        # a damaged cache is measured again, not a crash
+    cached.write_text("{not json")  # a damaged cache is measured again, not a crash
     assert torch.equal(draft_vocab.draft_vocabulary(target_tok, 50), first) and measured == [1]
 
 
@@ -81,8 +91,9 @@ def target2() -> LoadedModel:
     return tiny_model(0, name="target2", num_layers=2)
 
 
-def restricted_drafter(target: LoadedModel, draft: LoadedModel, ids: list[int],
-                       monkeypatch: pytest.MonkeyPatch, **options) -> DraftModelDrafter:
+def restricted_drafter(
+    target: LoadedModel, draft: LoadedModel, ids: list[int], monkeypatch: pytest.MonkeyPatch, **options
+) -> DraftModelDrafter:
     """A draft model restricted to `ids`, whatever the calibration would choose."""
     monkeypatch.setattr("forerun.drafters.draft_model.draft_vocabulary", lambda t, n: torch.tensor(ids))
     drafter = DraftModelDrafter(target, draft, draft_vocab=len(ids), **options)
@@ -97,7 +108,7 @@ def case(target2: LoadedModel) -> tuple[list[int], torch.Tensor, torch.Tensor, l
     prompt = self_prompt(target2, 1, 60)
     second, third = exact_marginals(target2, prompt, SAMPLING)
     likely = ((second + third) > 0).nonzero().flatten().tolist()
-    kept = likely[::2]                                         # half of the target's candidates out
+    kept = likely[::2]  # half of the target's candidates out
     ids = sorted(set(kept) | set(range(0, 99, 3)) - set(likely[1::2]))
     return prompt, second, third, ids
 
@@ -114,8 +125,9 @@ def test_sampled_tokens_follow_the_target_with_a_reduced_draft_vocabulary(target
     assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
 
 
-def test_negative_control_an_always_accepting_rule_fails_with_the_reduced_vocabulary(target2, case,
-                                                                                      monkeypatch) -> None:
+def test_negative_control_an_always_accepting_rule_fails_with_the_reduced_vocabulary(
+    target2, case, monkeypatch
+) -> None:
     prompt, second, third, ids = case
     monkeypatch.setattr(engine_module, "accept", keep_every_draft)
     drafter = restricted_drafter(target2, perturbed(target2, 0.05), ids, monkeypatch)

@@ -1,21 +1,27 @@
 """Lookahead decoding: the window's attention mask against a hand-built one, aux rows that compute
 exactly the sequences they stand for without disturbing the draft nodes, the Jacobi window and the
 n-gram pool, and a cache sized for the extra rows."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from forerun import drafters
-from forerun.config import SamplingParams
-from forerun.drafters.lookahead import LookaheadDrafter, NgramPool, window_mask, window_offsets
-from forerun.engine import Engine
-from forerun.errors import ForerunError
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.drafters.lookahead import (
+    LookaheadDrafter,
+    NgramPool,
+    window_mask,
+    window_offsets,
+)
+from forerun.engine.engine import Engine
 from forerun.models.load import LoadedModel
-from forerun.sampling import probabilities
-from forerun.testing import tiny_model
-from forerun.tree import DraftTree
-from forerun.verify import verify
+from forerun.models.testing import tiny_model
+from forerun.verification.sampling import probabilities
+from forerun.verification.tree import DraftTree
+from forerun.verification.verify import verify
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +36,19 @@ def b(rows: list[str]) -> torch.Tensor:
 def test_window_mask_matches_the_hand_built_one() -> None:
     # W = 3, two levels. Columns: root | level 0: a0 a1 a2 | level 1: b0 b1 b2.
     # Row (l, c) sees the root, level 0 up to column c, and column c of levels 1..l.
-    assert torch.equal(window_mask(2, 3), b([
-        "1 100 000",   # a0
-        "1 110 000",   # a1
-        "1 111 000",   # a2
-        "1 100 100",   # b0: root a0 b0
-        "1 110 010",   # b1: root a0 a1 b1
-        "1 111 001",   # b2: root a0 a1 a2 b2
-    ]))
+    assert torch.equal(
+        window_mask(2, 3),
+        b(
+            [
+                "1 100 000",  # a0
+                "1 110 000",  # a1
+                "1 111 000",  # a2
+                "1 100 100",  # b0: root a0 b0
+                "1 110 010",  # b1: root a0 a1 b1
+                "1 111 001",  # b2: root a0 a1 a2 b2
+            ]
+        ),
+    )
     assert window_offsets(2, 3) == [1, 2, 3, 2, 3, 4]
 
 
@@ -45,19 +56,29 @@ def test_full_verifier_mask_with_draft_nodes_and_window_matches_the_hand_built_o
     # Two cached slots; nodes x (child of root), y (child of x), z (child of root); window W=2, 2 levels.
     trie = DraftTree.trie([[10, 11], [12]])
     assert (trie.tokens, trie.parents) == ([10, 11, 12], [-1, 0, -1])
-    tree = DraftTree(trie.tokens, trie.parents, aux_tokens=[20, 21, 30, 31],
-                     aux_offsets=window_offsets(2, 2), aux_mask=window_mask(2, 2))
+    tree = DraftTree(
+        trie.tokens,
+        trie.parents,
+        aux_tokens=[20, 21, 30, 31],
+        aux_offsets=window_offsets(2, 2),
+        aux_mask=window_mask(2, 2),
+    )
     # columns: cache cache | root | x y z | a0 a1 b0 b1
-    assert torch.equal(tree.attention_mask(2), b([
-        "11 1 000 0000",   # root
-        "11 1 100 0000",   # x
-        "11 1 110 0000",   # y
-        "11 1 001 0000",   # z
-        "11 1 000 1000",   # a0
-        "11 1 000 1100",   # a1
-        "11 1 000 1010",   # b0
-        "11 1 000 1101",   # b1
-    ]))
+    assert torch.equal(
+        tree.attention_mask(2),
+        b(
+            [
+                "11 1 000 0000",  # root
+                "11 1 100 0000",  # x
+                "11 1 110 0000",  # y
+                "11 1 001 0000",  # z
+                "11 1 000 1000",  # a0
+                "11 1 000 1100",  # a1
+                "11 1 000 1010",  # b0
+                "11 1 000 1101",  # b1
+            ]
+        ),
+    )
     assert tree.positions(7).tolist() == [7, 8, 9, 8, 8, 9, 9, 10]
     assert tree.num_rows == 8 and len(tree) == 3 and tree.needs_mask
 
@@ -74,8 +95,13 @@ def test_aux_rows_compute_the_sequences_they_stand_for_and_leave_the_nodes_alone
     context, root, width = [5, 6, 7, 8, 9], 10, 3
     levels = [[11, 12, 13], [21, 22, 23], [31, 32, 33]]
     trie = DraftTree.trie([[40, 41], [40, 42], [43]])
-    tree = DraftTree(trie.tokens, trie.parents, aux_tokens=[t for level in levels for t in level],
-                     aux_offsets=window_offsets(3, width), aux_mask=window_mask(3, width))
+    tree = DraftTree(
+        trie.tokens,
+        trie.parents,
+        aux_tokens=[t for level in levels for t in level],
+        aux_offsets=window_offsets(3, width),
+        aux_mask=window_mask(3, width),
+    )
 
     def last_logits(seq: list[int]) -> torch.Tensor:
         cache = decoder.new_cache(len(seq))
@@ -90,7 +116,7 @@ def test_aux_rows_compute_the_sequences_they_stand_for_and_leave_the_nodes_alone
     assert ver.probs.shape[0] == 5 and ver.hidden.shape[0] == 5 and ver.aux_logits.shape[0] == 9
     for level in range(3):
         for col in range(width):
-            seq = context + [root] + levels[0][:col + 1] + [levels[u][col] for u in range(1, level + 1)]
+            seq = context + [root] + levels[0][: col + 1] + [levels[u][col] for u in range(1, level + 1)]
             assert torch.allclose(ver.aux_logits[level * width + col], last_logits(seq), atol=1e-5)
     for node in range(len(tree)):
         seq = context + [root] + [tree.tokens[i] for i in tree.path_to(node)]
@@ -111,8 +137,8 @@ def test_the_pool_keeps_the_most_recent_continuations_per_first_token() -> None:
     pool = NgramPool(size=2)
     pool.add(1, (2, 3))
     pool.add(1, (4, 5))
-    pool.add(1, (2, 3))          # seen again: most recent now
-    pool.add(1, (6, 7))          # over the cap: the least recent, (4, 5), goes
+    pool.add(1, (2, 3))  # seen again: most recent now
+    pool.add(1, (6, 7))  # over the cap: the least recent, (4, 5), goes
     assert pool.candidates(1) == [(6, 7), (2, 3)]
     assert pool.candidates(9) == []
 
@@ -128,12 +154,12 @@ def test_the_window_fills_then_each_iteration_pools_its_columns_and_moves_up() -
     assert len(drafter.levels) == 1 and set(drafter.levels[0]) <= set(prompt)
     drafter.levels = [[1, 2]]
     tree = drafter.propose(prompt, 2, SamplingParams(), None)
-    assert tree.aux_tokens == [1, 2] and len(tree) == 0           # nothing in the pool starts with 52
-    drafter.observe(0, one_hot_logits([60, 61]))                  # the window grows: 2 levels = N - 1
+    assert tree.aux_tokens == [1, 2] and len(tree) == 0  # nothing in the pool starts with 52
+    drafter.observe(0, one_hot_logits([60, 61]))  # the window grows: 2 levels = N - 1
     assert drafter.levels == [[1, 2], [60, 61]]
     tree = drafter.propose(prompt, 2, SamplingParams(), None)
     assert tree.aux_tokens == [1, 2, 60, 61] and tree.aux_offsets == [1, 2, 2, 3]
-    drafter.observe(0, one_hot_logits([70, 71, 80, 81]))          # the last level's outputs: 80, 81
+    drafter.observe(0, one_hot_logits([70, 71, 80, 81]))  # the last level's outputs: 80, 81
     assert drafter.levels == [[60, 61], [80, 81]]
     assert drafter.pool.candidates(1) == [(60, 80)] and drafter.pool.candidates(2) == [(61, 81)]
 
@@ -162,14 +188,17 @@ def test_the_jacobi_window_feeds_the_pool_during_generation(target) -> None:
     prompt = [5, 6, 7, 8]
     Engine(target, drafter, 3).generate(prompt, SamplingParams(max_tokens=12))
     assert len(drafter.levels) == 2
-    assert sum(len(v) for v in drafter.pool.entries.values()) > len(prompt) + 12 - 2   # more than the text's own
+    assert sum(len(v) for v in drafter.pool.entries.values()) > len(prompt) + 12 - 2  # more than the text's own
 
 
-@pytest.mark.parametrize("options, flag", [
-    ({"window": 0}, "--lookahead-window"),
-    ({"ngram": 1}, "--lookahead-ngram"),
-    ({"guesses": 0}, "--lookahead-guesses"),
-])
+@pytest.mark.parametrize(
+    "options, flag",
+    [
+        ({"window": 0}, "--lookahead-window"),
+        ({"ngram": 1}, "--lookahead-ngram"),
+        ({"guesses": 0}, "--lookahead-guesses"),
+    ],
+)
 def test_bad_settings_name_the_flag(target, options, flag) -> None:
     with pytest.raises(ForerunError, match=flag):
         drafters.create("lookahead", target, options)

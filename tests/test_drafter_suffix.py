@@ -1,20 +1,16 @@
 """Suffix drafting on hand-made contexts: the longest match, the most frequent continuation, a
 two-branch tree, nothing without a match, earlier outputs remembered, a rebuilt index for a new
 text, proposal sizes within max_rows, the combining method, and clear errors for bad settings."""
+
 from __future__ import annotations
 
-import random
-import time
-
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from forerun import drafters
-from forerun.config import SamplingParams
-from forerun.drafters.suffix import SuffixDrafter, SuffixMemory, SuffixTrie
-from forerun.errors import ForerunError
-from forerun.testing import tiny_model
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.drafters.suffix import SuffixDrafter, SuffixMemory
+from forerun.models.testing import tiny_model
 
 GREEDY = SamplingParams()
 
@@ -82,8 +78,8 @@ def test_earlier_outputs_are_remembered() -> None:
     drafter.start(prompt, None, 0)
     output = [10, 11, 12, 13, 14, 15]
     drafter.propose(prompt + output, 2, GREEDY, None)
-    drafter.end(output)                                    # the engine tells it the request's output
-    drafter.start([50, 51, 10, 11], None, 0)               # a new request whose prompt ends like it
+    drafter.end(output)  # the engine tells it the request's output
+    drafter.start([50, 51, 10, 11], None, 0)  # a new request whose prompt ends like it
     tree, length = drafter.propose_with_match([50, 51, 10, 11], 3, GREEDY, None)
     assert tree.tokens == [12, 13, 14] and length == 2
     # the earlier prompt is not remembered, only the output
@@ -107,10 +103,10 @@ def test_the_remembered_outputs_are_bounded() -> None:
     drafter.start([5000], None, 0)
     assert sum(map(len, drafter.memory.outputs)) <= 100
     assert drafter.memory.trie.size <= 100
-    drafter.start([5001, 288], None, 0)                    # the latest output (280..289) is still there
-    assert drafter.propose([5001, 288], 1, GREEDY, None) is None   # min_match 2: one token is too short
+    drafter.start([5001, 288], None, 0)  # the latest output (280..289) is still there
+    assert drafter.propose([5001, 288], 1, GREEDY, None) is None  # min_match 2: one token is too short
     assert drafter.propose([5001, 287, 288], 1, GREEDY, None).tokens == [289]
-    assert drafter.propose([5001, 17, 18], 1, GREEDY, None) is None   # an early one (10..19) is gone
+    assert drafter.propose([5001, 17, 18], 1, GREEDY, None) is None  # an early one (10..19) is gone
 
 
 def test_drafters_sharing_a_memory_draft_from_each_others_outputs() -> None:
@@ -123,7 +119,7 @@ def test_drafters_sharing_a_memory_draft_from_each_others_outputs() -> None:
     for drafter in (second, alone):
         drafter.start([50, 10, 11], None, 0)
     assert second.propose([50, 10, 11], 3, GREEDY, None).tokens == [12, 13, 14]
-    assert alone.propose([50, 10, 11], 3, GREEDY, None) is None      # a memory of its own: nothing
+    assert alone.propose([50, 10, 11], 3, GREEDY, None) is None  # a memory of its own: nothing
 
 
 def test_a_shared_memory_of_another_depth_is_refused() -> None:
@@ -137,14 +133,14 @@ def test_a_shared_memory_of_another_depth_is_refused() -> None:
 def test_auto_takes_the_suffix_draft_on_a_long_match_and_the_draft_model_elsewhere() -> None:
     target = tiny_model(0, name="auto-target")
     auto = drafters.create("auto", target, {"model": target, "long_match": 4})
-    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2, 5, 6, 7, 8]      # ends with a 4-token repeat
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2, 5, 6, 7, 8]  # ends with a 4-token repeat
     auto.start(prompt, None, 64)
     tree = auto.propose(prompt, 3, GREEDY, None)
     assert tree.tokens == [9, 10, 11] and auto.steps == {"suffix": 1, "draft": 0}
-    other = [3, 4, 5, 6, 7, 8, 20, 21, 7, 8]                       # only a 2-token repeat
+    other = [3, 4, 5, 6, 7, 8, 20, 21, 7, 8]  # only a 2-token repeat
     auto.start(other, None, 64)
     tree = auto.propose(other, 3, GREEDY, None)
-    assert max(tree.depths) == 3 and auto.steps == {"suffix": 1, "draft": 1}   # (with second-choice leaves)
+    assert max(tree.depths) == 3 and auto.steps == {"suffix": 1, "draft": 1}  # (with second-choice leaves)
 
 
 def test_auto_keeps_the_suffix_guess_while_the_draft_models_catch_up_is_declined() -> None:
@@ -152,16 +148,16 @@ def test_auto_keeps_the_suffix_guess_while_the_draft_models_catch_up_is_declined
     auto = drafters.create("auto", target, {"model": target, "long_match": 8})
     asked: list[tuple[float, float | None, float]] = []
     auto.set_gate(lambda seconds, token_cost, alpha: asked.append((seconds, token_cost, alpha)) or False)
-    prompt = list(range(30, 50)) + [3, 4, 5, 6, 1, 2, 3, 4]    # a 20-token catch-up, a short match
+    prompt = list(range(30, 50)) + [3, 4, 5, 6, 1, 2, 3, 4]  # a 20-token catch-up, a short match
     auto.start(prompt, None, 64)
     tree = auto.propose(prompt, 3, GREEDY, None)
     assert tree.tokens[:2] == [5, 6] and auto.steps == {"suffix": 1, "draft": 0}
-    (seconds, token_cost, alpha), = asked
-    assert seconds > 0 and token_cost > 0                        # timed when the gate was set
-    assert alpha == pytest.approx(0.8)                           # no verdict yet: the draft model's prior
+    ((seconds, token_cost, alpha),) = asked
+    assert seconds > 0 and token_cost > 0  # timed when the gate was set
+    assert alpha == pytest.approx(0.8)  # no verdict yet: the draft model's prior
     auto.set_gate(lambda seconds, token_cost, alpha: True)
     tree = auto.propose(prompt, 3, GREEDY, None)
-    assert max(tree.depths) == 3 and auto.steps == {"suffix": 1, "draft": 1}   # (with second-choice leaves)
+    assert max(tree.depths) == 3 and auto.steps == {"suffix": 1, "draft": 1}  # (with second-choice leaves)
 
 
 def test_a_catch_up_the_gate_paid_for_waits_through_plain_steps_until_it_is_made() -> None:
@@ -174,10 +170,10 @@ def test_a_catch_up_the_gate_paid_for_waits_through_plain_steps_until_it_is_made
     auto.set_gate(lambda seconds, token_cost, alpha: asked.append(seconds) or next(answers, False))
     prompt = list(range(30, 50)) + [3, 4, 5, 6, 1, 2, 3, 4]
     auto.start(prompt, None, 64)
-    assert auto.next_source(prompt) == "draft"                  # admitted; then the step goes plain
-    assert auto.next_source(prompt + [7]) == "draft"            # still admitted, not asked again
+    assert auto.next_source(prompt) == "draft"  # admitted; then the step goes plain
+    assert auto.next_source(prompt + [7]) == "draft"  # still admitted, not asked again
     assert len(asked) == 1
     tree = auto.propose(prompt + [7], 3, GREEDY, None)
     assert max(tree.depths) == 3 and auto.steps == {"suffix": 0, "draft": 1}
-    auto.start(prompt, None, 64)                                 # a new request asks afresh
+    auto.start(prompt, None, 64)  # a new request asks afresh
     assert auto.next_source(prompt) == "suffix" and len(asked) == 2

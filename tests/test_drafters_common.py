@@ -8,6 +8,7 @@
 - A stop inside an accepted run ends the output exactly there.
 - The methods are reachable by name from the registry, the Python API and the CLI.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,19 +17,19 @@ from pathlib import Path
 import pytest
 import torch
 
-import forerun.engine as engine_module
+import forerun.engine.engine as engine_module
 from forerun import drafters
-from forerun.accept import Acceptance
 from forerun.api import LLM
+from forerun.base.config import SamplingParams
 from forerun.cli import main
-from forerun.config import SamplingParams
-from forerun.engine import Engine, Running
-from forerun.metrics import SpecMetrics
+from forerun.engine.engine import Engine, Running
+from forerun.engine.metrics import SpecMetrics
+from forerun.engine.sequence import Sequence
 from forerun.models.load import LoadedModel
-from forerun.sampling import make_generator, probabilities, sample
-from forerun.sequence import Sequence
-from forerun.testing import save_hf_folder, tiny_model
-from forerun.tree import DraftTree
+from forerun.models.testing import save_hf_folder, tiny_model
+from forerun.verification.accept import Acceptance
+from forerun.verification.sampling import make_generator, probabilities, sample
+from forerun.verification.tree import DraftTree
 
 SETTINGS = [
     ("suffix", {}),
@@ -43,9 +44,13 @@ SETTINGS = [
     ("lookahead", {"window": 2, "ngram": 2, "guesses": 1}),
     ("lookahead", {"window": 5, "ngram": 3, "guesses": 6}),
 ]
-ONE_EACH = [("ngram", {}), ("suffix", {}), ("early-exit", {"layer": 3}), ("lookahead", {})]          # on target4
-ONE_EACH_SAMPLING = [("ngram", {}), ("suffix", {"min_match": 1}), ("early-exit", {"layer": 1}),
-                     ("lookahead", {})]                                                            # on target2
+ONE_EACH = [("ngram", {}), ("suffix", {}), ("early-exit", {"layer": 3}), ("lookahead", {})]  # on target4
+ONE_EACH_SAMPLING = [
+    ("ngram", {}),
+    ("suffix", {"min_match": 1}),
+    ("early-exit", {"layer": 1}),
+    ("lookahead", {}),
+]  # on target2
 
 
 def setting_id(setting) -> str:
@@ -101,8 +106,9 @@ SAMPLING = SamplingParams(temperature=1.0, top_k=4, max_tokens=8)
 RUNS, CONTROL_RUNS = 500, 150
 
 
-def exact_marginals(target: LoadedModel, prompt: list[int],
-                    params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+def exact_marginals(
+    target: LoadedModel, prompt: list[int], params: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact distributions [V] of the 2nd and 3rd generated tokens, from plain forwards."""
     decoder = target.decoder
 
@@ -121,8 +127,9 @@ def exact_marginals(target: LoadedModel, prompt: list[int],
     return second, third
 
 
-def speculative_samples(target: LoadedModel, drafter, k: int, prompt: list[int], runs: int,
-                        params: SamplingParams = SAMPLING) -> tuple[list[list[int]], SpecMetrics]:
+def speculative_samples(
+    target: LoadedModel, drafter, k: int, prompt: list[int], runs: int, params: SamplingParams = SAMPLING
+) -> tuple[list[list[int]], SpecMetrics]:
     """The 2nd and 3rd emitted tokens of `runs` seeded generations, through the engine's own step.
 
     The prompt is prefilled once; each run rewinds the cache to it, samples the first token as
@@ -132,9 +139,10 @@ def speculative_samples(target: LoadedModel, drafter, k: int, prompt: list[int],
     decoder = target.decoder
     max_len = engine.check_fits(prompt, params)
     cache = decoder.new_cache(max_len)
-    out = decoder(torch.tensor(prompt), torch.arange(len(prompt)), cache, last_only=True, output_hidden=True,
-                  all_hidden=True)
-    first = probabilities(out.logits[0], params)                                           # [1, V]
+    out = decoder(
+        torch.tensor(prompt), torch.arange(len(prompt)), cache, last_only=True, output_hidden=True, all_hidden=True
+    )
+    first = probabilities(out.logits[0], params)  # [1, V]
     prefilled = cache.length
     metrics = SpecMetrics(num_speculative_tokens=k)
     samples = []
@@ -144,7 +152,7 @@ def speculative_samples(target: LoadedModel, drafter, k: int, prompt: list[int],
         seq = Sequence(prompt, params, None, frozenset())
         drafter.start(prompt, cache, max_len)
         if getattr(drafter, "reads_features", False):
-            drafter.features(out.hidden[0])                # as the engine's prefill gives them
+            drafter.features(out.hidden[0])  # as the engine's prefill gives them
         seq.append(int(sample(first, gen)[0]))
         run = Running(seq, cache, gen, metrics, start=0.0)
         while len(seq.output_ids) < 3:
@@ -208,16 +216,16 @@ def test_sampled_tokens_follow_the_targets_distribution(target2, sampling_case, 
     assert metrics.num_drafts > RUNS // 2
     assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
     if setting[0] == "lookahead":
-        assert drafter.branchy > 0          # the tree rule, not only the chain rule, was exercised
+        assert drafter.branchy > 0  # the tree rule, not only the chain rule, was exercised
 
 
 @pytest.mark.parametrize("setting", ONE_EACH_SAMPLING, ids=setting_id)
-def test_negative_control_an_always_accepting_rule_fails_the_same_check(target2, sampling_case, setting,
-                                                                        monkeypatch) -> None:
+def test_negative_control_an_always_accepting_rule_fails_the_same_check(
+    target2, sampling_case, setting, monkeypatch
+) -> None:
     prompt, second, third = sampling_case
     monkeypatch.setattr(engine_module, "accept", keep_every_draft)
-    samples, _ = speculative_samples(target2, drafters.create(setting[0], target2, setting[1]), 2, prompt,
-                                     CONTROL_RUNS)
+    samples, _ = speculative_samples(target2, drafters.create(setting[0], target2, setting[1]), 2, prompt, CONTROL_RUNS)
     failures = [total_variation([s[i] for s in samples], exact) for i, exact in ((0, second), (1, third))]
     assert any(tv >= tolerance for tv, tolerance in failures)
 
@@ -256,7 +264,7 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(target4, sett
     engine = Engine(target4, drafters.create(setting[0], target4, setting[1]), 4)
     engine.stop_ids = frozenset({stop})
     out = engine.generate(prompt, params)
-    assert out.token_ids == full[:at + 1] and out.finish_reason == "stop"
+    assert out.token_ids == full[: at + 1] and out.finish_reason == "stop"
     assert out.metrics.num_emitted_tokens == at + 1
     if temperature == 0:
         plain = Engine(target4)
@@ -276,8 +284,9 @@ def test_llm_api_takes_the_method_by_name_and_reports_spec_metrics(target4, sett
     prompt = self_prompt(target4, 1, 30)
     params = SamplingParams(max_tokens=20)
     plain = LLM(model=target4).generate([prompt], params)[0]
-    spec = LLM(model=target4, speculative_method=setting[0], speculative_options=setting[1],
-               num_speculative_tokens=3).generate([prompt], params)[0]
+    spec = LLM(
+        model=target4, speculative_method=setting[0], speculative_options=setting[1], num_speculative_tokens=3
+    ).generate([prompt], params)[0]
     assert spec.token_ids == plain.token_ids
     m = spec.metrics.to_dict()
     assert m["num_speculative_tokens"] == 3 and m["num_emitted_tokens"] == 20
@@ -308,16 +317,21 @@ def _cli(argv: list[str]) -> list[str]:
     return buffer.getvalue().splitlines()
 
 
-@pytest.mark.parametrize("flags", [
-    ["--speculative-method", "ngram", "--ngram-max", "2"],
-    ["--speculative-method", "suffix", "--suffix-min-match", "1", "--suffix-branch-ratio", "0.3"],
-    ["--speculative-method", "early-exit", "--early-exit-layer", "2"],
-    ["--speculative-method", "early-exit", "--skip-layers", "1"],
-    ["--speculative-method", "lookahead", "--lookahead-window", "3", "--lookahead-guesses", "2"],
-], ids=lambda f: " ".join(f[1:]))
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--speculative-method", "ngram", "--ngram-max", "2"],
+        ["--speculative-method", "suffix", "--suffix-min-match", "1", "--suffix-branch-ratio", "0.3"],
+        ["--speculative-method", "early-exit", "--early-exit-layer", "2"],
+        ["--speculative-method", "early-exit", "--skip-layers", "1"],
+        ["--speculative-method", "lookahead", "--lookahead-window", "3", "--lookahead-guesses", "2"],
+    ],
+    ids=lambda f: " ".join(f[1:]),
+)
 def test_generate_command_runs_each_method_with_its_flags(folder, plain_record, flags) -> None:
-    (line,) = _cli(["generate", "--model", str(folder), "--dtype", "float32", *CLI_BASE, *flags,
-                    "--num-speculative-tokens", "3"])
+    (line,) = _cli(
+        ["generate", "--model", str(folder), "--dtype", "float32", *CLI_BASE, *flags, "--num-speculative-tokens", "3"]
+    )
     spec = json.loads(line)
     assert spec["token_ids"] == plain_record["token_ids"]
     assert spec["spec"]["num_emitted_tokens"] == 16 and spec["spec"]["num_speculative_tokens"] == 3

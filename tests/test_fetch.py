@@ -4,6 +4,7 @@ No test here downloads anything: `_download_part` is replaced by a function that
 zip files built in tmp_path, and EMBEDDED by one small fake model. Only the `real` test looks at the
 real embedded models, which are already on disk.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
 from forerun.models import fetch as fetching
 from forerun.models.embedded import EMBEDDED, EmbeddedModel
 
@@ -33,14 +34,21 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def _parts(seed: int = 0) -> list[bytes]:
     """Distinct parts; the model file starts with GGUF like the real ones."""
     data = b"GGUF" + bytes((seed * 31 + i * 7 + i // 251) % 256 for i in range(NUM_PARTS * PART_SIZE - 4))
-    return [data[i * PART_SIZE:(i + 1) * PART_SIZE] for i in range(NUM_PARTS)]
+    return [data[i * PART_SIZE : (i + 1) * PART_SIZE] for i in range(NUM_PARTS)]
 
 
 def _fake_model(parts: list[bytes]) -> EmbeddedModel:
     whole = b"".join(parts)
-    return EmbeddedModel(name="fake-model", role="draft", package_prefix="fake-model-part", num_parts=len(parts),
-                         version="1.0", filename="fake-model.gguf", size=len(whole),
-                         sha256=hashlib.sha256(whole).hexdigest())
+    return EmbeddedModel(
+        name="fake-model",
+        role="draft",
+        package_prefix="fake-model-part",
+        num_parts=len(parts),
+        version="1.0",
+        filename="fake-model.gguf",
+        size=len(whole),
+        sha256=hashlib.sha256(whole).hexdigest(),
+    )
 
 
 def _build_wheels(model: EmbeddedModel, parts: list[bytes], folder: Path) -> list[Path]:
@@ -82,8 +90,11 @@ def fake(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 def _leftovers(home: Path) -> list[str]:
     """Everything in the models folder except a finished model file and its stamp."""
     folder = home / "models"
-    return sorted(p.name for p in folder.iterdir()
-                  if not p.name.endswith((".gguf", ".gguf.verified"))) if folder.exists() else []
+    return (
+        sorted(p.name for p in folder.iterdir() if not p.name.endswith((".gguf", ".gguf.verified")))
+        if folder.exists()
+        else []
+    )
 
 
 def test_fetch_concatenates_parts_in_order_and_stamps_the_checksum(fake, home: Path) -> None:
@@ -116,7 +127,7 @@ def test_corrupted_part_raises_and_leaves_no_model_and_no_partial(fake, home: Pa
     assert "checksum" in str(err.value) and model.sha256 in str(err.value)
     assert not (home / "models" / model.filename).exists()
     assert not list((home / "models").glob("*.partial"))
-    assert _leftovers(home) == []   # no temporary download folder either
+    assert _leftovers(home) == []  # no temporary download folder either
     assert not fetching.is_intact(model)
 
 
@@ -191,17 +202,17 @@ def test_verified_stamp_makes_a_rerun_skip_hashing(fake, home: Path, monkeypatch
     index.calls.clear()
     assert fetching.fetch(model.name, progress=False) == path
     assert fetching.is_intact(model)
-    assert hashed == [] and index.calls == []          # stamp trusted: a stat, no read, no download
+    assert hashed == [] and index.calls == []  # stamp trusted: a stat, no read, no download
 
     (path.parent / (path.name + ".verified")).unlink()
     assert fetching.is_intact(model)
-    assert hashed == [path]                            # no stamp: hashed once, stamp written again
+    assert hashed == [path]  # no stamp: hashed once, stamp written again
     assert fetching.is_intact(model)
     assert hashed == [path]
 
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
-    assert fetching.is_intact(model)                   # touched but unchanged: hashed again, still good
+    assert fetching.is_intact(model)  # touched but unchanged: hashed again, still good
     assert len(hashed) == 2
 
 
@@ -213,7 +224,7 @@ def test_stamp_for_another_checksum_is_not_trusted(fake, home: Path) -> None:
     stamp.write_text(json.dumps({**record, "sha256": "0" * 64}))
     data = bytearray(path.read_bytes())
     data[0] ^= 0xFF
-    with open(path, "r+b") as f:   # corrupt, then put size and mtime back as the stamp has them
+    with open(path, "r+b") as f:  # corrupt, then put size and mtime back as the stamp has them
         f.write(bytes(data))
     os.utime(path, ns=(record["mtime_ns"], record["mtime_ns"]))
     assert not fetching.is_intact(model)
@@ -230,8 +241,14 @@ def test_force_fetches_again_even_when_intact(fake, home: Path) -> None:
 def test_list_models_rows_report_path_size_checksum_and_state(fake, home: Path) -> None:
     model, _, _ = fake
     (row,) = fetching.list_models()
-    assert row == {"name": model.name, "role": "draft", "path": str(home / "models" / model.filename),
-                   "bytes": model.size, "sha256": model.sha256, "fetched": False}
+    assert row == {
+        "name": model.name,
+        "role": "draft",
+        "path": str(home / "models" / model.filename),
+        "bytes": model.size,
+        "sha256": model.sha256,
+        "fetched": False,
+    }
     fetching.fetch(model.name, progress=False)
     (row,) = fetching.list_models()
     assert row["fetched"] is True

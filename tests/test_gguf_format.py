@@ -4,26 +4,26 @@ Tiny models are written as GGUF files in the mixes real files have (K-quants wit
 ffn_down and the LM head; Q5_0 / Q8_0 where rows are not a multiple of 256), then loaded as a user's
 file would be. Row independence is checked as bit equality, never closeness.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from forerun import drafters, native
-from forerun.config import SamplingParams
-from forerun.engine import Engine
-from forerun.errors import ForerunError
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.engine.engine import Engine
 from forerun.models import attention, formats, native_layer
 from forerun.models.gguf_format import GGUFEmbedding, GGUFLinear
 from forerun.models.load import load_model
-from forerun.testing import save_hf_folder, tiny_model
-from forerun.tree import DraftTree
-from forerun.verify import VerifyJob, row_layout, verify, verify_many
+from forerun.models.testing import save_hf_folder, tiny_model
+from forerun.verification.tree import DraftTree
+from forerun.verification.verify import VerifyJob, row_layout, verify, verify_many
 from tests.conftest import perturbed
 from tests.test_load import write_gguf
 from tests.test_w8a8 import plain_rows
@@ -72,8 +72,9 @@ def legacy_file(home: Path) -> Path:
 def llama_file(home: Path) -> Path:
     """A llama model: its q and k rows stored as llama.cpp interleaves them, so the loader must reorder
     the blocks' rows (and the float path does the same to the dequantized weights)."""
-    return write_gguf(tiny_model(seed=10, num_layers=2, architecture="llama"), home / "llama.gguf", arch="llama",
-                      quant="Q8_0")
+    return write_gguf(
+        tiny_model(seed=10, num_layers=2, architecture="llama"), home / "llama.gguf", arch="llama", quant="Q8_0"
+    )
 
 
 @pytest.fixture(scope="module", params=["k", "legacy", "llama"])
@@ -108,26 +109,33 @@ def test_the_format_stays_close_to_the_files_weights_in_float(model) -> None:
 
 
 def test_a_tensor_in_a_type_the_kernels_lack_runs_as_w8a8_and_is_named(home: Path, capsys) -> None:
-    path = write_gguf(tiny_model(seed=9, num_layers=2), home / "f16.gguf",
-                      quant=lambda name: None if name == "blk.1.attn_v.weight" else "Q8_0")
+    path = write_gguf(
+        tiny_model(seed=9, num_layers=2),
+        home / "f16.gguf",
+        quant=lambda name: None if name == "blk.1.attn_v.weight" else "Q8_0",
+    )
     model = load_model(str(path), with_tokenizer=False, quantization="gguf")
     err = capsys.readouterr().err
     assert "1 tensors are in block types the native kernels do not read" in err and "blk.1.attn_v.weight (F32)" in err
     decoder = model.decoder
-    assert decoder._native_layers() is None                         # the PyTorch path, still row-exact
+    assert decoder._native_layers() is None  # the PyTorch path, still row-exact
     tree = DraftTree([5, 6, 7], [-1, 0, 0])
     cache = decoder.new_cache(20)
     decoder(torch.arange(3, 13), torch.arange(10), cache)
-    verified = decoder(torch.tensor([4] + tree.tokens), tree.positions(10), cache, layout=row_layout(tree, 10)).logits[0]
+    verified = decoder(torch.tensor([4] + tree.tokens), tree.positions(10), cache, layout=row_layout(tree, 10)).logits[
+        0
+    ]
     for row in range(4):
         path_ = tree.path_to(row - 1) if row else []
-        assert torch.equal(verified[row], plain_rows(decoder, list(range(3, 13)), [4] + [tree.tokens[i] for i in path_])[-1])
+        assert torch.equal(
+            verified[row], plain_rows(decoder, list(range(3, 13)), [4] + [tree.tokens[i] for i in path_])[-1]
+        )
 
 
 def test_a_truncated_file_is_refused_naming_the_file_and_a_tensor(k_file: Path, home: Path) -> None:
     data = k_file.read_bytes()
     cut = home / "cut.gguf"
-    cut.write_bytes(data[:len(data) - 3000])
+    cut.write_bytes(data[: len(data) - 3000])
     with pytest.raises(ForerunError, match=r"cut\.gguf.*(output\.weight|tensor).*(truncated|past the end|corrupt)"):
         load_model(str(cut), with_tokenizer=False, quantization="gguf")
 
@@ -167,13 +175,16 @@ def test_a_reduced_vocabulary_head_scores_exactly_what_the_whole_head_does(model
 
 
 def random_tree(draw, size: int) -> DraftTree:
-    return DraftTree([draw(st.integers(0, 98)) for _ in range(size)], [draw(st.integers(-1, i - 1)) for i in range(size)])
+    return DraftTree(
+        [draw(st.integers(0, 98)) for _ in range(size)], [draw(st.integers(-1, i - 1)) for i in range(size)]
+    )
 
 
 @SLOW
 @given(data=st.data(), prefix_len=st.integers(1, 150), nodes=st.integers(0, 15), native_layers=st.booleans())
-def test_every_verified_row_equals_plain_decoding_bit_for_bit(model, monkeypatch, data, prefix_len, nodes,
-                                                               native_layers) -> None:
+def test_every_verified_row_equals_plain_decoding_bit_for_bit(
+    model, monkeypatch, data, prefix_len, nodes, native_layers
+) -> None:
     decoder = model.decoder
     monkeypatch.setattr(decoder, "_native", False if native_layers else None)
     monkeypatch.setattr(attention, "KEY_BLOCK", data.draw(st.sampled_from([4, 64])))
@@ -181,8 +192,9 @@ def test_every_verified_row_equals_plain_decoding_bit_for_bit(model, monkeypatch
     tree, root = random_tree(data.draw, nodes), data.draw(st.integers(0, 98))
     cache = decoder.new_cache(prefix_len + nodes + 1)
     decoder(torch.tensor(prefix), torch.arange(prefix_len), cache)
-    verified = decoder(torch.tensor([root] + tree.tokens), tree.positions(cache.length), cache,
-                       layout=row_layout(tree, cache.length)).logits[0]
+    verified = decoder(
+        torch.tensor([root] + tree.tokens), tree.positions(cache.length), cache, layout=row_layout(tree, cache.length)
+    ).logits[0]
     for row in range(nodes + 1):
         path = tree.path_to(row - 1) if row else []
         alone = plain_rows(decoder, prefix, [root] + [tree.tokens[i] for i in path])[-1]
@@ -216,8 +228,9 @@ def test_every_path_computes_a_whole_forward_to_the_same_bits(model, monkeypatch
         tree = DraftTree([5, 6, 7, 8], [-1, 0, 1, 0])
         cache = decoder.new_cache(60)
         decoder(torch.arange(3, 53), torch.arange(50), cache)
-        logits[path] = decoder(torch.tensor([4] + tree.tokens), tree.positions(50), cache,
-                               layout=row_layout(tree, 50)).logits[0]
+        logits[path] = decoder(
+            torch.tensor([4] + tree.tokens), tree.positions(50), cache, layout=row_layout(tree, 50)
+        ).logits[0]
     for path, value in logits.items():
         assert torch.equal(value, logits["scalar"]), path
 
@@ -226,8 +239,9 @@ def test_sequences_verified_together_each_equal_their_verification_alone(model) 
     decoder = model.decoder
     params = SamplingParams()
     jobs, alone = [], []
-    for i, (length, tree) in enumerate([(7, DraftTree([5, 6], [-1, 0])), (30, None),
-                                        (64, DraftTree([9, 8, 7, 6], [-1, 0, 0, 2]))]):
+    for i, (length, tree) in enumerate(
+        [(7, DraftTree([5, 6], [-1, 0])), (30, None), (64, DraftTree([9, 8, 7, 6], [-1, 0, 0, 2]))]
+    ):
         caches = [decoder.new_cache(length + 6) for _ in range(2)]
         for cache in caches:
             decoder(torch.arange(length) % 90 + i, torch.arange(length), cache)
@@ -240,15 +254,21 @@ def test_sequences_verified_together_each_equal_their_verification_alone(model) 
 # --- greedy speculation equals plain decoding, for every drafter -----------------------------------
 
 
-METHODS = [("ngram", {}), ("suffix", {}), ("early-exit", {"layer": 2}), ("lookahead", {}),
-           ("lookahead", {"window": 3, "ngram": 3, "guesses": 5})]
+METHODS = [
+    ("ngram", {}),
+    ("suffix", {}),
+    ("early-exit", {"layer": 2}),
+    ("lookahead", {}),
+    ("lookahead", {"window": 3, "ngram": 3, "guesses": 5}),
+]
 
 
 @pytest.fixture(scope="module")
 def pair(home: Path):
     base = tiny_model(seed=2, num_layers=4, **K_SIZES)
-    target = load_model(str(write_gguf(base, home / "t.gguf", quant=k_quant_mix)), with_tokenizer=False,
-                        quantization="gguf")
+    target = load_model(
+        str(write_gguf(base, home / "t.gguf", quant=k_quant_mix)), with_tokenizer=False, quantization="gguf"
+    )
     draft_file = write_gguf(perturbed(base, 0.3), home / "d.gguf", quant=lambda name: "Q8_0")
     return target, load_model(str(draft_file), with_tokenizer=False, quantization="auto")
 
@@ -274,7 +294,7 @@ def test_greedy_speculation_equals_plain_for_every_drafter(pair, prompt, method,
 @pytest.mark.parametrize("method", ["draft", "auto"])
 def test_greedy_speculation_with_a_gguf_draft_model_equals_plain(pair, prompt, method) -> None:
     target, draft = pair
-    assert isinstance(draft.decoder.lm_head, GGUFLinear)              # auto took the file's own blocks
+    assert isinstance(draft.decoder.lm_head, GGUFLinear)  # auto took the file's own blocks
     params = SamplingParams(max_tokens=40)
     plain = Engine(target).generate(prompt, params).token_ids
     options = {"model": draft, "quantize": "auto"} if method == "draft" else {"model": draft, "long_match": 3}

@@ -1,5 +1,6 @@
 """Draft heads on tiny models: training on the target's own text, exact greedy and sampled output,
 Medusa's tree from its choices, heads refused by other targets, resumed training, the command."""
+
 from __future__ import annotations
 
 import copy
@@ -9,21 +10,34 @@ from pathlib import Path
 import pytest
 import torch
 
-import forerun.engine as engine_module
+import forerun.engine.engine as engine_module
 from forerun import drafters
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
 from forerun.cli import main
-from forerun.config import SamplingParams
 from forerun.drafters.medusa import check_choices, choices_tree
-from forerun.engine import Engine
-from forerun.errors import ForerunError
-from forerun.heads import HeadConfig, build_head, float_weight, save_head, target_checksum
+from forerun.engine.engine import Engine
+from forerun.heads import (
+    HeadConfig,
+    build_head,
+    float_weight,
+    save_head,
+    target_checksum,
+)
 from forerun.models.load import LoadedModel
-from forerun.testing import save_hf_folder, tiny_model
+from forerun.models.testing import save_hf_folder, tiny_model
 from forerun.train.data import Manifest, make_shards, read_examples
 from forerun.train.trainer import TrainConfig, Trainer
-from forerun.tree import DraftTree
-from tests.test_drafters_common import (CONTROL_RUNS, RUNS, SAMPLING, exact_marginals, keep_every_draft,
-                                        speculative_samples, total_variation)
+from forerun.verification.tree import DraftTree
+from tests.test_drafters_common import (
+    CONTROL_RUNS,
+    RUNS,
+    SAMPLING,
+    exact_marginals,
+    keep_every_draft,
+    speculative_samples,
+    total_variation,
+)
 
 PATTERN = [10, 11, 12, 13, 14, 15, 16]
 SUCCESSOR = dict(zip(PATTERN, PATTERN[1:] + PATTERN[:1]))
@@ -56,7 +70,7 @@ def prompts_of(count: int, start: int = 0) -> list[list[int]]:
     out = []
     for i in range(start, start + count):
         phase = i % len(PATTERN)
-        out.append([40 + i % 7, 50 + i % 5] + (PATTERN * 2)[phase:phase + 4])
+        out.append([40 + i % 7, 50 + i % 5] + (PATTERN * 2)[phase : phase + 4])
     return out
 
 
@@ -69,8 +83,16 @@ def test_the_target_writes_its_pattern(target) -> None:
 
 def head_config(target: LoadedModel, method: str) -> HeadConfig:
     cfg = target.decoder.cfg
-    return HeadConfig(method, target_checksum(target), target.name, cfg.hidden_size, cfg.vocab_size, cfg.vocab_size,
-                      num_heads=3 if method == "medusa" else 0, intermediate_size=64 if method == "eagle" else 0)
+    return HeadConfig(
+        method,
+        target_checksum(target),
+        target.name,
+        cfg.hidden_size,
+        cfg.vocab_size,
+        cfg.vocab_size,
+        num_heads=3 if method == "medusa" else 0,
+        intermediate_size=64 if method == "eagle" else 0,
+    )
 
 
 def trained(target: LoadedModel, method: str, folder: Path, steps: int, lr: float) -> tuple[Path, Trainer]:
@@ -83,8 +105,13 @@ def trained(target: LoadedModel, method: str, folder: Path, steps: int, lr: floa
     head = build_head(config, target)
     head.vocab.copy_(torch.arange(config.vocab_size))
     head.init_projection(float_weight(target.decoder.lm_head))
-    trainer = Trainer(head, TrainConfig(method, epochs=50, lr=lr, batch_rows=64, checkpoint_every_s=1e9),
-                      data, folder / "run", target.decoder.embed_tokens if method == "eagle" else None)
+    trainer = Trainer(
+        head,
+        TrainConfig(method, epochs=50, lr=lr, batch_rows=64, checkpoint_every_s=1e9),
+        data,
+        folder / "run",
+        target.decoder.embed_tokens if method == "eagle" else None,
+    )
     trainer.run(progress=False, max_steps=steps)
     save_head(folder / "head", config, head)
     return folder / "head", trainer
@@ -106,35 +133,41 @@ def eagle_head(target, tmp_path_factory) -> tuple[Path, Trainer]:
 def test_shards_hold_the_targets_answers_and_features(target, tmp_path) -> None:
     prompts = prompts_of(5)
     manifest = make_shards(target, prompts, tmp_path, max_tokens=6, shard_tokens=25, progress=False)
-    assert manifest.prompts_done == 5 and len(manifest.shards) >= 2          # more than one shard
+    assert manifest.prompts_done == 5 and len(manifest.shards) >= 2  # more than one shard
     examples = list(read_examples(tmp_path))
     for prompt, example in zip(prompts, examples):
         answer = Engine(target).generate(prompt, SamplingParams(max_tokens=6)).token_ids
         assert example.tokens.tolist() == prompt + answer and example.answer == len(prompt)
         decoder = target.decoder
-        out = decoder(example.tokens, torch.arange(len(example.tokens)), decoder.new_cache(len(example.tokens)),
-                      output_hidden=True)
-        assert torch.allclose(example.hidden, out.hidden[0], atol=0.05)        # stored in bfloat16
+        out = decoder(
+            example.tokens,
+            torch.arange(len(example.tokens)),
+            decoder.new_cache(len(example.tokens)),
+            output_hidden=True,
+        )
+        assert torch.allclose(example.hidden, out.hidden[0], atol=0.05)  # stored in bfloat16
     # Resumable: a second call with more prompts answers only the new ones.
-    more = make_shards(target, prompts + prompts_of(2, start=5), tmp_path, max_tokens=6, shard_tokens=25,
-                       progress=False)
-    assert more.prompts_done == 7 and Manifest.read(tmp_path).shards[:len(manifest.shards)] == manifest.shards
+    more = make_shards(
+        target, prompts + prompts_of(2, start=5), tmp_path, max_tokens=6, shard_tokens=25, progress=False
+    )
+    assert more.prompts_done == 7 and Manifest.read(tmp_path).shards[: len(manifest.shards)] == manifest.shards
 
 
 # --- training -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("which", ["medusa", "eagle"])
-def test_training_on_a_repeating_text_drives_accuracy_and_acceptance_near_one(target, medusa_head, eagle_head,
-                                                                              which) -> None:
+def test_training_on_a_repeating_text_drives_accuracy_and_acceptance_near_one(
+    target, medusa_head, eagle_head, which
+) -> None:
     folder, trainer = medusa_head if which == "medusa" else eagle_head
     last = trainer.history.accuracy[-5:]
     for head in range(len(last[0])):
         assert sum(a[head] for a in last) / len(last) > 0.9, trainer.history.accuracy[-1]
     assert trainer.history.loss[-1] < trainer.history.loss[0]
     drafter = drafters.create(which, target, {"head": str(folder)})
-    prompt = prompts_of(1, start=30)[0]                 # not among the training prompts
-    params = SamplingParams(max_tokens=41)              # the first token, then ten steps of 3 drafts + 1
+    prompt = prompts_of(1, start=30)[0]  # not among the training prompts
+    params = SamplingParams(max_tokens=41)  # the first token, then ten steps of 3 drafts + 1
     out = Engine(target, drafter, 3).generate(prompt, params)
     assert out.token_ids == Engine(target).generate(prompt, params).token_ids
     # A tree drafts siblings that must lose; the acceptance that counts is per depth along the path.
@@ -167,10 +200,12 @@ EAGLE_SHAPES = [{}, {"nodes": 1, "branch": 1}, {"nodes": 6, "branch": 2}, {"node
 
 
 @pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("which,options", [("medusa", {"choices": c}) for c in MEDUSA_SHAPES]
-                         + [("eagle", o) for o in EAGLE_SHAPES])
-def test_greedy_output_equals_plain_for_every_tree_shape(target, medusa_head, eagle_head, tmp_path, which, options,
-                                                         k) -> None:
+@pytest.mark.parametrize(
+    "which,options", [("medusa", {"choices": c}) for c in MEDUSA_SHAPES] + [("eagle", o) for o in EAGLE_SHAPES]
+)
+def test_greedy_output_equals_plain_for_every_tree_shape(
+    target, medusa_head, eagle_head, tmp_path, which, options, k
+) -> None:
     from tests.test_drafters_common import self_prompt
 
     other = tiny_model(2, name="target4", num_layers=4)
@@ -189,7 +224,8 @@ def test_greedy_output_equals_plain_on_the_pattern_too(target, medusa_head, eagl
         for prompt in prompts_of(3, start=40):
             plain = Engine(target).generate(prompt, SamplingParams(max_tokens=25)).token_ids
             out = Engine(target, drafters.create(which, target, {"head": str(folder)}), 4).generate(
-                prompt, SamplingParams(max_tokens=25))
+                prompt, SamplingParams(max_tokens=25)
+            )
             assert out.token_ids == plain
 
 
@@ -202,12 +238,12 @@ def sampling_case(target) -> tuple[list[int], torch.Tensor, torch.Tensor]:
 # The pattern is sharp; at temperature 1 with top-k 4 over this target the heads are right often
 # but not always, so drafts are kept and rejected.
 @pytest.mark.parametrize("which", ["medusa", "eagle"])
-def test_sampled_tokens_follow_the_targets_distribution(target, medusa_head, eagle_head, sampling_case,
-                                                        which) -> None:
+def test_sampled_tokens_follow_the_targets_distribution(target, medusa_head, eagle_head, sampling_case, which) -> None:
     prompt, second, third = sampling_case
     folder = (medusa_head if which == "medusa" else eagle_head)[0]
-    samples, metrics = speculative_samples(target, drafters.create(which, target, {"head": str(folder)}), 2, prompt,
-                                           RUNS)
+    samples, metrics = speculative_samples(
+        target, drafters.create(which, target, {"head": str(folder)}), 2, prompt, RUNS
+    )
     for position, exact in ((0, second), (1, third)):
         tv, tolerance = total_variation([s[position] for s in samples], exact)
         assert tv < tolerance, f"token {position + 2}: TV {tv:.4f} >= {tolerance:.4f}"
@@ -215,13 +251,15 @@ def test_sampled_tokens_follow_the_targets_distribution(target, medusa_head, eag
 
 
 @pytest.mark.parametrize("which", ["medusa", "eagle"])
-def test_negative_control_an_always_accepting_rule_fails_with_heads(target, medusa_head, eagle_head, sampling_case,
-                                                                    monkeypatch, which) -> None:
+def test_negative_control_an_always_accepting_rule_fails_with_heads(
+    target, medusa_head, eagle_head, sampling_case, monkeypatch, which
+) -> None:
     prompt, second, third = sampling_case
     folder = (medusa_head if which == "medusa" else eagle_head)[0]
     monkeypatch.setattr(engine_module, "accept", keep_every_draft)
-    samples, _ = speculative_samples(target, drafters.create(which, target, {"head": str(folder)}), 2, prompt,
-                                     CONTROL_RUNS)
+    samples, _ = speculative_samples(
+        target, drafters.create(which, target, {"head": str(folder)}), 2, prompt, CONTROL_RUNS
+    )
     failures = [total_variation([s[i] for s in samples], exact) for i, exact in ((0, second), (1, third))]
     assert any(tv >= tolerance for tv, tolerance in failures)
 
@@ -234,20 +272,27 @@ def test_the_tree_built_from_medusa_choices_matches_a_hand_built_mask() -> None:
     paths, parents = choices_tree(choices, depth=3)
     assert paths == [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
     assert parents == [-1, -1, 0, 0, 1, 2]
-    mask = DraftTree(list(range(6)), parents).attention_mask(past=0)[1:, 1:]        # nodes x nodes
+    mask = DraftTree(list(range(6)), parents).attention_mask(past=0)[1:, 1:]  # nodes x nodes
     # Row i sees itself and its ancestors: (0,0,0) sees (0,), (0,0) and itself.
-    want = torch.tensor([[1, 0, 0, 0, 0, 0],
-                         [0, 1, 0, 0, 0, 0],
-                         [1, 0, 1, 0, 0, 0],
-                         [1, 0, 0, 1, 0, 0],
-                         [0, 1, 0, 0, 1, 0],
-                         [1, 0, 1, 0, 0, 1]], dtype=torch.bool)
+    want = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [0, 1, 0, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0],
+            [1, 0, 0, 1, 0, 0],
+            [0, 1, 0, 0, 1, 0],
+            [1, 0, 1, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(mask, want)
-    assert choices_tree(choices, depth=1) == ([(0,), (1,)], [-1, -1])          # the policy's K cuts depth
+    assert choices_tree(choices, depth=1) == ([(0,), (1,)], [-1, -1])  # the policy's K cuts depth
 
 
-@pytest.mark.parametrize("choices,message", [([[0], [0, 0, 0]], "lacks its parent"), ([[0, 0, 0, 0]], "4 deep"),
-                                             ([[-1]], "not a path"), ([], "empty")])
+@pytest.mark.parametrize(
+    "choices,message",
+    [([[0], [0, 0, 0]], "lacks its parent"), ([[0, 0, 0, 0]], "4 deep"), ([[-1]], "not a path"), ([], "empty")],
+)
 def test_malformed_medusa_choices_are_refused(choices, message) -> None:
     with pytest.raises(ForerunError, match=message):
         check_choices(choices, num_heads=3)
@@ -277,14 +322,19 @@ def test_a_head_of_the_other_kind_or_no_head_is_a_clear_error(target, medusa_hea
 
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_resume_continues_from_the_checkpoint_as_if_never_stopped(target, medusa_head, tmp_path, method) -> None:
-    data = medusa_head[1].data                           # the shards made for the medusa fixture
+    data = medusa_head[1].data  # the shards made for the medusa fixture
 
     def fresh(out: Path) -> Trainer:
         torch.manual_seed(0)
         head = build_head(head_config(target, method), target)
         head.vocab.copy_(torch.arange(target.decoder.cfg.vocab_size))
-        return Trainer(head, TrainConfig(method, epochs=3, lr=1e-2, batch_rows=64, checkpoint_every_s=1e9), data,
-                       out, target.decoder.embed_tokens if method == "eagle" else None)
+        return Trainer(
+            head,
+            TrainConfig(method, epochs=3, lr=1e-2, batch_rows=64, checkpoint_every_s=1e9),
+            data,
+            out,
+            target.decoder.embed_tokens if method == "eagle" else None,
+        )
 
     whole = fresh(tmp_path / "whole")
     torch.manual_seed(5)
@@ -293,7 +343,7 @@ def test_resume_continues_from_the_checkpoint_as_if_never_stopped(target, medusa
     torch.manual_seed(5)
     first.run(progress=False, max_steps=4)
     first.save_checkpoint()
-    torch.manual_seed(123)                                # the checkpoint's random state must win
+    torch.manual_seed(123)  # the checkpoint's random state must win
     second = fresh(tmp_path / "parts")
     second.run(resume=True, progress=False, max_steps=8)
     assert second.progress.step == 8 and second.history.steps == list(range(1, 9))
@@ -305,7 +355,7 @@ def test_resume_continues_from_the_checkpoint_as_if_never_stopped(target, medusa
 
 
 def test_training_prompts_take_each_category_in_turn() -> None:
-    from forerun.bench.dataset import Prompt
+    from forerun.base.prompts import Prompt
     from forerun.commands.train import round_robin
 
     prompts = [Prompt(f"{c}{i}", c, c, f"{c} {i}") for c, n in (("a", 3), ("b", 1), ("c", 2)) for i in range(n)]
@@ -319,25 +369,80 @@ def test_train_command_makes_a_head_that_generate_uses(tmp_path, monkeypatch) ->
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"abc{i} abc{i} abc"}) + "\n" for i in range(6)))
     out = tmp_path / "head"
-    args = ["train", "--method", "medusa", "--model", str(folder), "--dtype", "float32", "--quantization", "w8a8",
-            "--prompts", str(prompts), "--out", str(out), "--epochs", "1", "--max-tokens", "12", "--heads", "2",
-            "--draft-vocab", "64", "--no-progress"]
+    args = [
+        "train",
+        "--method",
+        "medusa",
+        "--model",
+        str(folder),
+        "--dtype",
+        "float32",
+        "--quantization",
+        "w8a8",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--epochs",
+        "1",
+        "--max-tokens",
+        "12",
+        "--heads",
+        "2",
+        "--draft-vocab",
+        "64",
+        "--no-progress",
+    ]
     assert main(args) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["method"] == "medusa" and config["draft_vocab"] == 64 and config["training"]["sequences"] == 6
     assert (out / "head.safetensors").is_file() and (out / "curves.png").is_file()
-    assert main(args) == 2                                 # a checkpoint is there: --resume or another --out
+    assert main(args) == 2  # a checkpoint is there: --resume or another --out
     assert main(args + ["--resume"]) == 0
     # An EAGLE head of the same target reads the same shards: no prompt is answered again.
     shards = sorted((out / "data").iterdir())
-    eagle = ["train", "--method", "eagle", "--model", str(folder), "--dtype", "float32", "--quantization", "w8a8",
-             "--prompts", str(prompts), "--out", str(tmp_path / "eagle"), "--data", str(out / "data"), "--epochs", "1",
-             "--max-tokens", "12", "--draft-vocab", "64", "--intermediate-size", "32", "--no-progress"]
+    eagle = [
+        "train",
+        "--method",
+        "eagle",
+        "--model",
+        str(folder),
+        "--dtype",
+        "float32",
+        "--quantization",
+        "w8a8",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(tmp_path / "eagle"),
+        "--data",
+        str(out / "data"),
+        "--epochs",
+        "1",
+        "--max-tokens",
+        "12",
+        "--draft-vocab",
+        "64",
+        "--intermediate-size",
+        "32",
+        "--no-progress",
+    ]
     assert main(eagle) == 0
     assert sorted((out / "data").iterdir()) == shards and not (tmp_path / "eagle" / "data").exists()
     assert json.loads((tmp_path / "eagle" / "config.json").read_text())["intermediate_size"] == 32
-    common = ["generate", "--model", str(folder), "--dtype", "float32", "--prompt", "abc1 abc1", "--max-tokens", "12",
-              "--ignore-eos", "--json"]
+    common = [
+        "generate",
+        "--model",
+        str(folder),
+        "--dtype",
+        "float32",
+        "--prompt",
+        "abc1 abc1",
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
+    ]
     import contextlib
     import io
 
@@ -348,19 +453,47 @@ def test_train_command_makes_a_head_that_generate_uses(tmp_path, monkeypatch) ->
         return json.loads(buffer.getvalue())
 
     plain = record([])
-    spec = record(["--speculative-method", "medusa", "--speculative-head", str(out), "--num-speculative-tokens", "2",
-                   "--medusa-choices", "[[0], [1], [0, 0]]"])
+    spec = record(
+        [
+            "--speculative-method",
+            "medusa",
+            "--speculative-head",
+            str(out),
+            "--num-speculative-tokens",
+            "2",
+            "--medusa-choices",
+            "[[0], [1], [0, 0]]",
+        ]
+    )
     assert spec["token_ids"] == plain["token_ids"] and spec["spec"]["num_draft_tokens"] > 0
     # bench takes one head of each kind and runs both beside plain.
-    bench = ["bench", "--model", str(folder), "--dtype", "float32", "--dataset", str(prompts), "--limit-per-category",
-             "2", "--max-tokens", "8", "--no-warmup", "--no-progress", "--out", str(tmp_path / "bench"),
-             "--methods", "medusa,eagle", "--speculative-head", f"{out},{tmp_path / 'eagle'}"]
+    bench = [
+        "bench",
+        "--model",
+        str(folder),
+        "--dtype",
+        "float32",
+        "--dataset",
+        str(prompts),
+        "--limit-per-category",
+        "2",
+        "--max-tokens",
+        "8",
+        "--no-warmup",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "bench"),
+        "--methods",
+        "medusa,eagle",
+        "--speculative-head",
+        f"{out},{tmp_path / 'eagle'}",
+    ]
     assert main(bench) == 0
     records = [json.loads(line) for line in (tmp_path / "bench" / "results.jsonl").read_text().splitlines()]
     assert {r["method"] for r in records} == {"plain", "medusa", "eagle"}
     assert all(r["identical_to_plain"] for r in records)
-    assert main(bench[:-1] + [f"{out},{out}"]) == 2                      # two medusa heads: which one?
-    assert main(bench[:-2]) == 2                                         # heads named, none given
+    assert main(bench[:-1] + [f"{out},{out}"]) == 2  # two medusa heads: which one?
+    assert main(bench[:-2]) == 2  # heads named, none given
     # With no --methods, bench runs every method a head was given for.
     only_eagle = bench[:-4] + ["--speculative-head", str(tmp_path / "eagle"), "--out", str(tmp_path / "bench2")]
     assert main(only_eagle) == 0
@@ -373,27 +506,30 @@ def test_drafters_of_one_target_share_one_copy_of_a_head(target, medusa_head, ea
     folder = str((medusa_head if which == "medusa" else eagle_head)[0])
     first, second = (drafters.create(which, target, {"head": folder}) for _ in range(2))
     module = "heads" if which == "medusa" else "head"
-    assert getattr(first, module) is getattr(second, module)      # a server's lanes hold one head between them
+    assert getattr(first, module) is getattr(second, module)  # a server's lanes hold one head between them
 
 
 @pytest.mark.skipif(not __import__("forerun").native.available(), reason="native kernels unavailable")
-def test_heads_on_a_gguf_target_run_on_its_kernels_and_equal_plain(target, medusa_head, eagle_head, tmp_path,
-                                                                   monkeypatch) -> None:
+def test_heads_on_a_gguf_target_run_on_its_kernels_and_equal_plain(
+    target, medusa_head, eagle_head, tmp_path, monkeypatch
+) -> None:
     from forerun.heads import shared_head
     from forerun.models.gguf_format import GGUFLinear
     from forerun.models.load import load_model
     from tests.test_load import write_gguf
 
     monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
-    blocks = load_model(str(write_gguf(target, tmp_path / "looper.gguf", quant="Q8_0")), with_tokenizer=False,
-                        quantization="gguf")
+    blocks = load_model(
+        str(write_gguf(target, tmp_path / "looper.gguf", quant="Q8_0")), with_tokenizer=False, quantization="gguf"
+    )
     for which, (folder, _) in (("medusa", medusa_head), ("eagle", eagle_head)):
         head_folder = retargeted(folder, blocks, tmp_path / which)
         _, head = shared_head(head_folder, blocks, which)
-        assert any(isinstance(m, GGUFLinear) for m in head.modules())     # the model's kernels, Q8_0
+        assert any(isinstance(m, GGUFLinear) for m in head.modules())  # the model's kernels, Q8_0
         for prompt in prompts_of(3, start=40):
             plain = Engine(blocks).generate(prompt, SamplingParams(max_tokens=25)).token_ids
             out = Engine(blocks, drafters.create(which, blocks, {"head": str(head_folder)}), 4).generate(
-                prompt, SamplingParams(max_tokens=25))
+                prompt, SamplingParams(max_tokens=25)
+            )
             assert out.token_ids == plain
             assert out.metrics.num_draft_tokens > 0

@@ -1,4 +1,5 @@
 """KVCache: writes land at explicit slots; truncate and keep are exact rollbacks."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forerun.kv_cache import KVCache
+from forerun.models.kv_cache import KVCache
 
 LAYERS, BATCH, HEADS, HEAD_DIM = 2, 2, 3, 4
 
@@ -15,7 +16,7 @@ def filled_cache(length: int, max_len: int = 32) -> KVCache:
     """A cache whose entry at slot s is distinct from every other (k = s + 1 + noise, v = -k)."""
     cache = KVCache(LAYERS, BATCH, HEADS, max_len, HEAD_DIM, torch.float32)
     gen = torch.Generator().manual_seed(length)
-    base = torch.arange(1, length + 1, dtype=torch.float32)[None, None, :, None]      # [1, 1, T, 1]
+    base = torch.arange(1, length + 1, dtype=torch.float32)[None, None, :, None]  # [1, 1, T, 1]
     for layer in range(LAYERS):
         k = base + torch.rand(BATCH, HEADS, length, HEAD_DIM, generator=gen) * 0.1 + 1000 * layer
         cache.write(layer, k, -k)
@@ -59,8 +60,8 @@ def test_keep_of_a_prefix_plus_a_path_matches_a_fresh_cache_of_those_entries(len
         keys, _ = cache.write(layer, new[layer], -new[layer])
         assert keys.shape[2] == base + 1 + len(tail) + 1
     cache.advance(1)
-    expected = torch.cat([old[:, :, :, :base + 1], old[:, :, :, tail], new], dim=3)
-    assert torch.equal(cache.k[:, :, :, :cache.length], expected)
+    expected = torch.cat([old[:, :, :, : base + 1], old[:, :, :, tail], new], dim=3)
+    assert torch.equal(cache.k[:, :, :, : cache.length], expected)
 
 
 @settings(max_examples=60, deadline=None)
@@ -103,13 +104,16 @@ def test_truncate_outside_zero_to_length_raises(n):
     assert cache.length == 5
 
 
-@pytest.mark.parametrize("indices", [
-    [0, 5],        # past the valid length
-    [2, 1],        # descending
-    [1, 1],        # repeated
-    [-1, 2],       # negative
-    [0, 1, 7],     # inside max_len but past length
-])
+@pytest.mark.parametrize(
+    "indices",
+    [
+        [0, 5],  # past the valid length
+        [2, 1],  # descending
+        [1, 1],  # repeated
+        [-1, 2],  # negative
+        [0, 1, 7],  # inside max_len but past length
+    ],
+)
 def test_keep_rejects_indices_that_are_not_ascending_valid_slots(indices):
     cache = filled_cache(5)
     before = cache.k.clone()

@@ -4,37 +4,48 @@ Tiny random models are written to GGUF with gguf.GGUFWriter under llama.cpp's te
 mapping below is written out independently of the loader's), then loaded back through
 `load_model`; the loaded decoder must give the original logits.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
 from forerun.models import gguf_loader
 from forerun.models import load as loading
 from forerun.models.embedded import EMBEDDED
 from forerun.models.load import LoadedModel, load_model
-from forerun.testing import gguf_bytes, save_hf_folder, tiny_model
+from forerun.models.testing import gguf_bytes, save_hf_folder, tiny_model
 
 # Hugging Face name (without "model.") -> llama.cpp name, as llama.cpp's converter writes them.
-_TOP = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight"}
-_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down"}
+_TOP = {
+    "embed_tokens.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def llama_cpp_name(hf: str) -> str:
     if hf in _TOP:
         return _TOP[hf]
-    _, layer, rest = hf.split(".", 2)           # layers.N.<module>.<weight|bias>
+    _, layer, rest = hf.split(".", 2)  # layers.N.<module>.<weight|bias>
     module, kind = rest.rsplit(".", 1)
     return f"blk.{layer}.{_BLOCK[module]}.{kind}"
 
@@ -44,18 +55,28 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model: LoadedModel, path: Path, arch: str | None = None,
-               quant: gguf.GGMLQuantizationType | str | Callable[[str], str | None] | None = None,
-               skip_keys: tuple[str, ...] = (), extra: dict | None = None) -> Path:
+def write_gguf(
+    model: LoadedModel,
+    path: Path,
+    arch: str | None = None,
+    quant: gguf.GGMLQuantizationType | str | Callable[[str], str | None] | None = None,
+    skip_keys: tuple[str, ...] = (),
+    extra: dict | None = None,
+) -> Path:
     """Write `model` as llama.cpp would: metadata under `arch.*`, F32 tensors (2-D ones quantized if
     asked: one type for all, or per tensor, a function of its llama.cpp name returning a type name
     or None for F32)."""
     cfg = model.decoder.cfg
     arch = arch or cfg.architecture
     w = gguf.GGUFWriter(str(path), arch)
-    meta = {"block_count": cfg.num_layers, "context_length": cfg.max_position,
-            "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
-            "attention.head_count": cfg.num_heads, "attention.head_count_kv": cfg.num_kv_heads}
+    meta = {
+        "block_count": cfg.num_layers,
+        "context_length": cfg.max_position,
+        "embedding_length": cfg.hidden_size,
+        "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_heads,
+        "attention.head_count_kv": cfg.num_kv_heads,
+    }
     for key, value in meta.items():
         if key not in skip_keys:
             w.add_uint32(f"{arch}.{key}", value)
@@ -66,7 +87,7 @@ def write_gguf(model: LoadedModel, path: Path, arch: str | None = None,
     state = model.decoder.state_dict()
     for hf, tensor in state.items():
         if hf == "lm_head.weight" and cfg.tie_embeddings:
-            continue                             # llama.cpp omits output.weight when tied
+            continue  # llama.cpp omits output.weight when tied
         array = tensor.float().numpy().copy()
         if arch in ("llama", "mistral"):
             if ".q_proj." in hf:
@@ -89,7 +110,7 @@ def write_gguf(model: LoadedModel, path: Path, arch: str | None = None,
 def logits_of(model: LoadedModel, ids: list[int]) -> torch.Tensor:
     decoder = model.decoder
     cache = decoder.new_cache(len(ids))
-    return decoder(torch.tensor(ids), torch.arange(len(ids)), cache).logits[0]   # [T, vocab]
+    return decoder(torch.tensor(ids), torch.arange(len(ids)), cache).logits[0]  # [T, vocab]
 
 
 IDS = [5, 17, 42, 3, 88, 60, 7, 21, 33, 90]
@@ -141,7 +162,7 @@ def test_gguf_q8_0_tensors_dequantize_close_to_the_original(home: Path, tmp_path
             torch.testing.assert_close(loaded.decoder.state_dict()[name], torch.from_numpy(kept), rtol=0, atol=0)
     # ... and the logits stay close: ~8 bits per weight move them by about a percent of their spread.
     want, got = logits_of(original, IDS), logits_of(loaded, IDS)
-    assert not torch.equal(got, want)          # really quantized, not silently stored as F32
+    assert not torch.equal(got, want)  # really quantized, not silently stored as F32
     assert (got - want).abs().mean() < 0.02 * want.std()
     assert (got - want).abs().max() < 0.1 * want.std()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
@@ -156,8 +177,9 @@ def test_llama_gguf_q_and_k_rows_are_unpermuted(home: Path, tmp_path: Path, bias
     for name in ("layers.0.self_attn.q_proj.weight", "layers.1.self_attn.k_proj.weight"):
         torch.testing.assert_close(loaded.decoder.state_dict()[name], original.decoder.state_dict()[name])
     if bias:
-        torch.testing.assert_close(loaded.decoder.layers[0].self_attn.k_proj.bias,
-                                   original.decoder.layers[0].self_attn.k_proj.bias)
+        torch.testing.assert_close(
+            loaded.decoder.layers[0].self_attn.k_proj.bias, original.decoder.layers[0].self_attn.k_proj.bias
+        )
     torch.testing.assert_close(logits_of(loaded, IDS), logits_of(original, IDS), rtol=0, atol=1e-5)
 
 
@@ -171,8 +193,9 @@ def test_gguf_loads_in_bfloat16_close_to_float32(home: Path, tmp_path: Path) -> 
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
 
 
-def test_second_load_of_a_gguf_reads_the_converted_cache(home: Path, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_second_load_of_a_gguf_reads_the_converted_cache(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     original = tiny_model(seed=6)
     path = write_gguf(original, tmp_path / "tiny.gguf")
     first = load_model(str(path), dtype="float32", with_tokenizer=False)
@@ -186,10 +209,10 @@ def test_second_load_of_a_gguf_reads_the_converted_cache(home: Path, tmp_path: P
 
     monkeypatch.setattr(gguf_loader, "open_reader", no_gguf_reading)
     monkeypatch.setattr(gguf_loader, "iter_tensors", no_gguf_reading)
-    monkeypatch.setattr(loading.fetching, "sha256_of", no_gguf_reading)   # the checksum is remembered too
+    monkeypatch.setattr(loading.fetching, "sha256_of", no_gguf_reading)  # the checksum is remembered too
     second = load_model(str(path), dtype="float32", with_tokenizer=False)
     torch.testing.assert_close(logits_of(second, IDS), logits_of(first, IDS), rtol=0, atol=0)
-    with pytest.raises(AssertionError, match="read again"):             # another dtype is a new conversion
+    with pytest.raises(AssertionError, match="read again"):  # another dtype is a new conversion
         load_model(str(path), dtype="bfloat16", with_tokenizer=False)
 
 
@@ -216,14 +239,15 @@ def test_llama_cache_from_the_old_converter_is_rebuilt(home: Path, tmp_path: Pat
     assert json.loads((cache / "config.json").read_text())["conversion"] == 2
 
 
-def test_qwen2_cache_from_the_old_converter_stays_in_use(home: Path, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_qwen2_cache_from_the_old_converter_stays_in_use(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = write_gguf(tiny_model(seed=20), tmp_path / "qwen.gguf")
     load_model(str(path), dtype="float32", with_tokenizer=False)
     _downgrade_cache_to_version_1(home / "converted" / loading.fetching.sha256_of(path)[:24])
     monkeypatch.setattr(gguf_loader, "open_reader", lambda *a: pytest.fail("a valid qwen2 cache was rebuilt"))
     loaded = load_model(str(path), dtype="float32", with_tokenizer=False)
-    assert float(loaded.decoder.embed_tokens.weight.abs().sum()) == 0.0      # the cached (zeroed) weights
+    assert float(loaded.decoder.embed_tokens.weight.abs().sum()) == 0.0  # the cached (zeroed) weights
 
 
 def test_changed_gguf_at_the_same_path_is_converted_again(home: Path, tmp_path: Path) -> None:
@@ -252,7 +276,7 @@ def test_hf_folder_loads_with_tokenizer_and_matches(home: Path, tmp_path: Path) 
     assert tok.encode(text) == [tok.hf.convert_tokens_to_ids(c) for c in text]
     assert tok.decode(tok.encode(text)) == text
     assert {tok.hf.convert_tokens_to_ids("<|im_end|>"), tok.hf.convert_tokens_to_ids("<|endoftext|>")} <= tok.stop_ids
-    assert _cache_files(home) == []            # a folder is already in a fast format: nothing converted
+    assert _cache_files(home) == []  # a folder is already in a fast format: nothing converted
 
 
 def test_hf_folder_with_tied_embeddings_shares_the_matrix(home: Path, tmp_path: Path) -> None:
@@ -287,8 +311,9 @@ def test_unknown_model_name_lists_the_embedded_ones(home: Path) -> None:
 def test_missing_file_says_so_and_never_tries_the_hub(home: Path, monkeypatch: pytest.MonkeyPatch, spec: str) -> None:
     import huggingface_hub
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download",
-                        lambda *a, **k: pytest.fail("a missing local path was sent to the hub"))
+    monkeypatch.setattr(
+        huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("a missing local path was sent to the hub")
+    )
     with pytest.raises(ForerunError, match="no such file"):
         load_model(spec)
 
@@ -313,7 +338,9 @@ def test_truncated_gguf_raises_and_leaves_no_half_written_cache(home: Path, tmp_
     whole = write_gguf(tiny_model(seed=11), tmp_path / "whole.gguf").read_bytes()
     path = tmp_path / "cut.gguf"
     path.write_bytes(whole[: len(whole) * 2 // 3])
-    with pytest.raises(ForerunError, match=r"cut\.gguf is not a readable GGUF file: tensor \S+ runs past the end.*truncated"):
+    with pytest.raises(
+        ForerunError, match=r"cut\.gguf is not a readable GGUF file: tensor \S+ runs past the end.*truncated"
+    ):
         load_model(str(path), dtype="float32", with_tokenizer=False)
     # Only complete files: the checksum index may be there, nothing else (no weights, config, .tmp).
     assert [f for f in _cache_files(home) if f != "checksums.json"] == []

@@ -5,23 +5,22 @@ equality: a token kept from a draft comes out of a verification row that equals 
 step computes, so its log probability must equal the plain run's to the last bit. On float32 models
 rows of different passes differ in the last digits, so a direct forward is compared within 1e-4.
 """
-from __future__ import annotations
 
-from pathlib import Path
+from __future__ import annotations
 
 import pytest
 import torch
 
 from forerun import drafters, native
 from forerun.api import LLM
-from forerun.batch import BatchEngine
-from forerun.config import MAX_LOGPROBS, SamplingParams
-from forerun.engine import Engine, RequestOutput, Running
-from forerun.errors import ForerunError
-from forerun.logprobs import TokenLogprob
+from forerun.base.config import MAX_LOGPROBS, SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.engine.batch import BatchEngine
+from forerun.engine.engine import Engine, RequestOutput, Running
 from forerun.models.load import LoadedModel, load_model
+from forerun.models.testing import tiny_model
 from forerun.models.w8a8 import quantize_decoder_
-from forerun.testing import tiny_model
+from forerun.verification.logprobs import TokenLogprob
 from tests.conftest import perturbed
 
 PROMPT = [5, 6, 7, 8, 40, 41, 5, 6, 7, 8, 40]
@@ -72,7 +71,7 @@ def direct_logprobs(model: LoadedModel, ids: list[int]) -> torch.Tensor:
     """log_softmax of one plain causal forward over `ids`: row i scores the token after ids[i]."""
     decoder = model.decoder
     logits = decoder(torch.tensor(ids), torch.arange(len(ids)), decoder.new_cache(len(ids))).logits[0]
-    return torch.log_softmax(logits.float(), -1)                                    # [T, vocab]
+    return torch.log_softmax(logits.float(), -1)  # [T, vocab]
 
 
 def check_shape(entries: list[TokenLogprob], token_ids: list[int], top: int) -> None:
@@ -109,11 +108,11 @@ def test_each_tokens_logprob_is_the_targets_raw_one_at_its_position(target, meth
     engine = Engine(target, drafter_of(method, target), 4) if method else Engine(target)
     out = engine.generate(PROMPT, params)
     if method == "draft":
-        assert out.metrics.num_accepted_tokens > 0        # some tokens came from verified draft rows
+        assert out.metrics.num_accepted_tokens > 0  # some tokens came from verified draft rows
     assert len(out.logprobs) == len(out.token_ids) == params.max_tokens
     check_shape(out.logprobs, out.token_ids, params.logprobs)
     # Raw: before temperature and top-k (a sampled run's processed values would differ).
-    want = direct_logprobs(target, PROMPT + out.token_ids)[len(PROMPT) - 1:-1]      # [n, vocab]
+    want = direct_logprobs(target, PROMPT + out.token_ids)[len(PROMPT) - 1 : -1]  # [n, vocab]
     got = torch.tensor([e.logprob for e in out.logprobs])
     assert torch.allclose(got, want.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0], atol=1e-4)
     top_ids = torch.tensor([[i for i, _ in e.top] for e in out.logprobs])
@@ -130,7 +129,7 @@ def test_greedy_speculation_gives_the_plain_runs_logprobs_bit_for_bit(exact, w8a
     spec = Engine(exact, drafter_of(method, exact, w8a8_draft), 4).generate(PROMPT, params)
     assert spec.token_ids == plain.token_ids
     assert spec.metrics.num_accepted_tokens > 0
-    assert spec.logprobs == plain.logprobs                 # every float equal, tops too
+    assert spec.logprobs == plain.logprobs  # every float equal, tops too
     assert spec.prompt_logprobs == plain.prompt_logprobs and len(plain.prompt_logprobs) == len(PROMPT)
     check_shape(plain.prompt_logprobs[1:], PROMPT[1:], 3)
 
@@ -139,7 +138,7 @@ def test_a_draft_models_own_distribution_would_not_pass_for_the_targets(w8a8, w8
     # The check above has teeth: where the draft model's tokens were kept, its log probabilities
     # differ from the target's, so reporting them instead would fail it.
     out = Engine(w8a8, drafter_of("draft", w8a8, w8a8_draft), 4).generate(PROMPT, GREEDY)
-    draft_view = direct_logprobs(w8a8_draft, PROMPT + out.token_ids)[len(PROMPT) - 1:-1]
+    draft_view = direct_logprobs(w8a8_draft, PROMPT + out.token_ids)[len(PROMPT) - 1 : -1]
     drafted = torch.tensor([e.logprob for e in out.logprobs])
     assert (drafted - draft_view.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]).abs().max() > 0.05
 
@@ -148,11 +147,10 @@ def test_prompt_logprobs_are_the_targets_at_each_prompt_position(target) -> None
     out = Engine(target).generate(PROMPT, SamplingParams(max_tokens=4, logprobs=2, prompt_logprobs=4))
     assert len(out.prompt_logprobs) == len(PROMPT) and out.prompt_logprobs[0] is None
     check_shape(out.prompt_logprobs[1:], PROMPT[1:], 4)
-    want = direct_logprobs(target, PROMPT)[:-1]                                      # [T-1, vocab]
+    want = direct_logprobs(target, PROMPT)[:-1]  # [T-1, vocab]
     got = torch.tensor([e.logprob for e in out.prompt_logprobs[1:]])
     assert torch.allclose(got, want.gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0], atol=1e-5)
-    assert torch.equal(torch.tensor([[i for i, _ in e.top] for e in out.prompt_logprobs[1:]]),
-                       want.topk(4, -1).indices)
+    assert torch.equal(torch.tensor([[i for i, _ in e.top] for e in out.prompt_logprobs[1:]]), want.topk(4, -1).indices)
     # Scoring the prompt leaves the first token's row as it was.
     alone = Engine(target).generate(PROMPT, SamplingParams(max_tokens=4, logprobs=2))
     assert alone.prompt_logprobs is None
@@ -160,7 +158,7 @@ def test_prompt_logprobs_are_the_targets_at_each_prompt_position(target) -> None
 
 
 def test_a_long_prompt_is_scored_in_slices_that_join_up(target, monkeypatch) -> None:
-    from forerun import logprobs
+    from forerun.verification import logprobs
 
     prompt = [(i * 7) % 90 + 3 for i in range(23)]
     whole = Engine(target).generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=3)).prompt_logprobs
@@ -187,7 +185,7 @@ def test_each_step_carries_the_logprobs_of_its_tokens_cut_where_it_stops(target)
 
 
 def test_nothing_is_scored_when_no_logprobs_are_asked(target, monkeypatch) -> None:
-    from forerun import engine as engine_module
+    from forerun.engine import engine as engine_module
 
     def refuse(*args, **kwargs):
         raise AssertionError("log probabilities computed though none were asked")
@@ -216,12 +214,19 @@ def drive(batch: BatchEngine, keys: list) -> dict:
 
 @pytest.mark.parametrize("method", [None, "ngram", "draft"])
 def test_batched_lanes_carry_the_logprobs_each_gets_alone(w8a8, w8a8_draft, method) -> None:
-    requests = [([5, 6, 7, 5, 6, 7, 5], SamplingParams(max_tokens=14, logprobs=2, prompt_logprobs=1)),
-                ([9, 10], SamplingParams(max_tokens=9)),
-                ([1, 2, 3, 4, 1, 2, 3, 4, 1], SamplingParams(max_tokens=12, logprobs=0)),
-                ([60, 61, 62, 60, 61], SamplingParams(max_tokens=11, logprobs=4))]
-    llm = LLM(w8a8, speculative_model=w8a8_draft if method == "draft" else None,
-              speculative_method=method, num_speculative_tokens=3, speculative_k_policy="fixed")
+    requests = [
+        ([5, 6, 7, 5, 6, 7, 5], SamplingParams(max_tokens=14, logprobs=2, prompt_logprobs=1)),
+        ([9, 10], SamplingParams(max_tokens=9)),
+        ([1, 2, 3, 4, 1, 2, 3, 4, 1], SamplingParams(max_tokens=12, logprobs=0)),
+        ([60, 61, 62, 60, 61], SamplingParams(max_tokens=11, logprobs=4)),
+    ]
+    llm = LLM(
+        w8a8,
+        speculative_model=w8a8_draft if method == "draft" else None,
+        speculative_method=method,
+        num_speculative_tokens=3,
+        speculative_k_policy="fixed",
+    )
     batch = BatchEngine(llm.new_engine, len(requests))
     firsts = {key: batch.add(key, prompt, params) for key, (prompt, params) in enumerate(requests)}
     steps = drive(batch, list(firsts))
@@ -259,19 +264,25 @@ SEED = 1234
 
 @pytest.mark.parametrize("method", [None, "ngram", "draft"])
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "greedy"])
-def test_n_lanes_sharing_a_prefill_give_what_each_gives_alone(w8a8, w8a8_draft, monkeypatch, method,
-                                                            sampled) -> None:
-    params = [SamplingParams(temperature=1.0 if sampled else 0.0, max_tokens=12, seed=SEED + i, logprobs=2,
-                             prompt_logprobs=2) for i in range(3)]
-    llm = LLM(w8a8, speculative_model=w8a8_draft if method == "draft" else None,
-              speculative_method=method, num_speculative_tokens=3, speculative_k_policy="fixed")
+def test_n_lanes_sharing_a_prefill_give_what_each_gives_alone(w8a8, w8a8_draft, monkeypatch, method, sampled) -> None:
+    params = [
+        SamplingParams(temperature=1.0 if sampled else 0.0, max_tokens=12, seed=SEED + i, logprobs=2, prompt_logprobs=2)
+        for i in range(3)
+    ]
+    llm = LLM(
+        w8a8,
+        speculative_model=w8a8_draft if method == "draft" else None,
+        speculative_method=method,
+        num_speculative_tokens=3,
+        speculative_k_policy="fixed",
+    )
     alone = [llm.new_engine().generate(PROMPT, p) for p in params]
     batch = BatchEngine(llm.new_engine, 3)
     batch.prepare()
     prefills = count_prefills(w8a8, monkeypatch)
     firsts = [batch.add(0, PROMPT, params[0])]
     firsts += [batch.add(key, PROMPT, params[key], like=0) for key in (1, 2)]
-    assert prefills == [len(PROMPT)]                      # one prefill for the three
+    assert prefills == [len(PROMPT)]  # one prefill for the three
     drive(batch, [0, 1, 2])
     outs = [batch.remove(key) for key in range(3)]
     for first, out, want in zip(firsts, outs, alone):
@@ -279,7 +290,7 @@ def test_n_lanes_sharing_a_prefill_give_what_each_gives_alone(w8a8, w8a8_draft, 
         assert out.token_ids == want.token_ids and out.logprobs == want.logprobs
         assert out.prompt_logprobs == want.prompt_logprobs
     if sampled:
-        assert len({tuple(out.token_ids) for out in outs}) > 1   # their own seeds, their own draws
+        assert len({tuple(out.token_ids) for out in outs}) > 1  # their own seeds, their own draws
 
 
 def test_the_engine_shares_a_prefill_and_cuts_prompt_logprobs_to_each_count(target, monkeypatch) -> None:
@@ -287,10 +298,11 @@ def test_the_engine_shares_a_prefill_and_cuts_prompt_logprobs_to_each_count(targ
     engine = Engine(target)
     prefills = count_prefills(target, monkeypatch)
     first, _ = engine.begin(PROMPT, SamplingParams(temperature=1.0, max_tokens=6, seed=3, prompt_logprobs=4))
-    second, _ = engine.begin(PROMPT, SamplingParams(temperature=1.0, max_tokens=9, seed=4, prompt_logprobs=1),
-                             like=first)
+    second, _ = engine.begin(
+        PROMPT, SamplingParams(temperature=1.0, max_tokens=9, seed=4, prompt_logprobs=1), like=first
+    )
     assert prefills == [len(PROMPT)]
-    assert torch.equal(second.cache.k[:, :, :, :len(PROMPT)], first.cache.k[:, :, :, :len(PROMPT)])
+    assert torch.equal(second.cache.k[:, :, :, : len(PROMPT)], first.cache.k[:, :, :, : len(PROMPT)])
     assert [e.top for e in second.prompt_logprobs[1:]] == [e.top[:1] for e in first.prompt_logprobs[1:]]
     while not second.seq.finished:
         engine.step(second)
@@ -303,6 +315,7 @@ def test_the_engine_shares_a_prefill_and_cuts_prompt_logprobs_to_each_count(targ
 
 class FeatureReader:
     """A drafter that reads the target's features and never proposes."""
+
     reads_features = True
 
     def __init__(self) -> None:
@@ -341,7 +354,7 @@ def test_sharing_a_prefill_is_refused_when_it_cannot_serve(w8a8) -> None:
     batch.step()
     with pytest.raises(ForerunError, match="already stepped"):
         batch.add("b", PROMPT, SamplingParams(max_tokens=5), like="a")
-    assert list(batch.lanes) == ["a"] and len(batch.idle) + len(batch.lanes) <= 4   # nothing leaked
+    assert list(batch.lanes) == ["a"] and len(batch.idle) + len(batch.lanes) <= 4  # nothing leaked
 
 
 def test_running_keeps_the_prefill_logits_only_until_its_first_step(target) -> None:

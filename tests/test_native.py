@@ -5,6 +5,7 @@ where the library cannot be built.
 Bit equality, never closeness, wherever the design promises it: greedy speculation equals plain
 decoding only if every row comes out exactly as it would alone, on whatever path the CPU takes.
 """
+
 from __future__ import annotations
 
 import gguf
@@ -15,12 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from forerun import native
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: {native.problem()}")
 
 SLOW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-TYPES = list(native.TYPES)                     # every type the kernels read
+TYPES = list(native.TYPES)  # every type the kernels read
 K_QUANTS = [t for t in TYPES if t.endswith("_K")]
 
 
@@ -35,13 +36,15 @@ def random_blocks(kind: str, n: int, k: int, seed: int, magnitude: float = 0.01,
 
     def f16(signed: bool) -> np.ndarray:
         values = rng.standard_normal(count) * magnitude * np.exp(rng.uniform(-3, 3, count))
-        return np.clip(values if signed else np.abs(values), -6e4, 6e4).astype(np.float16).view(np.uint8).reshape(count, 2)
+        return (
+            np.clip(values if signed else np.abs(values), -6e4, 6e4).astype(np.float16).view(np.uint8).reshape(count, 2)
+        )
 
     if kind in ("Q4_K", "Q5_K"):
         raw[:, 0:2], raw[:, 2:4] = f16(False), f16(False)
     elif kind == "Q6_K":
         raw[:, 208:210] = f16(True)
-    else:                                          # legacy blocks: d first, m (Q4_1, Q5_1) next
+    else:  # legacy blocks: d first, m (Q4_1, Q5_1) next
         raw[:, 0:2] = f16(True)
         if kind in ("Q4_1", "Q5_1"):
             raw[:, 2:4] = f16(True)
@@ -58,8 +61,9 @@ def packed_of(kind: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     return native.repack(native.TYPES[kind], torch.from_numpy(np.ascontiguousarray(raw)).view(-1), n, k)
 
 
-def product(kind: str, packed: torch.Tensor, n: int, k: int, x: torch.Tensor, path: str,
-            threads: int = 1) -> torch.Tensor:
+def product(
+    kind: str, packed: torch.Tensor, n: int, k: int, x: torch.Tensor, path: str, threads: int = 1
+) -> torch.Tensor:
     type_id = native.TYPES[kind]
     act = native.quantize(x, native.block_inputs(type_id), kernel_path=path)
     y = torch.full((x.shape[0], n), float("nan"))
@@ -77,8 +81,15 @@ def rows_of(seed: int, m: int, k: int) -> torch.Tensor:
 
 
 @SLOW
-@given(kind=st.sampled_from(TYPES), m=st.integers(1, 20), n=st.integers(1, 70), blocks=st.integers(1, 3),
-       seed=st.integers(0, 10_000), magnitude=st.sampled_from([1e-6, 0.01, 30.0]), zero_every=st.sampled_from([0, 2, 3]))
+@given(
+    kind=st.sampled_from(TYPES),
+    m=st.integers(1, 20),
+    n=st.integers(1, 70),
+    blocks=st.integers(1, 3),
+    seed=st.integers(0, 10_000),
+    magnitude=st.sampled_from([1e-6, 0.01, 30.0]),
+    zero_every=st.sampled_from([0, 2, 3]),
+)
 def test_every_path_gives_the_scalar_references_bits(kind, m, n, blocks, seed, magnitude, zero_every) -> None:
     k = blocks * native.block_inputs(native.TYPES[kind])
     raw = random_blocks(kind, n, k, seed, magnitude, zero_every)
@@ -100,7 +111,7 @@ def test_a_rows_result_is_the_same_alone_or_in_any_batch(kind, m, seed) -> None:
     for path in native.paths():
         batch = product(kind, packed, n, k, x, path)
         for i in range(m):
-            assert torch.equal(batch[i], product(kind, packed, n, k, x[i:i + 1], path)[0]), (path, i, m)
+            assert torch.equal(batch[i], product(kind, packed, n, k, x[i : i + 1], path)[0]), (path, i, m)
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -115,11 +126,11 @@ def test_the_product_is_the_dequantized_weights_times_the_quantized_rows(kind) -
     xq = np.zeros((m, k))
     for r in range(m):
         for b in range(k // block):
-            v = x[r, b * block:(b + 1) * block].numpy()
+            v = x[r, b * block : (b + 1) * block].numpy()
             peak = np.float32(np.abs(v).max())
             inv = np.float32(127.0) / peak if peak > 0 else np.float32(0.0)
             levels = np.clip(np.rint(v * inv), -128, 127)
-            xq[r, b * block:(b + 1) * block] = levels * np.float64(np.float32(peak / np.float32(127.0)))
+            xq[r, b * block : (b + 1) * block] = levels * np.float64(np.float32(peak / np.float32(127.0)))
     want = xq @ dequantized(kind, raw, n, k).T
     scale = np.abs(xq).max(1, keepdims=True) * np.abs(dequantized(kind, raw, n, k)).sum(1)[None] + 1e-30
     assert np.abs(got - want).max() / scale.max() < 1e-6
@@ -190,7 +201,7 @@ def test_without_a_compiler_the_gguf_format_says_so_and_falls_back_to_w8a8(tmp_p
     from forerun.native import build
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("FORERUN_HOME", str(tmp_path))           # no library built here yet
+        patch.setenv("FORERUN_HOME", str(tmp_path))  # no library built here yet
         patch.setattr(build, "compiler", lambda: None)
         patch.setattr(formats, "_said", set())
         native._load.cache_clear()
@@ -202,7 +213,7 @@ def test_without_a_compiler_the_gguf_format_says_so_and_falls_back_to_w8a8(tmp_p
                 native.library()
         finally:
             native._load.cache_clear()
-    assert native.available()                                  # the real library again
+    assert native.available()  # the real library again
 
 
 def test_a_failed_build_shows_what_the_compiler_said(monkeypatch, tmp_path) -> None:
@@ -212,4 +223,4 @@ def test_a_failed_build_shows_what_the_compiler_said(monkeypatch, tmp_path) -> N
     monkeypatch.setattr(build, "COMMON", [*build.COMMON, "-fno-such-flag"])
     with pytest.raises(build.BuildError, match="no-such-flag"):
         build.build()
-    assert not list(tmp_path.rglob(build.LIBRARY))               # nothing half-built left behind
+    assert not list(tmp_path.rglob(build.LIBRARY))  # nothing half-built left behind

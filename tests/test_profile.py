@@ -1,4 +1,5 @@
 """`forerun profile`: a pass's time sorted by kind of work, on a tiny model folder."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,7 @@ from forerun.bench import machine
 from forerun.cli import main
 from forerun.commands.profile import KINDS, kind_of, profile_pass
 from forerun.models.load import load_model
-from forerun.testing import save_hf_folder, tiny_model
+from forerun.models.testing import save_hf_folder, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +41,16 @@ def test_the_kinds_add_up_to_the_pass_and_products_are_found(folder: Path, quant
 def w8a8_weight_bytes(cfg) -> int:
     """Bytes of a w8a8 decoder's product weights, from its shape: int8 weights, float32 scales and biases."""
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    per_layer = (qkv * cfg.hidden_size + 4 * qkv * (2 if cfg.attention_bias else 1)
-                 + cfg.hidden_size * cfg.num_heads * cfg.head_dim + 4 * cfg.hidden_size
-                 + 2 * cfg.intermediate_size * cfg.hidden_size + 4 * 2 * cfg.intermediate_size
-                 + cfg.hidden_size * cfg.intermediate_size + 4 * cfg.hidden_size)
+    per_layer = (
+        qkv * cfg.hidden_size
+        + 4 * qkv * (2 if cfg.attention_bias else 1)
+        + cfg.hidden_size * cfg.num_heads * cfg.head_dim
+        + 4 * cfg.hidden_size
+        + 2 * cfg.intermediate_size * cfg.hidden_size
+        + 4 * 2 * cfg.intermediate_size
+        + cfg.hidden_size * cfg.intermediate_size
+        + 4 * cfg.hidden_size
+    )
     return cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size + 4 * cfg.vocab_size
 
 
@@ -56,14 +63,31 @@ def test_the_bound_times_the_products_alone_and_counts_each_weight_once(folder: 
 
 
 def test_read_bandwidth_is_a_plausible_rate() -> None:
-    assert 1e7 < machine.read_bandwidth(1 << 22, repeats=2) < 1e13     # bytes/s
+    assert 1e7 < machine.read_bandwidth(1 << 22, repeats=2) < 1e13  # bytes/s
 
 
 def test_the_command_sets_passes_against_the_bound(folder: Path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("FORERUN_HOME", str(folder.parent / "home"))
     monkeypatch.setattr(machine, "read_bandwidth", lambda: 1e9)
-    assert main(["profile", "--model", str(folder), "--quantization", "w8a8", "--rows", "1", "--steps", "1",
-                 "--context", "8", "--bound"]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--model",
+                str(folder),
+                "--quantization",
+                "w8a8",
+                "--rows",
+                "1",
+                "--steps",
+                "1",
+                "--context",
+                "8",
+                "--bound",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     decoder = load_model(str(folder), "float32", quantization="w8a8", with_tokenizer=False).decoder
     row = next(line for line in out.splitlines() if line.startswith("| 1 |") and "GB" in line)
@@ -74,12 +98,19 @@ def test_the_command_sets_passes_against_the_bound(folder: Path, capsys, monkeyp
 
 def test_the_command_prints_one_line_per_row_count(folder: Path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("FORERUN_HOME", str(folder.parent / "home"))
-    assert main(["profile", "--model", str(folder), "--dtype", "float32", "--rows", "1,2", "--steps", "1",
-                 "--context", "8"]) == 0
+    assert (
+        main(
+            ["profile", "--model", str(folder), "--dtype", "float32", "--rows", "1,2", "--steps", "1", "--context", "8"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| rows | pass | native layers | products |" in out
-    assert [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and
-            line.split("|")[1].strip().isdigit()] == ["1", "2"]
+    assert [
+        line.split("|")[1].strip()
+        for line in out.splitlines()
+        if line.startswith("| ") and line.split("|")[1].strip().isdigit()
+    ] == ["1", "2"]
 
 
 def test_bad_rows_are_a_clear_error(folder: Path, capsys) -> None:

@@ -1,4 +1,5 @@
 """int8 weights: close to the full-precision layer, cached once per GGUF, and exact under speculation."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,12 +10,11 @@ import pytest
 import torch
 
 from forerun import LLM, SamplingParams
-from forerun.errors import ForerunError
-from forerun.models import formats
-from forerun.models import linear
+from forerun.base.errors import ForerunError
+from forerun.models import formats, linear
 from forerun.models.linear import Int8Linear, Linear, quantize_int8_
 from forerun.models.load import load_model
-from forerun.testing import tiny_model
+from forerun.models.testing import tiny_model
 from tests.test_load import IDS, logits_of, write_gguf
 
 
@@ -36,7 +36,7 @@ def test_int8_rows_are_computed_independently_of_how_many_rows_come_along() -> N
     layer.weight.data = torch.randn(48, 64)
     q = Int8Linear(layer)
     x = torch.randn(6, 64)
-    alone = torch.cat([q(x[i:i + 1]) for i in range(6)])
+    alone = torch.cat([q(x[i : i + 1]) for i in range(6)])
     torch.testing.assert_close(q(x), alone, rtol=0, atol=0)
 
 
@@ -55,7 +55,7 @@ def test_many_row_products_through_the_shared_float_buffer_match_row_by_row(int8
     for layer in layers + layers:
         with linear.prefill():
             many = layer(x).float()
-        few = torch.cat([layer(x[i:i + 4]) for i in range(0, 80, 4)]).float()
+        few = torch.cat([layer(x[i : i + 4]) for i in range(0, 80, 4)]).float()
         assert (many - few).abs().max() <= 0.02 * few.abs().max()
 
 
@@ -67,7 +67,7 @@ def test_prefills_in_two_threads_do_not_share_the_float_buffer() -> None:
 
     def work() -> None:
         pointers.append(linear._float_weight(weight).data_ptr())
-        both_done.wait()          # both threads (and their buffers) alive until both have looked
+        both_done.wait()  # both threads (and their buffers) alive until both have looked
 
     threads = [threading.Thread(target=work) for _ in range(2)]
     for t in threads:
@@ -86,7 +86,7 @@ def test_outside_a_prefill_many_rows_come_out_exactly_as_one_row(int8: bool) -> 
     layer = layer.to(torch.bfloat16)
     layer = Int8Linear(layer) if int8 else layer
     x = torch.randn(80, 64, dtype=torch.bfloat16)
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(80)])
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(80)])
     torch.testing.assert_close(layer(x), alone, rtol=0, atol=0)
 
 
@@ -97,8 +97,9 @@ def test_quantize_replaces_every_linear_of_the_decoder() -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_int8_gguf_load_is_cached_and_reloads_identically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                          dtype: str) -> None:
+def test_int8_gguf_load_is_cached_and_reloads_identically(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
     monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
     path = write_gguf(tiny_model(seed=3), tmp_path / "tiny.gguf")
     first = load_model(str(path), dtype=dtype, with_tokenizer=False, quantization="int8")
@@ -126,19 +127,20 @@ def test_speculation_with_int8_target_and_draft_equals_plain_int8(k: int) -> Non
     params = SamplingParams(max_tokens=24)
     prompt = [[5, 9, 14, 2 + 1, 40]]
     plain = LLM(target).generate(prompt, params)[0]
-    spec = LLM(target, speculative_model=draft, num_speculative_tokens=k,
-               speculative_options={"quantize": "int8"}).generate(prompt, params)[0]
+    spec = LLM(
+        target, speculative_model=draft, num_speculative_tokens=k, speculative_options={"quantize": "int8"}
+    ).generate(prompt, params)[0]
     assert spec.token_ids == plain.token_ids
     assert spec.metrics.num_accepted_tokens > 0
 
 
 def test_int8_weights_loaded_out_of_alignment_are_copied_to_aligned_memory() -> None:
     buffer = torch.zeros(64 * 33, dtype=torch.int8)
-    weight = buffer[3:3 + 64 * 32].view(64, 32)                # 3 bytes off: as a memory map may give
+    weight = buffer[3 : 3 + 64 * 32].view(64, 32)  # 3 bytes off: as a memory map may give
     weight.copy_(torch.arange(64 * 32).remainder(255).sub(127).to(torch.int8).view(64, 32))
     assert weight.data_ptr() % formats.WEIGHT_ALIGNMENT != 0
     aligned = formats._aligned(weight)
     assert aligned.data_ptr() % formats.WEIGHT_ALIGNMENT == 0
     assert torch.equal(aligned, weight)
     x, scale = torch.randn(5, 32, dtype=torch.bfloat16), torch.rand(64, dtype=torch.bfloat16)
-    torch.ops.aten._weight_int8pack_mm(x, aligned, scale)     # crashed the process on AVX-512 bf16 CPUs
+    torch.ops.aten._weight_int8pack_mm(x, aligned, scale)  # crashed the process on AVX-512 bf16 CPUs

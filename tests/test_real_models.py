@@ -4,6 +4,7 @@ Every test here is `real`: it reads the embedded GGUF files (fetched once, then 
 loaded once per test class (class-scoped fixtures), so the float32 parity models are freed before
 the bf16 pair is loaded. Outputs are short to keep the file within a few minutes on 2 CPU cores.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from forerun.api import LLM
-from forerun.config import SamplingParams
+from forerun.base.config import SamplingParams
 from forerun.models.embedded import EMBEDDED
 from forerun.models.fetch import model_file
 from forerun.models.load import LoadedModel, load_model
@@ -114,24 +115,28 @@ class TestDraftParityWithTransformers:
 
     def test_logits_match_transformers(self, llm: LLM, reference, prompts: list[list[int]]) -> None:
         for ids in prompts:
-            ours = target_logits(llm.target, ids)                                 # [T, vocab]
+            ours = target_logits(llm.target, ids)  # [T, vocab]
             with torch.inference_mode():
-                theirs = reference(torch.tensor([ids])).logits[0].float()        # [T, vocab]
+                theirs = reference(torch.tensor([ids])).logits[0].float()  # [T, vocab]
             diff = (ours - theirs).abs().max().item()
             print(f"max |logit difference| over {len(ids)} positions: {diff:.2e}")
             assert diff < LOGIT_ATOL
             assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
-    def test_greedy_32_tokens_match_transformers_generate(self, llm: LLM, reference,
-                                                          prompts: list[list[int]]) -> None:
+    def test_greedy_32_tokens_match_transformers_generate(self, llm: LLM, reference, prompts: list[list[int]]) -> None:
         stops = sorted(llm.tokenizer.stop_ids)
         for ids in prompts[:2]:
             ours = llm.generate(ids, SamplingParams(max_tokens=32))[0].token_ids
             with torch.inference_mode():
-                out = reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                         max_new_tokens=32, do_sample=False, eos_token_id=stops,
-                                         pad_token_id=END_OF_TEXT)
-            theirs = out[0, len(ids):].tolist()
+                out = reference.generate(
+                    torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    max_new_tokens=32,
+                    do_sample=False,
+                    eos_token_id=stops,
+                    pad_token_id=END_OF_TEXT,
+                )
+            theirs = out[0, len(ids) :].tolist()
             assert ours == theirs, llm.tokenizer.decode(ours) + " | " + llm.tokenizer.decode(theirs)
 
     def test_generation_ends_at_the_end_of_turn_token(self, llm: LLM) -> None:
@@ -145,7 +150,8 @@ class TestSpeculativePairIsExact:
     """Target 1.5B with the 0.5B draft, both bf16, K=4, greedy: the output is the target's own."""
 
     def test_speculative_output_equals_plain_or_parts_only_at_a_near_tie(
-            self, target: LoadedModel, draft: LoadedModel, capsys, record_property) -> None:
+        self, target: LoadedModel, draft: LoadedModel, capsys, record_property
+    ) -> None:
         plain = LLM(target)
         # Fixed K: every step drafts, so the acceptance below is the draft's, not the cost policy's choice.
         spec = LLM(target, speculative_model=draft, num_speculative_tokens=4, speculative_k_policy="fixed")
@@ -160,16 +166,20 @@ class TestSpeculativePairIsExact:
             end = time.perf_counter()
             accepted += got.metrics.num_accepted_tokens
             drafted += got.metrics.num_draft_tokens
-            line = (f"{text[:40]!r}: plain {len(want.token_ids)} tok {mid - start:.1f}s, "
-                    f"spec {end - mid:.1f}s, acceptance {got.metrics.acceptance_rate:.2f}")
+            line = (
+                f"{text[:40]!r}: plain {len(want.token_ids)} tok {mid - start:.1f}s, "
+                f"spec {end - mid:.1f}s, acceptance {got.metrics.acceptance_rate:.2f}"
+            )
             if got.token_ids == want.token_ids:
                 identical += 1
                 report.append(line + ", identical")
                 continue
-            i = next((j for j, (a, b) in enumerate(zip(want.token_ids, got.token_ids)) if a != b),
-                     min(len(want.token_ids), len(got.token_ids)))
+            i = next(
+                (j for j, (a, b) in enumerate(zip(want.token_ids, got.token_ids)) if a != b),
+                min(len(want.token_ids), len(got.token_ids)),
+            )
             assert i < min(len(want.token_ids), len(got.token_ids)), "one output is a prefix of the other"
-            logits = target_logits(target, ids + want.token_ids[:i])[-1]              # [vocab]
+            logits = target_logits(target, ids + want.token_ids[:i])[-1]  # [vocab]
             top = logits.topk(2)
             gap = float(top.values[0] - top.values[1])
             report.append(line + f", first differs at {i}: gap {gap:.3f} between {top.indices.tolist()}")
@@ -178,8 +188,10 @@ class TestSpeculativePairIsExact:
         fraction = identical / len(PAIR_PROMPTS)
         record_property("identical_fraction", fraction)
         with capsys.disabled():
-            print(f"\nspeculative (K=4, bf16) vs plain greedy: {identical}/{len(PAIR_PROMPTS)} fully identical; "
-                  f"acceptance {accepted}/{drafted}")
+            print(
+                f"\nspeculative (K=4, bf16) vs plain greedy: {identical}/{len(PAIR_PROMPTS)} fully identical; "
+                f"acceptance {accepted}/{drafted}"
+            )
             for line in report:
                 print("  " + line)
         # A same-family draft on code prompts keeps most of its guesses; near zero means it is broken.
@@ -198,8 +210,14 @@ def draft_w8a8() -> LoadedModel:
 
 # Every drafter, each at a fixed K so every step verifies a draft (an adaptive K of 0 would make
 # equality trivial); the draft model also with its reduced vocabulary.
-W8A8_METHODS = [("auto", {}), ("draft", {"draft_vocab": 32768}), ("suffix", {"min_match": 1}), ("ngram", {}),
-                ("early-exit", {}), ("lookahead", {})]
+W8A8_METHODS = [
+    ("auto", {}),
+    ("draft", {"draft_vocab": 32768}),
+    ("suffix", {"min_match": 1}),
+    ("ngram", {}),
+    ("early-exit", {}),
+    ("lookahead", {}),
+]
 W8A8_MAX_TOKENS = 32
 
 
@@ -212,13 +230,22 @@ def every_drafter_reproduces_plain(target: LoadedModel, draft: LoadedModel, labe
     report, totals = [], [0, 0]
     for method, options in W8A8_METHODS:
         uses_draft = method in ("auto", "draft")
-        spec = LLM(target, speculative_model=draft if uses_draft else None, speculative_method=method,
-                   speculative_options=options, num_speculative_tokens=3, speculative_k_policy="fixed")
+        spec = LLM(
+            target,
+            speculative_model=draft if uses_draft else None,
+            speculative_method=method,
+            speculative_options=options,
+            num_speculative_tokens=3,
+            speculative_k_policy="fixed",
+        )
         drafted = accepted = 0
         for ids, expected in zip(prompts, want):
             got = spec.generate(ids, params)[0]
-            assert got.token_ids == expected, (method, spec.tokenizer.decode(got.token_ids),
-                                               spec.tokenizer.decode(expected))
+            assert got.token_ids == expected, (
+                method,
+                spec.tokenizer.decode(got.token_ids),
+                spec.tokenizer.decode(expected),
+            )
             drafted += got.metrics.num_draft_tokens
             accepted += got.metrics.num_accepted_tokens
         report.append(f"{method}: {accepted}/{drafted} draft tokens kept")
@@ -236,7 +263,8 @@ class TestW8A8PairIsBitExact:
     every drafter's greedy output equals plain greedy output token for token, no near-tie excuse."""
 
     def test_every_drafter_reproduces_plain_greedy_output_exactly(
-            self, target_w8a8: LoadedModel, draft_w8a8: LoadedModel, capsys) -> None:
+        self, target_w8a8: LoadedModel, draft_w8a8: LoadedModel, capsys
+    ) -> None:
         every_drafter_reproduces_plain(target_w8a8, draft_w8a8, "w8a8", capsys)
 
 
@@ -256,7 +284,8 @@ class TestGGUFPairIsBitExact:
     output equals plain greedy output token for token."""
 
     def test_every_drafter_reproduces_plain_greedy_output_exactly(
-            self, target_gguf: LoadedModel, draft_gguf: LoadedModel, capsys) -> None:
+        self, target_gguf: LoadedModel, draft_gguf: LoadedModel, capsys
+    ) -> None:
         from forerun.models.gguf_format import GGUFLinear
 
         assert isinstance(target_gguf.decoder.lm_head, GGUFLinear) and target_gguf.decoder._native_layers()

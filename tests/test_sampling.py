@@ -1,4 +1,5 @@
 """Logits to probabilities (greedy, temperature, top-k, top-p), seeded sampling, and the settings' checks."""
+
 from __future__ import annotations
 
 import math
@@ -6,13 +7,13 @@ import math
 import pytest
 import torch
 
-from forerun.config import SamplingParams, SpeculativeConfig
-from forerun.errors import ForerunError
-from forerun.sampling import make_generator, probabilities, sample
+from forerun.base.config import SamplingParams, SpeculativeConfig
+from forerun.base.errors import ForerunError
+from forerun.verification.sampling import make_generator, probabilities, sample
 
 # Hand-made logits whose softmax is exactly [0.4, 0.3, 0.15, 0.1, 0.05] (shuffled).
 P5 = torch.tensor([0.15, 0.4, 0.05, 0.3, 0.1])
-LOGITS = P5.log()[None]                                                             # [1, 5]
+LOGITS = P5.log()[None]  # [1, 5]
 
 
 def test_greedy_is_a_one_hot_at_the_argmax():
@@ -29,7 +30,7 @@ def test_temperature_one_is_the_softmax_and_other_temperatures_scale_the_logits(
         expected = (P5 ** (1 / t)) / (P5 ** (1 / t)).sum()
         torch.testing.assert_close(probabilities(LOGITS, SamplingParams(temperature=t))[0], expected)
     cold = probabilities(LOGITS, SamplingParams(temperature=0.05))[0]
-    assert cold[1] > 0.99   # low temperature tends to the argmax
+    assert cold[1] > 0.99  # low temperature tends to the argmax
 
 
 def test_output_is_float32_rows_that_sum_to_one():
@@ -59,15 +60,18 @@ def test_top_k_per_row():
     assert (probs > 0).tolist() == [[False, False, True, True], [True, True, False, False]]
 
 
-@pytest.mark.parametrize("top_p,kept", [
-    (0.35, {1}),             # 0.4 alone reaches 0.35
-    (0.4, {1}),              # ... and 0.4 exactly
-    (0.5, {1, 3}),           # 0.4 < 0.5 <= 0.7
-    (0.7, {1, 3}),           # 0.4 + 0.3 reaches 0.7 exactly: no third token
-    (0.8, {1, 3, 0}),        # 0.7 < 0.8 <= 0.85
-    (0.9, {1, 3, 0, 4}),     # 0.85 < 0.9 <= 0.95
-    (0.99, {1, 3, 0, 4, 2}),
-])
+@pytest.mark.parametrize(
+    "top_p,kept",
+    [
+        (0.35, {1}),  # 0.4 alone reaches 0.35
+        (0.4, {1}),  # ... and 0.4 exactly
+        (0.5, {1, 3}),  # 0.4 < 0.5 <= 0.7
+        (0.7, {1, 3}),  # 0.4 + 0.3 reaches 0.7 exactly: no third token
+        (0.8, {1, 3, 0}),  # 0.7 < 0.8 <= 0.85
+        (0.9, {1, 3, 0, 4}),  # 0.85 < 0.9 <= 0.95
+        (0.99, {1, 3, 0, 4, 2}),
+    ],
+)
 def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
     probs = probabilities(LOGITS, SamplingParams(temperature=1.0, top_p=top_p))[0]
     assert set(probs.nonzero().flatten().tolist()) == kept
@@ -110,8 +114,9 @@ def test_sampling_follows_the_probabilities():
 
 
 def test_sampling_never_draws_a_masked_token():
-    probs = probabilities(torch.randn(2000, 30, generator=torch.Generator().manual_seed(1)),
-                          SamplingParams(temperature=1.0, top_k=3))
+    probs = probabilities(
+        torch.randn(2000, 30, generator=torch.Generator().manual_seed(1)), SamplingParams(temperature=1.0, top_k=3)
+    )
     drawn = sample(probs, make_generator(3))
     assert bool((probs.gather(-1, drawn[:, None]) > 0).all())
 
@@ -120,13 +125,27 @@ def test_unseeded_generators_draw_fresh_seeds():
     assert make_generator(None).initial_seed() != make_generator(None).initial_seed()
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf),
-    ("seed", 2 ** 64), ("seed", -(2 ** 63) - 1), ("seed", 1.5),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5), ("top_p", math.nan),
-    ("top_k", -1), ("top_k", 2.5),
-    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", math.nan), ("max_tokens", 1.5),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+        ("seed", 1.5),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_p", -0.5),
+        ("top_p", math.nan),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("max_tokens", math.nan),
+        ("max_tokens", 1.5),
+    ],
+)
 def test_invalid_sampling_params_raise_naming_the_field(field, value):
     with pytest.raises(ForerunError, match=field):
         SamplingParams(**{field: value})
@@ -166,7 +185,7 @@ def test_any_top_p_keeps_the_likeliest_token(top_p):
 
 
 def test_seeds_across_the_generator_range_are_taken():
-    for seed in (-(2 ** 63), 2 ** 64 - 1, 0):
+    for seed in (-(2**63), 2**64 - 1, 0):
         assert make_generator(SamplingParams(seed=seed).seed) is not None
 
 

@@ -1,13 +1,14 @@
 """Sequence: how a request ends (stop token, max_tokens, stop string) and what text may be streamed."""
+
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forerun.config import SamplingParams
-from forerun.errors import ForerunError
-from forerun.sequence import Sequence
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.engine.sequence import Sequence
 
 EOS = 2
 
@@ -28,7 +29,7 @@ def feed(seq: Sequence, ids: list[int], chunks: list[int] | None = None) -> list
     pieces, i, sizes = [], 0, list(chunks or [])
     while i < len(ids) and not seq.finished:
         size = max(1, sizes.pop(0)) if sizes else 1
-        for token in ids[i:i + size]:
+        for token in ids[i : i + size]:
             if seq.append(token):
                 break
         i += size
@@ -73,7 +74,7 @@ def test_stop_string_truncates_the_text_and_finishes():
     pieces = feed(seq, list(b"hello ENDworld"))
     assert seq.finish_reason == "stop"
     assert seq.text == "hello " and "".join(pieces) == "hello "
-    assert bytes(seq.output_ids) == b"hello END"   # tokens stop at the one completing the match
+    assert bytes(seq.output_ids) == b"hello END"  # tokens stop at the one completing the match
 
 
 def test_the_earliest_stop_string_wins():
@@ -81,7 +82,7 @@ def test_the_earliest_stop_string_wins():
     feed(seq, list(b"abxyz"))
     assert seq.text == "abx" and seq.finish_reason == "stop"
     seq = make(SamplingParams(max_tokens=50, stop=("c", "abcd")))
-    feed(seq, list(b"xxabcd"), chunks=[6])     # both complete within one step: cut at the earlier start
+    feed(seq, list(b"xxabcd"), chunks=[6])  # both complete within one step: cut at the earlier start
     assert seq.text == "xxab"
 
 
@@ -95,16 +96,16 @@ def test_stop_string_inside_one_multi_character_token(tokenizer):
 def test_a_stop_string_prefix_is_held_back_until_it_is_decided():
     seq = make(SamplingParams(max_tokens=50, stop=("<end>",)))
     assert feed(seq, list(b"ab<en")) == ["a", "b", "", "", ""]
-    seq.append(ord("x"))                                   # "<enx": no longer a prefix, released
+    seq.append(ord("x"))  # "<enx": no longer a prefix, released
     assert seq.take_text() == "<enx"
     seq2 = make(SamplingParams(max_tokens=5, stop=("<end>",)))
-    pieces = feed(seq2, list(b"ab<en"))                    # ends by length: the held text is final
+    pieces = feed(seq2, list(b"ab<en"))  # ends by length: the held text is final
     assert seq2.finish_reason == "length" and pieces == ["a", "b", "", "", "<en"]
 
 
 def test_an_unfinished_utf8_character_is_held_back():
     seq = make(SamplingParams(max_tokens=50))
-    euro = list("€".encode())                              # three bytes
+    euro = list("€".encode())  # three bytes
     assert feed(seq, [ord("a")] + euro[:2]) == ["a", "", ""]
     seq.append(euro[2])
     assert seq.take_text() == "€"
@@ -130,7 +131,7 @@ def reference(ids: list[int], stop: tuple[str, ...], max_tokens: int) -> tuple[s
         text = tok.decode(ids[:n])
         hits = [text.find(s) for s in stop if s in text]
         if hits:
-            return text[:min(hits)], "stop", n
+            return text[: min(hits)], "stop", n
         if n == max_tokens:
             return text, "length", n
     raise AssertionError("the generated ids must end the sequence")
@@ -151,7 +152,7 @@ def test_streamed_pieces_are_final_and_join_to_the_final_text(text, stop, chunks
     ids = list(text.encode())
     if eos_at is not None:
         ids.insert(min(eos_at, len(ids)), EOS)
-    ids += list(b"a" * 80)       # enough tokens to always reach max_tokens
+    ids += list(b"a" * 80)  # enough tokens to always reach max_tokens
     seq = make(SamplingParams(max_tokens=max_tokens, stop=tuple(stop)))
     streamed = ""
     final_text, reason, kept = reference(ids, tuple(stop), max_tokens)

@@ -1,6 +1,7 @@
 """forerun serve on a loopback port with a tiny model: the openai client against it (completions and
 chat, streamed and whole), 64 concurrent streams, 200 cancelled requests, every invalid field, the
 API key, /metrics against the responses, and an engine failure that ends one request only."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,14 +17,14 @@ import pytest
 import uvicorn
 
 from forerun.api import LLM
-from forerun.batch import BatchEngine
-from forerun.config import SamplingParams
-from forerun.engine import Engine
-from forerun.errors import ForerunError
-from forerun.scheduler import Scheduler
-from forerun.server import ServerConfig, create_app
-from forerun.server_http import TimedH11Protocol
-from forerun.server_metrics import ServerMetrics
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.engine.batch import BatchEngine
+from forerun.engine.engine import Engine
+from forerun.serve.app import ServerConfig, create_app
+from forerun.serve.http import TimedH11Protocol
+from forerun.serve.metrics import ServerMetrics
+from forerun.serve.scheduler import Scheduler
 
 KEY = "test-key"
 NAME = "tiny"
@@ -33,11 +34,22 @@ CONTEXT = 512
 class Served:
     """A started server: its base URL, scheduler and metrics; stop() shuts it down."""
 
-    def __init__(self, llm: LLM, api_key: str | None = KEY, max_waiting: int = 512, max_num_seqs: int = 64,
-                 new_engine=None, header_timeout: float = 10.0, **config) -> None:
+    def __init__(
+        self,
+        llm: LLM,
+        api_key: str | None = KEY,
+        max_waiting: int = 512,
+        max_num_seqs: int = 64,
+        new_engine=None,
+        header_timeout: float = 10.0,
+        **config,
+    ) -> None:
         self.llm = llm
-        self.batch = (BatchEngine(llm.new_engine, max_num_seqs, engines=[llm.engine]) if new_engine is None
-                      else BatchEngine(new_engine, max_num_seqs))
+        self.batch = (
+            BatchEngine(llm.new_engine, max_num_seqs, engines=[llm.engine])
+            if new_engine is None
+            else BatchEngine(new_engine, max_num_seqs)
+        )
         self.metrics = ServerMetrics(self.batch)
         self.scheduler = Scheduler(self.batch, max_waiting)
         self.scheduler.start()
@@ -46,8 +58,11 @@ class Served:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
-                                                    http=TimedH11Protocol.with_timeout(header_timeout)))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app, host="127.0.0.1", port=port, log_level="error", http=TimedH11Protocol.with_timeout(header_timeout)
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -88,8 +103,11 @@ def test_completions_whole_and_streamed_equal_the_engine_alone(served) -> None:
     assert whole.usage.prompt_tokens == len(ids)
     assert whole.usage.completion_tokens == len(out_ids)
     assert whole.usage.total_tokens == len(ids) + len(out_ids)
-    chunks = list(client.completions.create(model=NAME, prompt="abc", max_tokens=24, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=NAME, prompt="abc", max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert chunks[-1].usage.completion_tokens == len(out_ids) and not chunks[-1].choices
 
@@ -100,8 +118,7 @@ def test_chat_whole_and_streamed_equal_the_engine_alone(served) -> None:
     want = alone(served.llm, messages, max_tokens=20)
     whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0)
     assert whole.choices[0].message.content == want and whole.choices[0].message.role == "assistant"
-    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0,
-                                            stream=True)
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0, stream=True)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
@@ -114,17 +131,22 @@ def test_stop_strings_cut_the_text_and_finish_with_stop(served) -> None:
     stop = full[5:7]
     assert stop and full.find(stop) >= 0
     out = client.completions.create(model=NAME, prompt="abc", max_tokens=40, temperature=0, stop=[stop])
-    assert out.choices[0].text == full[:full.find(stop)]
+    assert out.choices[0].text == full[: full.find(stop)]
     assert out.choices[0].finish_reason == "stop"
 
 
 def test_seeds_reproduce_sampled_output(served) -> None:
     client = served.client()
+
     def run(seed: int) -> str:
-        return client.completions.create(model=NAME, prompt="xy", max_tokens=30, temperature=1.5, seed=seed).choices[0].text
+        return (
+            client.completions.create(model=NAME, prompt="xy", max_tokens=30, temperature=1.5, seed=seed)
+            .choices[0]
+            .text
+        )
 
     assert run(7) == run(7)
-    assert len({run(seed) for seed in range(8, 14)}) > 1            # the seed does matter
+    assert len({run(seed) for seed in range(8, 14)}) > 1  # the seed does matter
 
 
 def test_models_lists_the_served_name(served) -> None:
@@ -149,8 +171,10 @@ def test_64_concurrent_streams_each_equal_their_run_alone(served) -> None:
 
 def test_cancelled_requests_leave_nothing_behind(served) -> None:
     # A prompt whose greedy run is long, so that 200 of them would take minutes if they all ran.
-    lengths = {p: len(served.llm.tokenizer.encode(alone(served.llm, p, max_tokens=400)))
-               for p in ("q", "zz", "hello", "abc", "0", "x y", "wq", "mm")}
+    lengths = {
+        p: len(served.llm.tokenizer.encode(alone(served.llm, p, max_tokens=400)))
+        for p in ("q", "zz", "hello", "abc", "0", "x y", "wq", "mm")
+    }
     prompt = max(lengths, key=lengths.get)
     assert lengths[prompt] >= 300, lengths
 
@@ -162,17 +186,21 @@ def test_cancelled_requests_leave_nothing_behind(served) -> None:
 
     async def give_up(client: httpx.AsyncClient, stream: bool) -> bool:
         try:
-            await asyncio.wait_for(read_all(client, stream), timeout=0.5)   # the client's whole-request timeout
-        except asyncio.TimeoutError:
+            await asyncio.wait_for(read_all(client, stream), timeout=0.5)  # the client's whole-request timeout
+        except TimeoutError:
             return True
         return False
 
     async def cancel_200() -> list[bool]:
-        async with httpx.AsyncClient(base_url=served.url, timeout=30, headers={"Authorization": f"Bearer {KEY}"},
-                                     limits=httpx.Limits(max_connections=200)) as client:
+        async with httpx.AsyncClient(
+            base_url=served.url,
+            timeout=30,
+            headers={"Authorization": f"Bearer {KEY}"},
+            limits=httpx.Limits(max_connections=200),
+        ) as client:
             return await asyncio.gather(*(give_up(client, stream=i % 2 == 0) for i in range(200)))
 
-    assert sum(asyncio.run(cancel_200())) >= 190          # a few may finish within the timeout
+    assert sum(asyncio.run(cancel_200())) >= 190  # a few may finish within the timeout
     start = time.monotonic()
     out = served.client(timeout=30).completions.create(model=NAME, prompt="abc", max_tokens=8, temperature=0)
     assert out.choices[0].text == alone(served.llm, "abc", max_tokens=8)
@@ -190,7 +218,7 @@ BAD = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": "ten"}, "max_tokens"),
     ({"model": "other-model"}, "model"),
-    ({"max_tokens": CONTEXT}, "max_tokens"),          # with the prompt, beyond the context
+    ({"max_tokens": CONTEXT}, "max_tokens"),  # with the prompt, beyond the context
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": {"text": "a"}}, "prompt"),
@@ -211,26 +239,35 @@ def test_invalid_fields_get_400_naming_the_field(served, change, param) -> None:
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert param.split("_")[0] in error["message"]
-    assert served.scheduler.counts() == (0, 0)                       # nothing reached the engine
+    assert served.scheduler.counts() == (0, 0)  # nothing reached the engine
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"\xff\xfe"])
 def test_a_body_that_is_not_a_json_object_gets_400(served, body) -> None:
-    r = httpx.post(served.url + "/v1/completions", content=body,
-                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    r = httpx.post(
+        served.url + "/v1/completions",
+        content=body,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
 def test_chat_messages_are_checked(served) -> None:
     for messages in ([], [{"content": "no role"}], [{"role": "user", "content": 5}], "hi"):
-        r = httpx.post(served.url + "/v1/chat/completions", json={"model": NAME, "messages": messages},
-                       headers={"Authorization": f"Bearer {KEY}"})
+        r = httpx.post(
+            served.url + "/v1/chat/completions",
+            json={"model": NAME, "messages": messages},
+            headers={"Authorization": f"Bearer {KEY}"},
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
 def test_an_oversized_body_is_refused(served) -> None:
-    r = httpx.post(served.url + "/v1/completions", json={"model": NAME, "prompt": "a" * (5 << 20)},
-                   headers={"Authorization": f"Bearer {KEY}"})
+    r = httpx.post(
+        served.url + "/v1/completions",
+        json={"model": NAME, "prompt": "a" * (5 << 20)},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
 
 
@@ -260,8 +297,10 @@ def test_metrics_agree_with_the_responses(target_tok) -> None:
         client = served.client()
         prompts = ["abcabcabcabc", "hello hello hello", "xyzxyzxy"]
         usage = [client.completions.create(model=NAME, prompt=p, max_tokens=30, temperature=0).usage for p in prompts]
-        expected = [Engine(llm.target, llm.engine.drafter, 3).generate(llm.tokenizer.encode(p), SamplingParams(max_tokens=30))
-                    for p in prompts]
+        expected = [
+            Engine(llm.target, llm.engine.drafter, 3).generate(llm.tokenizer.encode(p), SamplingParams(max_tokens=30))
+            for p in prompts
+        ]
         text = httpx.get(served.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     finally:
         served.stop()
@@ -311,11 +350,16 @@ def test_a_failure_inside_the_engine_ends_that_request_only(target_tok) -> None:
             client.completions.create(model=NAME, prompt="!boom", max_tokens=10, temperature=0)
         chunks = []
         with pytest.raises(openai.APIError, match="injected failure"):
-            for chunk in client.completions.create(model=NAME, prompt="!boom", max_tokens=10, temperature=0, stream=True):
+            for chunk in client.completions.create(
+                model=NAME, prompt="!boom", max_tokens=10, temperature=0, stream=True
+            ):
                 chunks.append(chunk)
-        assert chunks                                               # text before the failure came through
-        r = httpx.post(served.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                       json={"model": NAME, "prompt": "!boom", "max_tokens": 10, "temperature": 0, "stream": True})
+        assert chunks  # text before the failure came through
+        r = httpx.post(
+            served.url + "/v1/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"model": NAME, "prompt": "!boom", "max_tokens": 10, "temperature": 0, "stream": True},
+        )
         assert '"error"' in r.text and r.text.endswith("data: [DONE]\n\n")
         ok = client.completions.create(model=NAME, prompt="fine", max_tokens=10, temperature=0)
         assert ok.choices[0].text == alone(llm, "fine", max_tokens=10)
@@ -397,8 +441,16 @@ def test_the_serve_report_sets_each_run_beside_off_of_its_own_round(tmp_path) ->
 
     counted = level("auto", 16, 99)
     counted.draft_tokens, counted.accepted_tokens = 120, 90
-    write_report(tmp_path, [level("off", 16, 100), counted, level("off", 16, 50),
-                            level("auto", 16, 55, ["APIConnectionError: Connection error."])], "# header")
+    write_report(
+        tmp_path,
+        [
+            level("off", 16, 100),
+            counted,
+            level("off", 16, 50),
+            level("auto", 16, 55, ["APIConnectionError: Connection error."]),
+        ],
+        "# header",
+    )
     report = (tmp_path / "report.md").read_text()
     assert "| auto | 16 | 4 | 99.0 | 0.99× |" in report and "| auto | 16 | 4 | 55.0 | 1.10× |" in report
     assert "| 120 / 90 | 0 |" in report and "| – | 1 |" in report
@@ -410,9 +462,11 @@ def test_bench_serve_refuses_a_set_up_it_does_not_know(tmp_path, capsys) -> None
     from forerun.cli import main
 
     assert main(["bench-serve", "--model", "x", "--setups", "off,warp", "--out", str(tmp_path)]) == 2
-    assert main(["bench-serve", "--model", "x", "--setups", "off", "--length-spread", "-0.1", "--out", str(tmp_path)]) == 2
+    assert (
+        main(["bench-serve", "--model", "x", "--setups", "off", "--length-spread", "-0.1", "--out", str(tmp_path)]) == 2
+    )
     assert "(--length-spread) must be at least 0 and below 1" in capsys.readouterr().err
-    assert main(["bench-serve", "--model", "x", "--setups", "auto", "--out", str(tmp_path)]) == 2   # no draft model
+    assert main(["bench-serve", "--model", "x", "--setups", "auto", "--out", str(tmp_path)]) == 2  # no draft model
 
 
 def test_bench_serve_runs_every_set_up_at_each_level_and_writes_its_report(tmp_path, monkeypatch) -> None:
@@ -420,7 +474,7 @@ def test_bench_serve_runs_every_set_up_at_each_level_and_writes_its_report(tmp_p
     levels interleaved (each level runs all set-ups back to back, in turn first and last), every
     server stopped after."""
     from forerun.cli import main
-    from forerun.testing import save_hf_folder, tiny_model
+    from forerun.models.testing import save_hf_folder, tiny_model
 
     monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
     folder = save_hf_folder(tiny_model(seed=0), tmp_path / "target")
@@ -428,13 +482,44 @@ def test_bench_serve_runs_every_set_up_at_each_level_and_writes_its_report(tmp_p
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("abc abc", "hello", "xyz")))
     out = tmp_path / "out"
-    assert main(["bench-serve", "--model", str(folder), "--quantization", "w8a8", "--speculative-model", str(draft),
-                 "--speculative-quantization", "w8a8", "--num-speculative-tokens", "2", "--concurrency", "1,2",
-                 "--requests-per-level", "1", "--max-tokens", "6", "--dataset", str(dataset), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench-serve",
+                "--model",
+                str(folder),
+                "--quantization",
+                "w8a8",
+                "--speculative-model",
+                str(draft),
+                "--speculative-quantization",
+                "w8a8",
+                "--num-speculative-tokens",
+                "2",
+                "--concurrency",
+                "1,2",
+                "--requests-per-level",
+                "1",
+                "--max-tokens",
+                "6",
+                "--dataset",
+                str(dataset),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     levels = json.loads((out / "results.json").read_text())
     # The second level runs the set-ups in the reverse order.
-    assert [(r["concurrency"], r["setup"]) for r in levels] == [(1, "off"), (1, "fixed"), (1, "auto"),
-                                                              (2, "auto"), (2, "fixed"), (2, "off")]
+    assert [(r["concurrency"], r["setup"]) for r in levels] == [
+        (1, "off"),
+        (1, "fixed"),
+        (1, "auto"),
+        (2, "auto"),
+        (2, "fixed"),
+        (2, "off"),
+    ]
     assert all(r["failures"] == 0 and r["requests"] <= r["output_tokens"] <= 6 * r["requests"] for r in levels)
     # Each level's draft counters, read from the server's /metrics around it.
     assert all(r["draft_tokens"] == r["accepted_tokens"] == 0 for r in levels if r["setup"] == "off")
@@ -447,13 +532,13 @@ def test_bench_serve_runs_every_set_up_at_each_level_and_writes_its_report(tmp_p
 def test_the_engine_loop_runs_on_the_calling_thread_until_told_to_end(target_tok) -> None:
     """`forerun serve` runs the loop on its main thread (the HTTP server beside it): it serves
     requests there and returns once keep_going() turns False."""
-    from forerun.scheduler import Done, Request
+    from forerun.serve.scheduler import Done, Request
 
     llm = LLM(target_tok)
     scheduler = Scheduler(BatchEngine(llm.new_engine, 2, engines=[llm.engine]))
     ended = threading.Event()
     caller = threading.Thread(target=scheduler.run, kwargs={"keep_going": lambda: not ended.is_set()})
-    caller.start()                                        # stands in for the main thread
+    caller.start()  # stands in for the main thread
     deadline = time.monotonic() + 10
     while not scheduler.alive and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -491,8 +576,8 @@ class _Recorded:
         self.started.append(key)
 
     def prefill(self, budget_s):
-        from forerun.batch import StepResult
-        from forerun.engine import StepOutput
+        from forerun.engine.batch import StepResult
+        from forerun.engine.engine import StepOutput
 
         results = {}
         for key in self.started:
@@ -506,8 +591,8 @@ class _Recorded:
         return results
 
     def step(self):
-        from forerun.batch import StepResult
-        from forerun.engine import StepOutput
+        from forerun.engine.batch import StepResult
+        from forerun.engine.engine import StepOutput
 
         self.log.append(("step", len(self.lanes)))
         return {key: StepResult(StepOutput([2], "b", True)) for key in self.lanes}
@@ -518,7 +603,7 @@ class _Recorded:
 
 def test_requests_that_arrive_during_a_prefill_join_before_the_next_step() -> None:
     """A burst of requests joins one batch: the first does not step alone while the rest wait."""
-    from forerun.scheduler import Done, Request
+    from forerun.serve.scheduler import Done, Request
 
     finished = []
     done = threading.Event()
@@ -544,16 +629,37 @@ def test_requests_that_arrive_during_a_prefill_join_before_the_next_step() -> No
 
 def test_bench_serve_runs_a_set_up_named_twice_as_a_control_beside_it(tmp_path, monkeypatch) -> None:
     from forerun.cli import main
-    from forerun.testing import save_hf_folder, tiny_model
+    from forerun.models.testing import save_hf_folder, tiny_model
 
     monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
     folder = save_hf_folder(tiny_model(seed=0), tmp_path / "target")
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("abc abc", "hello")))
     out = tmp_path / "out"
-    assert main(["bench-serve", "--model", str(folder), "--quantization", "w8a8", "--setups", "off,off",
-                 "--concurrency", "2", "--requests-per-level", "1", "--max-tokens", "4", "--dataset", str(dataset),
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench-serve",
+                "--model",
+                str(folder),
+                "--quantization",
+                "w8a8",
+                "--setups",
+                "off,off",
+                "--concurrency",
+                "2",
+                "--requests-per-level",
+                "1",
+                "--max-tokens",
+                "4",
+                "--dataset",
+                str(dataset),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     levels = json.loads((out / "results.json").read_text())
     assert [r["setup"] for r in levels] == ["off", "off#2"] and all(r["failures"] == 0 for r in levels)
     assert (out / "off#2.log").exists()

@@ -1,18 +1,19 @@
 """The parts of OpenAI's API beyond one plain completion, each exact under speculation: `n` samples
 sharing a prefill, the target's logprobs (completions, chat, echo), and per-request speculation
 figures in vLLM's shape that add up to /metrics."""
+
 from __future__ import annotations
 
 import json
 
 import httpx
 import pytest
-
-from forerun.api import LLM
-from forerun.config import SamplingParams
-from forerun.engine import Engine
 from test_logprobs import direct_logprobs
 from test_server import KEY, NAME, Served, _metric
+
+from forerun.api import LLM
+from forerun.base.config import SamplingParams
+from forerun.engine.engine import Engine
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -62,23 +63,28 @@ def test_n_samples_with_a_seed_are_each_the_sample_of_its_own_seed(plain) -> Non
     out = post(plain, body)
     texts = [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
     assert texts == [alone(plain.llm, "abc", max_tokens=16, temperature=1.0, seed=11 + i).text for i in range(3)]
-    assert len(set(texts)) > 1                                   # the seeds differ
-    generated = sum(len(alone(plain.llm, "abc", max_tokens=16, temperature=1.0, seed=11 + i).token_ids)
-                    for i in range(3))
+    assert len(set(texts)) > 1  # the seeds differ
+    generated = sum(
+        len(alone(plain.llm, "abc", max_tokens=16, temperature=1.0, seed=11 + i).token_ids) for i in range(3)
+    )
     assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": generated, "total_tokens": 3 + generated}
-    assert post(plain, body)["choices"] == out["choices"]       # and reproduce
+    assert post(plain, body)["choices"] == out["choices"]  # and reproduce
     chunks = stream(plain, body)
-    streamed = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
-                for i in range(3)]
+    streamed = [
+        "".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
+        for i in range(3)
+    ]
     assert streamed == texts
 
 
 def test_n_greedy_chat_samples_are_all_the_greedy_answer(plain) -> None:
     messages = [{"role": "user", "content": "hi"}]
-    out = post(plain, {"model": NAME, "messages": messages, "max_tokens": 10, "temperature": 0, "n": 2},
-               "/v1/chat/completions")
-    want = Engine(plain.llm.target).generate(plain.llm.tokenizer.apply_chat(messages),
-                                             SamplingParams(max_tokens=10)).text
+    out = post(
+        plain, {"model": NAME, "messages": messages, "max_tokens": 10, "temperature": 0, "n": 2}, "/v1/chat/completions"
+    )
+    want = (
+        Engine(plain.llm.target).generate(plain.llm.tokenizer.apply_chat(messages), SamplingParams(max_tokens=10)).text
+    )
     assert [c["message"]["content"] for c in out["choices"]] == [want, want]
 
 
@@ -118,12 +124,18 @@ def test_speculative_logprobs_equal_the_plain_run_s(plain, speculative) -> None:
     a, b = post(plain, body)["choices"][0], post(speculative, body)["choices"][0]
     assert a["text"] == b["text"] and a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
     assert b["logprobs"]["token_logprobs"] == pytest.approx(a["logprobs"]["token_logprobs"], abs=1e-5)
-    assert b["speculative_decoding_stats"]["num_accepted_draft_tokens"] > 0      # it did speculate
+    assert b["speculative_decoding_stats"]["num_accepted_draft_tokens"] > 0  # it did speculate
 
 
 def test_chat_logprobs_and_streamed_logprobs(plain) -> None:
-    body = {"model": NAME, "messages": [{"role": "user", "content": "hey"}], "max_tokens": 8, "temperature": 0,
-            "logprobs": True, "top_logprobs": 2}
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": "hey"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     whole = post(plain, body, "/v1/chat/completions")["choices"][0]
     content = whole["logprobs"]["content"]
     assert "".join(e["token"] for e in content) == whole["message"]["content"]
@@ -149,11 +161,16 @@ def test_echo_scores_the_prompt(plain) -> None:
         assert lp["token_logprobs"][i] == pytest.approx(direct[i - 1][ids[i]], abs=1e-4)
     with_text = post(plain, {"model": NAME, "prompt": "hello", "max_tokens": 4, "echo": True, "temperature": 0})
     assert with_text["choices"][0]["text"] == "hello" + alone(plain.llm, "hello", max_tokens=4).text
-    chunks = stream(plain, {"model": NAME, "prompt": "hello", "max_tokens": 4, "echo": True, "temperature": 0,
-                            "logprobs": 1})
+    chunks = stream(
+        plain, {"model": NAME, "prompt": "hello", "max_tokens": 4, "echo": True, "temperature": 0, "logprobs": 1}
+    )
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == with_text["choices"][0]["text"]
-    streamed = [t for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
-                for t in c["choices"][0]["logprobs"]["token_logprobs"]]
+    streamed = [
+        t
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for t in c["choices"][0]["logprobs"]["token_logprobs"]
+    ]
     assert streamed[0] is None and streamed[1:5] == pytest.approx(lp["token_logprobs"][1:], abs=1e-6)
 
 
@@ -168,9 +185,18 @@ def test_per_request_figures_have_vllm_s_shape_and_add_up_to_the_metrics(target_
         for prompt in ("abcabcabcabc", "hello hello hello"):
             out = post(served, {"model": NAME, "prompt": prompt, "max_tokens": 30, "temperature": 0})
             figures.append(out["choices"][0]["speculative_decoding_stats"])
-            assert out["speculative_decoding_stats"] == figures[-1]       # n = 1: at the root as well
-        chunks = stream(served, {"model": NAME, "prompt": "xyzxyzxyz", "max_tokens": 30, "temperature": 0,
-                                 "n": 2, "stream_options": {"include_usage": True}})
+            assert out["speculative_decoding_stats"] == figures[-1]  # n = 1: at the root as well
+        chunks = stream(
+            served,
+            {
+                "model": NAME,
+                "prompt": "xyzxyzxyz",
+                "max_tokens": 30,
+                "temperature": 0,
+                "n": 2,
+                "stream_options": {"include_usage": True},
+            },
+        )
         last = [ch for c in chunks for ch in c["choices"] if ch["finish_reason"]]
         assert len(last) == 2 and all("speculative_decoding_stats" in ch for ch in last)
         figures += [ch["speculative_decoding_stats"] for ch in last]
@@ -180,7 +206,9 @@ def test_per_request_figures_have_vllm_s_shape_and_add_up_to_the_metrics(target_
             assert sum(int(j) * c for j, c in f["acceptance_histogram"].items()) == f["num_accepted_draft_tokens"]
             assert sum(f["per_step_accepted"]) == f["num_accepted_draft_tokens"]
             assert sum(f["per_step_drafted"]) == f["num_draft_tokens"]
-            assert f["mean_acceptance_length"] == pytest.approx(1 + f["num_accepted_draft_tokens"] / f["num_spec_steps"])
+            assert f["mean_acceptance_length"] == pytest.approx(
+                1 + f["num_accepted_draft_tokens"] / f["num_spec_steps"]
+            )
             assert f["draft_acceptance_rate"] == pytest.approx(f["num_accepted_draft_tokens"] / f["num_draft_tokens"])
         text = httpx.get(served.url + "/metrics", headers=AUTH).text
         assert _metric(text, "forerun:spec_decode_num_drafts_total") == sum(f["num_spec_steps"] for f in figures)

@@ -1,5 +1,6 @@
 """A schema fuzzer against `forerun serve`'s own /openapi.json: requests that fit the schema and
 requests that break it, on every route, never get a 5xx and never leave work behind."""
+
 from __future__ import annotations
 
 import time
@@ -9,17 +10,18 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis.generation.modes import GenerationMode
-
-from forerun.api import LLM
 from test_server import KEY, Served
 
-EXAMPLES = 100         # per route and mode: bounded (about 15 s here)
+from forerun.api import LLM
+
+EXAMPLES = 100  # per route and mode: bounded (about 15 s here)
 
 
 @pytest.fixture(scope="module")
 def served(target_tok):
-    s = Served(LLM(target_tok, speculative_method="ngram", num_speculative_tokens=3), max_num_seqs=4,
-               spec_stats="summary")
+    s = Served(
+        LLM(target_tok, speculative_method="ngram", num_speculative_tokens=3), max_num_seqs=4, spec_stats="summary"
+    )
     yield s
     s.stop()
 
@@ -32,15 +34,20 @@ def test_no_request_the_fuzzer_makes_gets_a_5xx(served, mode) -> None:
     statuses: dict[int, int] = {}
     for operation in operations:
         if mode == GenerationMode.NEGATIVE and operation.method.upper() != "POST":
-            continue                                        # a GET without parameters cannot be made wrong
+            continue  # a GET without parameters cannot be made wrong
+
         @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(max_examples=EXAMPLES, deadline=None, phases=[Phase.generate], database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            phases=[Phase.generate],
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         def call(case) -> None:
             if isinstance(case.body, dict):
                 # Bounded work per example: the fuzzer's max_tokens and n would otherwise run for minutes.
-                case.body = {**case.body, **({"max_tokens": 4} if isinstance(case.body.get("max_tokens"), int)
-                                             else {})}
+                case.body = {**case.body, **({"max_tokens": 4} if isinstance(case.body.get("max_tokens"), int) else {})}
             response = case.call(base_url=served.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
             assert response.status_code < 500, f"{case.method} {case.path} {case.body!r}: {response.text}"
@@ -49,6 +56,6 @@ def test_no_request_the_fuzzer_makes_gets_a_5xx(served, mode) -> None:
     # Each mode reaches what it aims at: the engine (positive), the checks (negative).
     assert (200 if mode == GenerationMode.POSITIVE else 400) in statuses, statuses
     deadline = time.monotonic() + 10
-    while served.scheduler.counts() != (0, 0):            # nothing left running or waiting
+    while served.scheduler.counts() != (0, 0):  # nothing left running or waiting
         assert time.monotonic() < deadline, served.scheduler.counts()
         time.sleep(0.05)

@@ -1,6 +1,7 @@
 """forerun serve against what knocks servers over: client mistakes that must be 400s (and counted
 apart from engine failures), legal numbers that once gave nonsense, a slow tokenization, slow and
 vanishing clients, unknown routes, the schema a fuzzer reads, and a SIGTERM with streams open."""
+
 from __future__ import annotations
 
 import json
@@ -16,13 +17,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_server import CONTEXT, KEY, NAME, Served, _metric
 
 from forerun.api import LLM
+from forerun.base.config import SamplingParams
 from forerun.commands.common import quantization_arg
-from forerun.config import SamplingParams
-from forerun.engine import Engine
-from forerun.testing import save_hf_folder, tiny_model
-from test_server import CONTEXT, KEY, NAME, Served, _metric
+from forerun.engine.engine import Engine
+from forerun.models.testing import save_hf_folder, tiny_model
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -36,8 +37,13 @@ def served(target_tok):
 
 def post(served, body, path="/v1/completions", **kw) -> httpx.Response:
     # json.dumps escapes a lone surrogate as \\udfff, as a client in any language may send it.
-    return httpx.post(served.url + path, content=json.dumps(body), timeout=30, **kw,
-                      headers={**AUTH, "Content-Type": "application/json"})
+    return httpx.post(
+        served.url + path,
+        content=json.dumps(body),
+        timeout=30,
+        **kw,
+        headers={**AUTH, "Content-Type": "application/json"},
+    )
 
 
 def greedy(served, prompt: str, max_tokens: int) -> str:
@@ -46,11 +52,11 @@ def greedy(served, prompt: str, max_tokens: int) -> str:
 
 
 CLIENT_MISTAKES = [
-    ({"seed": 2 ** 64}, "seed"),
-    ({"seed": -(2 ** 63) - 1}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
     ({"prompt": [1000000000]}, "prompt"),
     ({"prompt": [-1]}, "prompt"),
-    ({"prompt": [2 ** 64]}, "prompt"),
+    ({"prompt": [2**64]}, "prompt"),
     ({"prompt": "x\udfff"}, "prompt"),
     ({"stop": ["\ud800"]}, "stop"),
     ({"logit_bias": {"5": 1}}, "logit_bias"),
@@ -58,8 +64,8 @@ CLIENT_MISTAKES = [
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"best_of": 3}, "best_of"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"tempreature": 0.5}, "tempreature"),            # a typo is named, not ignored
-    ({"messages": [{"role": "user", "content": "a"}]}, "messages"),   # the chat route's field
+    ({"tempreature": 0.5}, "tempreature"),  # a typo is named, not ignored
+    ({"messages": [{"role": "user", "content": "a"}]}, "messages"),  # the chat route's field
     ({"logprobs": 21}, "logprobs"),
 ]
 
@@ -73,23 +79,44 @@ def test_client_mistakes_are_400s_naming_the_field(served, change, param) -> Non
     assert param in error["message"] or param == "prompt"
 
 
-@pytest.mark.parametrize("raw", [b'{"model": "tiny", "prompt": "a", "temperature": Infinity}',
-                                 b'{"model": "tiny", "prompt": "a", "temperature": NaN}',
-                                 b'{"model": "tiny", "prompt": "a", "top_p": -Infinity}'])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "tiny", "prompt": "a", "temperature": Infinity}',
+        b'{"model": "tiny", "prompt": "a", "temperature": NaN}',
+        b'{"model": "tiny", "prompt": "a", "top_p": -Infinity}',
+    ],
+)
 def test_non_finite_numbers_are_refused(served, raw) -> None:
     r = httpx.post(served.url + "/v1/completions", content=raw, headers={**AUTH, "Content-Type": "application/json"})
     assert r.status_code == 400 and "finite" in r.json()["error"]["message"]
 
 
 def test_a_body_nested_a_hundred_thousand_deep_is_a_400(served) -> None:
-    r = httpx.post(served.url + "/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
-                   headers={**AUTH, "Content-Type": "application/json"})
+    r = httpx.post(
+        served.url + "/v1/completions",
+        content=b"[" * 100_000 + b"]" * 100_000,
+        headers={**AUTH, "Content-Type": "application/json"},
+    )
     assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(served) -> None:
-    r = post(served, {"model": NAME, "prompt": "abc", "max_tokens": 3, "temperature": 0, "logit_bias": {},
-                      "presence_penalty": 0, "frequency_penalty": 0.0, "best_of": 1, "user": "u1", "tools": []})
+    r = post(
+        served,
+        {
+            "model": NAME,
+            "prompt": "abc",
+            "max_tokens": 3,
+            "temperature": 0,
+            "logit_bias": {},
+            "presence_penalty": 0,
+            "frequency_penalty": 0.0,
+            "best_of": 1,
+            "user": "u1",
+            "tools": [],
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == greedy(served, "abc", 3)
 
@@ -98,10 +125,19 @@ def test_chat_roles_outside_openai_s_are_400s(served) -> None:
     for role in ("wizard", "", "System"):
         r = post(served, {"model": NAME, "messages": [{"role": role, "content": "hi"}]}, "/v1/chat/completions")
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
-    r = post(served, {"model": NAME, "max_tokens": 2, "messages": [{"role": "tool", "content": "42"},
-                                                                   {"role": "developer", "content": "be brief"},
-                                                                   {"role": "user", "content": "hi"}]},
-             "/v1/chat/completions")
+    r = post(
+        served,
+        {
+            "model": NAME,
+            "max_tokens": 2,
+            "messages": [
+                {"role": "tool", "content": "42"},
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": "hi"},
+            ],
+        },
+        "/v1/chat/completions",
+    )
     assert r.status_code == 200, r.text
 
 
@@ -127,8 +163,7 @@ def test_a_tiny_temperature_is_greedy_not_nonsense(served, temperature) -> None:
 
 @pytest.mark.parametrize("top_p", [1e-46, 1e-50])
 def test_a_tiny_top_p_keeps_the_likeliest_token(served, top_p) -> None:
-    r = post(served, {"model": NAME, "prompt": "abc", "max_tokens": 12, "temperature": 1.0, "top_p": top_p,
-                      "seed": 3})
+    r = post(served, {"model": NAME, "prompt": "abc", "max_tokens": 12, "temperature": 1.0, "top_p": top_p, "seed": 3})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy(served, "abc", 12)
 
 
@@ -142,13 +177,14 @@ def test_tokenizing_a_long_prompt_does_not_stall_other_clients(served, monkeypat
 
     monkeypatch.setattr(tok, "encode", slow)
     result = {}
-    thread = threading.Thread(target=lambda: result.update(r=post(served, {"model": NAME, "prompt": "abc",
-                                                                           "max_tokens": 2})))
+    thread = threading.Thread(
+        target=lambda: result.update(r=post(served, {"model": NAME, "prompt": "abc", "max_tokens": 2}))
+    )
     thread.start()
-    time.sleep(0.3)                                     # the slow request is tokenizing now
+    time.sleep(0.3)  # the slow request is tokenizing now
     started = time.monotonic()
     assert httpx.get(served.url + "/health", timeout=10).status_code == 200
-    assert time.monotonic() - started < 1.0             # not behind the 2 s tokenization
+    assert time.monotonic() - started < 1.0  # not behind the 2 s tokenization
     thread.join(20)
     assert result["r"].status_code == 200
 
@@ -161,7 +197,7 @@ def test_a_prompt_past_the_character_cap_is_refused_before_tokenizing(served, mo
 
 
 def test_unknown_routes_and_wrong_methods_answer_in_openai_s_shape_after_the_key(served) -> None:
-    assert httpx.get(served.url + "/v1/nothing").status_code == 401      # nothing revealed without the key
+    assert httpx.get(served.url + "/v1/nothing").status_code == 401  # nothing revealed without the key
     r = httpx.get(served.url + "/v1/nothing", headers=AUTH)
     assert r.status_code == 404 and "/v1/nothing" in r.json()["error"]["message"]
     r = httpx.get(served.url + "/v1/completions", headers=AUTH)
@@ -196,15 +232,18 @@ def _connect(served) -> socket.socket:
 def test_a_connection_that_trickles_its_headers_is_closed(served) -> None:
     with _connect(served) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-        time.sleep(1.0)                                  # past the 0.5 s head deadline
+        time.sleep(1.0)  # past the 0.5 s head deadline
         s.settimeout(3)
-        assert s.recv(100) == b""                        # closed without an answer
+        assert s.recv(100) == b""  # closed without an answer
 
 
 def test_a_body_that_never_arrives_gets_408(served) -> None:
     with _connect(served) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
-                  + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + KEY.encode()
+            + b'\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"model"'
+        )
         s.settimeout(5)
         assert s.recv(200).startswith(b"HTTP/1.1 408")
 
@@ -212,8 +251,11 @@ def test_a_body_that_never_arrives_gets_408(served) -> None:
 def test_a_client_hanging_up_mid_body_leaves_no_traceback(served, caplog) -> None:
     with caplog.at_level(logging.DEBUG):
         with _connect(served) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
-                      + b"\r\nContent-Length: 100\r\n\r\n{\"model\"")
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                + KEY.encode()
+                + b'\r\nContent-Length: 100\r\n\r\n{"model"'
+            )
         time.sleep(0.5)
         assert httpx.get(served.url + "/health").status_code == 200
     assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
@@ -226,8 +268,10 @@ def test_serve_and_generate_default_to_the_exact_format() -> None:
     for command in (["serve"], ["generate", "--prompt", "x"]):
         args = parser.parse_args([*command, "--model", "m"])
         assert args.quantization == "auto" and args.speculative_quantization == "auto"
-        assert quantization_arg(parser.parse_args([*command, "--model", "m", "--quantization", "none"])
-                                .quantization) is None
+        assert (
+            quantization_arg(parser.parse_args([*command, "--model", "m", "--quantization", "none"]).quantization)
+            is None
+        )
 
 
 # --- a real `forerun serve` process and its shutdown -----------------------------------------------
@@ -246,9 +290,28 @@ def _free_port() -> int:
 
 def _serve(folder: Path, port: int, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "forerun.cli", "serve", "--model", str(folder), "--port", str(port),
-                             "--dtype", "float32", "--quantization", "none", "--served-model-name", "tiny", *extra],
-                            stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "forerun.cli",
+            "serve",
+            "--model",
+            str(folder),
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--quantization",
+            "none",
+            "--served-model-name",
+            "tiny",
+            *extra,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def _wait_ready(process: subprocess.Popen, url: str) -> None:
@@ -267,9 +330,19 @@ def _stream(url: str, results: list, index: int) -> None:
     """One streamed completion; records its events (parsed) and whether it ended with [DONE]."""
     events, done = [], False
     try:
-        with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                          json={"model": "tiny", "prompt": f"abc{index}", "max_tokens": 900, "ignore_eos": True,
-                                "temperature": 0, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            timeout=60,
+            json={
+                "model": "tiny",
+                "prompt": f"abc{index}",
+                "max_tokens": 900,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+            },
+        ) as r:
             status = r.status_code
             for line in r.iter_lines():
                 if line == "data: [DONE]":
@@ -292,10 +365,12 @@ def test_sigterm_finishes_or_ends_every_stream_and_exits_0_within_the_grace(tiny
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
-        while True:                                      # 8 running, 4 waiting
+        while True:  # 8 running, 4 waiting
             text = httpx.get(url + "/metrics").text
-            if (_metric(text, "forerun:num_requests_running") == 8
-                    and _metric(text, "forerun:num_requests_waiting") == 4):
+            if (
+                _metric(text, "forerun:num_requests_running") == 8
+                and _metric(text, "forerun:num_requests_waiting") == 4
+            ):
                 break
             assert time.monotonic() < deadline, "the streams did not all start"
             time.sleep(0.02)
@@ -305,7 +380,7 @@ def test_sigterm_finishes_or_ends_every_stream_and_exits_0_within_the_grace(tiny
         refused = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "late"}, timeout=10)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         assert process.wait(timeout=15) == 0
-        assert time.monotonic() - sent < 1 + 5           # the grace, and the uvicorn wind-down
+        assert time.monotonic() - sent < 1 + 5  # the grace, and the uvicorn wind-down
         for t in threads:
             t.join(10)
         errors = 0
@@ -317,7 +392,7 @@ def test_sigterm_finishes_or_ends_every_stream_and_exits_0_within_the_grace(tiny
                 assert last["error"]["code"] == "shutting_down"
             else:
                 assert last["choices"][0]["finish_reason"] == "length"
-        assert errors >= 4                               # the 4 waiting ones at least
+        assert errors >= 4  # the 4 waiting ones at least
         log = process.stderr.read()
         assert "SIGTERM" in log and "shut down" in log
     finally:

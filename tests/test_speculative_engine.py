@@ -1,19 +1,19 @@
 """The speculative engine on tiny fp32 models: greedy output identical to plain decoding, stops that
 fall inside an accepted run, seeded reproducibility and metrics that add up."""
+
 from __future__ import annotations
 
 import pytest
+from conftest import perturbed
 
 from forerun import LLM
-from forerun.config import SamplingParams
+from forerun.base.config import SamplingParams
 from forerun.drafters.draft_model import DraftModelDrafter
-from forerun.engine import Engine, RequestOutput
-from forerun.metrics import SpecMetrics
+from forerun.engine.engine import Engine, RequestOutput
+from forerun.engine.metrics import SpecMetrics
 from forerun.models.load import LoadedModel
+from forerun.models.testing import tiny_model
 from forerun.models.tokenizer import Tokenizer
-from forerun.testing import tiny_model
-
-from conftest import perturbed
 
 PROMPT = [5, 6, 7, 8, 40, 41]
 MAX = 32
@@ -61,7 +61,7 @@ def test_greedy_speculation_reproduces_plain_decoding_for_every_k(target, drafts
         check_metrics(out, k)
         if which == "same":
             assert out.metrics.acceptance_rate >= 0.98, f"K={k}"
-        if which == "noisy":   # the noisy draft is a real test: it is sometimes right, sometimes wrong
+        if which == "noisy":  # the noisy draft is a real test: it is sometimes right, sometimes wrong
             assert 0.05 < out.metrics.acceptance_rate < 0.95, f"K={k}"
 
 
@@ -72,13 +72,13 @@ def test_second_choice_leaves_keep_greedy_output_and_save_target_passes(target, 
     tree = spec(target, drafts["noisy"], k, second_choice=0.0).generate(PROMPT, SamplingParams(max_tokens=MAX))
     assert tree.token_ids == plain_greedy.token_ids == chain.token_ids
     check_metrics(tree, k, leaves=True)
-    assert tree.metrics.num_draft_tokens > chain.metrics.num_draft_tokens     # the leaves were verified
+    assert tree.metrics.num_draft_tokens > chain.metrics.num_draft_tokens  # the leaves were verified
     assert tree.metrics.num_target_forwards < chain.metrics.num_target_forwards
 
 
 @pytest.mark.parametrize("row_seconds,leaves", [(0.0, True), (0.1, False)], ids=["free rows", "dear rows"])
 def test_a_second_choice_leaf_is_proposed_only_where_its_row_pays(target, drafts, row_seconds, leaves) -> None:
-    from forerun.cost_model import PassCosts
+    from forerun.policy.cost_model import PassCosts
 
     drafter = DraftModelDrafter(target, drafts["noisy"], second_choice=0.0)
     drafter.start(PROMPT, None, 64)
@@ -92,7 +92,7 @@ def test_a_second_choice_leaf_is_proposed_only_where_its_row_pays(target, drafts
 def test_a_draft_model_shut_out_by_a_stalled_pass_gets_its_timed_cost_back_by_degrees(target, drafts) -> None:
     # The gate admits a catch-up on the drafter's token cost, which only drafting updates: after
     # a stalled pass, requests without drafting age it toward the timed figure.
-    from forerun.cost_model import Acceptance
+    from forerun.policy.cost_model import Acceptance
 
     drafter = DraftModelDrafter(target, drafts["noisy"])
     drafter.shared["timed", None] = (0.001, 0.01)
@@ -100,10 +100,10 @@ def test_a_draft_model_shut_out_by_a_stalled_pass_gets_its_timed_cost_back_by_de
     drafter.acceptance, drafter.token_seconds = Acceptance(1.0, 9.0), 1.0
     costs = []
     for _ in range(5):
-        drafter.start(PROMPT, None, 64)                  # the request before drafted nothing
+        drafter.start(PROMPT, None, 64)  # the request before drafted nothing
         costs.append(drafter.token_seconds)
     assert costs == sorted(costs, reverse=True) and costs[-1] < 0.05
-    assert drafter.acceptance.alpha == pytest.approx(0.1)     # what the drafts showed stands
+    assert drafter.acceptance.alpha == pytest.approx(0.1)  # what the drafts showed stands
     # A request that drafted keeps its figures as they are.
     drafter.propose(PROMPT, 2, SamplingParams(), None)
     drafter.token_seconds = 1.0
@@ -147,19 +147,19 @@ def first_new_token(tokens: list[int], start: int, avoid: set[int]) -> int:
 def test_a_stop_token_inside_an_accepted_run_ends_where_plain_decoding_ends(target, drafts, plain_greedy, k, tokenizer):
     # Declare a token that plain decoding emits mid-run a stop token, via the tokenizer's extra stop ids.
     i = first_new_token(plain_greedy.token_ids, 2, set())
-    while i % (k + 1) in (0, k):                 # neither a step's bonus nor its last draft: inside the run
+    while i % (k + 1) in (0, k):  # neither a step's bonus nor its last draft: inside the run
         i = first_new_token(plain_greedy.token_ids, i + 1, set())
     stop_tok = Tokenizer(tokenizer.hf, extra_stop_ids=[plain_greedy.token_ids[i]])
     tgt = LoadedModel("target", target.decoder, stop_tok, target.source)
     drf = LoadedModel("same", drafts["same"].decoder, stop_tok, target.source)
     plain = Engine(tgt).generate(PROMPT, SamplingParams(max_tokens=MAX))
     out = spec(tgt, drf, k).generate(PROMPT, SamplingParams(max_tokens=MAX))
-    assert plain.token_ids == plain_greedy.token_ids[:i + 1] and plain.finish_reason == "stop"
+    assert plain.token_ids == plain_greedy.token_ids[: i + 1] and plain.finish_reason == "stop"
     assert (out.token_ids, out.text, out.finish_reason) == (plain.token_ids, plain.text, "stop")
     m = out.metrics
     assert m.num_emitted_tokens == len(out.token_ids) == i + 1
-    assert m.num_accepted_tokens == i - i // (k + 1)    # all emitted but the first and each step's bonus
-    assert m.num_draft_tokens > m.num_accepted_tokens   # ... and the stop cut an accepted run short
+    assert m.num_accepted_tokens == i - i // (k + 1)  # all emitted but the first and each step's bonus
+    assert m.num_draft_tokens > m.num_accepted_tokens  # ... and the stop cut an accepted run short
     check_metrics(out, k)
 
 
@@ -171,18 +171,21 @@ def test_a_stop_string_inside_an_accepted_run_ends_where_plain_decoding_ends(tar
 
     def completes_at(stop: str) -> int:
         """Index of the token whose text completes the first occurrence of `stop`."""
-        return next(n for n in range(len(ids)) if stop in tokenizer.decode(ids[:n + 1]))
+        return next(n for n in range(len(ids)) if stop in tokenizer.decode(ids[: n + 1]))
 
     # A two-character stop string, new where it first appears, completed by a draft strictly inside a run.
-    stop = next(text[j:j + 2] for j in range(2, len(text) - 2)
-                if text.find(text[j:j + 2]) == j and completes_at(text[j:j + 2]) % (k + 1) not in (0, k))
+    stop = next(
+        text[j : j + 2]
+        for j in range(2, len(text) - 2)
+        if text.find(text[j : j + 2]) == j and completes_at(text[j : j + 2]) % (k + 1) not in (0, k)
+    )
     params = SamplingParams(max_tokens=MAX, ignore_eos=True, stop=(stop,))
     plain = Engine(target_tok).generate(PROMPT, params)
     out = spec(target_tok, target_tok, k).generate(PROMPT, params)
-    assert plain.finish_reason == "stop" and plain.text == text[:text.find(stop)]
+    assert plain.finish_reason == "stop" and plain.text == text[: text.find(stop)]
     assert (out.token_ids, out.text, out.finish_reason) == (plain.token_ids, plain.text, plain.finish_reason)
     assert len(out.token_ids) == completes_at(stop) + 1 == out.metrics.num_emitted_tokens
-    assert out.metrics.num_draft_tokens > out.metrics.num_accepted_tokens   # the stop cut a run short
+    assert out.metrics.num_draft_tokens > out.metrics.num_accepted_tokens  # the stop cut a run short
     check_metrics(out, k)
 
 
@@ -193,7 +196,7 @@ def test_streamed_text_joins_to_the_final_text_and_holds_no_stop_string(target_t
     llm = LLM(target_tok, speculative_model=target_tok, num_speculative_tokens=4)
     pieces = list(llm.stream(PROMPT, SamplingParams(max_tokens=MAX, ignore_eos=True, stop=(stop,))))
     result = llm.last_result
-    assert result.finish_reason == "stop" and result.text == text[:text.find(stop)]
+    assert result.finish_reason == "stop" and result.text == text[: text.find(stop)]
     assert "".join(pieces) == result.text
     assert all(stop not in p for p in pieces)
 
@@ -236,22 +239,22 @@ def test_llm_api_matches_the_engine(target, drafts, plain_greedy):
 
 def test_a_stop_inside_a_run_counts_only_the_emitted_drafts():
     m = SpecMetrics(num_speculative_tokens=4)
-    m.record_step(0, 0, 1)          # prefill
-    m.record_step(4, 4, 5)          # all kept + bonus
-    m.record_step(4, 3, 2)          # three kept, but a stop came at the second
-    m.record_step(4, 1, 2)          # one kept + recovered
+    m.record_step(0, 0, 1)  # prefill
+    m.record_step(4, 4, 5)  # all kept + bonus
+    m.record_step(4, 3, 2)  # three kept, but a stop came at the second
+    m.record_step(4, 1, 2)  # one kept + recovered
     assert (m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens, m.num_emitted_tokens) == (3, 12, 7, 10)
     assert m.accepted_per_position == [3, 2, 1, 1]
     assert m.num_target_forwards == 4 and m.mean_accepted_length == 10 / 4
     assert m.acceptance_rate == 7 / 12
-    assert m.efficiency == 9 / 15       # the prefill token has no slot
+    assert m.efficiency == 9 / 15  # the prefill token has no slot
 
 
 def test_efficiency_ignores_steps_without_a_draft():
     m = SpecMetrics(num_speculative_tokens=1)
     m.record_step(0, 0, 1)
     m.record_step(1, 1, 2)
-    m.record_step(0, 0, 1)          # too close to max_tokens to draft
+    m.record_step(0, 0, 1)  # too close to max_tokens to draft
     assert m.efficiency == 1.0
 
 
@@ -262,8 +265,13 @@ def test_merge_sums_counters_and_widens_positions():
     b.record_step(0, 0, 1)
     a.merge(b)
     assert a.num_speculative_tokens == 3 and a.accepted_per_position == [2, 1, 0]
-    assert (a.num_drafts, a.num_draft_tokens, a.num_accepted_tokens, a.num_emitted_tokens,
-            a.num_target_forwards) == (2, 5, 3, 6, 3)
+    assert (a.num_drafts, a.num_draft_tokens, a.num_accepted_tokens, a.num_emitted_tokens, a.num_target_forwards) == (
+        2,
+        5,
+        3,
+        6,
+        3,
+    )
     assert a.efficiency == 5 / 8
 
 
@@ -275,11 +283,11 @@ def test_predicted_mean_accepted_length_is_the_geometric_series(rate, k, expecte
 
 @pytest.mark.parametrize("token_seconds,drafted", [(1e-6, 6), (1.0, 1)], ids=["cheap", "dear"])
 def test_a_draft_ends_once_another_token_cannot_pay(target, drafts, token_seconds, drafted) -> None:
-    from forerun.cost_model import PassCosts
+    from forerun.policy.cost_model import PassCosts
 
-    drafter = DraftModelDrafter(target, drafts["same"], second_choice=2.0)   # chains
+    drafter = DraftModelDrafter(target, drafts["same"], second_choice=2.0)  # chains
     drafter.start(PROMPT, None, 64)
-    drafter.set_pass_cost(PassCosts([0.1] * 16))          # one target pass: 0.1 s; extra rows free
+    drafter.set_pass_cost(PassCosts([0.1] * 16))  # one target pass: 0.1 s; extra rows free
     drafter.token_seconds = token_seconds
     tree = drafter.propose(PROMPT, 6, SamplingParams(), None)
     # A draft forward dearer than a whole target pass never pays for a second token; a free one
@@ -287,17 +295,19 @@ def test_a_draft_ends_once_another_token_cannot_pay(target, drafts, token_second
     assert len(tree) == drafted
     # Greedy output is the target's whatever the draft lengths.
     engine = Engine(target, drafter, 6)
-    assert engine.generate(PROMPT, SamplingParams(max_tokens=MAX)).token_ids == \
-        Engine(target).generate(PROMPT, SamplingParams(max_tokens=MAX)).token_ids
+    assert (
+        engine.generate(PROMPT, SamplingParams(max_tokens=MAX)).token_ids
+        == Engine(target).generate(PROMPT, SamplingParams(max_tokens=MAX)).token_ids
+    )
 
 
 def test_the_draft_cache_is_made_at_the_first_proposal_and_kept_for_the_next_request(target, drafts) -> None:
     drafter = DraftModelDrafter(target, drafts["noisy"], second_choice=2.0)
     drafter.start(PROMPT, None, 64)
-    assert drafter.cache is None                          # a request it never drafts for needs none
+    assert drafter.cache is None  # a request it never drafts for needs none
     first = drafter.propose(PROMPT, 4, SamplingParams(), None)
     cache = drafter.cache
-    assert cache is not None and cache.length == len(PROMPT) + len(first) - 1   # the last draft token not fed
+    assert cache is not None and cache.length == len(PROMPT) + len(first) - 1  # the last draft token not fed
     # The next request on this drafter reuses the cache, which still holds the last one's entries
     # past its new length: its proposals are those of a fresh drafter all the same.
     other = [9, 3, 70, 71, 72]
@@ -305,7 +315,10 @@ def test_the_draft_cache_is_made_at_the_first_proposal_and_kept_for_the_next_req
     assert drafter.cache is cache and cache.length == 0
     fresh = DraftModelDrafter(target, drafts["noisy"], second_choice=2.0)
     fresh.start(other, None, 64)
-    assert drafter.propose(other, 4, SamplingParams(), None).tokens == fresh.propose(other, 4, SamplingParams(), None).tokens
+    assert (
+        drafter.propose(other, 4, SamplingParams(), None).tokens
+        == fresh.propose(other, 4, SamplingParams(), None).tokens
+    )
     # A request needing more slots than it has gets a new one.
     drafter.start(PROMPT, None, cache.max_len + 1)
     assert drafter.cache is None

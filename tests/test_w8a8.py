@@ -3,6 +3,7 @@
 Row independence is checked as bit equality, never closeness: greedy speculation equals plain
 decoding only if every verified row comes out exactly as it would alone.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,18 +14,19 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from forerun import cpu, drafters
-from forerun.config import SamplingParams
-from forerun.engine import Engine
-from forerun.errors import ForerunError
+from forerun import drafters
+from forerun.base import cpu
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.engine.engine import Engine
 from forerun.models import attention, formats, w8a8
 from forerun.models.attention import RowLayout
 from forerun.models.decoder import Decoder
 from forerun.models.load import load_model
+from forerun.models.testing import tiny_model
 from forerun.models.w8a8 import W8A8Linear, quantize_decoder_
-from forerun.testing import tiny_model
-from forerun.tree import DraftTree
-from forerun.verify import row_layout
+from forerun.verification.tree import DraftTree
+from forerun.verification.verify import row_layout
 from tests.test_load import IDS, logits_of, write_gguf
 
 SLOW = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -33,7 +35,10 @@ SLOW = settings(max_examples=40, deadline=None, suppress_health_check=[HealthChe
 def random_rows(seed: int, rows: int, width: int) -> torch.Tensor:
     """Rows with the awkward cases: an outlier column, a zero row, tiny and huge magnitudes."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, width, generator=gen) * torch.logspace(-3, 3, rows)[torch.randperm(rows, generator=gen)][:, None]
+    x = (
+        torch.randn(rows, width, generator=gen)
+        * torch.logspace(-3, 3, rows)[torch.randperm(rows, generator=gen)][:, None]
+    )
     x[:, int(torch.randint(width, (1,), generator=gen))] *= 50
     if rows > 2:
         x[1] = 0.0
@@ -64,21 +69,28 @@ def usable_kernels() -> list[str]:
 
 
 @SLOW
-@given(rows=st.integers(1, 16), width=st.sampled_from([16, 64, 96, 896, 1536]), seed=st.integers(0, 10_000),
-       kernel=st.sampled_from(usable_kernels()))
+@given(
+    rows=st.integers(1, 16),
+    width=st.sampled_from([16, 64, 96, 896, 1536]),
+    seed=st.integers(0, 10_000),
+    kernel=st.sampled_from(usable_kernels()),
+)
 def test_a_rows_product_is_bit_identical_alone_or_in_any_batch(rows: int, width: int, seed: int, kernel: str) -> None:
     gen = torch.Generator().manual_seed(seed)
-    layer = W8A8Linear.from_float(torch.randn(40, width, generator=gen), torch.randn(40, generator=gen),
-                                  kernel_name=kernel)
+    layer = W8A8Linear.from_float(
+        torch.randn(40, width, generator=gen), torch.randn(40, generator=gen), kernel_name=kernel
+    )
     x = random_rows(seed, rows, width)
     batch = layer(x)
     for i in range(rows):
-        assert torch.equal(batch[i], layer(x[i:i + 1])[0]), f"row {i} of {rows} differs"
+        assert torch.equal(batch[i], layer(x[i : i + 1])[0]), f"row {i} of {rows} differs"
     assert torch.isfinite(batch).all()
 
 
-@pytest.mark.skipif(not w8a8.onednn_exact() or w8a8.reduce_range_needed(),
-                    reason="onednn's int8 product does not run here, or fbgemm needs 7-bit activations")
+@pytest.mark.skipif(
+    not w8a8.onednn_exact() or w8a8.reduce_range_needed(),
+    reason="onednn's int8 product does not run here, or fbgemm needs 7-bit activations",
+)
 @SLOW
 @given(rows=st.integers(1, 20), width=st.sampled_from([16, 96, 896, 1536]), seed=st.integers(0, 10_000))
 def test_every_kernel_gives_the_same_bits(rows: int, width: int, seed: int) -> None:
@@ -93,8 +105,10 @@ def test_every_kernel_gives_the_same_bits(rows: int, width: int, seed: int) -> N
     assert torch.equal(outputs["mixed"], outputs["fbgemm"])
 
 
-@pytest.mark.skipif(not w8a8.onednn_exact() or w8a8.reduce_range_needed(),
-                    reason="onednn's int8 product does not run here, or fbgemm needs 7-bit activations")
+@pytest.mark.skipif(
+    not w8a8.onednn_exact() or w8a8.reduce_range_needed(),
+    reason="onednn's int8 product does not run here, or fbgemm needs 7-bit activations",
+)
 def test_a_whole_decoder_computes_the_same_logits_through_either_kernel() -> None:
     # A prefill (many rows: onednn in "mixed") and one-row steps (fbgemm in "mixed").
     import copy
@@ -107,17 +121,20 @@ def test_a_whole_decoder_computes_the_same_logits_through_either_kernel() -> Non
         cache = decoder.new_cache(30)
         rows = [decoder(ids[:20], torch.arange(20), cache).logits[0]]
         for i in range(20, 24):
-            rows.append(decoder(ids[i:i + 1], torch.tensor([i]), cache, layout=RowLayout.chain(i, 1)).logits[0])
+            rows.append(decoder(ids[i : i + 1], torch.tensor([i]), cache, layout=RowLayout.chain(i, 1)).logits[0])
         logits[k] = torch.cat(rows)
     assert torch.equal(logits["mixed"], logits["fbgemm"])
 
 
-@pytest.mark.parametrize("flags,onednn,saturates,want", [
-    ({"avx512f", "avx512_vnni", "amx_tile", "amx_int8"}, True, False, "mixed"),
-    ({"avx512f", "avx512_vnni"}, True, False, "fbgemm"),           # onednn is measured faster with AMX only
-    ({"avx2", "fma"}, True, True, "fbgemm"),
-    ({"avx512f", "amx_tile", "amx_int8"}, False, False, "fbgemm"),  # no exact onednn product in this PyTorch
-])
+@pytest.mark.parametrize(
+    "flags,onednn,saturates,want",
+    [
+        ({"avx512f", "avx512_vnni", "amx_tile", "amx_int8"}, True, False, "mixed"),
+        ({"avx512f", "avx512_vnni"}, True, False, "fbgemm"),  # onednn is measured faster with AMX only
+        ({"avx2", "fma"}, True, True, "fbgemm"),
+        ({"avx512f", "amx_tile", "amx_int8"}, False, False, "fbgemm"),  # no exact onednn product in this PyTorch
+    ],
+)
 def test_the_kernel_is_chosen_for_the_cpu_it_finds(monkeypatch, flags, onednn, saturates, want) -> None:
     monkeypatch.delenv(w8a8.KERNEL_ENV, raising=False)
     monkeypatch.setattr(cpu, "flags", lambda: flags)
@@ -138,8 +155,10 @@ def test_an_asked_for_kernel_is_used_or_refused_with_the_choices(monkeypatch) ->
             monkeypatch.setenv(w8a8.KERNEL_ENV, asked)
             w8a8.kernel.cache_clear()
             assert w8a8.kernel() == want
-        for asked, error in (("cublas", r"not a w8a8 kernel; use one of mixed, onednn, fbgemm"),
-                             ("mixed", r"8-bit activations in fbgemm.*saturate")):
+        for asked, error in (
+            ("cublas", r"not a w8a8 kernel; use one of mixed, onednn, fbgemm"),
+            ("mixed", r"8-bit activations in fbgemm.*saturate"),
+        ):
             monkeypatch.setenv(w8a8.KERNEL_ENV, asked)
             w8a8.kernel.cache_clear()
             with pytest.raises(ForerunError, match=error):
@@ -178,15 +197,19 @@ def test_w8a8_on_a_device_without_fbgemm_names_the_formats_it_can_run() -> None:
         formats.check_device("w8a8", "cuda")
 
 
-@pytest.mark.parametrize("flags,fbgemm,device,want", [
-    ({"avx2", "fma"}, True, "cpu", "w8a8"),
-    ({"avx512f", "amx_bf16", "amx_tile", "amx_int8"}, True, "cpu", "w8a8"),   # measured faster than bf16 there too
-    ({"avx512f", "amx_bf16", "amx_tile", "amx_int8"}, False, "cpu", None),    # bf16 rows are nearly free
-    ({"avx2", "fma"}, False, "cpu", "int8"),
-    (set(), True, "cuda", None),
-])
-def test_auto_picks_the_fastest_exact_format_for_the_cpu_it_finds(monkeypatch, capsys, flags, fbgemm, device,
-                                                                  want) -> None:
+@pytest.mark.parametrize(
+    "flags,fbgemm,device,want",
+    [
+        ({"avx2", "fma"}, True, "cpu", "w8a8"),
+        ({"avx512f", "amx_bf16", "amx_tile", "amx_int8"}, True, "cpu", "w8a8"),  # measured faster than bf16 there too
+        ({"avx512f", "amx_bf16", "amx_tile", "amx_int8"}, False, "cpu", None),  # bf16 rows are nearly free
+        ({"avx2", "fma"}, False, "cpu", "int8"),
+        (set(), True, "cuda", None),
+    ],
+)
+def test_auto_picks_the_fastest_exact_format_for_the_cpu_it_finds(
+    monkeypatch, capsys, flags, fbgemm, device, want
+) -> None:
     monkeypatch.setattr(cpu, "flags", lambda: flags)
     monkeypatch.setattr(w8a8, "available", lambda device="cpu": fbgemm and torch.device(device).type == "cpu")
     monkeypatch.setattr(formats, "_said", set())
@@ -213,7 +236,7 @@ def test_a_quantized_decoder_stays_close_to_its_float_original() -> None:
         cache = decoder.new_cache(40)
         rows = [decoder(ids[:30], torch.arange(30), cache).logits[0]]
         for i in range(30, 40):
-            rows.append(decoder(ids[i:i + 1], torch.tensor([i]), cache, layout=RowLayout.chain(i, 1)).logits[0])
+            rows.append(decoder(ids[i : i + 1], torch.tensor([i]), cache, layout=RowLayout.chain(i, 1)).logits[0])
         return torch.cat(rows)
 
     exact, approx = logits(model), logits(quantized)
@@ -236,7 +259,9 @@ def plain_rows(decoder: Decoder, prefix: list[int], tokens: list[int]) -> torch.
     rows = []
     for token in tokens:
         at = cache.length
-        rows.append(decoder(torch.tensor([token]), torch.tensor([at]), cache, layout=RowLayout.chain(at, 1)).logits[0, 0])
+        rows.append(
+            decoder(torch.tensor([token]), torch.tensor([at]), cache, layout=RowLayout.chain(at, 1)).logits[0, 0]
+        )
     return torch.stack(rows)
 
 
@@ -247,8 +272,9 @@ def random_tree(draw, size: int) -> DraftTree:
 
 @SLOW
 @given(data=st.data(), prefix_len=st.integers(1, 150), nodes=st.integers(0, 15), block=st.sampled_from([4, 8, 64]))
-def test_every_verified_row_equals_plain_decoding_bit_for_bit(quantized, monkeypatch, data, prefix_len: int,
-                                                               nodes: int, block: int) -> None:
+def test_every_verified_row_equals_plain_decoding_bit_for_bit(
+    quantized, monkeypatch, data, prefix_len: int, nodes: int, block: int
+) -> None:
     # Small key blocks make rows of one verification straddle block edges; random trees make
     # branches whose ancestors must be moved into place.
     monkeypatch.setattr(attention, "KEY_BLOCK", block)
@@ -258,8 +284,9 @@ def test_every_verified_row_equals_plain_decoding_bit_for_bit(quantized, monkeyp
     cache = quantized.new_cache(prefix_len + nodes + 1)
     quantized(torch.tensor(prefix), torch.arange(prefix_len), cache)
     start = cache.length
-    verified = quantized(torch.tensor([root] + tree.tokens), tree.positions(start), cache,
-                         layout=row_layout(tree, start)).logits[0]                   # [N+1, V]
+    verified = quantized(
+        torch.tensor([root] + tree.tokens), tree.positions(start), cache, layout=row_layout(tree, start)
+    ).logits[0]  # [N+1, V]
     for row in range(nodes + 1):
         path = tree.path_to(row - 1) if row else []
         alone = plain_rows(quantized, prefix, [root] + [tree.tokens[i] for i in path])[-1]
@@ -301,8 +328,11 @@ def test_w8a8_gguf_load_is_cached_and_reloads_identically(tmp_path: Path, monkey
     def no_requantizing(decoder):
         raise AssertionError("the weights were quantized again although a w8a8 copy is cached")
 
-    monkeypatch.setitem(formats.FORMATS, "w8a8", dataclasses.replace(formats.FORMATS["w8a8"], quantize=no_requantizing,
-                                                                      shows_progress=False))
+    monkeypatch.setitem(
+        formats.FORMATS,
+        "w8a8",
+        dataclasses.replace(formats.FORMATS["w8a8"], quantize=no_requantizing, shows_progress=False),
+    )
     second = load_model(str(path), dtype="float32", with_tokenizer=False, quantization="w8a8")
     assert isinstance(second.decoder.lm_head, W8A8Linear)
     assert torch.equal(logits_of(second, IDS), logits_of(first, IDS))
@@ -311,8 +341,14 @@ def test_w8a8_gguf_load_is_cached_and_reloads_identically(tmp_path: Path, monkey
 # --- greedy speculation equals plain decoding, for every drafter -----------------------------------
 
 
-METHODS = [("ngram", {}), ("suffix", {}), ("suffix", {"min_match": 1, "branch_ratio": 0.3, "min_prob": 0.0}),
-           ("early-exit", {"layer": 2}), ("lookahead", {}), ("lookahead", {"window": 3, "ngram": 3, "guesses": 5})]
+METHODS = [
+    ("ngram", {}),
+    ("suffix", {}),
+    ("suffix", {"min_match": 1, "branch_ratio": 0.3, "min_prob": 0.0}),
+    ("early-exit", {"layer": 2}),
+    ("lookahead", {}),
+    ("lookahead", {"window": 3, "ngram": 3, "guesses": 5}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -356,14 +392,36 @@ def test_quality_command_compares_formats_with_the_unquantized_model(tmp_path: P
     import json
 
     from forerun.cli import main
-    from forerun.testing import save_hf_folder
+    from forerun.models.testing import save_hf_folder
 
     folder = save_hf_folder(tiny_model(seed=0), tmp_path / "tiny")
     dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text(json.dumps({"prompt": "abc abc", "category": "code"}) + "\n"
-                       + json.dumps({"prompt": "hello", "category": "chat"}) + "\n")
-    assert main(["quality", "--model", str(folder), "--dtype", "float32", "--quantization", "w8a8", "int8",
-                 "--dataset", str(dataset), "--max-tokens", "6", "--json"]) == 0
+    dataset.write_text(
+        json.dumps({"prompt": "abc abc", "category": "code"})
+        + "\n"
+        + json.dumps({"prompt": "hello", "category": "chat"})
+        + "\n"
+    )
+    assert (
+        main(
+            [
+                "quality",
+                "--model",
+                str(folder),
+                "--dtype",
+                "float32",
+                "--quantization",
+                "w8a8",
+                "int8",
+                "--dataset",
+                str(dataset),
+                "--max-tokens",
+                "6",
+                "--json",
+            ]
+        )
+        == 0
+    )
     table = json.loads(capsys.readouterr().out)
     assert set(table) == {"w8a8", "int8"}
     for rows in table.values():

@@ -4,13 +4,14 @@ A contender is one (method, K) configuration with its models already loaded; `ru
 one prompt and returns what was measured. The peers (peers.py for transformers, llamacpp.py for
 llama.cpp) have the same shape; one that holds a process has `close()`, called when the bench ends.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from forerun.api import LLM
-from forerun.config import SamplingParams
+from forerun.base.config import SamplingParams
 from forerun.models.load import LoadedModel
 
 PLAIN = "plain"
@@ -18,13 +19,13 @@ PLAIN = "plain"
 
 @dataclass
 class Measurement:
-    token_ids: list[int]          # generated tokens, prompt excluded
+    token_ids: list[int]  # generated tokens, prompt excluded
     text: str
     finish_reason: str
-    elapsed_s: float              # prefill to last token; loading excluded
-    first_token_s: float          # time to the first generated token
-    spec: dict | None = None      # speculation counters (SpecMetrics.to_dict + forwards); None for plain
-    engine_timings: dict | None = None   # a peer's own timing report, as it gave it (llama.cpp's `timings`)
+    elapsed_s: float  # prefill to last token; loading excluded
+    first_token_s: float  # time to the first generated token
+    spec: dict | None = None  # speculation counters (SpecMetrics.to_dict + forwards); None for plain
+    engine_timings: dict | None = None  # a peer's own timing report, as it gave it (llama.cpp's `timings`)
 
     @property
     def tokens_per_s(self) -> float:
@@ -45,14 +46,14 @@ def decode_rate(generated: int, elapsed_s: float, first_token_s: float) -> float
 @dataclass
 class PeerSetup:
     contenders: list = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)   # why a peer is missing, for the report
+    notes: list[str] = field(default_factory=list)  # why a peer is missing, for the report
 
 
 class Contender(Protocol):
-    method: str       # "plain", a drafter name, or a peer's name such as "hf-assisted"
-    engine: str       # "forerun", "transformers" or "llama.cpp"
-    k: int            # draft length; 0 for plain decoding
-    options: dict     # the method's own settings, as recorded in results.jsonl
+    method: str  # "plain", a drafter name, or a peer's name such as "hf-assisted"
+    engine: str  # "forerun", "transformers" or "llama.cpp"
+    k: int  # draft length; 0 for plain decoding
+    options: dict  # the method's own settings, as recorded in results.jsonl
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> Measurement: ...
 
@@ -60,17 +61,29 @@ class Contender(Protocol):
 class ForerunContender:
     engine = "forerun"
 
-    def __init__(self, target: LoadedModel, method: str, k: int, options: dict, recorded: dict | None = None,
-                 k_policy: str = "adaptive") -> None:
+    def __init__(
+        self,
+        target: LoadedModel,
+        method: str,
+        k: int,
+        options: dict,
+        recorded: dict | None = None,
+        k_policy: str = "adaptive",
+    ) -> None:
         """`recorded`: the options as results.jsonl should hold them, when they differ from those handed
         on; `k_policy`: adaptive (K is the most a step drafts) or fixed, recorded with them."""
         self.method, self.k = method, k
         speculative = method != PLAIN
-        self.options = recordable({**(options if recorded is None else recorded),
-                                   **({"k_policy": k_policy} if speculative else {})})
-        self.llm = LLM(target, speculative_method=method if speculative else None,
-                       speculative_options=options if speculative else None,
-                       num_speculative_tokens=k if speculative else 5, speculative_k_policy=k_policy)
+        self.options = recordable(
+            {**(options if recorded is None else recorded), **({"k_policy": k_policy} if speculative else {})}
+        )
+        self.llm = LLM(
+            target,
+            speculative_method=method if speculative else None,
+            speculative_options=options if speculative else None,
+            num_speculative_tokens=k if speculative else 5,
+            speculative_k_policy=k_policy,
+        )
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> Measurement:
         result = self.llm.generate([prompt_ids], params)[0]
@@ -78,13 +91,19 @@ class ForerunContender:
         if self.method != PLAIN:
             # to_dict lacks the forward count, which pooling mean accepted length over prompts needs.
             spec = {**result.metrics.to_dict(), "num_target_forwards": result.metrics.num_target_forwards}
-        return Measurement(result.token_ids, result.text, result.finish_reason, result.elapsed_s,
-                           result.first_token_s, spec)
+        return Measurement(
+            result.token_ids, result.text, result.finish_reason, result.elapsed_s, result.first_token_s, spec
+        )
 
 
-def build_forerun_contenders(target: LoadedModel, methods: list[str], ks: list[int], method_options: dict[str, dict],
-                             recorded_options: dict[str, dict] | None = None,
-                             k_policy: str = "adaptive") -> list[ForerunContender]:
+def build_forerun_contenders(
+    target: LoadedModel,
+    methods: list[str],
+    ks: list[int],
+    method_options: dict[str, dict],
+    recorded_options: dict[str, dict] | None = None,
+    k_policy: str = "adaptive",
+) -> list[ForerunContender]:
     """Plain decoding first (every other run is compared with it), then each method at each K.
 
     `recorded_options`: per method, the options to record where they differ from those handed on.
@@ -95,8 +114,11 @@ def build_forerun_contenders(target: LoadedModel, methods: list[str], ks: list[i
         if method == PLAIN:
             continue
         for k in ks:
-            contenders.append(ForerunContender(target, method, k, method_options.get(method, {}),
-                                               recorded_options.get(method), k_policy))
+            contenders.append(
+                ForerunContender(
+                    target, method, k, method_options.get(method, {}), recorded_options.get(method), k_policy
+                )
+            )
     return contenders
 
 

@@ -1,4 +1,5 @@
 """What machine a bench ran on: a few lines for the top of report.md, and its read bandwidth."""
+
 from __future__ import annotations
 
 import os
@@ -7,13 +8,16 @@ import time
 
 import torch
 
-from forerun import cpu
+from forerun.base import cpu
 
 
 def describe(dtype: str, device: str, quantization: str | None, with_transformers: bool) -> dict[str, str]:
-    info = {"CPU": cpu.name(), "threads": f"{torch.get_num_threads()} torch threads, "
-                                           f"{os.cpu_count()} logical cores",
-            "torch": torch.__version__, "python": platform.python_version()}
+    info = {
+        "CPU": cpu.name(),
+        "threads": f"{torch.get_num_threads()} torch threads, {os.cpu_count()} logical cores",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
     if with_transformers:
         import transformers
 
@@ -28,7 +32,7 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes per second this machine reads from memory with torch's threads: the best of `repeats`
     passes of two reductions (an int8 max and a float32 sum) over `nbytes`, far more than any cache.
     The best is taken because a weight product can do no better than the fastest plain read."""
-    buffer = torch.ones(nbytes, dtype=torch.int8)           # as float32, 0x01010101: small, not subnormal
+    buffer = torch.ones(nbytes, dtype=torch.int8)  # as float32, 0x01010101: small, not subnormal
     reads = (lambda: buffer.amax(), lambda: buffer.view(torch.float32).sum())
     best = float("inf")
     for read in reads:

@@ -7,19 +7,20 @@ settings from the model's hub files (repetition penalty and the like) are cleare
 compute the same thing. `PEERS` lists every name `--peers` takes; llama.cpp's contenders live in
 llamacpp.py.
 """
+
 from __future__ import annotations
 
 import contextlib
 import time
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
+from forerun.base.config import SamplingParams
 from forerun.bench.contenders import Measurement, PeerSetup
 from forerun.bench.llamacpp import LLAMA_METHODS
 from forerun.bench.llamacpp import PEER as LLAMA_PEER
-from forerun.config import SamplingParams
 from forerun.models.load import parse_dtype, resolve, resolve_device
 from forerun.models.tokenizer import Tokenizer
 
@@ -32,8 +33,9 @@ PEERS = ("transformers",) + HF_METHODS + (LLAMA_PEER,) + LLAMA_METHODS
 class TransformersContender:
     engine = "transformers"
 
-    def __init__(self, method: str, k: int, model, tokenizer: Tokenizer, assistant=None,
-                 assistant_confidence: float = 0.0) -> None:
+    def __init__(
+        self, method: str, k: int, model, tokenizer: Tokenizer, assistant=None, assistant_confidence: float = 0.0
+    ) -> None:
         self.method, self.k, self.model, self.tokenizer = method, k, model, tokenizer
         self.assistant, self.assistant_confidence = assistant, assistant_confidence
         self.options = {"assistant_confidence_threshold": assistant_confidence} if assistant is not None else {}
@@ -51,19 +53,22 @@ class TransformersContender:
             # As a criterion, not config.stop_strings: the assistant's own generate would demand a tokenizer.
             from transformers import StoppingCriteriaList, StopStringCriteria
 
-            extra["stopping_criteria"] = StoppingCriteriaList([StopStringCriteria(self.tokenizer.hf, list(params.stop))])
-        ids = torch.tensor([prompt_ids], device=self.model.device)          # [1, prompt_len]
+            extra["stopping_criteria"] = StoppingCriteriaList(
+                [StopStringCriteria(self.tokenizer.hf, list(params.stop))]
+            )
+        ids = torch.tensor([prompt_ids], device=self.model.device)  # [1, prompt_len]
         clock = _first_token_clock()
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        forwards: list[None] = []                                            # one entry per target forward
+        forwards: list[None] = []  # one entry per target forward
         counter = self.model.register_forward_pre_hook(lambda *_: forwards.append(None))
         try:
             with quiet():
                 start = time.perf_counter()
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                                          streamer=clock, **extra)           # [1, prompt_len + new]
-                tokens = out[0, len(prompt_ids):].tolist()                   # .tolist() waits for the device
+                out = self.model.generate(
+                    ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=clock, **extra
+                )  # [1, prompt_len + new]
+                tokens = out[0, len(prompt_ids) :].tolist()  # .tolist() waits for the device
                 elapsed = time.perf_counter() - start
         finally:
             counter.remove()
@@ -78,10 +83,14 @@ class TransformersContender:
         from transformers import GenerationConfig
 
         stop_ids = sorted(self.tokenizer.stop_ids)
-        fields = dict(max_new_tokens=params.max_tokens, do_sample=not params.greedy,
-                      eos_token_id=None if params.ignore_eos or not stop_ids else stop_ids,
-                      pad_token_id=self.tokenizer.hf.pad_token_id if self.tokenizer.hf.pad_token_id is not None
-                      else (stop_ids[0] if stop_ids else 0))
+        fields = dict(
+            max_new_tokens=params.max_tokens,
+            do_sample=not params.greedy,
+            eos_token_id=None if params.ignore_eos or not stop_ids else stop_ids,
+            pad_token_id=self.tokenizer.hf.pad_token_id
+            if self.tokenizer.hf.pad_token_id is not None
+            else (stop_ids[0] if stop_ids else 0),
+        )
         if not params.greedy:
             fields.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         if self.method == HF_LOOKUP:
@@ -89,9 +98,16 @@ class TransformersContender:
         return GenerationConfig(**fields)
 
 
-def transformers_contenders(model_spec: str, draft_spec: str | None, ks: list[int], dtype: str, device: str,
-                            tokenizer: Tokenizer, draft_min_confidence: float = 0.0,
-                            methods: tuple[str, ...] = HF_METHODS) -> PeerSetup:
+def transformers_contenders(
+    model_spec: str,
+    draft_spec: str | None,
+    ks: list[int],
+    dtype: str,
+    device: str,
+    tokenizer: Tokenizer,
+    draft_min_confidence: float = 0.0,
+    methods: tuple[str, ...] = HF_METHODS,
+) -> PeerSetup:
     """Load the target (and draft) in transformers; a model it cannot load becomes a note, not an error.
 
     `methods`: which of hf-plain, hf-assisted and hf-prompt-lookup to run.
@@ -110,12 +126,14 @@ def transformers_contenders(model_spec: str, draft_spec: str | None, ks: list[in
         else:
             assistant, problem = load_in_transformers(draft_spec, dtype, device)
             if assistant is None:
-                setup.notes.append(f"transformers assisted generation left out: it could not load the draft "
-                                   f"{draft_spec!r} ({problem})")
+                setup.notes.append(
+                    f"transformers assisted generation left out: it could not load the draft {draft_spec!r} ({problem})"
+                )
     for k in ks:
         if assistant is not None:
-            setup.contenders.append(TransformersContender(HF_ASSISTED, k, target, tokenizer, assistant,
-                                                          draft_min_confidence))
+            setup.contenders.append(
+                TransformersContender(HF_ASSISTED, k, target, tokenizer, assistant, draft_min_confidence)
+            )
         if HF_LOOKUP in methods:
             setup.contenders.append(TransformersContender(HF_LOOKUP, k, target, tokenizer))
     return setup
@@ -130,12 +148,13 @@ def load_in_transformers(spec: str, dtype: str, device: str):
         kwargs = {"dtype": parse_dtype(dtype)}
         with quiet():
             if source.kind == "gguf":
-                model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
-                                                             **kwargs)
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(source.path.parent), gguf_file=source.path.name, **kwargs
+                )
             else:
                 model = AutoModelForCausalLM.from_pretrained(str(source.path), **kwargs)
         model = model.to(resolve_device(device)).eval()
-        model.generation_config = GenerationConfig()   # no hub sampling defaults: same computation as forerun
+        model.generation_config = GenerationConfig()  # no hub sampling defaults: same computation as forerun
         return model, None
     except Exception as exc:  # transformers raises many types; any of them means "cannot load"
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
@@ -163,7 +182,7 @@ def quiet() -> Iterator[None]:
 def _cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
     """Text before the first stop string, as forerun reports it; and whether one was found."""
     found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return (text[:min(found)], True) if found else (text, False)
+    return (text[: min(found)], True) if found else (text, False)
 
 
 def _first_token_clock():

@@ -2,6 +2,7 @@
 
 Drawn on matplotlib's Agg canvas directly (no pyplot), so no global backend is switched.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -84,10 +85,9 @@ def sweep(path: Path, rows: list[Row]) -> bool:
     for method, group in methods.items():
         group.sort(key=lambda r: r.k)
         ks = [r.k for r in group]
-        line, = speed.plot(ks, [r.tokens_per_s for r in group], marker="o", label=method)
+        (line,) = speed.plot(ks, [r.tokens_per_s for r in group], marker="o", label=method)
         if group[0].mean_accepted_length is not None:
-            length.plot(ks, [r.mean_accepted_length for r in group], marker="o", color=line.get_color(),
-                        label=method)
+            length.plot(ks, [r.mean_accepted_length for r in group], marker="o", color=line.get_color(), label=method)
             length.plot(ks, [r.predicted_length for r in group], linestyle="--", color=line.get_color())
     for r in rows:
         if r.k == 0:

@@ -1,4 +1,5 @@
 """report.md: the command that made it, the machine, then speedup, decode-rate and acceptance tables per task kind."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,18 +7,20 @@ from pathlib import Path
 
 from forerun.bench.summary import OVERALL, Row, by_task
 
-DETAIL_HEADER = ("| method | K | speedup | tokens/s | decode tok/s | TTFT ms | mean accepted length "
-                 "| predicted from α, K | α | draft ms per token | identical to plain | prompts |")
+DETAIL_HEADER = (
+    "| method | K | speedup | tokens/s | decode tok/s | TTFT ms | mean accepted length "
+    "| predicted from α, K | α | draft ms per token | identical to plain | prompts |"
+)
 
 
 @dataclass
 class ReportContext:
-    command: str                    # the exact command line, shown first
-    machine: dict[str, str]         # CPU, threads, torch version, dtype, ...
+    command: str  # the exact command line, shown first
+    machine: dict[str, str]  # CPU, threads, torch version, dtype, ...
     settings: list[tuple[str, str]]  # (what, value) lines under the machine table
-    tasks: list[str]                # task kinds in reading order
-    plots: dict[str, str] = field(default_factory=dict)   # file name -> caption, for plots that were drawn
-    notes: list[str] = field(default_factory=list)        # skipped prompts, missing peers, interruptions
+    tasks: list[str]  # task kinds in reading order
+    plots: dict[str, str] = field(default_factory=dict)  # file name -> caption, for plots that were drawn
+    notes: list[str] = field(default_factory=list)  # skipped prompts, missing peers, interruptions
 
 
 def write_report(path: Path, records: list[dict], ctx: ReportContext) -> None:
@@ -33,8 +36,12 @@ def render(records: list[dict], ctx: ReportContext) -> str:
         return "\n".join(out + ["No results yet.", ""])
     out += ["## Speedup over plain decoding, by task kind", ""] + _matrix(table, "speedup") + [""]
     if any(row.vs_llama_plain is not None for row in table[OVERALL]):
-        out += ["## Decode rate × llama.cpp plain, by task kind", "",
-                "Median over prompts of decode tok/s(method) / decode tok/s(llama-plain) on the same prompt.", ""]
+        out += [
+            "## Decode rate × llama.cpp plain, by task kind",
+            "",
+            "Median over prompts of decode tok/s(method) / decode tok/s(llama-plain) on the same prompt.",
+            "",
+        ]
         out += _matrix(table, "vs_llama_plain") + [""]
     out += ["## Overall", ""] + _detail(table[OVERALL]) + [""]
     out += ["## By task kind", ""]
@@ -50,7 +57,7 @@ def render(records: list[dict], ctx: ReportContext) -> str:
 
 def _matrix(table: dict[str, list[Row]], field: str) -> list[str]:
     """One row per method, one column per task kind and overall, cells the ratio `field` of each Row."""
-    columns = list(table)            # task kinds, then overall
+    columns = list(table)  # task kinds, then overall
     rows: dict[str, dict[str, Row]] = {}
     for task, task_rows in table.items():
         for row in task_rows:
@@ -65,12 +72,20 @@ def _matrix(table: dict[str, list[Row]], field: str) -> list[str]:
 def _detail(rows: list[Row]) -> list[str]:
     lines = [DETAIL_HEADER, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        cells = [f"{r.method} ({r.engine})" if r.engine != "forerun" else r.method, str(r.k) if r.k else "–",
-                 _speedup(r.speedup), _rate(r.tokens_per_s),
-                 _rate(r.decode_tokens_per_s) if r.decode_tokens_per_s is not None else "–", f"{r.ttft_ms:.0f}",
-                 _num(r.mean_accepted_length), _num(r.predicted_length), _num(r.acceptance_rate),
-                 _num(r.draft_ms),
-                 f"{100 * r.identical:.0f}%" if r.identical is not None else "–", str(r.prompts)]
+        cells = [
+            f"{r.method} ({r.engine})" if r.engine != "forerun" else r.method,
+            str(r.k) if r.k else "–",
+            _speedup(r.speedup),
+            _rate(r.tokens_per_s),
+            _rate(r.decode_tokens_per_s) if r.decode_tokens_per_s is not None else "–",
+            f"{r.ttft_ms:.0f}",
+            _num(r.mean_accepted_length),
+            _num(r.predicted_length),
+            _num(r.acceptance_rate),
+            _num(r.draft_ms),
+            f"{100 * r.identical:.0f}%" if r.identical is not None else "–",
+            str(r.prompts),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -80,9 +95,14 @@ def _positions(rows: list[Row]) -> list[str]:
     if not rows:
         return []
     width = max(len(r.per_position) for r in rows)
-    lines = ["## Acceptance by draft position", "",
-             "Share of drafts whose i-th token was kept (all task kinds).", "",
-             "| method | " + " | ".join(str(i + 1) for i in range(width)) + " |", "|---|" + "---:|" * width]
+    lines = [
+        "## Acceptance by draft position",
+        "",
+        "Share of drafts whose i-th token was kept (all task kinds).",
+        "",
+        "| method | " + " | ".join(str(i + 1) for i in range(width)) + " |",
+        "|---|" + "---:|" * width,
+    ]
     for r in rows:
         cells = [f"{p:.2f}" for p in r.per_position] + ["–"] * (width - len(r.per_position))
         lines.append(f"| {r.label} | " + " | ".join(cells) + " |")
@@ -107,10 +127,12 @@ def _explanations(records: list[dict]) -> list[str]:
         "distribution).",
     ]
     if any(r.get("engine") == "transformers" for r in records):
-        lines.append("transformers peers (hf-*) get the same token ids, stop tokens and max tokens; hf-assisted "
-                     "uses the same draft model with a constant K; hf-prompt-lookup uses transformers' own n-gram "
-                     "sizes. Their mean accepted length counts the target's forwards with a hook; their drafts "
-                     "are not visible from outside, so α stays blank.")
+        lines.append(
+            "transformers peers (hf-*) get the same token ids, stop tokens and max tokens; hf-assisted "
+            "uses the same draft model with a constant K; hf-prompt-lookup uses transformers' own n-gram "
+            "sizes. Their mean accepted length counts the target's forwards with a hook; their drafts "
+            "are not visible from outside, so α stays blank."
+        )
     return lines
 
 

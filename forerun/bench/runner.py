@@ -5,6 +5,7 @@ then llama.cpp, whose servers are started once and stopped on every way out); so
 the machine (thermal, other load) touches every method alike, and each method's speedup is a ratio
 to a plain run made moments before on the same prompt.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,57 +19,62 @@ import torch
 from tqdm import tqdm
 
 from forerun import drafters
-from forerun.drafters.draft_model import DRAFT_MODEL_METHODS
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.base.prompts import Prompt, load_prompts, task_order
 from forerun.bench import llamacpp, machine
-from forerun.bench.contenders import PLAIN, Contender, Measurement, build_forerun_contenders
-from forerun.bench.dataset import Prompt, load_prompts, task_order
+from forerun.bench.contenders import (
+    PLAIN,
+    Contender,
+    Measurement,
+    build_forerun_contenders,
+)
 from forerun.bench.peers import HF_METHODS, PEERS, transformers_contenders
 from forerun.bench.plots import draw_all
 from forerun.bench.report import ReportContext, write_report
 from forerun.bench.store import ResultStore
 from forerun.bench.summary import by_task
-from forerun.config import SamplingParams
-from forerun.errors import ForerunError
+from forerun.drafters.draft_model import DRAFT_MODEL_METHODS
 from forerun.models.load import LoadedModel, load_model
 
 WARMUP_TOKENS = 16
-LLAMA_CONTEXT_SLACK = 16      # llama-server's context beyond prompt + max tokens
+LLAMA_CONTEXT_SLACK = 16  # llama-server's context beyond prompt + max tokens
 
 
 @dataclass
 class BenchConfig:
-    model: str                                   # target: embedded name, .gguf, folder or hub id
-    out: Path                                    # results.jsonl, report.md and the plots go here
+    model: str  # target: embedded name, .gguf, folder or hub id
+    out: Path  # results.jsonl, report.md and the plots go here
     methods: list[str] = field(default_factory=lambda: [PLAIN])  # "plain" and drafter names
     method_options: dict[str, dict] = field(default_factory=dict)  # each drafter's own settings
-    speculative_model: str | None = None         # the draft model, for "draft" and hf-assisted
-    dataset: str = "spec-bench"                  # "spec-bench" or a JSONL path
-    categories: list[str] | None = None          # None keeps all
+    speculative_model: str | None = None  # the draft model, for "draft" and hf-assisted
+    dataset: str = "spec-bench"  # "spec-bench" or a JSONL path
+    categories: list[str] | None = None  # None keeps all
     limit_per_category: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    ks: list[int] = field(default_factory=lambda: [5])   # K values; more than one is a sweep
-    k_policy: str = "adaptive"                   # adaptive: K is the most a step drafts; fixed: every step's
-    peers: list[str] = field(default_factory=list)       # e.g. ["transformers", "llama.cpp"]
+    ks: list[int] = field(default_factory=lambda: [5])  # K values; more than one is a sweep
+    k_policy: str = "adaptive"  # adaptive: K is the most a step drafts; fixed: every step's
+    peers: list[str] = field(default_factory=list)  # e.g. ["transformers", "llama.cpp"]
     dtype: str = "bfloat16"
     device: str = "cpu"
-    quantization: str | None = None              # "int8": the target's weights in int8
-    chat: bool = True                            # wrap prompts in the chat template when there is one
+    quantization: str | None = None  # "int8": the target's weights in int8
+    chat: bool = True  # wrap prompts in the chat template when there is one
     warmup: bool = True
-    progress: bool = True                        # a tqdm bar on stderr
-    command: str = "forerun bench"               # shown at the top of report.md
+    progress: bool = True  # a tqdm bar on stderr
+    command: str = "forerun bench"  # shown at the top of report.md
 
 
 @dataclass
 class Case:
     prompt: Prompt
-    ids: list[int]           # the prompt as token ids, the same for every contender
+    ids: list[int]  # the prompt as token ids, the same for every contender
 
 
 @dataclass
 class BenchResult:
     out: Path
-    records: list[dict]      # this command's records (prompts and contenders it names)
-    ran: int                 # runs made now; the rest came from an earlier, interrupted run
+    records: list[dict]  # this command's records (prompts and contenders it names)
+    ran: int  # runs made now; the rest came from an earlier, interrupted run
     notes: list[str]
 
 
@@ -111,8 +117,9 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     try:
         for c in contenders:
             store.check_options(c.method, c.k, c.options)
-        pending = [(case, c) for case in cases for c in contenders
-                   if not store.has(case.prompt.prompt_id, c.method, c.k)]
+        pending = [
+            (case, c) for case in cases for c in contenders if not store.has(case.prompt.prompt_id, c.method, c.k)
+        ]
         try:
             if pending and cfg.warmup:
                 _warm_up(contenders, pending[0][0].ids, cfg.sampling)
@@ -127,7 +134,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
             write_outputs(cfg, store, cases, contenders, notes)
             raise
     finally:
-        _close(contenders)               # llama-server processes stop on every way out
+        _close(contenders)  # llama-server processes stop on every way out
     records = write_outputs(cfg, store, cases, contenders, notes)
     return BenchResult(cfg.out, records, ran, notes)
 
@@ -135,10 +142,22 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
 def settings_of(cfg: BenchConfig) -> dict:
     """What shapes every number: a resumed run must match these exactly."""
     s = cfg.sampling
-    settings = {"model": cfg.model, "speculative_model": cfg.speculative_model, "dataset": cfg.dataset,
-                "chat": cfg.chat, "dtype": cfg.dtype, "device": cfg.device, "quantization": cfg.quantization,
-                "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-                "seed": s.seed, "stop": list(s.stop), "ignore_eos": s.ignore_eos}
+    settings = {
+        "model": cfg.model,
+        "speculative_model": cfg.speculative_model,
+        "dataset": cfg.dataset,
+        "chat": cfg.chat,
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "quantization": cfg.quantization,
+        "max_tokens": s.max_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "seed": s.seed,
+        "stop": list(s.stop),
+        "ignore_eos": s.ignore_eos,
+    }
     return json.loads(json.dumps(settings))
 
 
@@ -163,8 +182,10 @@ def _encode(prompts: list[Prompt], target: LoadedModel, cfg: BenchConfig, notes:
         else:
             cases.append(Case(p, ids))
     if too_long:
-        notes.append(f"{len(too_long)} prompts left out: prompt plus max tokens exceeds the model's context "
-                     f"of {limit} tokens (ids {', '.join(too_long[:10])}{', ...' if len(too_long) > 10 else ''})")
+        notes.append(
+            f"{len(too_long)} prompts left out: prompt plus max tokens exceeds the model's context "
+            f"of {limit} tokens (ids {', '.join(too_long[:10])}{', ...' if len(too_long) > 10 else ''})"
+        )
     if not cases:
         raise ForerunError(f"every prompt is longer than the model's context of {limit} tokens minus max tokens")
     return cases
@@ -174,7 +195,7 @@ def _contenders(cfg: BenchConfig, target: LoadedModel, notes: list[str], context
     """forerun's methods, then the peers asked for. `context`: the longest prompt plus max tokens."""
     options = {m: dict(o) for m, o in cfg.method_options.items()}
     recorded = {m: dict(o) for m, o in options.items()}
-    loaded: dict = {}                            # the draft model, loaded once for every method that runs it
+    loaded: dict = {}  # the draft model, loaded once for every method that runs it
     for method in (m for m in DRAFT_MODEL_METHODS if m in cfg.methods):
         draft_opts = options.setdefault(method, {})
         # Loaded once, already in its format (a cached quantized copy when there is one); the
@@ -186,26 +207,38 @@ def _contenders(cfg: BenchConfig, target: LoadedModel, notes: list[str], context
         draft_opts.setdefault("dtype", cfg.dtype)
         draft_opts.setdefault("device", cfg.device)
         recorded[method] = {**draft_opts, **({"quantize": quantize} if quantize else {})}
-    contenders: list[Contender] = list(build_forerun_contenders(target, cfg.methods, cfg.ks, options, recorded,
-                                                                  cfg.k_policy))
+    contenders: list[Contender] = list(
+        build_forerun_contenders(target, cfg.methods, cfg.ks, options, recorded, cfg.k_policy)
+    )
     hf_methods = HF_METHODS if "transformers" in cfg.peers else tuple(m for m in HF_METHODS if m in cfg.peers)
     if hf_methods:
         confidence = float(options.get("draft", {}).get("min_confidence", 0.0))
-        setup = transformers_contenders(cfg.model, cfg.speculative_model, cfg.ks, cfg.dtype, cfg.device,
-                                        target.tokenizer, confidence, hf_methods)
+        setup = transformers_contenders(
+            cfg.model, cfg.speculative_model, cfg.ks, cfg.dtype, cfg.device, target.tokenizer, confidence, hf_methods
+        )
         for note in setup.notes:
             print(f"note: {note}", file=sys.stderr)
         notes.extend(setup.notes)
         if setup.contenders and cfg.quantization:
             notes.append("transformers peers run the target's weights unquantized")
         contenders += setup.contenders
-    llama_methods = llamacpp.LLAMA_METHODS if llamacpp.PEER in cfg.peers else \
-        tuple(m for m in llamacpp.LLAMA_METHODS if m in cfg.peers)
+    llama_methods = (
+        llamacpp.LLAMA_METHODS
+        if llamacpp.PEER in cfg.peers
+        else tuple(m for m in llamacpp.LLAMA_METHODS if m in cfg.peers)
+    )
     if llama_methods:
-        ngram = int(options.get("ngram", {}).get("ngram_max", 3))   # look up as long a suffix as forerun's ngram
-        setup = llamacpp.llamacpp_contenders(cfg.model, cfg.speculative_model, cfg.ks, target.tokenizer,
-                                             torch.get_num_threads(), context + LLAMA_CONTEXT_SLACK,
-                                             llama_methods, ngram)
+        ngram = int(options.get("ngram", {}).get("ngram_max", 3))  # look up as long a suffix as forerun's ngram
+        setup = llamacpp.llamacpp_contenders(
+            cfg.model,
+            cfg.speculative_model,
+            cfg.ks,
+            target.tokenizer,
+            torch.get_num_threads(),
+            context + LLAMA_CONTEXT_SLACK,
+            llama_methods,
+            ngram,
+        )
         for note in setup.notes:
             print(f"note: {note}", file=sys.stderr)
         notes.extend(setup.notes)
@@ -242,21 +275,35 @@ def _measure(case: Case, c: Contender, params: SamplingParams, store: ResultStor
     is_plain = c.method == PLAIN
     speedup = 1.0 if is_plain else (m.tokens_per_s / plain["tokens_per_s"] if plain and plain["tokens_per_s"] else None)
     identical = True if is_plain else (m.token_ids == plain["output_token_ids"] if plain else None)
-    return {"prompt_id": case.prompt.prompt_id, "category": case.prompt.category, "task": case.prompt.task,
-            "method": c.method, "engine": c.engine, "k": c.k, "options": c.options,
-            "num_prompt_tokens": len(case.ids), "num_generated_tokens": len(m.token_ids),
-            "elapsed_s": round(m.elapsed_s, 6), "first_token_s": round(m.first_token_s, 6),
-            "tokens_per_s": round(m.tokens_per_s, 4),
-            "decode_tokens_per_s": round(decode, 4) if decode is not None else None,
-            "finish_reason": m.finish_reason,
-            "speedup_vs_plain": round(speedup, 4) if speedup is not None else None,
-            "identical_to_plain": identical, "spec": m.spec, "engine_timings": m.engine_timings,
-            "output_token_ids": m.token_ids, "text": m.text,
-            "settings": store.settings, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return {
+        "prompt_id": case.prompt.prompt_id,
+        "category": case.prompt.category,
+        "task": case.prompt.task,
+        "method": c.method,
+        "engine": c.engine,
+        "k": c.k,
+        "options": c.options,
+        "num_prompt_tokens": len(case.ids),
+        "num_generated_tokens": len(m.token_ids),
+        "elapsed_s": round(m.elapsed_s, 6),
+        "first_token_s": round(m.first_token_s, 6),
+        "tokens_per_s": round(m.tokens_per_s, 4),
+        "decode_tokens_per_s": round(decode, 4) if decode is not None else None,
+        "finish_reason": m.finish_reason,
+        "speedup_vs_plain": round(speedup, 4) if speedup is not None else None,
+        "identical_to_plain": identical,
+        "spec": m.spec,
+        "engine_timings": m.engine_timings,
+        "output_token_ids": m.token_ids,
+        "text": m.text,
+        "settings": store.settings,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
 
 
-def write_outputs(cfg: BenchConfig, store: ResultStore, cases: list[Case], contenders: list[Contender],
-                  notes: list[str]) -> list[dict]:
+def write_outputs(
+    cfg: BenchConfig, store: ResultStore, cases: list[Case], contenders: list[Contender], notes: list[str]
+) -> list[dict]:
     """report.md, the plots and run.json, from this command's records only."""
     wanted_prompts = {case.prompt.prompt_id for case in cases}
     wanted = {(c.method, c.k) for c in contenders}
@@ -264,11 +311,20 @@ def write_outputs(cfg: BenchConfig, store: ResultStore, cases: list[Case], conte
     tasks = task_order([case.prompt for case in cases])
     plots = draw_all(cfg.out, by_task(records, tasks)) if records else {}
     with_transformers = any(p == "transformers" or p in HF_METHODS for p in cfg.peers)
-    ctx = ReportContext(cfg.command, machine.describe(cfg.dtype, cfg.device, cfg.quantization, with_transformers),
-                        _settings_lines(cfg, cases), tasks, plots, notes)
+    ctx = ReportContext(
+        cfg.command,
+        machine.describe(cfg.dtype, cfg.device, cfg.quantization, with_transformers),
+        _settings_lines(cfg, cases),
+        tasks,
+        plots,
+        notes,
+    )
     write_report(cfg.out / "report.md", records, ctx)
-    (cfg.out / "run.json").write_text(json.dumps({"command": cfg.command, "machine": ctx.machine,
-                                                  "settings": store.settings, "notes": notes}, indent=1))
+    (cfg.out / "run.json").write_text(
+        json.dumps(
+            {"command": cfg.command, "machine": ctx.machine, "settings": store.settings, "notes": notes}, indent=1
+        )
+    )
     return records
 
 
@@ -277,9 +333,14 @@ def _settings_lines(cfg: BenchConfig, cases: list[Case]) -> list[tuple[str, str]
     for case in cases:
         counts[case.prompt.task] = counts.get(case.prompt.task, 0) + 1
     s = cfg.sampling
-    sampling = "greedy (temperature 0)" if s.greedy else f"temperature {s.temperature}, top-p {s.top_p}, top-k {s.top_k}"
-    return [("model", cfg.model), ("draft model", cfg.speculative_model or "none"),
-            ("dataset", f"{cfg.dataset}: {len(cases)} prompts (" +
-             ", ".join(f"{t} {n}" for t, n in counts.items()) + ")"),
-            ("sampling", f"{sampling}, max tokens {s.max_tokens}" + (", EOS ignored" if s.ignore_eos else "")),
-            ("K", ", ".join(map(str, cfg.ks))), ("chat template", "yes" if cfg.chat else "no")]
+    sampling = (
+        "greedy (temperature 0)" if s.greedy else f"temperature {s.temperature}, top-p {s.top_p}, top-k {s.top_k}"
+    )
+    return [
+        ("model", cfg.model),
+        ("draft model", cfg.speculative_model or "none"),
+        ("dataset", f"{cfg.dataset}: {len(cases)} prompts (" + ", ".join(f"{t} {n}" for t, n in counts.items()) + ")"),
+        ("sampling", f"{sampling}, max tokens {s.max_tokens}" + (", EOS ignored" if s.ignore_eos else "")),
+        ("K", ", ".join(map(str, cfg.ks))),
+        ("chat template", "yes" if cfg.chat else "no"),
+    ]

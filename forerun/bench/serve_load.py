@@ -13,6 +13,7 @@ together, finishes together and hands every lane to the next wave at once, while
 emit varying numbers of tokens drifts out of step and ends the level on a thinning batch. The
 level's total rate would then measure that finish, not the servers' steady rates.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,16 +30,16 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
 
 STARTUP_TIMEOUT_S = 600.0
 
 
 @dataclass
 class RequestTiming:
-    ttft_s: float                # request sent to its first text
-    e2e_s: float                 # request sent to its last chunk
-    tokens: int                  # completion tokens (usage, else one per chunk with text)
+    ttft_s: float  # request sent to its first text
+    e2e_s: float  # request sent to its last chunk
+    tokens: int  # completion tokens (usage, else one per chunk with text)
 
     @property
     def tpot_s(self) -> float | None:
@@ -59,8 +60,8 @@ class LevelResult:
     tpot_p90_s: float | None
     failures: int = 0
     timings: list[dict] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)      # what the failed requests raised, each kind once
-    draft_tokens: int | None = None     # the server's counters over the level (forerun's /metrics; None: not read)
+    errors: list[str] = field(default_factory=list)  # what the failed requests raised, each kind once
+    draft_tokens: int | None = None  # the server's counters over the level (forerun's /metrics; None: not read)
     accepted_tokens: int | None = None
 
     @property
@@ -78,8 +79,14 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int) -> Reques
     first = None
     chunks = 0
     usage = None
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                             stream=True, stream_options={"include_usage": True})
+    stream = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     async for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage.completion_tokens
@@ -114,13 +121,15 @@ def level_prompts(prompts: list, counts: list[int], distinct: bool = False, seed
     if not distinct:
         return [list(itertools.islice(itertools.cycle(prompts), n)) for n in counts]
     if sum(counts) > len(prompts):
-        raise ForerunError(f"--distinct sends {sum(counts)} different prompts ({' + '.join(map(str, counts))}), "
-                           f"but the dataset has {len(prompts)}; use fewer levels or requests per level, "
-                           "or more categories")
+        raise ForerunError(
+            f"--distinct sends {sum(counts)} different prompts ({' + '.join(map(str, counts))}), "
+            f"but the dataset has {len(prompts)}; use fewer levels or requests per level, "
+            "or more categories"
+        )
     order = list(prompts)
     random.Random(seed).shuffle(order)
     starts = list(itertools.accumulate(counts, initial=0))
-    return [order[start:start + n] for start, n in zip(starts, counts)]
+    return [order[start : start + n] for start, n in zip(starts, counts)]
 
 
 def running_order(setups: list, level: int) -> list:
@@ -130,8 +139,15 @@ def running_order(setups: list, level: int) -> list:
     return list(setups) if level % 2 == 0 else list(reversed(setups))
 
 
-async def run_level(base_url: str, model: str, prompts: list[list[int]], concurrency: int,
-                    max_tokens: int | list[int], api_key: str = "none", setup: str = "") -> LevelResult:
+async def run_level(
+    base_url: str,
+    model: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int | list[int],
+    api_key: str = "none",
+    setup: str = "",
+) -> LevelResult:
     """Every prompt once, at most `concurrency` in flight; `max_tokens` for all, or per prompt."""
     import openai
 
@@ -146,8 +162,9 @@ async def run_level(base_url: str, model: str, prompts: list[list[int]], concurr
 
     async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=3600) as client:
         start = time.perf_counter()
-        outcomes = await asyncio.gather(*(limited(client, p, n) for p, n in zip(prompts, lengths)),
-                                        return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *(limited(client, p, n) for p, n in zip(prompts, lengths)), return_exceptions=True
+        )
         wall = time.perf_counter() - start
     timings = [o for o in outcomes if isinstance(o, RequestTiming)]
     failures = len(outcomes) - len(timings)
@@ -156,10 +173,20 @@ async def run_level(base_url: str, model: str, prompts: list[list[int]], concurr
         raise ForerunError(f"every request to {base_url} failed, e.g. {errors[0]}")
     tpots = [t.tpot_s for t in timings if t.tpot_s is not None]
     ttfts = [t.ttft_s for t in timings]
-    return LevelResult(setup, concurrency, len(prompts), wall, sum(t.tokens for t in timings),
-                       statistics.median(ttfts), percentile(ttfts, 0.9),
-                       statistics.median(tpots) if tpots else None, percentile(tpots, 0.9) if tpots else None,
-                       failures, [asdict(t) for t in timings], errors)
+    return LevelResult(
+        setup,
+        concurrency,
+        len(prompts),
+        wall,
+        sum(t.tokens for t in timings),
+        statistics.median(ttfts),
+        percentile(ttfts, 0.9),
+        statistics.median(tpots) if tpots else None,
+        percentile(tpots, 0.9) if tpots else None,
+        failures,
+        [asdict(t) for t in timings],
+        errors,
+    )
 
 
 # --- servers ------------------------------------------------------------------------------------
@@ -175,7 +202,9 @@ class Process:
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("w") as out:
-            self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                self.command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+            )
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -201,12 +230,32 @@ class Process:
                 self.process.wait()
 
 
-def forerun_command(port: int, model: str, quantization: str | None, draft: str | None,
-                    draft_quantization: str | None, draft_vocab: int | None, k: int, policy: str | None,
-                    max_num_seqs: int) -> list[str]:
+def forerun_command(
+    port: int,
+    model: str,
+    quantization: str | None,
+    draft: str | None,
+    draft_quantization: str | None,
+    draft_vocab: int | None,
+    k: int,
+    policy: str | None,
+    max_num_seqs: int,
+) -> list[str]:
     """`forerun serve` for one set-up; `policy` None is speculation off."""
-    command = [sys.executable, "-m", "forerun.cli", "serve", "--model", model, "--port", str(port),
-               "--max-num-seqs", str(max_num_seqs), "--max-waiting", "4096"]
+    command = [
+        sys.executable,
+        "-m",
+        "forerun.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--max-waiting",
+        "4096",
+    ]
     if quantization:
         command += ["--quantization", quantization]
     if policy is not None and draft is not None:
@@ -218,8 +267,10 @@ def forerun_command(port: int, model: str, quantization: str | None, draft: str 
     return command
 
 
-SPEC_COUNTERS = {"draft_tokens": "forerun:spec_decode_num_draft_tokens",
-                 "accepted_tokens": "forerun:spec_decode_num_accepted_tokens"}
+SPEC_COUNTERS = {
+    "draft_tokens": "forerun:spec_decode_num_draft_tokens",
+    "accepted_tokens": "forerun:spec_decode_num_accepted_tokens",
+}
 
 
 def spec_counts(server_url: str) -> dict[str, int]:
@@ -228,22 +279,30 @@ def spec_counts(server_url: str) -> dict[str, int]:
 
     with urllib.request.urlopen(server_url.rstrip("/") + "/metrics", timeout=30) as response:
         text = response.read().decode()
-    totals = {family.name: sum(s.value for s in family.samples if s.name.endswith("_total"))
-              for family in text_string_to_metric_families(text)}
+    totals = {
+        family.name: sum(s.value for s in family.samples if s.name.endswith("_total"))
+        for family in text_string_to_metric_families(text)
+    }
     return {field: int(totals.get(name, 0)) for field, name in SPEC_COUNTERS.items()}
 
 
 def write_report(out: Path, levels: list[LevelResult], header: str) -> None:
-    (out / "results.json").write_text(json.dumps([{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in levels], indent=1))
+    (out / "results.json").write_text(
+        json.dumps([{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in levels], indent=1)
+    )
     # A level may run more than once: each row is set beside off's run of the same round.
     rounds, keys = collections.Counter(), []
     for r in levels:
         keys.append((r.concurrency, rounds[r.setup, r.concurrency]))
         rounds[r.setup, r.concurrency] += 1
     off = {key: r.tokens_per_s for r, key in zip(levels, keys) if r.setup == "off"}
-    lines = [header, "", "| set-up | concurrency | requests | output tok/s | × off | TTFT p50 / p90 ms | "
-             "time per output token p50 / p90 ms | drafted / kept tokens | failed |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        header,
+        "",
+        "| set-up | concurrency | requests | output tok/s | × off | TTFT p50 / p90 ms | "
+        "time per output token p50 / p90 ms | drafted / kept tokens | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
 
     def ms(value: float | None) -> str:
         return "–" if value is None else f"{value * 1000:.0f}"
@@ -251,9 +310,11 @@ def write_report(out: Path, levels: list[LevelResult], header: str) -> None:
     for r, key in zip(levels, keys):
         ratio = f"{r.tokens_per_s / off[key]:.2f}×" if off.get(key) else "–"
         drafted = "–" if r.draft_tokens is None else f"{r.draft_tokens} / {r.accepted_tokens}"
-        lines.append(f"| {r.setup} | {r.concurrency} | {r.requests} | {r.tokens_per_s:.1f} | {ratio} | "
-                     f"{ms(r.ttft_p50_s)} / {ms(r.ttft_p90_s)} | {ms(r.tpot_p50_s)} / {ms(r.tpot_p90_s)} | "
-                     f"{drafted} | {r.failures} |")
+        lines.append(
+            f"| {r.setup} | {r.concurrency} | {r.requests} | {r.tokens_per_s:.1f} | {ratio} | "
+            f"{ms(r.ttft_p50_s)} / {ms(r.ttft_p90_s)} | {ms(r.tpot_p50_s)} / {ms(r.tpot_p90_s)} | "
+            f"{drafted} | {r.failures} |"
+        )
     failed = [f"- {r.setup} at {r.concurrency}: {error}" for r in levels for error in r.errors]
     if failed:
         lines += ["", "What failed requests raised:", "", *failed]

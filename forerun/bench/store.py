@@ -3,14 +3,15 @@
 A run interrupted mid-line leaves a torn last line; it is dropped on the next start. Every line
 carries the settings that shape the numbers, so a resumed run refuses to mix in different ones.
 """
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
 
-Key = tuple[str, str, int]   # (prompt_id, method, k)
+Key = tuple[str, str, int]  # (prompt_id, method, k)
 
 
 def record_key(record: dict) -> Key:
@@ -40,16 +41,18 @@ class ResultStore:
         """A method's stored runs must have been made with the options asked for now."""
         for r in self.records:
             if r["method"] == method and r["k"] == k and r.get("options", {}) != options:
-                raise ForerunError(f"{self.path} holds {method} runs made with options {r.get('options')}, "
-                                   f"but this run asks for {options}; use another --out, or remove that file "
-                                   "to start over")
+                raise ForerunError(
+                    f"{self.path} holds {method} runs made with options {r.get('options')}, "
+                    f"but this run asks for {options}; use another --out, or remove that file "
+                    "to start over"
+                )
 
     def _load(self) -> list[dict]:
         if not self.path.is_file():
             return []
         text = self.path.read_text()
         lines = text.split("\n")
-        torn = lines.pop() if lines else ""      # after the last newline: empty, or a torn write
+        torn = lines.pop() if lines else ""  # after the last newline: empty, or a torn write
         records = []
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -57,8 +60,10 @@ class ResultStore:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
-                raise ForerunError(f"{self.path}, line {number}: not valid JSON; remove the line (or the "
-                                   "file, to start over) and run again") from None
+                raise ForerunError(
+                    f"{self.path}, line {number}: not valid JSON; remove the line (or the "
+                    "file, to start over) and run again"
+                ) from None
             self._check_settings(record, number)
             records.append(record)
         if torn.strip():
@@ -71,5 +76,7 @@ class ResultStore:
             return
         differ = sorted(k for k in set(theirs) | set(self.settings) if theirs.get(k) != self.settings.get(k))
         detail = "; ".join(f"{k}: {theirs.get(k)!r} there, {self.settings.get(k)!r} now" for k in differ)
-        raise ForerunError(f"{self.path} (line {number}) holds results made with other settings ({detail}); "
-                           "use another --out, or remove that file to start over")
+        raise ForerunError(
+            f"{self.path} (line {number}) holds results made with other settings ({detail}); "
+            "use another --out, or remove that file to start over"
+        )

@@ -5,6 +5,7 @@ measured back to back on that prompt; "× llama.cpp plain" is the same for decod
 llama.cpp's plain run as the base. Acceptance counters are pooled over prompts (sums, then ratios),
 so long outputs weigh more than short ones, as in Spec-Bench.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -19,21 +20,21 @@ OVERALL = "overall"
 @dataclass
 class Row:
     method: str
-    engine: str                          # "forerun" or "transformers"
-    k: int                               # 0 for plain decoding
+    engine: str  # "forerun" or "transformers"
+    k: int  # 0 for plain decoding
     prompts: int
-    speedup: float | None                # median per-prompt ratio to forerun plain
-    tokens_per_s: float                  # all generated tokens / all generation time
-    decode_tokens_per_s: float | None    # tokens after the first / time after the first, pooled
-    ttft_ms: float                       # median time to first token
-    mean_accepted_length: float | None   # tokens per target forward, pooled; None without speculation counters
-    predicted_length: float | None       # (1 - a^(K+1)) / (1 - a) from the pooled a and K
-    acceptance_rate: float | None        # accepted / drafted, pooled
+    speedup: float | None  # median per-prompt ratio to forerun plain
+    tokens_per_s: float  # all generated tokens / all generation time
+    decode_tokens_per_s: float | None  # tokens after the first / time after the first, pooled
+    ttft_ms: float  # median time to first token
+    mean_accepted_length: float | None  # tokens per target forward, pooled; None without speculation counters
+    predicted_length: float | None  # (1 - a^(K+1)) / (1 - a) from the pooled a and K
+    acceptance_rate: float | None  # accepted / drafted, pooled
     per_position: list[float] = field(default_factory=list)  # [K] share of drafts whose i-th token was kept
-    identical: float | None = None       # share of prompts whose output equals plain's
+    identical: float | None = None  # share of prompts whose output equals plain's
     vs_llama_plain: float | None = None  # median per-prompt ratio of decode rates to llama.cpp plain
-    adaptive: bool = False               # K is the most a step drafted; the cost model chose each step's
-    draft_ms: float | None = None        # the drafter's time per drafted token, pooled (ms)
+    adaptive: bool = False  # K is the most a step drafted; the cost model chose each step's
+    draft_ms: float | None = None  # the drafter's time per drafted token, pooled (ms)
 
     @property
     def label(self) -> str:
@@ -45,7 +46,7 @@ class Row:
 def contender_order(records: list[dict]) -> list[tuple[str, int]]:
     """(method, K) in a stable reading order: forerun plain, forerun methods, then each peer's."""
     seen = list(dict.fromkeys((r["method"], r["k"], r.get("engine", "forerun")) for r in records))
-    seen.sort(key=lambda m: (m[2] != "forerun", m[2], m[1] != 0, m[0], m[1]))   # each engine's plain first
+    seen.sort(key=lambda m: (m[2] != "forerun", m[2], m[1] != 0, m[0], m[1]))  # each engine's plain first
     return [(method, k) for method, k, _ in seen]
 
 
@@ -71,17 +72,27 @@ def _row(method: str, k: int, group: list[dict], llama_plain: dict[str, float | 
     tokens = sum(r["num_generated_tokens"] for r in group)
     seconds = sum(r["elapsed_s"] for r in group)
     identical = [bool(r["identical_to_plain"]) for r in group if r.get("identical_to_plain") is not None]
-    ratios = [_decode(r) / llama_plain[r["prompt_id"]] for r in group
-              if _decode(r) is not None and llama_plain.get(r["prompt_id"])]
-    row = Row(method=method, engine=group[0].get("engine", "forerun"), k=k, prompts=len(group),
-              speedup=statistics.median(speedups) if speedups else None,
-              tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
-              decode_tokens_per_s=_pooled_decode(group),
-              ttft_ms=1000 * statistics.median(r["first_token_s"] for r in group),
-              mean_accepted_length=None, predicted_length=None, acceptance_rate=None,
-              identical=sum(identical) / len(identical) if identical else None,
-              vs_llama_plain=statistics.median(ratios) if ratios else None,
-              adaptive=group[0].get("options", {}).get("k_policy") == "adaptive")
+    ratios = [
+        _decode(r) / llama_plain[r["prompt_id"]]
+        for r in group
+        if _decode(r) is not None and llama_plain.get(r["prompt_id"])
+    ]
+    row = Row(
+        method=method,
+        engine=group[0].get("engine", "forerun"),
+        k=k,
+        prompts=len(group),
+        speedup=statistics.median(speedups) if speedups else None,
+        tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+        decode_tokens_per_s=_pooled_decode(group),
+        ttft_ms=1000 * statistics.median(r["first_token_s"] for r in group),
+        mean_accepted_length=None,
+        predicted_length=None,
+        acceptance_rate=None,
+        identical=sum(identical) / len(identical) if identical else None,
+        vs_llama_plain=statistics.median(ratios) if ratios else None,
+        adaptive=group[0].get("options", {}).get("k_policy") == "adaptive",
+    )
     specs = [r["spec"] for r in group if r.get("spec")]
     if specs:
         _add_acceptance(row, specs)
@@ -125,8 +136,9 @@ def _add_acceptance(row: Row, specs: list[dict]) -> None:
         return
     drafts = sum(s["num_drafts"] for s in specs)
     width = max(len(s["accepted_per_position"]) for s in specs)
-    kept = [sum(s["accepted_per_position"][i] for s in specs if i < len(s["accepted_per_position"]))
-            for i in range(width)]
+    kept = [
+        sum(s["accepted_per_position"][i] for s in specs if i < len(s["accepted_per_position"])) for i in range(width)
+    ]
     row.per_position = [c / drafts if drafts else 0.0 for c in kept]
 
 

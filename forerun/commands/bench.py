@@ -1,4 +1,5 @@
 """`forerun bench`: acceptance and speedup per task kind for each method, beside the peers."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,12 +7,17 @@ import shlex
 import sys
 from pathlib import Path
 
-from forerun.commands.common import (add_model_args, add_sampling_args, add_spec_args, sampling_from_args,
-                                     spec_from_args)
+from forerun.base.errors import ForerunError
+from forerun.commands.common import (
+    add_model_args,
+    add_sampling_args,
+    add_spec_args,
+    sampling_from_args,
+    spec_from_args,
+)
 from forerun.drafters.draft_model import DRAFT_MODEL_METHODS
-from forerun.errors import ForerunError
 
-HEAD_METHODS = ("medusa", "eagle")   # methods that read a trained head (--speculative-head)
+HEAD_METHODS = ("medusa", "eagle")  # methods that read a trained head (--speculative-head)
 
 
 def _names(text: str) -> list[str]:
@@ -26,28 +32,54 @@ def _ints(text: str) -> list[int]:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="measure acceptance and speedup per task kind, beside the peers",
-                       description="Run each method back to back on every prompt and write results.jsonl, "
-                                   "report.md and PNG plots to --out. An interrupted run resumes where it stopped.")
+    p = sub.add_parser(
+        "bench",
+        help="measure acceptance and speedup per task kind, beside the peers",
+        description="Run each method back to back on every prompt and write results.jsonl, "
+        "report.md and PNG plots to --out. An interrupted run resumes where it stopped.",
+    )
     add_model_args(p)
     g = p.add_argument_group("bench")
-    g.add_argument("--methods", type=_names, default=None,
-                   help="comma-separated: plain and registered drafters (draft, ngram, early-exit, lookahead); "
-                        "default: all that can run")
-    g.add_argument("--dataset", default="spec-bench",
-                   help="spec-bench (bundled) or a JSONL file: 'prompt' or 'turns' per line, optional 'category'")
-    g.add_argument("--categories", type=_names, default=None,
-                   help="comma-separated categories (or task kinds, e.g. mt_bench) to keep")
+    g.add_argument(
+        "--methods",
+        type=_names,
+        default=None,
+        help="comma-separated: plain and registered drafters (draft, ngram, early-exit, lookahead); "
+        "default: all that can run",
+    )
+    g.add_argument(
+        "--dataset",
+        default="spec-bench",
+        help="spec-bench (bundled) or a JSONL file: 'prompt' or 'turns' per line, optional 'category'",
+    )
+    g.add_argument(
+        "--categories",
+        type=_names,
+        default=None,
+        help="comma-separated categories (or task kinds, e.g. mt_bench) to keep",
+    )
     g.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
-    g.add_argument("--sweep-k", type=_ints, default=None,
-                   help="comma-separated K values, each method run at every one (instead of --num-speculative-tokens)")
-    g.add_argument("--peers", type=_names, default=[],
-                   help="other engines to run beside forerun: transformers (all of its contenders) or some of "
-                        "hf-plain, hf-assisted, hf-prompt-lookup; llama.cpp (built on first use, ~10 minutes, "
-                        "or ahead with `make peers`) or some of llama-plain, llama-draft, llama-ngram")
+    g.add_argument(
+        "--sweep-k",
+        type=_ints,
+        default=None,
+        help="comma-separated K values, each method run at every one (instead of --num-speculative-tokens)",
+    )
+    g.add_argument(
+        "--peers",
+        type=_names,
+        default=[],
+        help="other engines to run beside forerun: transformers (all of its contenders) or some of "
+        "hf-plain, hf-assisted, hf-prompt-lookup; llama.cpp (built on first use, ~10 minutes, "
+        "or ahead with `make peers`) or some of llama-plain, llama-draft, llama-ngram",
+    )
     g.add_argument("--out", default="bench-out", help="folder for results.jsonl, report.md and plots")
-    g.add_argument("--no-chat", dest="chat", action="store_false",
-                   help="give prompts as plain text, not wrapped in the chat template")
+    g.add_argument(
+        "--no-chat",
+        dest="chat",
+        action="store_false",
+        help="give prompts as plain text, not wrapped in the chat template",
+    )
     g.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up runs")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     add_sampling_args(p)
@@ -56,31 +88,53 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from forerun.bench import BenchConfig, run_bench, valid_methods
-    from forerun.bench.runner import check_methods
+    from forerun.bench.runner import (
+        BenchConfig,
+        check_methods,
+        run_bench,
+        valid_methods,
+    )
 
     if args.speculative_method:
         raise ForerunError("forerun bench takes --methods (comma-separated), not --speculative-method")
     heads = heads_by_kind(args.speculative_head)
     methods = args.methods or default_methods(valid_methods(), args.speculative_model, heads)
     if "plain" not in methods:
-        methods = ["plain"] + methods          # every speedup is a ratio to plain decoding
-    check_methods(methods, args.speculative_model)   # before spec_from_args, for the clearer message
+        methods = ["plain"] + methods  # every speedup is a ratio to plain decoding
+    check_methods(methods, args.speculative_model)  # before spec_from_args, for the clearer message
     options = {m: spec_from_args(args, m)[1] for m in methods if m != "plain"}
     for m in set(methods) & set(HEAD_METHODS):
         if m not in heads:
-            raise ForerunError(f"--methods names {m}, which needs a trained {m} head: pass its folder with "
-                               f"--speculative-head (made by `forerun train --method {m}`)")
+            raise ForerunError(
+                f"--methods names {m}, which needs a trained {m} head: pass its folder with "
+                f"--speculative-head (made by `forerun train --method {m}`)"
+            )
         options[m]["head"] = heads[m]
-    cfg = BenchConfig(model=args.model, out=Path(args.out), methods=methods, method_options=options,
-                      speculative_model=args.speculative_model, dataset=args.dataset, categories=args.categories,
-                      limit_per_category=args.limit_per_category, sampling=sampling_from_args(args),
-                      ks=args.sweep_k or [args.num_speculative_tokens], k_policy=args.speculative_k_policy, peers=args.peers, dtype=args.dtype,
-                      device=args.device, quantization=args.quantization, chat=args.chat, warmup=args.warmup,
-                      progress=args.progress, command=command_line(args))
+    cfg = BenchConfig(
+        model=args.model,
+        out=Path(args.out),
+        methods=methods,
+        method_options=options,
+        speculative_model=args.speculative_model,
+        dataset=args.dataset,
+        categories=args.categories,
+        limit_per_category=args.limit_per_category,
+        sampling=sampling_from_args(args),
+        ks=args.sweep_k or [args.num_speculative_tokens],
+        k_policy=args.speculative_k_policy,
+        peers=args.peers,
+        dtype=args.dtype,
+        device=args.device,
+        quantization=args.quantization,
+        chat=args.chat,
+        warmup=args.warmup,
+        progress=args.progress,
+        command=command_line(args),
+    )
     result = run_bench(cfg)
-    print(f"{result.ran} runs made, {len(result.records)} in the report; see {result.out / 'report.md'}",
-          file=sys.stderr)
+    print(
+        f"{result.ran} runs made, {len(result.records)} in the report; see {result.out / 'report.md'}", file=sys.stderr
+    )
     return 0
 
 
@@ -92,19 +146,25 @@ def heads_by_kind(folders: str | None) -> dict[str, str]:
     for folder in _names(folders or ""):
         kind = read_config(folder).method
         if kind in heads:
-            raise ForerunError(f"--speculative-head names two {kind} heads ({heads[kind]} and {folder}); "
-                               f"bench one {kind} head per run")
+            raise ForerunError(
+                f"--speculative-head names two {kind} heads ({heads[kind]} and {folder}); bench one {kind} head per run"
+            )
         heads[kind] = folder
     return heads
 
 
-def default_methods(available: list[str], speculative_model: str | None,
-                    heads: dict[str, str] | None = None) -> list[str]:
+def default_methods(
+    available: list[str], speculative_model: str | None, heads: dict[str, str] | None = None
+) -> list[str]:
     """plain and every registered drafter that can run with the flags given (draft and auto need a
     draft model; medusa and eagle a trained head of their kind)."""
-    return ["plain"] + [m for m in available if m != "plain"
-                        and (m not in DRAFT_MODEL_METHODS or speculative_model)
-                        and (m not in HEAD_METHODS or m in (heads or {}))]
+    return ["plain"] + [
+        m
+        for m in available
+        if m != "plain"
+        and (m not in DRAFT_MODEL_METHODS or speculative_model)
+        and (m not in HEAD_METHODS or m in (heads or {}))
+    ]
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -117,7 +177,7 @@ def command_line(args: argparse.Namespace) -> str:
         if value == action.default:
             continue
         flag = max(action.option_strings, key=len)
-        if action.nargs == 0:                       # store_true / store_false
+        if action.nargs == 0:  # store_true / store_false
             words.append(flag)
         elif isinstance(value, (list, tuple)) and action.type in (_names, _ints):
             words += [flag, ",".join(map(str, value))]

@@ -1,19 +1,24 @@
 """`forerun bench-serve`: forerun serve under load at several concurrencies, beside llama-server."""
+
 from __future__ import annotations
 
 import argparse
 import asyncio
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
 
 SETUPS = ("off", "fixed", "auto", "off-whole")
 # Each set-up: its speculation policy (None: off) and `forerun serve` flags of its own. off-whole
 # prefills each prompt whole before the next step (no chunked prefill): the control for it.
-_SETUP_SERVE = {"off": (None, []), "fixed": ("fixed", []), "auto": ("adaptive", []),
-                "off-whole": (None, ["--prefill-share", "inf"])}
+_SETUP_SERVE = {
+    "off": (None, []),
+    "fixed": ("fixed", []),
+    "auto": ("adaptive", []),
+    "off-whole": (None, ["--prefill-share", "inf"]),
+}
 
 
 def _ints(text: str) -> list[int]:
@@ -27,41 +32,68 @@ def _ints(text: str) -> list[int]:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench-serve", help="load-test forerun serve at several concurrencies, beside llama-server",
-                       description="Start forerun serve once per set-up (speculation off, a fixed K, auto) and "
-                                   "llama.cpp's llama-server, send streamed greedy completions at each concurrency, "
-                                   "and write results.json and report.md to --out.")
+    p = sub.add_parser(
+        "bench-serve",
+        help="load-test forerun serve at several concurrencies, beside llama-server",
+        description="Start forerun serve once per set-up (speculation off, a fixed K, auto) and "
+        "llama.cpp's llama-server, send streamed greedy completions at each concurrency, "
+        "and write results.json and report.md to --out.",
+    )
     p.add_argument("--model", required=True, help="embedded name, .gguf file or model folder")
     p.add_argument("--quantization", default="auto", help="the target's numeric format (as forerun serve takes it)")
     p.add_argument("--speculative-model", default=None, help="draft model for the fixed and auto set-ups")
     p.add_argument("--speculative-quantization", default="auto")
     p.add_argument("--draft-vocab", type=int, default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="K: fixed K, and auto's most")
-    p.add_argument("--setups", default="off,fixed,auto",
-                   help=f"comma-separated, of {', '.join(SETUPS)} (off-whole: off with each prompt prefilled whole, "
-                        "no chunked prefill); one named again runs as a second server of its own "
-                        "(off,auto,off: an off-against-off control, the noise between two identical servers)")
-    p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32], help="comma-separated levels; one given again runs again (a repeat, to see the noise)")
+    p.add_argument(
+        "--setups",
+        default="off,fixed,auto",
+        help=f"comma-separated, of {', '.join(SETUPS)} (off-whole: off with each prompt prefilled whole, "
+        "no chunked prefill); one named again runs as a second server of its own "
+        "(off,auto,off: an off-against-off control, the noise between two identical servers)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=_ints,
+        default=[1, 2, 4, 8, 16, 32],
+        help="comma-separated levels; one given again runs again (a repeat, to see the noise)",
+    )
     p.add_argument("--requests-per-level", type=int, default=2, help="requests sent at level c: this many times c")
     p.add_argument("--max-tokens", type=int, default=64, help="the longest a request may be")
-    p.add_argument("--length-spread", type=float, default=0.5,
-                   help="each request's max tokens is drawn from [(1 - this) x --max-tokens, --max-tokens], the "
-                        "same draws for every server (0: every request --max-tokens long)")
+    p.add_argument(
+        "--length-spread",
+        type=float,
+        default=0.5,
+        help="each request's max tokens is drawn from [(1 - this) x --max-tokens, --max-tokens], the "
+        "same draws for every server (0: every request --max-tokens long)",
+    )
     p.add_argument("--peers", default="", help="llama.cpp: llama-server with one slot per request in flight")
     p.add_argument("--dataset", default="spec-bench")
     p.add_argument("--categories", default=None, help="comma-separated categories or task kinds")
-    p.add_argument("--distinct", action="store_true",
-                   help="send no prompt twice in the run (shuffled, then dealt out across the levels), so no "
-                        "request repeats an earlier one; needs --requests-per-level x the sum of the levels prompts")
+    p.add_argument(
+        "--distinct",
+        action="store_true",
+        help="send no prompt twice in the run (shuffled, then dealt out across the levels), so no "
+        "request repeats an earlier one; needs --requests-per-level x the sum of the levels prompts",
+    )
     p.add_argument("--out", required=True, help="folder for results.json, report.md and server logs")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from forerun.base.prompts import load_prompts
     from forerun.bench import llamacpp
-    from forerun.bench.dataset import load_prompts
-    from forerun.bench.serve_load import (Process, forerun_command, level_prompts, request_lengths, run_level,
-                                          running_order, shortest, spec_counts, write_report)
+    from forerun.bench.serve_load import (
+        Process,
+        forerun_command,
+        level_prompts,
+        request_lengths,
+        run_level,
+        running_order,
+        shortest,
+        spec_counts,
+        write_report,
+    )
     from forerun.models.load import load_model
 
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
@@ -72,14 +104,16 @@ def run(args: argparse.Namespace) -> int:
         raise ForerunError("the fixed and auto set-ups draft with a model: give --speculative-model, or --setups off")
     if args.requests_per_level < 1 or args.max_tokens < 1:
         raise ForerunError("--requests-per-level and --max-tokens must be at least 1")
-    shortest(args.max_tokens, args.length_spread)            # a spread out of range: a clear error now
+    shortest(args.max_tokens, args.length_spread)  # a spread out of range: a clear error now
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_model(args.model, with_tokenizer=True).tokenizer
     if tokenizer is None:
         raise ForerunError(f"{args.model} has no tokenizer; bench-serve sends chat prompts")
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
-    prompts = [tokenizer.apply_chat([{"role": "user", "content": p.text}]) for p in load_prompts(args.dataset, categories)]
+    prompts = [
+        tokenizer.apply_chat([{"role": "user", "content": p.text}]) for p in load_prompts(args.dataset, categories)
+    ]
     if not prompts:
         raise ForerunError("no prompts to send")
     sends = level_prompts(prompts, [args.requests_per_level * c for c in args.concurrency], args.distinct)
@@ -87,13 +121,24 @@ def run(args: argparse.Namespace) -> int:
     context = max(len(p) for p in prompts) + args.max_tokens + args.num_speculative_tokens + 8
     servers = []
     for number, kind in enumerate(setups):
-        count = setups[:number + 1].count(kind)
+        count = setups[: number + 1].count(kind)
         setup = kind if count == 1 else f"{kind}#{count}"
         port = llamacpp.free_port()
         policy, flags = _SETUP_SERVE[kind]
-        command = forerun_command(port, args.model, args.quantization, args.speculative_model,
-                                  args.speculative_quantization, args.draft_vocab, args.num_speculative_tokens,
-                                  policy, top) + flags
+        command = (
+            forerun_command(
+                port,
+                args.model,
+                args.quantization,
+                args.speculative_model,
+                args.speculative_quantization,
+                args.draft_vocab,
+                args.num_speculative_tokens,
+                policy,
+                top,
+            )
+            + flags
+        )
         servers.append((setup, Process(command, f"http://127.0.0.1:{port}/health", out / f"{setup}.log"), port))
     if "llama.cpp" in args.peers:
         gguf, problem = llamacpp._gguf(args.model)
@@ -106,11 +151,30 @@ def run(args: argparse.Namespace) -> int:
             threads = torch.get_num_threads()
             binary = llamacpp.ensure_server()
             repack = [] if llamacpp.repack_works(binary, gguf, threads) else ["--no-repack"]
-            command = [str(binary), "-m", str(gguf), "-t", str(threads), "-td", str(threads),
-                       "-c", str(context * top), "-np", str(top), "-cram", "0", "--no-webui", *repack,
-                       "--host", "127.0.0.1", "--port", str(port)]
-            servers.append(("llama-server", Process(command, f"http://127.0.0.1:{port}/health",
-                                                    out / "llama-server.log"), port))
+            command = [
+                str(binary),
+                "-m",
+                str(gguf),
+                "-t",
+                str(threads),
+                "-td",
+                str(threads),
+                "-c",
+                str(context * top),
+                "-np",
+                str(top),
+                "-cram",
+                "0",
+                "--no-webui",
+                *repack,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ]
+            servers.append(
+                ("llama-server", Process(command, f"http://127.0.0.1:{port}/health", out / "llama-server.log"), port)
+            )
     # Every server is up at once (idle ones cost memory, not time) and each level runs every set-up
     # back to back, so the ratios at a level are taken moments apart on this shared machine; the
     # order reverses from one level to the next (a drift in the machine's speed favours no set-up).
@@ -122,17 +186,21 @@ def run(args: argparse.Namespace) -> int:
             lengths = request_lengths(len(sent), args.max_tokens, args.length_spread, seed=c)
             for setup, _, port in running_order(servers, index):
                 url = f"http://127.0.0.1:{port}"
-                counted = setup != "llama-server"            # forerun's servers: their draft counters
+                counted = setup != "llama-server"  # forerun's servers: their draft counters
                 before = spec_counts(url) if counted else None
                 level = asyncio.run(run_level(url + "/v1", args.model, sent, c, lengths, setup=setup))
                 if counted:
                     after = spec_counts(url)
-                    level.draft_tokens, level.accepted_tokens = (after[k] - before[k] for k in
-                                                                 ("draft_tokens", "accepted_tokens"))
+                    level.draft_tokens, level.accepted_tokens = (
+                        after[k] - before[k] for k in ("draft_tokens", "accepted_tokens")
+                    )
                 levels.append(level)
-                print(f"forerun: {setup} c={c}: {level.tokens_per_s:.1f} tok/s, TTFT p50 {level.ttft_p50_s * 1000:.0f} ms"
-                      f", failed {level.failures}" + (f" ({level.errors[0]})" if level.errors else ""),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"forerun: {setup} c={c}: {level.tokens_per_s:.1f} tok/s, TTFT p50 {level.ttft_p50_s * 1000:.0f} ms"
+                    f", failed {level.failures}" + (f" ({level.errors[0]})" if level.errors else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
                 write_report(out, levels, _header(args))
     finally:
         for _, process, _ in servers:
@@ -142,12 +210,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _header(args: argparse.Namespace) -> str:
     shown = " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench-serve"] else "bench-serve"
-    return (f"# forerun bench-serve\n\nMade with `forerun {shown}` on "
-            f"{datetime.now(timezone.utc):%Y-%m-%d}. Greedy, max tokens {_lengths(args)}, "
-            f"{args.requests_per_level} x c requests per level, at most c in flight"
-            f"{', no prompt sent twice' if args.distinct else ''}; streamed completions "
-            "with prompt token ids (the chat template applied). The set-ups run one after another at each level, "
-            "in the order given on the first level and reversed on every other one.")
+    return (
+        f"# forerun bench-serve\n\nMade with `forerun {shown}` on "
+        f"{datetime.now(UTC):%Y-%m-%d}. Greedy, max tokens {_lengths(args)}, "
+        f"{args.requests_per_level} x c requests per level, at most c in flight"
+        f"{', no prompt sent twice' if args.distinct else ''}; streamed completions "
+        "with prompt token ids (the chat template applied). The set-ups run one after another at each level, "
+        "in the order given on the first level and reversed on every other one."
+    )
 
 
 def _lengths(args: argparse.Namespace) -> str:
@@ -155,4 +225,5 @@ def _lengths(args: argparse.Namespace) -> str:
         return str(args.max_tokens)
     from forerun.bench.serve_load import shortest
 
-    return f"{shortest(args.max_tokens, args.length_spread)}-{args.max_tokens} (drawn per request, the same on every server)"
+    lengths = f"{shortest(args.max_tokens, args.length_spread)}-{args.max_tokens}"
+    return f"{lengths} (drawn per request, the same on every server)"

@@ -1,25 +1,33 @@
 """Flags shared by the commands that load models and generate: model, speculation, sampling, prompts."""
+
 from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from forerun.config import SamplingParams
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
 from forerun.drafters.draft_model import DRAFT_MODEL_METHODS
-from forerun.errors import ForerunError
 from forerun.models.load import QUANTIZATIONS
 
 # Each method's own settings: flag destination -> drafter keyword. A drafter receives only its own.
-_DRAFT_MODEL_OPTIONS = {"speculative_model": "model", "speculative_quantization": "quantize",
-                        "draft_min_confidence": "min_confidence", "draft_vocab": "draft_vocab",
-                        "draft_second_choice": "second_choice"}
+_DRAFT_MODEL_OPTIONS = {
+    "speculative_model": "model",
+    "speculative_quantization": "quantize",
+    "draft_min_confidence": "min_confidence",
+    "draft_vocab": "draft_vocab",
+    "draft_second_choice": "second_choice",
+}
 METHOD_OPTIONS: dict[str, dict[str, str]] = {
     "draft": _DRAFT_MODEL_OPTIONS,
     "auto": {**_DRAFT_MODEL_OPTIONS, "auto_long_match": "long_match"},
     "ngram": {"ngram_max": "ngram_max", "ngram_min": "ngram_min"},
-    "suffix": {"suffix_max_match": "max_match", "suffix_min_match": "min_match", "suffix_min_prob": "min_prob",
-               "suffix_branch_ratio": "branch_ratio"},
+    "suffix": {
+        "suffix_max_match": "max_match",
+        "suffix_min_match": "min_match",
+        "suffix_min_prob": "min_prob",
+        "suffix_branch_ratio": "branch_ratio",
+    },
     "early-exit": {"early_exit_layer": "layer", "skip_layers": "skip_layers"},
     "lookahead": {"lookahead_window": "window", "lookahead_ngram": "ngram", "lookahead_guesses": "guesses"},
     "medusa": {"speculative_head": "head", "medusa_choices": "choices"},
@@ -34,12 +42,16 @@ def add_model_args(p: argparse.ArgumentParser, quantization: str | None = None) 
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     choices = list(QUANTIZATIONS) + (["none"] if quantization is not None else [])
-    p.add_argument("--quantization", default=quantization, choices=choices,
-                   help="the target's numeric format, plain and speculative runs alike: gguf (a GGUF file's own "
-                        "blocks through forerun's native kernels), w8a8 (int8 weights and activations), int8 "
-                        "(weights) or auto (the fastest exact one for this model and CPU, said on stderr); gguf "
-                        "and w8a8 keep a row's result bit-identical alone or batched"
-                        + (f"; none: the weights in --dtype (default: {quantization})" if quantization else ""))
+    p.add_argument(
+        "--quantization",
+        default=quantization,
+        choices=choices,
+        help="the target's numeric format, plain and speculative runs alike: gguf (a GGUF file's own "
+        "blocks through forerun's native kernels), w8a8 (int8 weights and activations), int8 "
+        "(weights) or auto (the fastest exact one for this model and CPU, said on stderr); gguf "
+        "and w8a8 keep a row's result bit-identical alone or batched"
+        + (f"; none: the weights in --dtype (default: {quantization})" if quantization else ""),
+    )
 
 
 def quantization_arg(value: str | None) -> str | None:
@@ -50,51 +62,112 @@ def quantization_arg(value: str | None) -> str | None:
 def add_spec_args(p: argparse.ArgumentParser, quantization: str | None = None) -> None:
     """`quantization`: the --speculative-quantization default (as in add_model_args)."""
     g = p.add_argument_group("speculation")
-    g.add_argument("--speculative-method", default=None,
-                   help="auto (suffix draft on long matches, else the draft model), draft, suffix, ngram, "
-                        "early-exit or lookahead")
-    g.add_argument("--speculative-model", default=None,
-                   help="draft model (implies --speculative-method auto unless another method is named)")
-    g.add_argument("--speculative-quantization", default=quantization,
-                   choices=list(QUANTIZATIONS) + (["none"] if quantization is not None else []),
-                   help="the draft model's numeric format (cheaper drafts; output stays exact): gguf, w8a8, int8 "
-                        "or auto" + (f"; none: the weights in --dtype (default: {quantization})" if quantization else ""))
-    g.add_argument("--draft-min-confidence", type=float, default=0.0,
-                   help="end a draft early when the draft model's top probability falls below this")
-    g.add_argument("--draft-second-choice", type=float, default=None, metavar="P",
-                   help="greedy: also verify the draft model's second choice at a depth where the draft's "
-                        "probability of its path is at least P and its row pays (default 0.05; above 1: never)")
-    g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="the draft model scores only the N tokens the target writes most (e.g. 32768): cheaper "
-                        "draft tokens, output unchanged")
-    g.add_argument("--num-speculative-tokens", type=int, default=5,
-                   help="K: the most tokens a step drafts (with --speculative-k-policy fixed, every step's count)")
-    g.add_argument("--speculative-k-policy", default="adaptive", choices=["adaptive", "fixed"],
-                   help="adaptive: each step drafts the length that pays best from this machine's measured "
-                        "pass costs and the acceptance so far (0 when drafts keep failing); fixed: always K")
-    g.add_argument("--auto-long-match", type=int, default=None, metavar="N",
-                   help="auto: propose the suffix draft when it matches N tokens or more (default 8)")
+    g.add_argument(
+        "--speculative-method",
+        default=None,
+        help="auto (suffix draft on long matches, else the draft model), draft, suffix, ngram, early-exit or lookahead",
+    )
+    g.add_argument(
+        "--speculative-model",
+        default=None,
+        help="draft model (implies --speculative-method auto unless another method is named)",
+    )
+    g.add_argument(
+        "--speculative-quantization",
+        default=quantization,
+        choices=list(QUANTIZATIONS) + (["none"] if quantization is not None else []),
+        help="the draft model's numeric format (cheaper drafts; output stays exact): gguf, w8a8, int8 "
+        "or auto" + (f"; none: the weights in --dtype (default: {quantization})" if quantization else ""),
+    )
+    g.add_argument(
+        "--draft-min-confidence",
+        type=float,
+        default=0.0,
+        help="end a draft early when the draft model's top probability falls below this",
+    )
+    g.add_argument(
+        "--draft-second-choice",
+        type=float,
+        default=None,
+        metavar="P",
+        help="greedy: also verify the draft model's second choice at a depth where the draft's "
+        "probability of its path is at least P and its row pays (default 0.05; above 1: never)",
+    )
+    g.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the draft model scores only the N tokens the target writes most (e.g. 32768): cheaper "
+        "draft tokens, output unchanged",
+    )
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=5,
+        help="K: the most tokens a step drafts (with --speculative-k-policy fixed, every step's count)",
+    )
+    g.add_argument(
+        "--speculative-k-policy",
+        default="adaptive",
+        choices=["adaptive", "fixed"],
+        help="adaptive: each step drafts the length that pays best from this machine's measured "
+        "pass costs and the acceptance so far (0 when drafts keep failing); fixed: always K",
+    )
+    g.add_argument(
+        "--auto-long-match",
+        type=int,
+        default=None,
+        metavar="N",
+        help="auto: propose the suffix draft when it matches N tokens or more (default 8)",
+    )
     g.add_argument("--suffix-max-match", type=int, default=None, help="suffix: longest context suffix looked up (12)")
     g.add_argument("--suffix-min-match", type=int, default=None, help="suffix: shortest context suffix looked up (2)")
-    g.add_argument("--suffix-min-prob", type=float, default=None,
-                   help="suffix: end the draft when its continuation's estimated probability falls below this (0.1)")
-    g.add_argument("--suffix-branch-ratio", type=float, default=None,
-                   help="suffix: a runner-up continuation seen this share as often as the best gets its own branch (0.5)")
+    g.add_argument(
+        "--suffix-min-prob",
+        type=float,
+        default=None,
+        help="suffix: end the draft when its continuation's estimated probability falls below this (0.1)",
+    )
+    g.add_argument(
+        "--suffix-branch-ratio",
+        type=float,
+        default=None,
+        help="suffix: a runner-up continuation seen this share as often as the best gets its own branch (0.5)",
+    )
     g.add_argument("--ngram-max", type=int, default=3, help="prompt lookup: longest suffix to match")
     g.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest suffix to match")
-    g.add_argument("--early-exit-layer", type=int, default=None, help="early exit: draft with the first L layers (default: three quarters of them)")
+    g.add_argument(
+        "--early-exit-layer",
+        type=int,
+        default=None,
+        help="early exit: draft with the first L layers (default: three quarters of them)",
+    )
     g.add_argument("--skip-layers", type=int, nargs="+", default=None, help="early exit: layers the draft skips")
     g.add_argument("--lookahead-window", type=int, default=4, help="lookahead: Jacobi window W")
     g.add_argument("--lookahead-ngram", type=int, default=4, help="lookahead: n-gram size N")
     g.add_argument("--lookahead-guesses", type=int, default=4, help="lookahead: candidate n-grams G per step")
-    g.add_argument("--speculative-head", default=None, metavar="DIR",
-                   help="medusa, eagle: the trained head's folder (made by `forerun train`); bench takes one of each "
-                        "kind, comma-separated")
-    g.add_argument("--medusa-choices", type=_choices, default=None, metavar="JSON",
-                   help="medusa: the tree as a list of rank paths, e.g. '[[0], [1], [0, 0]]'")
+    g.add_argument(
+        "--speculative-head",
+        default=None,
+        metavar="DIR",
+        help="medusa, eagle: the trained head's folder (made by `forerun train`); bench takes one of each "
+        "kind, comma-separated",
+    )
+    g.add_argument(
+        "--medusa-choices",
+        type=_choices,
+        default=None,
+        metavar="JSON",
+        help="medusa: the tree as a list of rank paths, e.g. '[[0], [1], [0, 0]]'",
+    )
     g.add_argument("--eagle-nodes", type=int, default=None, help="eagle: the most tree nodes a step verifies (16)")
-    g.add_argument("--eagle-branch", type=int, default=None,
-                   help="eagle: nodes expanded per depth and children per expanded node (4)")
+    g.add_argument(
+        "--eagle-branch",
+        type=int,
+        default=None,
+        help="eagle: nodes expanded per depth and children per expanded node (4)",
+    )
 
 
 def _choices(text: str) -> list[list[int]]:
@@ -102,8 +175,7 @@ def _choices(text: str) -> list[list[int]]:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): {text!r}") from None
-    if not (isinstance(value, list) and all(isinstance(c, list) and all(isinstance(r, int) for r in c)
-                                            for c in value)):
+    if not (isinstance(value, list) and all(isinstance(c, list) and all(isinstance(r, int) for r in c) for c in value)):
         raise argparse.ArgumentTypeError(f"expected a list of lists of whole numbers, got {text!r}")
     return value
 
@@ -141,37 +213,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_tokens=args.max_tokens, stop=tuple(args.stop), seed=args.seed,
-                          ignore_eos=args.ignore_eos)
-
-
-def read_prompts_file(path: str | Path) -> list[dict]:
-    """JSONL records with `prompt` (or `turns`, whose first item is used); other fields are kept."""
-    path = Path(path)
-    if not path.is_file():
-        raise ForerunError(f"prompts file {path} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ForerunError(f"prompts file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    records = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ForerunError(f"{path}, line {number}: not valid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict):
-            raise ForerunError(f"{path}, line {number}: expected a JSON object with 'prompt' or 'turns'")
-        if isinstance(obj.get("prompt"), str):
-            text = obj["prompt"]
-        elif isinstance(obj.get("turns"), list) and obj["turns"] and isinstance(obj["turns"][0], str):
-            text = obj["turns"][0]
-        else:
-            raise ForerunError(f"{path}, line {number}: missing 'prompt' (a string) or 'turns' (a list of strings)")
-        records.append({**obj, "prompt": text})
-    if not records:
-        raise ForerunError(f"prompts file {path} holds no prompts")
-    return records
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )

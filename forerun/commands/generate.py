@@ -1,4 +1,5 @@
 """`forerun generate`: plain or speculative generation from the command line."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,9 +7,17 @@ import json
 import sys
 
 from forerun.api import LLM
-from forerun.commands.common import (add_model_args, add_prompt_args, add_sampling_args, add_spec_args,
-                                     quantization_arg, read_prompts_file, sampling_from_args, spec_from_args)
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
+from forerun.base.prompts import read_prompts_file
+from forerun.commands.common import (
+    add_model_args,
+    add_prompt_args,
+    add_sampling_args,
+    add_spec_args,
+    quantization_arg,
+    sampling_from_args,
+    spec_from_args,
+)
 
 
 def register(sub) -> None:
@@ -23,9 +32,16 @@ def register(sub) -> None:
 
 def build_llm(args: argparse.Namespace, method: str | None = None) -> LLM:
     method, options = spec_from_args(args, method)
-    return LLM(model=args.model, speculative_method=method, speculative_options=options,
-               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
-               quantization=quantization_arg(args.quantization), speculative_k_policy=args.speculative_k_policy)
+    return LLM(
+        model=args.model,
+        speculative_method=method,
+        speculative_options=options,
+        num_speculative_tokens=args.num_speculative_tokens,
+        dtype=args.dtype,
+        device=args.device,
+        quantization=quantization_arg(args.quantization),
+        speculative_k_policy=args.speculative_k_policy,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,12 +57,18 @@ def run(args: argparse.Namespace) -> int:
         prompt = [{"role": "user", "content": text}] if args.chat else text
         if args.json:
             result = llm.generate([prompt], params)[0]
-            record = {"prompt_index": index, "text": result.text, "token_ids": result.token_ids,
-                      "num_prompt_tokens": len(result.prompt_token_ids),
-                      "num_generated_tokens": len(result.token_ids), "finish_reason": result.finish_reason,
-                      "elapsed_s": round(result.elapsed_s, 4), "tokens_per_s": round(result.tokens_per_s, 3),
-                      "first_token_s": round(result.first_token_s, 4),
-                      "decode_tokens_per_s": round(result.decode_tokens_per_s, 3)}
+            record = {
+                "prompt_index": index,
+                "text": result.text,
+                "token_ids": result.token_ids,
+                "num_prompt_tokens": len(result.prompt_token_ids),
+                "num_generated_tokens": len(result.token_ids),
+                "finish_reason": result.finish_reason,
+                "elapsed_s": round(result.elapsed_s, 4),
+                "tokens_per_s": round(result.tokens_per_s, 3),
+                "first_token_s": round(result.first_token_s, 4),
+                "decode_tokens_per_s": round(result.decode_tokens_per_s, 3),
+            }
             if speculative:
                 record["spec"] = result.metrics.to_dict()
             print(json.dumps(record), flush=True)
@@ -62,12 +84,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summary_line(result, speculative: bool) -> str:
-    line = (f"[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s, {result.tokens_per_s:.2f} tok/s "
-            f"(first token {result.first_token_s:.2f} s, then {result.decode_tokens_per_s:.2f} tok/s), "
-            f"finish: {result.finish_reason}")
+    line = (
+        f"[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s, {result.tokens_per_s:.2f} tok/s "
+        f"(first token {result.first_token_s:.2f} s, then {result.decode_tokens_per_s:.2f} tok/s), "
+        f"finish: {result.finish_reason}"
+    )
     if speculative:
         m = result.metrics
-        line += (f"; K={m.num_speculative_tokens}, {m.num_draft_tokens} drafted in {m.num_drafts} steps, acceptance {m.acceptance_rate:.2f}, "
-                 f"mean accepted length {m.mean_accepted_length:.2f} "
-                 f"(predicted {m.predicted_mean_accepted_length:.2f})")
+        line += (
+            f"; K={m.num_speculative_tokens}, {m.num_draft_tokens} drafted in {m.num_drafts} steps, "
+            f"acceptance {m.acceptance_rate:.2f}, "
+            f"mean accepted length {m.mean_accepted_length:.2f} "
+            f"(predicted {m.predicted_mean_accepted_length:.2f})"
+        )
     return line + "]"

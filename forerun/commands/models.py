@@ -1,4 +1,5 @@
 """`forerun models list|fetch`: the embedded models and their state on disk."""
+
 from __future__ import annotations
 
 import argparse

@@ -11,18 +11,19 @@ the pass, and sets both against the read-bandwidth bound: the bytes of the weigh
 the fastest plain read this machine does. The products alone are the floor a pass over these
 kernels can reach; the rest of the pass is what everything else costs.
 """
+
 from __future__ import annotations
 
 import argparse
 import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
 from forerun.models.attention import RowLayout
 from forerun.models.gguf_format import GGUFLinear
 from forerun.models.linear import Int8Linear, Linear
@@ -30,19 +31,67 @@ from forerun.models.load import QUANTIZATIONS
 from forerun.models.w8a8 import W8A8Linear
 
 # Ops by kind, by the name the profiler gives them. Anything else counts as "other ops".
-PRODUCT_OPS = {"forerun::product", "quantized::linear_dynamic", "onednn::qlinear_pointwise", "quantized::linear_dynamic_fp16",
-               "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::mm", "aten::addmm",
-               "aten::linear", "aten::matmul"}
-ATTENTION_OPS = {"aten::bmm", "aten::softmax", "aten::_softmax", "aten::scaled_dot_product_attention",
-                 "aten::_scaled_dot_product_flash_attention_for_cpu"}
-COPY_OPS = {"aten::copy_", "aten::clone", "aten::to", "aten::_to_copy", "aten::contiguous", "aten::cat",
-            "aten::index", "aten::index_put_", "aten::embedding", "aten::index_select", "aten::fill_",
-            "aten::zero_", "aten::empty", "aten::empty_strided"}
-ELEMENTWISE_OPS = {"aten::mul", "aten::mul_", "aten::add", "aten::add_", "aten::div", "aten::div_", "aten::sub",
-                   "aten::rsqrt", "aten::pow", "aten::mean", "aten::abs", "aten::amax", "aten::clamp_min_",
-                   "aten::clamp_min", "aten::silu", "aten::addcmul", "aten::roll", "aten::neg", "aten::exp",
-                   "aten::masked_fill_", "aten::where", "aten::max", "aten::sum"}
-NATIVE_LAYERS = "forerun::native layer"   # a whole layer in one native call (the gguf format)
+PRODUCT_OPS = {
+    "forerun::product",
+    "quantized::linear_dynamic",
+    "onednn::qlinear_pointwise",
+    "quantized::linear_dynamic_fp16",
+    "aten::_weight_int8pack_mm",
+    "aten::_weight_int4pack_mm_for_cpu",
+    "aten::mm",
+    "aten::addmm",
+    "aten::linear",
+    "aten::matmul",
+}
+ATTENTION_OPS = {
+    "aten::bmm",
+    "aten::softmax",
+    "aten::_softmax",
+    "aten::scaled_dot_product_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+}
+COPY_OPS = {
+    "aten::copy_",
+    "aten::clone",
+    "aten::to",
+    "aten::_to_copy",
+    "aten::contiguous",
+    "aten::cat",
+    "aten::index",
+    "aten::index_put_",
+    "aten::embedding",
+    "aten::index_select",
+    "aten::fill_",
+    "aten::zero_",
+    "aten::empty",
+    "aten::empty_strided",
+}
+ELEMENTWISE_OPS = {
+    "aten::mul",
+    "aten::mul_",
+    "aten::add",
+    "aten::add_",
+    "aten::div",
+    "aten::div_",
+    "aten::sub",
+    "aten::rsqrt",
+    "aten::pow",
+    "aten::mean",
+    "aten::abs",
+    "aten::amax",
+    "aten::clamp_min_",
+    "aten::clamp_min",
+    "aten::silu",
+    "aten::addcmul",
+    "aten::roll",
+    "aten::neg",
+    "aten::exp",
+    "aten::masked_fill_",
+    "aten::where",
+    "aten::max",
+    "aten::sum",
+}
+NATIVE_LAYERS = "forerun::native layer"  # a whole layer in one native call (the gguf format)
 KINDS = ("native layers", "products", "attention", "element-wise", "copies", "other ops", "between ops")
 PRODUCT_MODULES = (Linear, Int8Linear, W8A8Linear, GGUFLinear)
 
@@ -50,18 +99,21 @@ PRODUCT_MODULES = (Linear, Int8Linear, W8A8Linear, GGUFLinear)
 @dataclass
 class Breakdown:
     rows: int
-    wall_ms: float                 # median pass time
-    kinds: dict[str, float]        # kind -> ms in the profiled pass
-    top: list[tuple[str, float, int]]   # (op, ms, calls), the ops with the most own time
-    products_alone_ms: float | None = None   # --bound: the product modules alone, back to back (median)
-    weight_bytes: int = 0                    # bytes of the weights of the products the pass called
+    wall_ms: float  # median pass time
+    kinds: dict[str, float]  # kind -> ms in the profiled pass
+    top: list[tuple[str, float, int]]  # (op, ms, calls), the ops with the most own time
+    products_alone_ms: float | None = None  # --bound: the product modules alone, back to back (median)
+    weight_bytes: int = 0  # bytes of the weights of the products the pass called
 
 
 def register(sub) -> None:
-    p = sub.add_parser("profile", help="where a decode step's time goes, by kind of work, for 1..R rows",
-                       description="Time and profile one target pass over each row count, as verification "
-                                   "runs it, and sort its time into products, attention, element-wise work, "
-                                   "copies and the time between ops.")
+    p = sub.add_parser(
+        "profile",
+        help="where a decode step's time goes, by kind of work, for 1..R rows",
+        description="Time and profile one target pass over each row count, as verification "
+        "runs it, and sort its time into products, attention, element-wise work, "
+        "copies and the time between ops.",
+    )
     p.add_argument("--model", required=True, help="embedded name, .gguf file, model folder or hub id")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS))
@@ -69,9 +121,12 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, default=256, help="cache slots filled before the pass")
     p.add_argument("--steps", type=int, default=10, help="timed passes per row count (the median is shown)")
     p.add_argument("--top", type=int, default=6, help="ops with the most own time to list per row count")
-    p.add_argument("--bound", action="store_true",
-                   help="also time the pass's products alone and set the pass against this machine's "
-                        "read-bandwidth bound (measures the bandwidth: a few seconds, 1 GiB of memory)")
+    p.add_argument(
+        "--bound",
+        action="store_true",
+        help="also time the pass's products alone and set the pass against this machine's "
+        "read-bandwidth bound (measures the bandwidth: a few seconds, 1 GiB of memory)",
+    )
     p.set_defaults(func=run)
 
 
@@ -86,10 +141,14 @@ def run(args: argparse.Namespace) -> int:
         raise ForerunError("--rows must be at least 1 each, --steps at least 1 and --context at least 0")
     model = load_model(args.model, args.dtype, quantization=args.quantization, with_tokenizer=False)
     if args.context + max(rows) > model.decoder.cfg.max_position:
-        raise ForerunError(f"--context {args.context} plus {max(rows)} rows is beyond the model's context "
-                           f"of {model.decoder.cfg.max_position}")
+        raise ForerunError(
+            f"--context {args.context} plus {max(rows)} rows is beyond the model's context "
+            f"of {model.decoder.cfg.max_position}"
+        )
     results = [profile_pass(model.decoder, r, args.context, args.steps, args.top, args.bound) for r in rows]
-    title = f"{model.name}, {args.quantization or args.dtype}, {torch.get_num_threads()} threads, context {args.context}"
+    title = (
+        f"{model.name}, {args.quantization or args.dtype}, {torch.get_num_threads()} threads, context {args.context}"
+    )
     print(render(results, title))
     if args.bound:
         from forerun.bench.machine import read_bandwidth
@@ -110,14 +169,17 @@ def profile_pass(decoder, rows: int, context: int, steps: int, top: int, bound: 
         cache.length = context
         decoder(tokens, positions, cache, layout=RowLayout.chain(context, rows))
 
-    one_pass()                                  # warm kernels and scratch buffers
+    one_pass()  # warm kernels and scratch buffers
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         one_pass()
         times.append(time.perf_counter() - start)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, named_products(decoder), \
-            named_native_layers(decoder):
+    with (
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+        named_products(decoder),
+        named_native_layers(decoder),
+    ):
         start = time.perf_counter()
         one_pass()
         profiled_ms = (time.perf_counter() - start) * 1000
@@ -198,8 +260,11 @@ def products_alone(decoder, one_pass, steps: int, rows: int) -> tuple[float, int
     they had in it (the median of `steps` runs), and the bytes of their weights, each module once.
     Products inside native layers are no module call of the pass: each is called on random rows."""
     calls: list[tuple[torch.nn.Module, torch.Tensor]] = []
-    hooks = [m.register_forward_pre_hook(lambda m, args: calls.append((m, args[0].clone())))
-             for m in decoder.modules() if isinstance(m, PRODUCT_MODULES)]
+    hooks = [
+        m.register_forward_pre_hook(lambda m, args: calls.append((m, args[0].clone())))
+        for m in decoder.modules()
+        if isinstance(m, PRODUCT_MODULES)
+    ]
     try:
         one_pass()
     finally:
@@ -207,7 +272,12 @@ def products_alone(decoder, one_pass, steps: int, rows: int) -> tuple[float, int
             hook.remove()
     if decoder._native_layers() is not None:
         for block in decoder.layers:
-            for module in (block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj):
+            for module in (
+                block.self_attn.qkv_proj,
+                block.self_attn.o_proj,
+                block.mlp.gate_up_proj,
+                block.mlp.down_proj,
+            ):
                 calls.append((module, torch.randn(rows, module.in_features)))
 
     def run() -> None:
@@ -250,13 +320,19 @@ def kind_of(op: str) -> str:
 
 
 def render(results: list[Breakdown], title: str) -> str:
-    lines = [f"{title}: ms per pass (kinds scaled to the unprofiled median)", "",
-             "| rows | pass | " + " | ".join(KINDS) + " | × first |",
-             "|---:|---:|" + "---:|" * (len(KINDS) + 1)]
+    lines = [
+        f"{title}: ms per pass (kinds scaled to the unprofiled median)",
+        "",
+        "| rows | pass | " + " | ".join(KINDS) + " | × first |",
+        "|---:|---:|" + "---:|" * (len(KINDS) + 1),
+    ]
     one = results[0].wall_ms if results else 1.0
     for b in results:
-        lines.append(f"| {b.rows} | {b.wall_ms:.1f} | " + " | ".join(f"{b.kinds[k]:.1f}" for k in KINDS)
-                     + f" | {b.wall_ms / one:.2f} |")
+        lines.append(
+            f"| {b.rows} | {b.wall_ms:.1f} | "
+            + " | ".join(f"{b.kinds[k]:.1f}" for k in KINDS)
+            + f" | {b.wall_ms / one:.2f} |"
+        )
     lines.append("")
     for b in results:
         shown = ", ".join(f"{name} {ms:.1f} ms ({calls}×)" for name, ms, calls in b.top)
@@ -266,11 +342,17 @@ def render(results: list[Breakdown], title: str) -> str:
 
 def render_bound(results: list[Breakdown], bandwidth: float) -> str:
     """The passes and their products alone against the bytes they read at `bandwidth` (bytes/s)."""
-    lines = ["| rows | weights read | bound | pass | × bound | products alone | × bound |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| rows | weights read | bound | pass | × bound | products alone | × bound |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for b in results:
         bound_ms = b.weight_bytes / bandwidth * 1000
-        lines.append(f"| {b.rows} | {b.weight_bytes / 1e9:.3f} GB | {bound_ms:.1f} | {b.wall_ms:.1f} | "
-                     f"{b.wall_ms / bound_ms:.2f} | {b.products_alone_ms:.1f} | {b.products_alone_ms / bound_ms:.2f} |")
-    return (f"Against the read-bandwidth bound (this machine's fastest plain read: {bandwidth / 1e9:.1f} GB/s; "
-            f"products alone: the pass's product modules called back to back, ms):\n\n" + "\n".join(lines))
+        lines.append(
+            f"| {b.rows} | {b.weight_bytes / 1e9:.3f} GB | {bound_ms:.1f} | {b.wall_ms:.1f} | "
+            f"{b.wall_ms / bound_ms:.2f} | {b.products_alone_ms:.1f} | {b.products_alone_ms / bound_ms:.2f} |"
+        )
+    return (
+        f"Against the read-bandwidth bound (this machine's fastest plain read: {bandwidth / 1e9:.1f} GB/s; "
+        f"products alone: the pass's product modules called back to back, ms):\n\n" + "\n".join(lines)
+    )

@@ -5,6 +5,7 @@ each prompt; both models then read prompt + continuation in one pass, and at eve
 position the command compares their next-token distributions: top-1 agreement and KL(reference ||
 format) per token, by task kind.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,9 +16,9 @@ import torch
 from tqdm import tqdm
 
 from forerun.api import LLM
-from forerun.bench.dataset import load_prompts
-from forerun.config import SamplingParams
-from forerun.errors import ForerunError
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.base.prompts import load_prompts
 from forerun.models import linear
 from forerun.models.load import QUANTIZATIONS
 
@@ -26,8 +27,13 @@ def register(sub) -> None:
     p = sub.add_parser("quality", help="compare a numeric format's next-token distributions with the unquantized model")
     p.add_argument("--model", required=True, help="embedded name, .gguf file, model folder or hub id")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the reference's dtype")
-    p.add_argument("--quantization", nargs="+", default=["w8a8"], choices=[q for q in QUANTIZATIONS if q != "auto"],
-                   help="formats to compare with the reference")
+    p.add_argument(
+        "--quantization",
+        nargs="+",
+        default=["w8a8"],
+        choices=[q for q in QUANTIZATIONS if q != "auto"],
+        help="formats to compare with the reference",
+    )
     p.add_argument("--dataset", default="spec-bench", help="spec-bench or a JSONL file with 'prompt' or 'turns'")
     p.add_argument("--limit-per-category", type=int, default=2, help="first N prompts of each category")
     p.add_argument("--max-tokens", type=int, default=32, help="continuation tokens compared per prompt")
@@ -44,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if tok is None:
         raise ForerunError(f"model {args.model} has no tokenizer; the quality check needs one to encode its prompts")
     chat = bool(getattr(tok.hf, "chat_template", None))
-    texts = []          # (task, prompt ids, continuation ids)
+    texts = []  # (task, prompt ids, continuation ids)
     for p in tqdm(prompts, desc="reference continuations", unit="prompt", file=sys.stderr):
         ids = tok.apply_chat([{"role": "user", "content": p.text}]) if chat else tok.encode(p.text)
         out = reference.generate([ids], SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))[0]
@@ -74,8 +80,8 @@ def continuation_logits(llm: LLM, prompt: list[int], continuation: list[int]) ->
     ids = prompt + continuation
     cache = decoder.new_cache(len(ids))
     with linear.prefill():
-        logits = decoder(torch.tensor(ids), torch.arange(len(ids)), cache).logits[0]         # [T, vocab]
-    return logits[len(prompt) - 1:len(ids) - 1].float()
+        logits = decoder(torch.tensor(ids), torch.arange(len(ids)), cache).logits[0]  # [T, vocab]
+    return logits[len(prompt) - 1 : len(ids) - 1].float()
 
 
 def kl_per_position(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -89,6 +95,8 @@ def render(table: dict[str, dict[str, dict]]) -> str:
     for fmt, rows in table.items():
         for task, cell in sorted(rows.items(), key=lambda item: (item[0] == "overall", item[0])):
             n = cell["positions"]
-            lines.append(f"| {fmt} | {task} | {n} | {cell['top1_agree']}/{n} ({100 * cell['top1_agree'] / n:.1f}%) "
-                         f"| {cell['kl_sum'] / n:.4f} |")
+            lines.append(
+                f"| {fmt} | {task} | {n} | {cell['top1_agree']}/{n} ({100 * cell['top1_agree'] / n:.1f}%) "
+                f"| {cell['kl_sum'] / n:.4f} |"
+            )
     return "\n".join(lines)

@@ -5,6 +5,7 @@ beside it. SIGTERM or SIGINT drains: new requests get 503, waiting ones end at o
 running ones have --shutdown-timeout seconds to finish before they are cut with an error event and
 `[DONE]`; the process logs what it cut and exits 0. A second signal cuts at once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,10 +15,10 @@ import sys
 import threading
 import time
 
+from forerun.base.errors import ForerunError
 from forerun.commands.common import add_model_args, add_spec_args, quantization_arg
-from forerun.errors import ForerunError
 
-HEADER_TIMEOUT = 10.0     # seconds a connection may take to send a request's headers
+HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers
 
 
 def register(sub) -> None:
@@ -27,57 +28,96 @@ def register(sub) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $FORERUN_API_KEY)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: $FORERUN_API_KEY)",
+    )
     g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="most tokens of prompt plus completion per request (default: the model's context)")
-    g.add_argument("--max-num-seqs", type=int, default=8,
-                   help="most sequences generated at once, all in one target pass per step (others wait)")
-    g.add_argument("--max-waiting", type=int, default=256,
-                   help="requests allowed to wait; beyond it a request gets HTTP 503")
-    g.add_argument("--shutdown-timeout", type=float, default=5.0,
-                   help="on SIGTERM / SIGINT, seconds running requests get to finish before they are cut")
-    g.add_argument("--per-request-spec-decode-stats", default="none", choices=["none", "summary", "detailed"],
-                   help="each choice carries its speculation figures in vLLM's shape (detailed: per step too)")
-    g.add_argument("--prefill-share", type=float, default=None, metavar="S",
-                   help="while requests decode, seconds of prompt prefill per second of their steps (default 1: "
-                        "a long prompt slows them to about half pace; inf: each prompt whole before the next step)")
-    g.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT,
-                   help="seconds a connection may take to send a request's headers before it is closed")
-    g.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a request's body may take to arrive (then HTTP 408)")
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="most tokens of prompt plus completion per request (default: the model's context)",
+    )
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=8,
+        help="most sequences generated at once, all in one target pass per step (others wait)",
+    )
+    g.add_argument(
+        "--max-waiting", type=int, default=256, help="requests allowed to wait; beyond it a request gets HTTP 503"
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="on SIGTERM / SIGINT, seconds running requests get to finish before they are cut",
+    )
+    g.add_argument(
+        "--per-request-spec-decode-stats",
+        default="none",
+        choices=["none", "summary", "detailed"],
+        help="each choice carries its speculation figures in vLLM's shape (detailed: per step too)",
+    )
+    g.add_argument(
+        "--prefill-share",
+        type=float,
+        default=None,
+        metavar="S",
+        help="while requests decode, seconds of prompt prefill per second of their steps (default 1: "
+        "a long prompt slows them to about half pace; inf: each prompt whole before the next step)",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HEADER_TIMEOUT,
+        help="seconds a connection may take to send a request's headers before it is closed",
+    )
+    g.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds a request's body may take to arrive (then HTTP 408)"
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from forerun.batch import BatchEngine
     from forerun.commands.generate import build_llm
-    from forerun.scheduler import PREFILL_SHARE, Scheduler
-    from forerun.server import ServerConfig, create_app
-    from forerun.server_metrics import ServerMetrics
+    from forerun.engine.batch import BatchEngine
+    from forerun.serve.app import ServerConfig, create_app
+    from forerun.serve.metrics import ServerMetrics
+    from forerun.serve.scheduler import PREFILL_SHARE, Scheduler
 
     _check(args)
     llm = build_llm(args)
     context = llm.target.decoder.cfg.max_position
     max_model_len = args.max_model_len or context
     if not 1 < max_model_len <= context:
-        raise ForerunError(f"--max-model-len must be between 2 and the model's context ({context}), "
-                           f"got {max_model_len}")
-    config = ServerConfig(served_model_name=args.served_model_name or args.model, max_model_len=max_model_len,
-                          api_key=args.api_key or os.environ.get("FORERUN_API_KEY") or None,
-                          body_timeout=args.body_timeout, speculative_model=args.speculative_model,
-                          spec_stats=args.per_request_spec_decode_stats)
+        raise ForerunError(
+            f"--max-model-len must be between 2 and the model's context ({context}), got {max_model_len}"
+        )
+    config = ServerConfig(
+        served_model_name=args.served_model_name or args.model,
+        max_model_len=max_model_len,
+        api_key=args.api_key or os.environ.get("FORERUN_API_KEY") or None,
+        body_timeout=args.body_timeout,
+        speculative_model=args.speculative_model,
+        spec_stats=args.per_request_spec_decode_stats,
+    )
     batch = BatchEngine(llm.new_engine, args.max_num_seqs, engines=[llm.engine])
-    batch.prepare()                                 # every lane's drafter set up before the first request
+    batch.prepare()  # every lane's drafter set up before the first request
     metrics = ServerMetrics(batch)
-    scheduler = Scheduler(batch, args.max_waiting,
-                          prefill_share=PREFILL_SHARE if args.prefill_share is None else args.prefill_share)
+    scheduler = Scheduler(
+        batch, args.max_waiting, prefill_share=PREFILL_SHARE if args.prefill_share is None else args.prefill_share
+    )
     app = create_app(llm, scheduler, config, metrics)
     server, http = _start_http(app, args)
-    print(f"forerun: serving {config.served_model_name} on http://{args.host}:{args.port}/v1 "
-          f"(format: {quantization_arg(args.quantization) or args.dtype}, speculation: {llm.spec.method or 'off'})",
-          file=sys.stderr, flush=True)
+    print(
+        f"forerun: serving {config.served_model_name} on http://{args.host}:{args.port}/v1 "
+        f"(format: {quantization_arg(args.quantization) or args.dtype}, speculation: {llm.spec.method or 'off'})",
+        file=sys.stderr,
+        flush=True,
+    )
     _on_signals(scheduler, args.shutdown_timeout)
     try:
         # The engine loop on this thread, the one that loaded the model (see Scheduler.run: a second
@@ -88,9 +128,12 @@ def run(args: argparse.Namespace) -> int:
         scheduler.stop()
         http.join(args.shutdown_timeout + 5)
     if scheduler.cut:
-        print(f"forerun: shut down; {len(scheduler.cut)} running request(s) cut at the end of the "
-              f"{args.shutdown_timeout:g} s grace period (ids {', '.join(map(str, scheduler.cut))})",
-              file=sys.stderr, flush=True)
+        print(
+            f"forerun: shut down; {len(scheduler.cut)} running request(s) cut at the end of the "
+            f"{args.shutdown_timeout:g} s grace period (ids {', '.join(map(str, scheduler.cut))})",
+            file=sys.stderr,
+            flush=True,
+        )
     elif scheduler.draining:
         print("forerun: shut down; every running request finished", file=sys.stderr, flush=True)
     return 0
@@ -114,11 +157,18 @@ def _start_http(app, args: argparse.Namespace):
     """uvicorn on a thread of its own, returned once its port is bound (an error if it cannot be)."""
     import uvicorn
 
-    from forerun.server_http import TimedH11Protocol
+    from forerun.serve.http import TimedH11Protocol
 
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           http=TimedH11Protocol.with_timeout(args.header_timeout),
-                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            http=TimedH11Protocol.with_timeout(args.header_timeout),
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
+    )
     http = threading.Thread(target=server.run, name="forerun-http", daemon=True)
     http.start()
     while not server.started:
@@ -130,6 +180,7 @@ def _start_http(app, args: argparse.Namespace):
 
 def _on_signals(scheduler, grace: float) -> None:
     """SIGTERM and SIGINT drain the scheduler (a second one cuts at once)."""
+
     def drain(signum, frame) -> None:
         # A handler may run between any two bytecodes of the loop: it only assigns, and writes
         # straight to the file descriptor (a print could re-enter one the loop was in).
@@ -138,8 +189,11 @@ def _on_signals(scheduler, grace: float) -> None:
             os.write(2, f"forerun: {name} again: cutting the running requests now\n".encode())
             scheduler.drain(0)
             return
-        os.write(2, f"forerun: {name}: taking no new requests; the running ones get up to {grace:g} s to "
-                    "finish, the waiting ones end now\n".encode())
+        os.write(
+            2,
+            f"forerun: {name}: taking no new requests; the running ones get up to {grace:g} s to "
+            "finish, the waiting ones end now\n".encode(),
+        )
         scheduler.drain(grace)
 
     signal.signal(signal.SIGTERM, drain)

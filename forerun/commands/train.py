@@ -13,6 +13,7 @@ With `--prompts spec-bench`, the first `--hold-out` prompts of every category ar
 `forerun bench --limit-per-category N` reports on the first N, so with N <= hold-out the two never
 overlap. The ids used are written into the head's config.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
 from forerun.models.load import QUANTIZATIONS
 
 METHODS = ("medusa", "eagle")
@@ -30,30 +31,50 @@ DEFAULT_LR = {"medusa": 1e-3, "eagle": 3e-4}
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help="train a Medusa or EAGLE draft head on the target's own answers",
-                       description="Self-distil: the target answers the prompts, its hidden states are stored, "
-                                   "and a draft head learns its continuations. The result is a folder for "
-                                   "--speculative-head.")
+    p = sub.add_parser(
+        "train",
+        help="train a Medusa or EAGLE draft head on the target's own answers",
+        description="Self-distil: the target answers the prompts, its hidden states are stored, "
+        "and a draft head learns its continuations. The result is a folder for "
+        "--speculative-head.",
+    )
     p.add_argument("--method", required=True, choices=METHODS)
     p.add_argument("--model", required=True, help="the target: embedded name, .gguf file, model folder or hub id")
     p.add_argument("--out", required=True, help="folder for the head, its data, checkpoints and curves")
     p.add_argument("--prompts", default="spec-bench", help="spec-bench or a JSONL file with 'prompt' or 'turns'")
-    p.add_argument("--data", default=None, metavar="DIR",
-                   help="where the self-distilled shards go (default OUT/data); two heads of one target can share them")
-    p.add_argument("--hold-out", type=int, default=10,
-                   help="spec-bench: the first N prompts of each category are never trained on (bench reports on them)")
-    p.add_argument("--num-samples", type=int, default=None,
-                   help="train on N prompts, taken from each category in turn (default: all)")
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="DIR",
+        help="where the self-distilled shards go (default OUT/data); two heads of one target can share them",
+    )
+    p.add_argument(
+        "--hold-out",
+        type=int,
+        default=10,
+        help="spec-bench: the first N prompts of each category are never trained on (bench reports on them)",
+    )
+    p.add_argument(
+        "--num-samples",
+        type=int,
+        default=None,
+        help="train on N prompts, taken from each category in turn (default: all)",
+    )
     p.add_argument("--max-tokens", type=int, default=192, help="answer length per prompt")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="prompts longer than this are left out")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: 1e-3 medusa, 3e-4 eagle)")
     p.add_argument("--draft-vocab", type=int, default=32768, help="tokens the head scores (the target's most chosen)")
     p.add_argument("--heads", type=int, default=4, help="medusa: future positions guessed")
-    p.add_argument("--intermediate-size", type=int, default=None,
-                   help="eagle: its layer's MLP width (default: the target's)")
-    p.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
-                   help="the target's format while it answers and computes features (as generate takes it)")
+    p.add_argument(
+        "--intermediate-size", type=int, default=None, help="eagle: its layer's MLP width (default: the target's)"
+    )
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=list(QUANTIZATIONS),
+        help="the target's format while it answers and computes features (as generate takes it)",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cpu", help="cpu or cuda: where the head trains")
     p.add_argument("--checkpoint-minutes", type=float, default=5.0)
@@ -65,7 +86,13 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from forerun.drafters.draft_vocab import draft_vocabulary
-    from forerun.heads import HeadConfig, build_head, float_weight, save_head, target_checksum
+    from forerun.heads import (
+        HeadConfig,
+        build_head,
+        float_weight,
+        save_head,
+        target_checksum,
+    )
     from forerun.models.load import load_model
     from forerun.train.data import make_shards
     from forerun.train.trainer import CHECKPOINT, TrainConfig, Trainer, plot_history
@@ -73,8 +100,9 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     out = Path(args.out).expanduser()
     if (out / CHECKPOINT).exists() and not args.resume:
-        raise ForerunError(f"{out} holds a checkpoint of an earlier run: add --resume to continue it, or pick "
-                           "another --out")
+        raise ForerunError(
+            f"{out} holds a checkpoint of an earlier run: add --resume to continue it, or pick another --out"
+        )
     torch.manual_seed(args.seed)
     target = load_model(args.model, args.dtype, quantization=args.quantization)
     if target.tokenizer is None:
@@ -86,41 +114,62 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     manifest = make_shards(target, prompts, data, args.max_tokens, progress=args.progress)
     data_minutes = (time.perf_counter() - started) / 60
-    print(f"forerun: {manifest.prompts_done} answers, {manifest.tokens} positions ({manifest.answer_tokens} written "
-          f"by the target) in {data}", file=sys.stderr)
+    print(
+        f"forerun: {manifest.prompts_done} answers, {manifest.tokens} positions ({manifest.answer_tokens} written "
+        f"by the target) in {data}",
+        file=sys.stderr,
+    )
 
     cfg = target.decoder.cfg
     vocab = draft_vocabulary(target, args.draft_vocab)
     vocab = vocab if vocab is not None else torch.arange(cfg.vocab_size)
-    config = HeadConfig(args.method, target_checksum(target), target.name, cfg.hidden_size, cfg.vocab_size,
-                        len(vocab), num_heads=args.heads if args.method == "medusa" else 0,
-                        intermediate_size=(args.intermediate_size or cfg.intermediate_size)
-                        if args.method == "eagle" else 0)
+    config = HeadConfig(
+        args.method,
+        target_checksum(target),
+        target.name,
+        cfg.hidden_size,
+        cfg.vocab_size,
+        len(vocab),
+        num_heads=args.heads if args.method == "medusa" else 0,
+        intermediate_size=(args.intermediate_size or cfg.intermediate_size) if args.method == "eagle" else 0,
+    )
     head = build_head(config, target)
     head.vocab.copy_(vocab)
     head.init_projection(float_weight(target.decoder.lm_head)[vocab])
     head = head.to(args.device)
     embed = target.decoder.embed_tokens.to(args.device) if args.method == "eagle" else None
-    train_config = TrainConfig(args.method, args.epochs, args.lr or DEFAULT_LR[args.method], args.seed,
-                               args.checkpoint_minutes * 60)
+    train_config = TrainConfig(
+        args.method, args.epochs, args.lr or DEFAULT_LR[args.method], args.seed, args.checkpoint_minutes * 60
+    )
     trainer = Trainer(head, train_config, data, out, embed)
     history = trainer.run(resume=args.resume, progress=args.progress)
     last = history.accuracy[-20:]
     accuracy = [round(sum(a[i] for a in last) / len(last), 4) for i in range(len(last[0]))] if last else []
-    config.training = {"prompts": args.prompts, "prompt_ids": used, "hold_out_per_category":
-                       args.hold_out if args.prompts == "spec-bench" else None,
-                       "sequences": manifest.prompts_done, "positions": manifest.tokens,
-                       "answer_tokens": manifest.answer_tokens, "max_tokens": args.max_tokens,
-                       "epochs": args.epochs, "lr": train_config.lr, "steps": trainer.progress.step,
-                       "data_minutes": round(data_minutes, 1),
-                       "train_minutes": round(trainer.progress.seconds / 60, 1),
-                       "final_top1_per_head": accuracy, "quantization": args.quantization,
-                       "device": args.device}
+    config.training = {
+        "prompts": args.prompts,
+        "prompt_ids": used,
+        "hold_out_per_category": args.hold_out if args.prompts == "spec-bench" else None,
+        "sequences": manifest.prompts_done,
+        "positions": manifest.tokens,
+        "answer_tokens": manifest.answer_tokens,
+        "max_tokens": args.max_tokens,
+        "epochs": args.epochs,
+        "lr": train_config.lr,
+        "steps": trainer.progress.step,
+        "data_minutes": round(data_minutes, 1),
+        "train_minutes": round(trainer.progress.seconds / 60, 1),
+        "final_top1_per_head": accuracy,
+        "quantization": args.quantization,
+        "device": args.device,
+    }
     save_head(out, config, head.cpu())
     if history.steps:
         plot_history(history, out / "curves.png", f"{args.method} head for {target.name}")
-    print(f"forerun: {args.method} head in {out} (top-1 per head over the last steps: {accuracy}); use it with "
-          f"--speculative-method {args.method} --speculative-head {out}", file=sys.stderr)
+    print(
+        f"forerun: {args.method} head in {out} (top-1 per head over the last steps: {accuracy}); use it with "
+        f"--speculative-method {args.method} --speculative-head {out}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -149,7 +198,7 @@ def round_robin(prompts: list) -> list:
 def training_prompts(args: argparse.Namespace, target) -> tuple[list[list[int]], list[str]]:
     """(token ids of the prompts to train on, their ids): spec-bench minus the held-out prompts, or
     a JSONL file's; chat-formatted when the target has a template; too long ones left out."""
-    from forerun.bench.dataset import load_prompts
+    from forerun.base.prompts import load_prompts
 
     prompts = load_prompts(args.prompts)
     if args.prompts == "spec-bench":

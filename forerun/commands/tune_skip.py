@@ -1,5 +1,6 @@
 """`forerun tune-skip`: try a few early-exit / skip-layer settings on a handful of prompts and report
 acceptance and speed for each, so you can pick the one to pass to `--speculative-method early-exit`."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,12 +8,17 @@ import json
 from dataclasses import dataclass
 
 from forerun.api import LLM
-from forerun.commands.common import (add_model_args, add_prompt_args, add_sampling_args, read_prompts_file,
-                                     sampling_from_args)
-from forerun.config import SamplingParams
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.base.prompts import read_prompts_file
+from forerun.commands.common import (
+    add_model_args,
+    add_prompt_args,
+    add_sampling_args,
+    sampling_from_args,
+)
 from forerun.drafters.early_exit import draft_layers
-from forerun.errors import ForerunError
-from forerun.metrics import SpecMetrics
+from forerun.engine.metrics import SpecMetrics
 
 DEFAULT_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -24,9 +30,9 @@ DEFAULT_PROMPTS = [
 
 @dataclass
 class Setting:
-    label: str                        # what the report shows
-    flags: str                        # what to pass to `forerun generate`
-    options: dict                     # the early-exit drafter's keywords
+    label: str  # what the report shows
+    flags: str  # what to pass to `forerun generate`
+    options: dict  # the early-exit drafter's keywords
 
 
 @dataclass
@@ -46,29 +52,42 @@ def register(sub) -> None:
     add_model_args(p)
     add_prompt_args(p, "prompts to measure on (default: a built-in handful)")
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="K: tokens drafted per step")
-    p.add_argument("--layers", type=int, nargs="+", default=None,
-                   help="early-exit depths L to try (default: a quarter, half and three quarters of the model)")
-    p.add_argument("--skip", nargs="+", default=None, metavar="I,J,...",
-                   help="skip sets to try, each comma-separated (default: a few sets in the middle of the model)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="early-exit depths L to try (default: a quarter, half and three quarters of the model)",
+    )
+    p.add_argument(
+        "--skip",
+        nargs="+",
+        default=None,
+        metavar="I,J,...",
+        help="skip sets to try, each comma-separated (default: a few sets in the middle of the model)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per setting on stdout")
     add_sampling_args(p)
     p.set_defaults(func=run, max_tokens=48)
 
 
-def candidate_settings(num_layers: int, layers: list[int] | None = None,
-                       skips: list[list[int]] | None = None) -> list[Setting]:
+def candidate_settings(
+    num_layers: int, layers: list[int] | None = None, skips: list[list[int]] | None = None
+) -> list[Setting]:
     """The settings to try: the user's, or prefixes at 1/4, 1/2, 3/4 depth and skip sets that keep
     the first and last layers (which matter most) and drop middle ones, as SWIFT finds works."""
     n = num_layers
     if layers is None and skips is None:
         layers = sorted({d for d in (n // 4, n // 2, 3 * n // 4) if 1 <= d < n})
-        inner = range(1, n - 1)                 # the first and last layers always run
-        skips = [[i for i in range(n // 4, 3 * n // 4) if i % 2 == 1 and i in inner],
-                 [i for i in range(n // 3, 2 * n // 3) if i in inner],
-                 [i for i in inner if i % 2 == 1]]
+        inner = range(1, n - 1)  # the first and last layers always run
+        skips = [
+            [i for i in range(n // 4, 3 * n // 4) if i % 2 == 1 and i in inner],
+            [i for i in range(n // 3, 2 * n // 3) if i in inner],
+            [i for i in inner if i % 2 == 1],
+        ]
     out: list[Setting] = []
     for depth in layers or []:
-        draft_layers(n, layer=depth)            # a clear error for a depth the model lacks
+        draft_layers(n, layer=depth)  # a clear error for a depth the model lacks
         out.append(Setting(f"first {depth} of {n} layers", f"--early-exit-layer {depth}", {"layer": depth}))
     seen: set[tuple[int, ...]] = set()
     for skip in skips or []:
@@ -77,8 +96,13 @@ def candidate_settings(num_layers: int, layers: list[int] | None = None,
             continue
         seen.add(key)
         draft_layers(n, skip_layers=list(key))
-        out.append(Setting(f"skip {','.join(map(str, key))} ({n - len(key)} of {n} layers)",
-                           f"--skip-layers {' '.join(map(str, key))}", {"skip_layers": list(key)}))
+        out.append(
+            Setting(
+                f"skip {','.join(map(str, key))} ({n - len(key)} of {n} layers)",
+                f"--skip-layers {' '.join(map(str, key))}",
+                {"skip_layers": list(key)},
+            )
+        )
     if not out:
         raise ForerunError(f"no setting to try for a model of {n} layers; pass --layers or --skip")
     return out
@@ -113,11 +137,15 @@ def run(args: argparse.Namespace) -> int:
     target = plain.target
     skips = [parse_skip(s) for s in args.skip] if args.skip else None
     settings = candidate_settings(target.decoder.cfg.num_layers, args.layers, skips)
-    plain.generate([prompts[0]], SamplingParams(max_tokens=4))        # warm-up: first calls are slow
+    plain.generate([prompts[0]], SamplingParams(max_tokens=4))  # warm-up: first calls are slow
     rows = [measure(plain, Setting("plain decoding", "", {}), prompts, params)]
     for setting in settings:
-        llm = LLM(model=target, speculative_method="early-exit", speculative_options=setting.options,
-                  num_speculative_tokens=args.num_speculative_tokens)
+        llm = LLM(
+            model=target,
+            speculative_method="early-exit",
+            speculative_options=setting.options,
+            num_speculative_tokens=args.num_speculative_tokens,
+        )
         rows.append(measure(llm, setting, prompts, params))
     report(rows, args.json)
     return 0
@@ -127,11 +155,21 @@ def report(rows: list[Measurement], as_json: bool) -> None:
     base = rows[0].tokens_per_s
     if as_json:
         for m in rows:
-            print(json.dumps({"setting": m.setting.label, "flags": m.setting.flags, **m.setting.options,
-                              "tokens": m.tokens, "elapsed_s": round(m.seconds, 4),
-                              "tokens_per_s": round(m.tokens_per_s, 3),
-                              "speedup": round(m.tokens_per_s / base, 3) if base else None,
-                              "spec": m.metrics.to_dict() if m.setting.flags else None}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "setting": m.setting.label,
+                        "flags": m.setting.flags,
+                        **m.setting.options,
+                        "tokens": m.tokens,
+                        "elapsed_s": round(m.seconds, 4),
+                        "tokens_per_s": round(m.tokens_per_s, 3),
+                        "speedup": round(m.tokens_per_s / base, 3) if base else None,
+                        "spec": m.metrics.to_dict() if m.setting.flags else None,
+                    }
+                ),
+                flush=True,
+            )
         return
     print(f"{'setting':34} {'acceptance':>10} {'accepted len':>12} {'tok/s':>8} {'speedup':>8}")
     for m in rows:
@@ -142,7 +180,9 @@ def report(rows: list[Measurement], as_json: bool) -> None:
         print(f"{m.setting.label:34} {acc:>10} {length:>12} {m.tokens_per_s:8.2f} {speedup:>8}")
     best = max(rows[1:], key=lambda m: m.tokens_per_s)
     if best.tokens_per_s > base:
-        print(f"fastest: --speculative-method early-exit {best.setting.flags} "
-              f"({best.tokens_per_s / base:.2f}x plain decoding)")
+        print(
+            f"fastest: --speculative-method early-exit {best.setting.flags} "
+            f"({best.tokens_per_s / base:.2f}x plain decoding)"
+        )
     else:
         print("no setting beat plain decoding on these prompts; early exit does not pay for this model here")

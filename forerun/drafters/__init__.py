@@ -1,14 +1,16 @@
 """Drafters: anything that proposes tokens. Found by name in a registry, never by an if/elif chain."""
+
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-from forerun.config import SamplingParams
-from forerun.errors import ForerunError
-from forerun.kv_cache import KVCache
-from forerun.tree import DraftTree
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.models.kv_cache import KVCache
+from forerun.verification.tree import DraftTree
 
 
 class Drafter(Protocol):
@@ -17,8 +19,9 @@ class Drafter(Protocol):
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         """A new request begins; `target_cache` is the target's cache (self-speculation reads it)."""
 
-    def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> DraftTree | None:
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftTree | None:
         """Up to k draft tokens following `context` (prompt + output so far); None when it has no guess."""
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
@@ -54,6 +57,7 @@ def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
     def add(factory: DrafterFactory) -> DrafterFactory:
         _REGISTRY[name] = factory
         return factory
+
     return add
 
 
@@ -76,10 +80,21 @@ def create(name: str, target, options: dict) -> Drafter:
     try:
         factory = _REGISTRY[name]
     except KeyError:
-        raise ForerunError(f"unknown speculative method {name!r}; choose one of {', '.join(sorted(_REGISTRY))}") from None
+        raise ForerunError(
+            f"unknown speculative method {name!r}; choose one of {', '.join(sorted(_REGISTRY))}"
+        ) from None
     return factory(target, **options)
 
 
 def _import_all() -> None:
     # Each module registers itself on import.
-    from forerun.drafters import auto, draft_model, eagle, early_exit, lookahead, medusa, ngram, suffix  # noqa: F401
+    from forerun.drafters import (  # noqa: F401
+        auto,
+        draft_model,
+        eagle,
+        early_exit,
+        lookahead,
+        medusa,
+        ngram,
+        suffix,
+    )

@@ -18,38 +18,49 @@ Cost: a suffix look-up every step (microseconds), a draft-model token only on st
 match. Where it loses: a long match that stops being copied wastes one verification, and the
 threshold is a fixed number of tokens, not a learned score.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from forerun.config import SamplingParams
+from forerun.base.config import SamplingParams
 from forerun.drafters import register, rows_per_step
 from forerun.drafters.draft_model import SECOND_CHOICE, DraftModelDrafter
 from forerun.drafters.passes import DraftSteps, run_alone
 from forerun.drafters.suffix import SuffixDrafter, SuffixMemory
-from forerun.kv_cache import KVCache
+from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
-from forerun.tree import DraftTree
+from forerun.verification.tree import DraftTree
 
 
 @register("auto")
 class AutoDrafter:
-    def __init__(self, target: LoadedModel, model, dtype: str = "bfloat16", device: str | None = None,
-                 quantize: str | None = None, min_confidence: float = 0.0, draft_vocab: int | None = None,
-                 long_match: int = 8, second_choice: float = SECOND_CHOICE,
-                 memory: SuffixMemory | None = None) -> None:
+    def __init__(
+        self,
+        target: LoadedModel,
+        model,
+        dtype: str = "bfloat16",
+        device: str | None = None,
+        quantize: str | None = None,
+        min_confidence: float = 0.0,
+        draft_vocab: int | None = None,
+        long_match: int = 8,
+        second_choice: float = SECOND_CHOICE,
+        memory: SuffixMemory | None = None,
+    ) -> None:
         """The draft model's settings as DraftModelDrafter takes them; `long_match`: the shortest
         suffix match (tokens) whose continuation is proposed instead of the draft model's;
         `memory`: the suffix drafter's memory of earlier outputs, when shared (SuffixDrafter)."""
         self.suffix = SuffixDrafter(target, memory=memory)
-        self.draft = DraftModelDrafter(target, model, dtype, device, quantize, min_confidence, draft_vocab,
-                                       second_choice)
+        self.draft = DraftModelDrafter(
+            target, model, dtype, device, quantize, min_confidence, draft_vocab, second_choice
+        )
         self.long_match = long_match
-        self.steps = {"suffix": 0, "draft": 0}   # proposals made by each, this process
-        self.source = "draft"                    # which made the last proposal
-        self.planned: str | None = None          # what next_source said for the coming proposal
+        self.steps = {"suffix": 0, "draft": 0}  # proposals made by each, this process
+        self.source = "draft"  # which made the last proposal
+        self.planned: str | None = None  # what next_source said for the coming proposal
 
     @property
     def memory(self) -> SuffixMemory:
@@ -76,23 +87,25 @@ class AutoDrafter:
         return self.planned
 
     def free_source(self, context: list[int]) -> str | None:
-        """"suffix" when a long match makes the coming proposal the suffix drafter's, which costs
+        """ "suffix" when a long match makes the coming proposal the suffix drafter's, which costs
         nothing; None when only the draft model would propose (then nothing is planned)."""
         self.planned = "suffix" if self.suffix.match_length(context) >= self.long_match else None
         return self.planned
 
-    def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> DraftTree | None:
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftTree | None:
         return run_alone(self.propose_steps(context, k, params, generator))
 
-    def propose_steps(self, context: list[int], k: int, params: SamplingParams,
-                      generator: torch.Generator | None) -> DraftSteps:
+    def propose_steps(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftSteps:
         """`propose` with the draft model's forwards yielded (passes.py)."""
         tree, match = self.suffix.propose_with_match(context, k, params, generator)
         planned, self.planned = self.planned, None
         if (tree is None or match < self.long_match) if planned is None else planned == "draft":
             drafted = yield from self.draft.propose_steps(context, k, params, generator)
-            if drafted is not None:          # None: its catch-up declined, the suffix's guess stands
+            if drafted is not None:  # None: its catch-up declined, the suffix's guess stands
                 self.source = "draft"
                 self.steps["draft"] += 1
                 return drafted
@@ -109,7 +122,7 @@ class AutoDrafter:
         self.suffix.end(output_ids)
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
-        if self.source == "draft":             # the draft model counts its verdicts (its catch-up gate)
+        if self.source == "draft":  # the draft model counts its verdicts (its catch-up gate)
             self.draft.observe(num_accepted, aux_logits)
 
     def cost_per_token(self) -> float | None:

@@ -19,41 +19,42 @@ coding prompts the 0.5B's second choice is the 1.5B's token in ~60 % of the plac
 not), and a leaf costs no draft forward. On the AMX Xeon leaves raise the tokens per target pass
 by ~16 % and the decode rate by ~5 % (docs/benchmarks.md, runs 20 and 21).
 """
+
 from __future__ import annotations
 
 import time
-import weakref
 import warnings
+import weakref
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Callable
 
 import torch
 
-from forerun.config import SamplingParams
-from forerun.cost_model import Acceptance, PassCosts
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
 from forerun.drafters import register
 from forerun.drafters.draft_vocab import draft_vocabulary, reduced_head
 from forerun.drafters.passes import DraftPass, DraftSteps, run_alone
-from forerun.errors import ForerunError
-from forerun.kv_cache import KVCache
 from forerun.models import formats, linear
 from forerun.models.attention import RowLayout
+from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel, load_model
 from forerun.models.tokenizer import Tokenizer
-from forerun.sampling import probabilities, sample
-from forerun.tree import DraftTree
+from forerun.policy.cost_model import Acceptance, PassCosts
+from forerun.verification.sampling import probabilities, sample
+from forerun.verification.tree import DraftTree
 
-DRAFT_MODEL_METHODS = ("draft", "auto")   # methods that run a draft model (its options: model, quantize, ...)
+DRAFT_MODEL_METHODS = ("draft", "auto")  # methods that run a draft model (its options: model, quantize, ...)
 # A catch-up this short is part of drafting's rhythm (a step's accepted tokens, a suffix draft's
 # run) and is paid without asking; longer ones (a prompt) are the cost policy's call.
 CATCH_UP_FREE = 16
-READ_PROBE_ROWS = 32   # rows of the pass that times a catch-up's cost per token
+READ_PROBE_ROWS = 32  # rows of the pass that times a catch-up's cost per token
 BATCH_PRIOR_ROWS = 16  # rows of a shared draft forward estimated before any is timed
 # Kept and rejected pseudo-counts behind the acceptance a draft model expects before its first
 # verdict: a draft of the target's own family is usually right (0.8; runs 9 and 10 measured
 # 0.78-0.85 at the first position). It only decides when a catch-up pays; verdicts replace it.
 DRAFT_PRIOR = (4.0, 1.0)
-SECOND_CHOICE = 0.05   # the least draft probability of a second-choice leaf's path (greedy; above 1: none)
+SECOND_CHOICE = 0.05  # the least draft probability of a second-choice leaf's path (greedy; above 1: none)
 
 
 # Per draft decoder and target decoder: the reduced heads and first pass timings, by draft vocabulary size.
@@ -64,8 +65,10 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
     """Draft and target must agree token for token; say exactly where they differ."""
     t_rows, d_rows = target.decoder.cfg.vocab_size, draft.decoder.cfg.vocab_size
     if t_rows != d_rows:
-        raise ForerunError(f"draft {draft.name} has {d_rows} vocabulary rows, target {target.name} has {t_rows}; "
-                           "speculation needs the same tokenizer: pick a draft of the same model family")
+        raise ForerunError(
+            f"draft {draft.name} has {d_rows} vocabulary rows, target {target.name} has {t_rows}; "
+            "speculation needs the same tokenizer: pick a draft of the same model family"
+        )
     if target.tokenizer is None or draft.tokenizer is None:
         return
     _compare_tokenizers(target.tokenizer, draft.tokenizer, target.name, draft.name)
@@ -75,18 +78,29 @@ def _compare_tokenizers(t: Tokenizer, d: Tokenizer, t_name: str, d_name: str) ->
     tv, dv = t.vocabulary(), d.vocabulary()
     for i in sorted(set(tv) | set(dv)):
         if tv.get(i) != dv.get(i):
-            raise ForerunError(f"draft and target tokenizers differ at id {i}: target {t_name} has {tv.get(i)!r}, "
-                               f"draft {d_name} has {dv.get(i)!r}; pick a draft with the target's tokenizer")
+            raise ForerunError(
+                f"draft and target tokenizers differ at id {i}: target {t_name} has {tv.get(i)!r}, "
+                f"draft {d_name} has {dv.get(i)!r}; pick a draft with the target's tokenizer"
+            )
     if t.stop_ids != d.stop_ids:
-        raise ForerunError(f"draft and target stop tokens differ: target {sorted(t.stop_ids)}, "
-                           f"draft {sorted(d.stop_ids)}")
+        raise ForerunError(
+            f"draft and target stop tokens differ: target {sorted(t.stop_ids)}, draft {sorted(d.stop_ids)}"
+        )
 
 
 @register("draft")
 class DraftModelDrafter:
-    def __init__(self, target: LoadedModel, model: str | LoadedModel, dtype: str = "bfloat16",
-                 device: str | None = None, quantize: str | None = None, min_confidence: float = 0.0,
-                 draft_vocab: int | None = None, second_choice: float = SECOND_CHOICE) -> None:
+    def __init__(
+        self,
+        target: LoadedModel,
+        model: str | LoadedModel,
+        dtype: str = "bfloat16",
+        device: str | None = None,
+        quantize: str | None = None,
+        min_confidence: float = 0.0,
+        draft_vocab: int | None = None,
+        second_choice: float = SECOND_CHOICE,
+    ) -> None:
         """`quantize` ("int8", "w8a8") stores the draft's products in that format (fewer bytes per
         draft token); `min_confidence` ends a draft early once the draft's top probability falls below
         it; `draft_vocab` N scores only the N tokens the target writes most (draft_vocab.py);
@@ -101,8 +115,11 @@ class DraftModelDrafter:
         else:
             self.model = load_model(model, dtype, device or str(target.decoder.device), quantization=quantize)
         if _num_weights(self.model.decoder) > _num_weights(target.decoder):
-            warnings.warn(f"draft {self.model.name} is larger than target {target.name}: "
-                          "speculation will likely be slower than plain decoding", stacklevel=2)
+            warnings.warn(
+                f"draft {self.model.name} is larger than target {target.name}: "
+                "speculation will likely be slower than plain decoding",
+                stacklevel=2,
+            )
         self.min_confidence = min_confidence
         self.second_choice = second_choice
         # What depends on the draft weights alone is made once per model and shared by every
@@ -112,24 +129,26 @@ class DraftModelDrafter:
             check_same_vocabulary(target, self.model)
             self.shared["same vocabulary"] = True
         if ("head", draft_vocab) not in self.shared:
-            vocab = draft_vocabulary(target, draft_vocab) if draft_vocab else None   # [N] token ids
+            vocab = draft_vocabulary(target, draft_vocab) if draft_vocab else None  # [N] token ids
             # The draft model keeps its full head; drafters with a reduced vocabulary score with its rows.
-            self.shared["head", draft_vocab] = (vocab, reduced_head(self.model.decoder.lm_head, vocab)
-                                                if vocab is not None else None)
+            self.shared["head", draft_vocab] = (
+                vocab,
+                reduced_head(self.model.decoder.lm_head, vocab) if vocab is not None else None,
+            )
         self.vocab, self.head = self.shared["head", draft_vocab]
         self.draft_vocab = draft_vocab
         self.vocab_size = target.decoder.cfg.vocab_size
         self.cache: KVCache | None = None
-        self.max_len = 0           # slots this request's cache needs
-        self.fed: list[int] = []   # tokens whose keys/values sit in self.cache, in order
-        self.token_seconds: float | None = None   # running mean time of a one-token draft forward
-        self.read_seconds: float | None = None    # running mean time per token of a catch-up pass
-        self.gate: Callable[[float, float | None, float], bool] | None = None   # see set_gate
-        self.acceptance = Acceptance(*DRAFT_PRIOR)   # of its drafts, over every request of this drafter
-        self.proposed = 0                            # tokens in the proposal awaiting its verdict
-        self.drafted = True                          # this request drafted (a first request counts as having)
-        self.admitted = False                        # the gate agreed to a catch-up not made yet
-        self.pass_cost: Callable[[int], float] | None = None   # the target's c(rows), for ending drafts early
+        self.max_len = 0  # slots this request's cache needs
+        self.fed: list[int] = []  # tokens whose keys/values sit in self.cache, in order
+        self.token_seconds: float | None = None  # running mean time of a one-token draft forward
+        self.read_seconds: float | None = None  # running mean time per token of a catch-up pass
+        self.gate: Callable[[float, float | None, float], bool] | None = None  # see set_gate
+        self.acceptance = Acceptance(*DRAFT_PRIOR)  # of its drafts, over every request of this drafter
+        self.proposed = 0  # tokens in the proposal awaiting its verdict
+        self.drafted = True  # this request drafted (a first request counts as having)
+        self.admitted = False  # the gate agreed to a catch-up not made yet
+        self.pass_cost: Callable[[int], float] | None = None  # the target's c(rows), for ending drafts early
 
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         # The cache is made at the first proposal (a request the draft model never drafts for, as
@@ -161,12 +180,14 @@ class DraftModelDrafter:
         """A chain of k, and under greedy up to k second-choice leaves beside it."""
         return 2 * k if self.second_choice <= 1 else k
 
-    def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> DraftTree | None:
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftTree | None:
         return run_alone(self.propose_steps(context, k, params, generator))
 
-    def propose_steps(self, context: list[int], k: int, params: SamplingParams,
-                      generator: torch.Generator | None) -> DraftSteps:
+    def propose_steps(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftSteps:
         """`propose` as draft forwards yielded one by one (passes.py: a batch runs several
         sequences' forwards as one)."""
         if self.cache is None:
@@ -179,29 +200,33 @@ class DraftModelDrafter:
         pending = context[keep:]
         # The root is read on every proposal; only what lies before it is catch-up.
         admitted, self.admitted = self.admitted, False
-        if (self.gate is not None and len(pending) - 1 > CATCH_UP_FREE and not admitted
-                and not self.gate(self.catch_up_seconds(len(pending) - 1), self.cost_per_token(),
-                                  self.acceptance.alpha)):
+        if (
+            self.gate is not None
+            and len(pending) - 1 > CATCH_UP_FREE
+            and not admitted
+            and not self.gate(self.catch_up_seconds(len(pending) - 1), self.cost_per_token(), self.acceptance.alpha)
+        ):
             return None
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
-        leaves: list[tuple[int, int]] = []           # (depth index, token): second choices beside the chain
-        kept_chance = 1.0                            # the draft's probability of its whole draft so far
+        leaves: list[tuple[int, int]] = []  # (depth index, token): second choices beside the chain
+        kept_chance = 1.0  # the draft's probability of its whole draft so far
         self.drafted = True
         for _ in range(k):
             step = DraftPass(self.model.decoder, cache, pending, len(self.fed), self.head)
-            logits = yield step                                                      # [1, N]
+            logits = yield step  # [1, N]
             self._time_pass(step)
             self.fed += pending
-            confidence = logits.softmax(-1)[0]                                       # [N]
+            confidence = logits.softmax(-1)[0]  # [N]
             if params.greedy:
                 best = confidence.topk(min(2, confidence.shape[0]))
                 choice = int(best.indices[0])
-                if len(best.values) > 1 and self._leaf_pays(kept_chance * float(best.values[1]),
-                                                            len(tokens) + len(leaves) + 1):
+                if len(best.values) > 1 and self._leaf_pays(
+                    kept_chance * float(best.values[1]), len(tokens) + len(leaves) + 1
+                ):
                     leaves.append((len(tokens), self._token(int(best.indices[1]))))
             else:
-                q = probabilities(logits, params)                                   # [1, N]
+                q = probabilities(logits, params)  # [1, N]
                 choice = int(sample(q, generator)[0])
                 probs.append(self._full_vocabulary(q[0]))
             token = self._token(choice)
@@ -215,8 +240,9 @@ class DraftModelDrafter:
         self.proposed = len(tokens)
         if leaves:
             # A leaf beside the chain's token at depth index d hangs from that token's parent.
-            return DraftTree(tokens + [t for _, t in leaves],
-                             list(range(-1, len(tokens) - 1)) + [d - 1 for d, _ in leaves])
+            return DraftTree(
+                tokens + [t for _, t in leaves], list(range(-1, len(tokens) - 1)) + [d - 1 for d, _ in leaves]
+            )
         return DraftTree.chain(tokens, None if params.greedy else torch.stack(probs))
 
     def _token(self, choice: int) -> int:
@@ -232,8 +258,7 @@ class DraftModelDrafter:
         shared like `last` by several sequences costs each its share."""
         if self.pass_cost is None:
             return True
-        token_cost = (self.token_seconds if last.shared == 1
-                      else self.batch_pass_seconds(last.shared) / last.shared)
+        token_cost = self.token_seconds if last.shared == 1 else self.batch_pass_seconds(last.shared) / last.shared
         return token_cost is None or self._saves(kept_chance, token_cost, drafted + 1)
 
     def _leaf_pays(self, chance: float, rows: int) -> bool:
@@ -252,7 +277,7 @@ class DraftModelDrafter:
         for it now (asked here once per step; the proposal that follows does not ask again)."""
         skipped = len(context) - 1 - min(_common_prefix(self.fed, context), len(context) - 1)
         if self.gate is None or skipped <= CATCH_UP_FREE or self.admitted:
-            return True      # admitted before and not proposed since (the step went plain): still paid for
+            return True  # admitted before and not proposed since (the step went plain): still paid for
         self.admitted = self.gate(self.catch_up_seconds(skipped), self.cost_per_token(), self.acceptance.alpha)
         return self.admitted
 
@@ -300,8 +325,14 @@ class DraftModelDrafter:
                     cache.truncate(first)
                     start = time.perf_counter()
                     with linear.prefill() if n > 1 else nullcontext():
-                        decoder(ids[first:first + n], pos[first:first + n], cache,
-                                layout=RowLayout.chain(first, n), last_only=True, head=self.head)
+                        decoder(
+                            ids[first : first + n],
+                            pos[first : first + n],
+                            cache,
+                            layout=RowLayout.chain(first, n),
+                            last_only=True,
+                            head=self.head,
+                        )
                     best[n] = min(best[n], time.perf_counter() - start)
         return best[rows] / rows, best[1]
 
@@ -315,9 +346,10 @@ class DraftModelDrafter:
         elif rows == 1:
             # One stalled pass (the machine is shared) counts as at most twice the running figure.
             previous = self.token_seconds
-            self.token_seconds = step.seconds if previous is None else 0.8 * previous + 0.2 * min(step.seconds,
-                                                                                                2 * previous)
-        elif rows >= 8:                     # long enough that the per-row cost dominates
+            self.token_seconds = (
+                step.seconds if previous is None else 0.8 * previous + 0.2 * min(step.seconds, 2 * previous)
+            )
+        elif rows >= 8:  # long enough that the per-row cost dominates
             per_row, previous = step.seconds / rows, self.read_seconds
             self.read_seconds = per_row if previous is None else 0.8 * previous + 0.2 * per_row
 

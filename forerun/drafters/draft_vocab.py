@@ -12,6 +12,7 @@ top-8 next tokens at every position are counted. Stop tokens are always in. The 
 the lowest token ids (BPE vocabularies number their tokens in merge order, roughly by frequency).
 The choice is cached per target and size under FORERUN_HOME/draft-vocab/.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,16 +24,16 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from forerun.base.paths import forerun_home
+from forerun.models.gguf_format import GGUFLinear
 from forerun.models.linear import Int8Linear, Linear
 from forerun.models.load import LoadedModel, model_identity
-from forerun.models.gguf_format import GGUFLinear
 from forerun.models.w8a8 import W8A8Linear
-from forerun.paths import forerun_home
 
-TOP = 8                  # next-token choices counted per position
+TOP = 8  # next-token choices counted per position
 HELD_OUT_PER_CATEGORY = 2
 MAX_PROMPT_TOKENS = 256
-MAX_POSITIONS = 2048     # tokens read in all (~30 s for a 1.5B model in w8a8 on two cores)
+MAX_POSITIONS = 2048  # tokens read in all (~30 s for a 1.5B model in w8a8 on two cores)
 
 
 def draft_vocabulary(target: LoadedModel, size: int) -> torch.Tensor | None:
@@ -50,7 +51,7 @@ def draft_vocabulary(target: LoadedModel, size: int) -> torch.Tensor | None:
             if len(ids) == size and all(0 <= i < vocab for i in ids):
                 return torch.tensor(ids, dtype=torch.long)
         except (OSError, ValueError, KeyError, TypeError):
-            pass                                   # a damaged cache is measured again
+            pass  # a damaged cache is measured again
     counts = target_choice_counts(target, calibration_prompts(target))
     ids = choose(counts, size, sorted(target.tokenizer.stop_ids) if target.tokenizer else [])
     if path is not None:
@@ -60,7 +61,7 @@ def draft_vocabulary(target: LoadedModel, size: int) -> torch.Tensor | None:
 
 def calibration_prompts(target: LoadedModel) -> list[list[int]]:
     """Token ids of held-out Spec-Bench prompts (chat-formatted when the target has a template)."""
-    from forerun.bench.dataset import SPEC_BENCH, load_prompts
+    from forerun.base.prompts import SPEC_BENCH, load_prompts
 
     by_category: dict[str, list] = {}
     for prompt in load_prompts(SPEC_BENCH):
@@ -70,8 +71,7 @@ def calibration_prompts(target: LoadedModel) -> list[list[int]]:
     if tok is None:
         return []
     chat = bool(getattr(tok.hf, "chat_template", None))
-    encoded = [tok.apply_chat([{"role": "user", "content": p.text}]) if chat else tok.encode(p.text)
-               for p in held_out]
+    encoded = [tok.apply_chat([{"role": "user", "content": p.text}]) if chat else tok.encode(p.text) for p in held_out]
     return [ids[:MAX_PROMPT_TOKENS] for ids in encoded]
 
 
@@ -80,14 +80,19 @@ def target_choice_counts(target: LoadedModel, prompts: list[list[int]]) -> torch
     decoder = target.decoder
     counts = torch.zeros(decoder.cfg.vocab_size, dtype=torch.long)
     budget = MAX_POSITIONS
-    with tqdm(total=min(budget, sum(map(len, prompts))), desc="choosing the draft vocabulary", unit="tok",
-              file=sys.stderr, leave=False) as bar:
+    with tqdm(
+        total=min(budget, sum(map(len, prompts))),
+        desc="choosing the draft vocabulary",
+        unit="tok",
+        file=sys.stderr,
+        leave=False,
+    ) as bar:
         for ids in prompts:
             ids = ids[:budget]
             if not ids:
                 break
             cache = decoder.new_cache(len(ids))
-            logits = decoder(torch.tensor(ids), torch.arange(len(ids)), cache).logits[0]   # [T, vocab]
+            logits = decoder(torch.tensor(ids), torch.arange(len(ids)), cache).logits[0]  # [T, vocab]
             chosen = logits.topk(min(TOP, logits.shape[-1]), dim=-1).indices.flatten()
             counts.index_add_(0, chosen.cpu(), torch.ones_like(chosen, device="cpu"))
             budget -= len(ids)
@@ -97,7 +102,7 @@ def target_choice_counts(target: LoadedModel, prompts: list[list[int]]) -> torch
 
 def choose(counts: torch.Tensor, size: int, always: list[int]) -> torch.Tensor:
     """`always`, then the most counted tokens, ties (and the uncounted) by lowest id; sorted [size]."""
-    order = torch.argsort(-counts, stable=True)                                    # most counted first
+    order = torch.argsort(-counts, stable=True)  # most counted first
     picked = list(dict.fromkeys([*always, *order.tolist()]))[:size]
     return torch.tensor(sorted(picked), dtype=torch.long)
 
@@ -126,8 +131,12 @@ def _rows_w8a8(head: W8A8Linear, ids: torch.Tensor) -> nn.Module:
     return W8A8Linear(head.qweight()[ids], head.scale[ids], None if head.bias is None else head.bias[ids])
 
 
-_ROWS = {Linear: _rows_linear, Int8Linear: _rows_int8, W8A8Linear: _rows_w8a8,
-         GGUFLinear: lambda head, ids: head.take_rows(ids.cpu())}
+_ROWS = {
+    Linear: _rows_linear,
+    Int8Linear: _rows_int8,
+    W8A8Linear: _rows_w8a8,
+    GGUFLinear: lambda head, ids: head.take_rows(ids.cpu()),
+}
 
 
 def reduced_head(head: nn.Module, ids: torch.Tensor) -> nn.Module:

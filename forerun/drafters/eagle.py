@@ -19,48 +19,52 @@ Cost: one layer and one projection over the draft vocabulary per depth, a few mi
 1.5B target. Where it loses: a head trained on little data guesses well only on text like its
 training text.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from forerun.config import SamplingParams
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
 from forerun.drafters import register
-from forerun.errors import ForerunError
 from forerun.heads import shared_head
-from forerun.kv_cache import KVCache
+from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
-from forerun.sampling import probabilities, sample
-from forerun.tree import DraftTree
+from forerun.verification.sampling import probabilities, sample
+from forerun.verification.tree import DraftTree
 
-DEFAULT_NODES = 16      # the most tree nodes a step verifies
-DEFAULT_BRANCH = 4      # nodes expanded per depth, children per expanded node
+DEFAULT_NODES = 16  # the most tree nodes a step verifies
+DEFAULT_BRANCH = 4  # nodes expanded per depth, children per expanded node
 
 
 @register("eagle")
 class EagleDrafter:
     reads_features = True
 
-    def __init__(self, target: LoadedModel, head: str | None = None, nodes: int = DEFAULT_NODES,
-                 branch: int = DEFAULT_BRANCH) -> None:
+    def __init__(
+        self, target: LoadedModel, head: str | None = None, nodes: int = DEFAULT_NODES, branch: int = DEFAULT_BRANCH
+    ) -> None:
         if head is None:
-            raise ForerunError("--speculative-method eagle needs --speculative-head DIR (train one with "
-                               "`forerun train --method eagle`)")
+            raise ForerunError(
+                "--speculative-method eagle needs --speculative-head DIR (train one with "
+                "`forerun train --method eagle`)"
+            )
         if nodes < 1 or branch < 1:
             raise ForerunError(f"EAGLE's tree needs at least one node and one branch, got {nodes} and {branch}")
         self.config, self.head = shared_head(head, target, "eagle")
-        self.vocab = self.head.vocab                                        # [N] token ids
+        self.vocab = self.head.vocab  # [N] token ids
         self.vocab_size = target.decoder.cfg.vocab_size
         self.embed = target.decoder.embed_tokens
         self.nodes, self.branch = nodes, branch
-        self.pass_cost: Callable[[int], float] | None = None                # c(r), from the engine's policy
-        self.head_seconds: float | None = None                              # running mean of one expansion pass
+        self.pass_cost: Callable[[int], float] | None = None  # c(r), from the engine's policy
+        self.head_seconds: float | None = None  # running mean of one expansion pass
         self.cache = None
-        self.known: list[torch.Tensor] = []                                 # target features, [n_i, hidden] each
+        self.known: list[torch.Tensor] = []  # target features, [n_i, hidden] each
         self.num_known = 0
-        self.fed = 0                                                        # true pairs in the head's cache
+        self.fed = 0  # true pairs in the head's cache
 
     def max_rows(self, k: int) -> int:
         return self.nodes
@@ -78,12 +82,13 @@ class EagleDrafter:
         self.known.append(hidden.float())
         self.num_known += hidden.shape[0]
 
-    def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> DraftTree | None:
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftTree | None:
         n = self.num_known
         if n != len(context) - 1 or n == 0:
-            return None                  # features out of step with the text: nothing to draft from
-        root_feature = self._catch_up(context)                                              # [hidden]
+            return None  # features out of step with the text: nothing to draft from
+        root_feature = self._catch_up(context)  # [hidden]
         if params.greedy:
             return self._greedy_tree(root_feature, k)
         return self._sampled_chain(root_feature, k, params, generator)
@@ -95,52 +100,62 @@ class EagleDrafter:
 
     def _catch_up(self, context: list[int]) -> torch.Tensor:
         """Feed the true pairs (embed(x_{j+1}), f_j) for j in [fed, n); returns f̂ at the root."""
-        features = torch.cat(self.known)                                                    # [n, hidden]
+        features = torch.cat(self.known)  # [n, hidden]
         self.known = [features]
         n, start = self.num_known, self.fed
-        self.cache.length = start                      # drops the last step's expansion rows
+        self.cache.length = start  # drops the last step's expansion rows
         device = features.device
-        ids = torch.tensor(context[start + 1:n + 1], device=device)
+        ids = torch.tensor(context[start + 1 : n + 1], device=device)
         out = self.head(self.embed(ids).float(), features[start:n], torch.arange(start, n, device=device), self.cache)
         self.fed = n
         return out[-1]
 
-    def _expand(self, tokens: list[int], inputs: torch.Tensor, positions: list[int],
-                ancestors: list[list[int]]) -> torch.Tensor:
+    def _expand(
+        self, tokens: list[int], inputs: torch.Tensor, positions: list[int], ancestors: list[list[int]]
+    ) -> torch.Tensor:
         """One pass over expansion rows: row i is (embed(tokens[i]), inputs[i]) at positions[i],
         seeing the true pairs, the rows listed in ancestors[i] (cache slots) and itself. Returns
         the predicted features [R, hidden]."""
         device = inputs.device
         base = self.cache.length
         visible = torch.zeros(len(tokens), base + len(tokens), dtype=torch.bool, device=device)
-        visible[:, :self.fed] = True
+        visible[:, : self.fed] = True
         for i, slots in enumerate(ancestors):
             visible[i, slots] = True
             visible[i, base + i] = True
-        return self.head(self.embed(torch.tensor(tokens, device=device)).float(), inputs,
-                         torch.tensor(positions, device=device), self.cache, visible)
+        return self.head(
+            self.embed(torch.tensor(tokens, device=device)).float(),
+            inputs,
+            torch.tensor(positions, device=device),
+            self.cache,
+            visible,
+        )
 
     def _greedy_tree(self, root_feature: torch.Tensor, depth: int) -> DraftTree | None:
         branch, n = self.branch, self.num_known
         with torch.inference_mode():
-            probs = self.head.logits(root_feature).softmax(-1)                             # [N]
+            probs = self.head.logits(root_feature).softmax(-1)  # [N]
         top = probs.topk(min(branch, probs.shape[-1]))
         # Candidate nodes: token, parent, confidence, predicted feature input for its children.
         tokens = [int(self.vocab[i]) for i in top.indices]
         parents = [-1] * len(tokens)
         scores = top.values.tolist()
-        feeds = [root_feature] * len(tokens)          # the feature that goes beside each node's embedding
-        slots: dict[int, int] = {}                    # expanded node -> its row's cache slot
+        feeds = [root_feature] * len(tokens)  # the feature that goes beside each node's embedding
+        slots: dict[int, int] = {}  # expanded node -> its row's cache slot
         frontier = list(range(len(tokens)))
         for level in range(1, depth):
             chosen = sorted(frontier, key=lambda i: -scores[i])[:branch]
             if not chosen:
                 break
             start = time.perf_counter()
-            outs = self._expand([tokens[i] for i in chosen], torch.stack([feeds[i] for i in chosen]),
-                                [n + level - 1] * len(chosen), [self._ancestor_slots(i, parents, slots) for i in chosen])
+            outs = self._expand(
+                [tokens[i] for i in chosen],
+                torch.stack([feeds[i] for i in chosen]),
+                [n + level - 1] * len(chosen),
+                [self._ancestor_slots(i, parents, slots) for i in chosen],
+            )
             with torch.inference_mode():
-                child_probs = self.head.logits(outs).softmax(-1)                           # [B, N]
+                child_probs = self.head.logits(outs).softmax(-1)  # [B, N]
             best = child_probs.topk(min(branch, child_probs.shape[-1]), dim=-1)
             self._time(time.perf_counter() - start)
             frontier = []
@@ -156,13 +171,14 @@ class EagleDrafter:
         new = {old: i for i, old in enumerate(keep)}
         return DraftTree([tokens[i] for i in keep], [new[parents[i]] if parents[i] >= 0 else -1 for i in keep])
 
-    def _sampled_chain(self, root_feature: torch.Tensor, depth: int, params: SamplingParams,
-                       generator: torch.Generator | None) -> DraftTree:
+    def _sampled_chain(
+        self, root_feature: torch.Tensor, depth: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftTree:
         n = self.num_known
         feature, tokens, qs, slots = root_feature, [], [], []
         for level in range(depth):
             with torch.inference_mode():
-                q = self._full_vocabulary(probabilities(self.head.logits(feature)[None], params))   # [1, V]
+                q = self._full_vocabulary(probabilities(self.head.logits(feature)[None], params))  # [1, V]
             token = int(sample(q, generator)[0])
             tokens.append(token)
             qs.append(q[0])
@@ -187,7 +203,7 @@ class EagleDrafter:
         """The nodes to verify, parents first: the best by confidence, as many as pay best."""
         # Confidence never grows down a path, so with ties broken by depth a prefix of this order
         # holds every kept node's parent.
-        order = sorted(range(len(scores)), key=lambda i: (-scores[i], _depth(i, parents)))[:self.nodes]
+        order = sorted(range(len(scores)), key=lambda i: (-scores[i], _depth(i, parents)))[: self.nodes]
         count = self._best_count([scores[i] for i in order], depth)
         return sorted(order[:count])
 

@@ -17,17 +17,18 @@ the full LM head, so a shallow exit drafts cheaply but is rarely accepted and a 
 but costs almost a target forward; on models whose layers all matter (small models, or sampling at
 high temperature) no setting pays. `forerun tune-skip` measures a few settings so you can pick one.
 """
+
 from __future__ import annotations
 
 import torch
 
-from forerun.config import SamplingParams
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
 from forerun.drafters import register
-from forerun.errors import ForerunError
-from forerun.kv_cache import KVCache
+from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
-from forerun.sampling import probabilities, sample
-from forerun.tree import DraftTree
+from forerun.verification.sampling import probabilities, sample
+from forerun.verification.tree import DraftTree
 
 
 def draft_layers(num_layers: int, layer: int | None = None, skip_layers: list[int] | None = None) -> list[int]:
@@ -61,22 +62,23 @@ class EarlyExitDrafter:
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         self.cache = target_cache
 
-    def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> DraftTree:
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftTree:
         decoder, cache = self.decoder, self.cache
-        base = cache.length                  # the target cache holds context[:-1]; the root comes next
+        base = cache.length  # the target cache holds context[:-1]; the root comes next
         token = context[-1]
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
             ids = torch.tensor([token], device=decoder.device)
             pos = torch.tensor([base + i], device=decoder.device)
-            logits = decoder(ids, pos, cache, last_only=True, layers=self.layers).logits[0]   # [1, V]
-            q = probabilities(logits, params)                                                   # [1, V]
+            logits = decoder(ids, pos, cache, last_only=True, layers=self.layers).logits[0]  # [1, V]
+            q = probabilities(logits, params)  # [1, V]
             token = int(q.argmax()) if params.greedy else int(sample(q, generator)[0])
             tokens.append(token)
             probs.append(q[0])
-        cache.truncate(base)                 # provisional entries: verification overwrites them
+        cache.truncate(base)  # provisional entries: verification overwrites them
         return DraftTree.chain(tokens, None if params.greedy else torch.stack(probs))
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:

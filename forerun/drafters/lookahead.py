@@ -23,6 +23,7 @@ at batch 1 those rows are nearly free; on a CPU, or a GPU already busy with a ba
 compute that a plain step does not pay, and acceptance needs a warmed-up pool, so short or very
 random generations gain little.
 """
+
 from __future__ import annotations
 
 import random
@@ -30,12 +31,12 @@ from functools import lru_cache
 
 import torch
 
-from forerun.config import SamplingParams
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
 from forerun.drafters import register
-from forerun.errors import ForerunError
-from forerun.kv_cache import KVCache
+from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
-from forerun.tree import DraftTree
+from forerun.verification.tree import DraftTree
 
 
 @lru_cache(maxsize=32)
@@ -50,7 +51,7 @@ def window_mask(levels: int, width: int) -> torch.Tensor:
     for level in range(levels):
         for col in range(width):
             row = level * width + col
-            mask[row, 1:2 + col] = True
+            mask[row, 1 : 2 + col] = True
             for up in range(1, level + 1):
                 mask[row, 1 + up * width + col] = True
     return mask
@@ -92,8 +93,8 @@ class LookaheadDrafter:
             raise ForerunError(f"--lookahead-guesses must be at least 1, got {guesses}")
         self.window, self.n, self.guesses = window, ngram, guesses
         self.pool = NgramPool(guesses)
-        self.levels: list[list[int]] = []   # the Jacobi window, oldest level first, each [W]
-        self.indexed = 0                    # context positions whose n-grams are in the pool
+        self.levels: list[list[int]] = []  # the Jacobi window, oldest level first, each [W]
+        self.indexed = 0  # context positions whose n-grams are in the pool
 
     def max_rows(self, k: int) -> int:
         return self.guesses * min(self.n - 1, k) + self.window * (self.n - 1)
@@ -105,19 +106,25 @@ class LookaheadDrafter:
         # a fixed seed keeps runs reproducible.
         self.levels = [random.Random(0).choices(prompt_ids, k=self.window)]
 
-    def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> DraftTree:
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftTree:
         self._index(context)
         drafts = [list(c[:k]) for c in self.pool.candidates(context[-1])]
         trie = DraftTree.trie(drafts)
         levels = len(self.levels)
-        return DraftTree(trie.tokens, trie.parents, aux_tokens=[t for level in self.levels for t in level],
-                         aux_offsets=window_offsets(levels, self.window), aux_mask=window_mask(levels, self.window))
+        return DraftTree(
+            trie.tokens,
+            trie.parents,
+            aux_tokens=[t for level in self.levels for t in level],
+            aux_offsets=window_offsets(levels, self.window),
+            aux_mask=window_mask(levels, self.window),
+        )
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
         if aux_logits is None:
             return
-        newest = aux_logits[-self.window:].argmax(-1).tolist()   # one more token per column
+        newest = aux_logits[-self.window :].argmax(-1).tolist()  # one more token per column
         if len(self.levels) == self.n - 1:
             for col in range(self.window):
                 column = [level[col] for level in self.levels] + [newest[col]]
@@ -129,5 +136,5 @@ class LookaheadDrafter:
         """Add the n-grams of text that arrived since the last call (prompt, then accepted output)."""
         n = self.n
         for j in range(self.indexed, len(context) - n + 1):
-            self.pool.add(context[j], tuple(context[j + 1:j + n]))
+            self.pool.add(context[j], tuple(context[j + 1 : j + n]))
         self.indexed = max(self.indexed, len(context) - n + 1)

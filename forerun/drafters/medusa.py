@@ -14,18 +14,19 @@ Cost: one pass of H residual blocks and one projection per step, whatever K. Whe
 guess blind beyond the first position (no draft token conditions the next), so acceptance falls
 with depth faster than a draft model's.
 """
+
 from __future__ import annotations
 
 import torch
 
-from forerun.config import SamplingParams
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
 from forerun.drafters import register
-from forerun.errors import ForerunError
 from forerun.heads import shared_head
-from forerun.kv_cache import KVCache
+from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
-from forerun.sampling import probabilities, sample
-from forerun.tree import DraftTree
+from forerun.verification.sampling import probabilities, sample
+from forerun.verification.tree import DraftTree
 
 # Sized for a CPU, where each verified row costs: 8 nodes, 4 deep.
 DEFAULT_CHOICES: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 0), (2,), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0))
@@ -60,15 +61,17 @@ class MedusaDrafter:
 
     def __init__(self, target: LoadedModel, head: str | None = None, choices=None) -> None:
         if head is None:
-            raise ForerunError("--speculative-method medusa needs --speculative-head DIR (train one with "
-                               "`forerun train --method medusa`)")
+            raise ForerunError(
+                "--speculative-method medusa needs --speculative-head DIR (train one with "
+                "`forerun train --method medusa`)"
+            )
         self.config, self.heads = shared_head(head, target, "medusa")
-        self.vocab = self.heads.vocab                                       # [N] token ids
+        self.vocab = self.heads.vocab  # [N] token ids
         self.vocab_size = target.decoder.cfg.vocab_size
-        if choices is None:                           # the default tree, cut to the heads there are
+        if choices is None:  # the default tree, cut to the heads there are
             choices = [c for c in DEFAULT_CHOICES if len(c) <= self.heads.num_heads]
         self.choices = check_choices(choices, self.heads.num_heads)
-        self.feature: torch.Tensor | None = None                          # [hidden] of the last kept row
+        self.feature: torch.Tensor | None = None  # [hidden] of the last kept row
 
     def max_rows(self, k: int) -> int:
         return len(choices_tree(self.choices, k)[0])
@@ -80,22 +83,23 @@ class MedusaDrafter:
         """The target's hidden states [n, hidden] of the rows its cache just kept, in order."""
         self.feature = hidden[-1].float()
 
-    def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> DraftTree | None:
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftTree | None:
         if self.feature is None:
             return None
         paths, parents = choices_tree(self.choices, min(k, self.heads.num_heads))
         with torch.inference_mode():
-            logits = self.heads(self.feature[None])[:, 0]                                   # [H, N]
+            logits = self.heads(self.feature[None])[:, 0]  # [H, N]
         if params.greedy:
             width = max(p[-1] for p in paths) + 1
-            ranked = self.vocab[logits.topk(min(width, logits.shape[-1]), dim=-1).indices]   # [H, width]
+            ranked = self.vocab[logits.topk(min(width, logits.shape[-1]), dim=-1).indices]  # [H, width]
             tokens = [int(ranked[len(p) - 1, p[-1]]) if p[-1] < ranked.shape[1] else -1 for p in paths]
             keep = _without_missing(tokens, parents)
             return DraftTree([tokens[i] for i in keep], _reindex(parents, keep)) if keep else None
-        q = self._full_vocabulary(probabilities(logits, params))                            # [H, V]
+        q = self._full_vocabulary(probabilities(logits, params))  # [H, V]
         depths = [len(p) - 1 for p in paths]
-        tokens = sample(q[depths], generator).tolist()                                      # one draw per node
+        tokens = sample(q[depths], generator).tolist()  # one draw per node
         return DraftTree(tokens, parents, q[depths])
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:

@@ -21,16 +21,17 @@ Where it loses: text that does not repeat its context (open-ended prose, creativ
 no match or a wrong one, so steps fall back to one token or pay a verification of rejected tokens.
 It shines on code edits, retrieval answers and summaries that quote their input, and on loops.
 """
+
 from __future__ import annotations
 
 import torch
 
-from forerun.config import SamplingParams
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
 from forerun.drafters import register
-from forerun.errors import ForerunError
-from forerun.kv_cache import KVCache
+from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
-from forerun.tree import DraftTree
+from forerun.verification.tree import DraftTree
 
 
 class NgramIndex:
@@ -49,14 +50,14 @@ class NgramIndex:
     def extend(self, context: list[int]) -> None:
         """Catch up with `context`, which extends the tokens seen so far."""
         if len(context) < len(self.tokens) or (self.tokens and context[len(self.tokens) - 1] != self.tokens[-1]):
-            self.tokens, self.follower, self.first = [], {}, {}   # not a continuation: a new text, start over
+            self.tokens, self.follower, self.first = [], {}, {}  # not a continuation: a new text, start over
         old = len(self.tokens)
         self.tokens.extend(context[old:])
         toks = self.tokens
         # n-grams ending at position `end` gain a follower once token end+1 exists.
         for end in range(max(old - 1, 0), len(toks) - 1):
             for n in range(self.n_min, min(self.n_max, end + 1) + 1):
-                gram = tuple(toks[end - n + 1:end + 1])
+                gram = tuple(toks[end - n + 1 : end + 1])
                 self.follower[gram] = end + 1
                 self.first.setdefault(gram, end + 1)
 
@@ -71,7 +72,7 @@ class NgramIndex:
         occurrence, up to k tokens each; [] when nothing matches."""
         toks = self.tokens
         for n in range(min(self.n_max, len(toks)), self.n_min - 1, -1):
-            gram = tuple(toks[len(toks) - n:])
+            gram = tuple(toks[len(toks) - n :])
             at = self.follower.get(gram)
             if at is not None:
                 latest, earliest = self._continuation(at, k), self._continuation(self.first[gram], k)
@@ -88,7 +89,7 @@ class NgramIndex:
 
 @register("ngram")
 class NgramDrafter:
-    stateless = True     # a proposal leaves nothing behind: the engine may propose without verifying
+    stateless = True  # a proposal leaves nothing behind: the engine may propose without verifying
 
     def __init__(self, target: LoadedModel | None, ngram_max: int = 3, ngram_min: int = 1) -> None:
         if ngram_min < 1:
@@ -98,13 +99,14 @@ class NgramDrafter:
         self.index = NgramIndex(ngram_min, ngram_max)
 
     def max_rows(self, k: int) -> int:
-        return 2 * k                                 # the latest continuation and the earliest
+        return 2 * k  # the latest continuation and the earliest
 
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         self.index = NgramIndex(self.index.n_min, self.index.n_max)
 
-    def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> DraftTree | None:
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftTree | None:
         self.index.extend(context)
         drafts = self.index.lookup_both(k)
         return DraftTree.trie(drafts) if drafts else None

@@ -12,20 +12,22 @@ choice to stop) stays its own.
 Each pass is told the seconds it cost (a shared forward's time split evenly over its passes), so
 a drafter times its forwards and the engine its proposals the same way alone or batched.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Generator
+from typing import Any
 
 import torch
 from torch import nn
 
-from forerun.kv_cache import KVCache
 from forerun.models import linear
 from forerun.models.attention import RowLayout, Segment
 from forerun.models.decoder import Decoder
+from forerun.models.kv_cache import KVCache
 
 DraftSteps = Generator["DraftPass", torch.Tensor, Any]
 
@@ -34,16 +36,17 @@ DraftSteps = Generator["DraftPass", torch.Tensor, Any]
 class DraftPass:
     """One draft forward of a sequence: `tokens` at positions start, start + 1, ... on `cache`
     (whose length is `start`), scored by `head` (None: the decoder's own) at the last row only."""
+
     decoder: Decoder
     cache: KVCache
     tokens: list[int]
     start: int
     head: nn.Module | None = None
     # Set by the forward that ran it:
-    seconds: float = 0.0        # this pass's share of the forward's time
-    shared: int = 1             # passes in that forward
-    rows: int = 0               # rows in that forward
-    lead: bool = True           # the forward's first pass (the one to time the whole forward by)
+    seconds: float = 0.0  # this pass's share of the forward's time
+    shared: int = 1  # passes in that forward
+    rows: int = 0  # rows in that forward
+    lead: bool = True  # the forward's first pass (the one to time the whole forward by)
 
 
 def run_alone(steps: DraftSteps) -> Any:
@@ -67,7 +70,7 @@ def run_passes(steps: list[DraftSteps]) -> list[Any]:
             step = steps[i].throw(error) if error is not None else steps[i].send(value)
         except StopIteration as stop:
             results[i] = stop.value
-        except Exception as exc:                    # noqa: BLE001 - kept for its own sequence
+        except Exception as exc:  # noqa: BLE001 - kept for its own sequence
             results[i] = exc
         else:
             pending[i] = step
@@ -81,11 +84,11 @@ def run_passes(steps: list[DraftSteps]) -> list[Any]:
             passes = [p for _, p in group]
             try:
                 logits = forward(passes)
-            except Exception:                       # noqa: BLE001 - find whose pass fails
+            except Exception:  # noqa: BLE001 - find whose pass fails
                 for i, p in group:
                     try:
                         out = forward([p])[0]
-                    except Exception as exc:        # noqa: BLE001
+                    except Exception as exc:  # noqa: BLE001
                         advance(i, error=exc)
                     else:
                         advance(i, out)
@@ -114,21 +117,34 @@ def forward(passes: list[DraftPass]) -> list[torch.Tensor]:
         if len(passes) == 1:
             ids = torch.tensor(first.tokens, device=device)
             pos = torch.arange(first.start, first.start + len(first.tokens), device=device)
-            logits = decoder(ids, pos, first.cache, layout=RowLayout.chain(first.start, len(first.tokens)),
-                             last_only=True, head=first.head).logits[0]                 # [1, N]
+            logits = decoder(
+                ids,
+                pos,
+                first.cache,
+                layout=RowLayout.chain(first.start, len(first.tokens)),
+                last_only=True,
+                head=first.head,
+            ).logits[0]  # [1, N]
         else:
             tokens: list[int] = []
             positions: list[int] = []
             segments: list[Segment] = []
             for p in passes:
-                segments.append(Segment(len(tokens), len(tokens) + len(p.tokens), p.cache,
-                                        RowLayout.chain(p.start, len(p.tokens))))
+                segments.append(
+                    Segment(len(tokens), len(tokens) + len(p.tokens), p.cache, RowLayout.chain(p.start, len(p.tokens)))
+                )
                 tokens += p.tokens
                 positions += range(p.start, p.start + len(p.tokens))
-            logits = decoder(torch.tensor(tokens, device=device), torch.tensor(positions, device=device), None,
-                             segments=segments, last_only=True, head=first.head).logits[0]   # [P, N]
+            logits = decoder(
+                torch.tensor(tokens, device=device),
+                torch.tensor(positions, device=device),
+                None,
+                segments=segments,
+                last_only=True,
+                head=first.head,
+            ).logits[0]  # [P, N]
     share = (time.perf_counter() - start) / len(passes)
     rows = sum(len(p.tokens) for p in passes)
     for i, p in enumerate(passes):
         p.seconds, p.shared, p.rows, p.lead = share, len(passes), rows, i == 0
-    return [logits[i:i + 1] for i in range(len(passes))]
+    return [logits[i : i + 1] for i in range(len(passes))]

@@ -27,16 +27,17 @@ Where it wins: output that repeats its prompt or earlier outputs (code edits, re
 summaries quoting their input, the same question asked again, loops). Where it loses: new prose,
 where it proposes nothing (a plain step) or a short wrong match that one verification rejects.
 """
+
 from __future__ import annotations
 
 import torch
 
-from forerun.config import SamplingParams
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
 from forerun.drafters import register
-from forerun.errors import ForerunError
-from forerun.kv_cache import KVCache
+from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
-from forerun.tree import DraftTree
+from forerun.verification.tree import DraftTree
 
 
 class SuffixTrie:
@@ -44,12 +45,12 @@ class SuffixTrie:
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
-        self.kids: list[dict[int, int]] = [{}]    # node -> {token: child node}
-        self.count: list[int] = [0]               # times the node's string occurred
-        self.last: list[int] = [0]                # when it last occurred (a global clock)
+        self.kids: list[dict[int, int]] = [{}]  # node -> {token: child node}
+        self.count: list[int] = [0]  # times the node's string occurred
+        self.last: list[int] = [0]  # when it last occurred (a global clock)
         self.clock = 0
-        self.size = 0                             # tokens indexed
-        self._open: list[int] = []                # nodes of the current text's suffixes shorter than depth
+        self.size = 0  # tokens indexed
+        self._open: list[int] = []  # nodes of the current text's suffixes shorter than depth
 
     def begin_text(self) -> None:
         """The next tokens start a new text: no string spans the boundary."""
@@ -73,7 +74,7 @@ class SuffixTrie:
             last[child] = self.clock
             grown.append(child)
         # A suffix that reached `depth` tokens stops growing.
-        self._open = grown[:self.depth - 1] if len(grown) >= self.depth else grown
+        self._open = grown[: self.depth - 1] if len(grown) >= self.depth else grown
 
     def walk(self, tokens: list[int]) -> int | None:
         """The node of string `tokens`, or None when it never occurred."""
@@ -94,15 +95,15 @@ class SuffixMemory:
 
     def __init__(self, depth: int, max_tokens: int) -> None:
         self.depth, self.max_tokens = depth, max_tokens
-        self.outputs: list[list[int]] = []           # oldest first
-        self.size = 0                                # tokens in them
+        self.outputs: list[list[int]] = []  # oldest first
+        self.size = 0  # tokens in them
         self.trie = SuffixTrie(depth)
 
     def remember(self, output: list[int]) -> None:
         """Add one output, dropping the oldest (down to half the bound) when past the bound."""
         if not output:
             return
-        self.outputs.append(list(output[-self.max_tokens:]))
+        self.outputs.append(list(output[-self.max_tokens :]))
         self.size += len(self.outputs[-1])
         if self.size > self.max_tokens:
             while self.size > self.max_tokens // 2:
@@ -121,11 +122,19 @@ class SuffixMemory:
 
 @register("suffix")
 class SuffixDrafter:
-    stateless = True     # a proposal leaves nothing behind: the engine may propose without verifying
+    stateless = True  # a proposal leaves nothing behind: the engine may propose without verifying
 
-    def __init__(self, target: LoadedModel | None = None, max_match: int = 12, min_match: int = 2,
-                 depth: int = 16, min_prob: float = 0.1, branch_ratio: float = 0.5,
-                 max_global_tokens: int = 8192, memory: SuffixMemory | None = None) -> None:
+    def __init__(
+        self,
+        target: LoadedModel | None = None,
+        max_match: int = 12,
+        min_match: int = 2,
+        depth: int = 16,
+        min_prob: float = 0.1,
+        branch_ratio: float = 0.5,
+        max_global_tokens: int = 8192,
+        memory: SuffixMemory | None = None,
+    ) -> None:
         """`max_match` / `min_match`: the longest and shortest context suffix looked up (tokens);
         `depth`: the tries' depth; `min_prob`: stop the draft when the walked children's shares
         multiply below this; `branch_ratio`: a runner-up seen this share as often as the best child
@@ -142,25 +151,29 @@ class SuffixDrafter:
         self.max_match, self.min_match, self.depth = max_match, min_match, depth
         self.min_prob, self.branch_ratio = min_prob, branch_ratio
         if memory is not None and memory.depth != depth:
-            raise ForerunError(f"a shared suffix memory of depth {memory.depth} cannot serve a drafter of depth {depth}")
+            raise ForerunError(
+                f"a shared suffix memory of depth {memory.depth} cannot serve a drafter of depth {depth}"
+            )
         self.memory = memory if memory is not None else SuffixMemory(depth, max_global_tokens)
         self.local = SuffixTrie(depth)
-        self.tokens: list[int] = []                  # what the request's trie holds
+        self.tokens: list[int] = []  # what the request's trie holds
 
     def max_rows(self, k: int) -> int:
-        return 2 * k                                 # a main branch and one more of at most k
+        return 2 * k  # a main branch and one more of at most k
 
     def start(self, prompt_ids: list[int], target_cache: KVCache | None, max_len: int) -> None:
         """A new request: the request's trie starts over."""
         self.local, self.tokens = SuffixTrie(self.depth), []
         self._extend(list(prompt_ids))
 
-    def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator | None) -> DraftTree | None:
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftTree | None:
         return self.propose_with_match(context, k, params, generator)[0]
 
-    def propose_with_match(self, context: list[int], k: int, params: SamplingParams | None = None,
-                           generator: torch.Generator | None = None) -> tuple[DraftTree | None, int]:
+    def propose_with_match(
+        self, context: list[int], k: int, params: SamplingParams | None = None, generator: torch.Generator | None = None
+    ) -> tuple[DraftTree | None, int]:
         """(the proposal or None, the length in tokens of the context suffix it continues; 0: none)."""
         self._extend(context)
         found = self._match(context)
@@ -184,7 +197,7 @@ class SuffixDrafter:
         return found[2] if found is not None else 0
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
-        pass   # accepted tokens arrive with the next context
+        pass  # accepted tokens arrive with the next context
 
     def end(self, output_ids: list[int]) -> None:
         """The request ended with `output_ids`: they join the memory for the requests after it."""
@@ -206,15 +219,16 @@ class SuffixDrafter:
     def _match(self, tokens: list[int]) -> tuple[SuffixTrie, int, int] | None:
         """(trie, node, length) of the longest suffix of `tokens` that occurred with a follower."""
         for length in range(min(self.max_match, len(tokens)), self.min_match - 1, -1):
-            suffix = tokens[len(tokens) - length:]
+            suffix = tokens[len(tokens) - length :]
             for trie in (self.local, self.memory.trie):
                 node = trie.walk(suffix)
                 if node is not None and trie.kids[node]:
                     return trie, node, length
         return None
 
-    def _walk(self, context: list[int], trie: SuffixTrie, node: int, k: int,
-              branch: bool) -> tuple[list[int], tuple[int, SuffixTrie, int, int] | None]:
+    def _walk(
+        self, context: list[int], trie: SuffixTrie, node: int, k: int, branch: bool
+    ) -> tuple[list[int], tuple[int, SuffixTrie, int, int] | None]:
         """Up to k tokens down the most frequent children from `node`, matching again past the
         trie's depth; with `branch`, also where a second branch starts: (index in the draft, its
         trie, its first token and node)."""
@@ -233,12 +247,15 @@ class SuffixDrafter:
             prob *= trie.count[child] / total
             if prob < self.min_prob and draft:
                 break
-            if branch and fork is None and len(ranked) > 1 and \
-                    trie.count[ranked[1][1]] >= self.branch_ratio * trie.count[child]:
+            if (
+                branch
+                and fork is None
+                and len(ranked) > 1
+                and trie.count[ranked[1][1]] >= self.branch_ratio * trie.count[child]
+            ):
                 fork = (len(draft), trie, *ranked[1])
             draft.append(token)
             node = child
         if fork is not None and fork[0] >= len(draft):
             fork = None
         return draft, fork
-

@@ -7,6 +7,7 @@ one target's features and means nothing beside another, so loading checks the ch
 - `medusa.py`: Medusa heads (Cai et al., 2024), one residual block per future position.
 - `eagle.py`: an EAGLE head (Li et al., 2024), one decoder layer that drafts at the feature level.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,10 +20,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
+from forerun.models.gguf_format import GGUFLinear
 from forerun.models.linear import Int8Linear, Linear
 from forerun.models.load import LoadedModel, model_identity
-from forerun.models.gguf_format import GGUFLinear
 from forerun.models.w8a8 import W8A8Linear
 
 CONFIG = "config.json"
@@ -32,15 +33,15 @@ FORMAT_VERSION = 1
 
 @dataclass
 class HeadConfig:
-    method: str                     # "medusa" or "eagle"
-    target_checksum: str            # target_checksum() of the model whose features it read
-    target_name: str                # for messages
-    hidden_size: int                # the target's hidden size
-    vocab_size: int                 # the target's vocabulary (the draft vocabulary's token ids index it)
-    draft_vocab: int                # tokens the head scores (its projection's rows)
-    num_heads: int = 0              # medusa: future positions guessed
-    intermediate_size: int = 0      # eagle: its layer's MLP width
-    training: dict = field(default_factory=dict)   # what it was trained on, for people to read
+    method: str  # "medusa" or "eagle"
+    target_checksum: str  # target_checksum() of the model whose features it read
+    target_name: str  # for messages
+    hidden_size: int  # the target's hidden size
+    vocab_size: int  # the target's vocabulary (the draft vocabulary's token ids index it)
+    draft_vocab: int  # tokens the head scores (its projection's rows)
+    num_heads: int = 0  # medusa: future positions guessed
+    intermediate_size: int = 0  # eagle: its layer's MLP width
+    training: dict = field(default_factory=dict)  # what it was trained on, for people to read
     version: int = FORMAT_VERSION
 
 
@@ -106,17 +107,22 @@ def load_head(folder: str | Path, target: LoadedModel, method: str) -> tuple[Hea
     folder = Path(folder).expanduser()
     config = read_config(folder)
     if config.method != method:
-        raise ForerunError(f"{folder} holds a {config.method} head, not a {method} head; use "
-                           f"--speculative-method {config.method}")
+        raise ForerunError(
+            f"{folder} holds a {config.method} head, not a {method} head; use --speculative-method {config.method}"
+        )
     checksum = target_checksum(target)
     if config.target_checksum != checksum:
-        raise ForerunError(f"the head in {folder} was trained on {config.target_name} (checksum "
-                           f"{config.target_checksum[:16]}), not on this target {target.name} ({checksum[:16]}); "
-                           "a head reads one target's features only: train one for this target with `forerun train`")
+        raise ForerunError(
+            f"the head in {folder} was trained on {config.target_name} (checksum "
+            f"{config.target_checksum[:16]}), not on this target {target.name} ({checksum[:16]}); "
+            "a head reads one target's features only: train one for this target with `forerun train`"
+        )
     cfg = target.decoder.cfg
     if (config.hidden_size, config.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
-        raise ForerunError(f"the head in {folder} is sized for hidden {config.hidden_size} and vocabulary "
-                           f"{config.vocab_size}, the target has {cfg.hidden_size} and {cfg.vocab_size}")
+        raise ForerunError(
+            f"the head in {folder} is sized for hidden {config.hidden_size} and vocabulary "
+            f"{config.vocab_size}, the target has {cfg.hidden_size} and {cfg.vocab_size}"
+        )
     head = build_head(config, target)
     path = folder / WEIGHTS
     if not path.is_file():
@@ -158,8 +164,11 @@ def fast_products_(head: nn.Module) -> nn.Module:
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 weight, bias = child.weight.detach(), child.bias.detach() if child.bias is not None else None
-                fast = GGUFLinear.from_float(weight, bias) if blocks and weight.shape[1] % 32 == 0 \
+                fast = (
+                    GGUFLinear.from_float(weight, bias)
+                    if blocks and weight.shape[1] % 32 == 0
                     else W8A8Linear.from_float(weight, bias)
+                )
                 setattr(module, name, fast)
     return head
 

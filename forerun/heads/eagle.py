@@ -13,6 +13,7 @@ own. Features the target really computed replace the predictions as soon as the 
 Training (`forward_train`) runs whole sequences with causal attention; drafting (`forward`) runs
 new rows against the head's cache with an explicit mask (a tree's rows see their ancestors only).
 """
+
 from __future__ import annotations
 
 import torch
@@ -63,7 +64,7 @@ class EagleHead(nn.Module):
         # Small random layer weights; fc starts as "take the feature" so an untrained head's first
         # guess is what the target's LM head says of the last feature.
         for lin in (self.q, self.k, self.v, self.o, self.gate, self.up, self.down, self.fc_embed):
-            nn.init.normal_(lin.weight, std=0.02 / hidden ** 0.5 * 8)
+            nn.init.normal_(lin.weight, std=0.02 / hidden**0.5 * 8)
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
         nn.init.zeros_(self.o.weight)
@@ -84,7 +85,7 @@ class EagleHead(nn.Module):
         """x [B, T, h], positions [B, T] -> q [B, H, T, D], k, v [B, KVH, T, D] (rope applied)."""
         b, t, _ = x.shape
         d = self.head_dim
-        cos, sin = self._rope.tables(positions, x.dtype)                                   # [B, T, 1, D]
+        cos, sin = self._rope.tables(positions, x.dtype)  # [B, T, 1, D]
         q = apply_rope(self.q(x).view(b, t, self.num_heads, d), cos, sin).transpose(1, 2)
         k = apply_rope(self.k(x).view(b, t, self.num_kv_heads, d), cos, sin).transpose(1, 2)
         v = self.v(x).view(b, t, self.num_kv_heads, d).transpose(1, 2)
@@ -103,14 +104,20 @@ class EagleHead(nn.Module):
 
         def attend(x: torch.Tensor) -> torch.Tensor:
             q, k, v = self._qkv(x, positions)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)   # [B, H, T, D]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, H, T, D]
             return self.o(out.transpose(1, 2).reshape(b, t, -1))
 
         return self._block(self.fc_embed(embeds) + self.fc_feature(features), attend)
 
     @torch.inference_mode()
-    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: EagleCache,
-                visible: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        cache: EagleCache,
+        visible: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """New rows against the cache: embeds, features [T, h], positions [T]; their keys and values
         go to slots [cache.length, cache.length + T). visible: bool [T, cache.length + T], what each
         row sees (None: causal). Returns the predicted features [T, h]; the cache grows by T."""
@@ -124,9 +131,12 @@ class EagleHead(nn.Module):
             cache.k[:, start:stop], cache.v[:, start:stop] = k[0], v[0]
             mask = visible
             if mask is None:
-                mask = torch.arange(stop, device=x.device)[None, :] <= torch.arange(start, stop, device=x.device)[:, None]
-            out = F.scaled_dot_product_attention(q, cache.k[None, :, :stop], cache.v[None, :, :stop],
-                                                 attn_mask=mask[None, None], enable_gqa=True)   # [1, H, T, D]
+                mask = (
+                    torch.arange(stop, device=x.device)[None, :] <= torch.arange(start, stop, device=x.device)[:, None]
+                )
+            out = F.scaled_dot_product_attention(
+                q, cache.k[None, :, :stop], cache.v[None, :, :stop], attn_mask=mask[None, None], enable_gqa=True
+            )  # [1, H, T, D]
             return self.o(out.transpose(1, 2).reshape(1, t, -1))
 
         out = self._block((self.fc_embed(embeds) + self.fc_feature(features))[None], attend)[0]

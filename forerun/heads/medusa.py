@@ -5,6 +5,7 @@ block x + SiLU(W_i x + b_i) on the same feature, and all heads share one project
 vocabulary (initialised from the target's LM head rows for those tokens). The residual blocks start
 at zero, so an untrained head i guesses what the LM head would say one position on: a sane start.
 """
+
 from __future__ import annotations
 
 import torch

@@ -17,6 +17,7 @@ Worked example: cache of 100 slots, chain root r (slot 100) and drafts a, b (slo
 block 64: all three rows reduce over 128 slots; r masks slots 101..127, a 102..127, b 103..127.
 Plain decoding of r alone also reduces over 128 slots with 101..127 masked: the same sums.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,9 +26,9 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from forerun.kv_cache import KVCache
+    from forerun.models.kv_cache import KVCache
 
-KEY_BLOCK = 64   # reductions run over a multiple of this many slots
+KEY_BLOCK = 64  # reductions run over a multiple of this many slots
 
 
 def key_length(position: int, block: int | None = None) -> int:
@@ -38,39 +39,42 @@ def key_length(position: int, block: int | None = None) -> int:
 
 @dataclass
 class RowGroup:
-    rows: list[int]                 # [Tg] indices of the new rows computed together
-    length: int                     # every row of the group reduces over slots [0, length)
-    moves: list[tuple[int, int]] = field(default_factory=list)   # (logical slot, slot holding its entry)
-    visible: torch.Tensor | None = None   # bool [Tg, length] for rows that need not be exact; None: slot <= position
+    rows: list[int]  # [Tg] indices of the new rows computed together
+    length: int  # every row of the group reduces over slots [0, length)
+    moves: list[tuple[int, int]] = field(default_factory=list)  # (logical slot, slot holding its entry)
+    visible: torch.Tensor | None = None  # bool [Tg, length] for rows that need not be exact; None: slot <= position
     # The moves as (logical, holding) index tensors, made at first use.
     _slots: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     def move_slots(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The moves' logical slots and the slots holding their entries, made once for every layer."""
         if self._slots is None or self._slots[0].device != device:
-            self._slots = (torch.tensor([m[0] for m in self.moves], device=device),
-                           torch.tensor([m[1] for m in self.moves], device=device))
+            self._slots = (
+                torch.tensor([m[0] for m in self.moves], device=device),
+                torch.tensor([m[1] for m in self.moves], device=device),
+            )
         return self._slots
 
 
 @dataclass
 class RowLayout:
     """How the new rows of one forward see the cache, for `attend`."""
-    positions: list[int]            # [T] logical position of each row (its last visible slot)
+
+    positions: list[int]  # [T] logical position of each row (its last visible slot)
     groups: list[RowGroup]
-    bias: dict[int, torch.Tensor] = field(default_factory=dict)   # per group: additive mask [Tg, length]
+    bias: dict[int, torch.Tensor] = field(default_factory=dict)  # per group: additive mask [Tg, length]
 
     @property
     def max_length(self) -> int:
         return max(g.length for g in self.groups)
 
     @classmethod
-    def chain(cls, start: int, rows: int) -> "RowLayout":
+    def chain(cls, start: int, rows: int) -> RowLayout:
         """`rows` rows at slots and positions start, start+1, ...: plain decoding and chain verification."""
         return cls.from_paths(start, [list(range(rows))], rows)
 
     @classmethod
-    def from_paths(cls, start: int, paths: list[list[int]], rows: int) -> "RowLayout":
+    def from_paths(cls, start: int, paths: list[list[int]], rows: int) -> RowLayout:
         """Rows fed at slots start..start+rows-1; `paths` lists, for every leaf, the rows from the
         first one (the root) down to it. A row's logical slots are start + its depth on its path."""
         positions = [-1] * rows
@@ -118,9 +122,10 @@ class RowLayout:
 class Segment:
     """One sequence's rows in a forward over several sequences (continuous batching): rows
     [start, stop) of the forward, attending over that sequence's own cache as `layout` says."""
+
     start: int
     stop: int
-    cache: "KVCache"
+    cache: KVCache
     layout: RowLayout
 
 
@@ -136,7 +141,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: Ro
     t, h, d = q.shape
     kvh = keys.shape[0]
     g = h // kvh
-    q_rows = q.view(t, kvh, g, d).unbind(0)                                            # T x [KVH, G, D]
+    q_rows = q.view(t, kvh, g, d).unbind(0)  # T x [KVH, G, D]
     out = torch.empty(t, kvh, g, d, dtype=torch.float32, device=q.device)
     out_rows = out.unbind(0)
     float_cache = keys.dtype == torch.float32
@@ -144,11 +149,11 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: Ro
         rows, length = group.rows, group.length
         saved = _move_in(keys, values, *group.move_slots(keys.device)) if group.moves else None
         try:
-            k, v = keys[:, :length], values[:, :length]                                 # [KVH, L, D]
+            k, v = keys[:, :length], values[:, :length]  # [KVH, L, D]
             if not float_cache:
                 k, v = k.float(), v.float()
-            k_t = k.transpose(1, 2)                                                     # [KVH, D, L]
-            scores = torch.empty(len(rows), kvh, g, length, device=q.device)            # [Tg, KVH, G, L]
+            k_t = k.transpose(1, 2)  # [KVH, D, L]
+            scores = torch.empty(len(rows), kvh, g, length, device=q.device)  # [Tg, KVH, G, L]
             for row, dst in zip(rows, scores.unbind(0)):
                 torch.bmm(q_rows[row], k_t, out=dst)
             scores.add_(layout.mask_bias(index, q.device)[:, None, None])

@@ -6,6 +6,7 @@ decode, chain verification and tree verification: it takes explicit rope positio
 attention mask over the cache plus the new tokens (prefill, drafters) or a `RowLayout` (decoding and
 verification), whose attention computes every row exactly as it would come out alone.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,36 +16,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forerun.kv_cache import KVCache
 from forerun.models import native_layer
 from forerun.models.attention import RowLayout, Segment, attend, key_length
+from forerun.models.kv_cache import KVCache
 from forerun.models.linear import Linear
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-NATIVE_ENV = "FORERUN_NATIVE_LAYERS"   # 0: row-exact forwards through PyTorch even where native layers run
+NATIVE_ENV = "FORERUN_NATIVE_LAYERS"  # 0: row-exact forwards through PyTorch even where native layers run
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    architecture: str       # one of SUPPORTED_ARCHITECTURES
-    vocab_size: int         # rows of the embedding and of the LM head
-    hidden_size: int        # width of the residual stream
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int  # rows of the embedding and of the LM head
+    hidden_size: int  # width of the residual stream
     intermediate_size: int  # width of the gated MLP
     num_layers: int
-    num_heads: int          # query heads
-    num_kv_heads: int       # key/value heads (grouped-query attention when fewer than num_heads)
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (grouped-query attention when fewer than num_heads)
     head_dim: int
-    rope_theta: float       # rope base frequency
+    rope_theta: float  # rope base frequency
     rms_norm_eps: float
-    max_position: int       # longest context the model was trained for
-    attention_bias: bool    # q/k/v projections carry a bias (qwen2)
-    tie_embeddings: bool    # LM head shares the embedding matrix
+    max_position: int  # longest context the model was trained for
+    attention_bias: bool  # q/k/v projections carry a bias (qwen2)
+    tie_embeddings: bool  # LM head shares the embedding matrix
 
 
 @dataclass
 class DecoderOutput:
-    logits: torch.Tensor                     # [B, T, vocab] (T = 1 when last_only)
-    hidden: torch.Tensor | None = None       # [B, T, hidden] after the final norm, when asked
+    logits: torch.Tensor  # [B, T, vocab] (T = 1 when last_only)
+    hidden: torch.Tensor | None = None  # [B, T, hidden] after the final norm, when asked
     layer_hidden: torch.Tensor | None = None  # [B, T, hidden] residual stream after layer `hidden_layer`
 
 
@@ -72,7 +73,7 @@ class Rope:
 
     def __init__(self, head_dim: int, theta: float) -> None:
         self.head_dim, self.theta = head_dim, theta
-        self.cos = self.sin = torch.empty(0, head_dim)        # [P, D]
+        self.cos = self.sin = torch.empty(0, head_dim)  # [P, D]
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for `positions` [B, T], shaped [B, T, 1, D] to broadcast over heads."""
@@ -84,9 +85,9 @@ class Rope:
     def _build(self, length: int, device: torch.device, dtype: torch.dtype) -> None:
         d = self.head_dim
         exponent = torch.arange(0, d, 2, dtype=torch.float32, device=device) / d
-        inv_freq = 1.0 / (self.theta ** exponent)                                     # [D/2]
-        freqs = torch.arange(length, device=device).float()[:, None] * inv_freq       # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                                        # [P, D]
+        inv_freq = 1.0 / (self.theta**exponent)  # [D/2]
+        freqs = torch.arange(length, device=device).float()[:, None] * inv_freq  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         sign = torch.ones(d, device=device)
         sign[: d // 2] = -1.0
         self.cos = emb.cos().to(dtype)
@@ -106,43 +107,54 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.qkv_proj: nn.Module | None = None   # q, k and v in one product, when a format fuses them
-        self.q_prescaled = False                  # q already carries 1/sqrt(head_dim) (folded into the weights)
+        self.qkv_proj: nn.Module | None = None  # q, k and v in one product, when a format fuses them
+        self.q_prescaled = False  # q already carries 1/sqrt(head_dim) (folded into the weights)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None, layer: int,
-                mask: torch.Tensor | None, causal: bool, layout: RowLayout | list[Segment] | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None,
+        layer: int,
+        mask: torch.Tensor | None,
+        causal: bool,
+        layout: RowLayout | list[Segment] | None,
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         cfg = self.cfg
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x).view(b, t, h + 2 * kvh, d)
-            qk = apply_rope(qkv[:, :, :h + kvh], cos, sin)                              # [B, T, H+KVH, D]
-            q, k, v = qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + kvh:]
+            qk = apply_rope(qkv[:, :, : h + kvh], cos, sin)  # [B, T, H+KVH, D]
+            q, k, v = qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + kvh :]
         else:
-            q = apply_rope(self.q_proj(x).view(b, t, h, d), cos, sin)                  # [B, T, H, D]
-            k = apply_rope(self.k_proj(x).view(b, t, kvh, d), cos, sin)                # [B, T, KVH, D]
-            v = self.v_proj(x).view(b, t, kvh, d)                                       # [B, T, KVH, D]
-        scale = 1.0 if self.q_prescaled else d ** -0.5
-        if isinstance(layout, list):                   # several sequences, each on its own cache
+            q = apply_rope(self.q_proj(x).view(b, t, h, d), cos, sin)  # [B, T, H, D]
+            k = apply_rope(self.k_proj(x).view(b, t, kvh, d), cos, sin)  # [B, T, KVH, D]
+            v = self.v_proj(x).view(b, t, kvh, d)  # [B, T, KVH, D]
+        scale = 1.0 if self.q_prescaled else d**-0.5
+        if isinstance(layout, list):  # several sequences, each on its own cache
             out = self._attend_segments(q[0], k[0], v[0], layout, layer, scale)[None]
-            out = out if x.dtype == torch.float32 else out.to(x.dtype)                 # [1, T, H*D]
+            out = out if x.dtype == torch.float32 else out.to(x.dtype)  # [1, T, H*D]
         elif layout is not None:
             if b != 1:
                 raise ValueError("row-exact attention takes one sequence per forward")
             cache.write_first(layer, k[0].transpose(0, 1), v[0].transpose(0, 1))
             q = q[0] if q.dtype == torch.float32 else q[0].float()
             out = attend(q if scale == 1.0 else q * scale, cache.layer_k[layer], cache.layer_v[layer], layout)[None]
-            out = out if x.dtype == torch.float32 else out.to(x.dtype)                 # [1, T, H*D]
+            out = out if x.dtype == torch.float32 else out.to(x.dtype)  # [1, T, H*D]
         else:
-            keys, values = cache.write(layer, k.transpose(1, 2), v.transpose(1, 2))      # [B, KVH, S, D]
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal,
-                                                 scale=scale, enable_gqa=kvh != h)          # [B, H, T, D]
+            keys, values = cache.write(layer, k.transpose(1, 2), v.transpose(1, 2))  # [B, KVH, S, D]
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=kvh != h
+            )  # [B, H, T, D]
             out = out.transpose(1, 2).reshape(b, t, h * d)
         return self.o_proj(out)
 
     @staticmethod
-    def _attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment],
-                         layer: int, scale: float) -> torch.Tensor:
+    def _attend_segments(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Segment], layer: int, scale: float
+    ) -> torch.Tensor:
         """q [T, H, D], k, v [T, KVH, D] of every sequence's rows; each segment's rows are written
         to and attend over their own cache, exactly as in a forward of that sequence alone.
         Returns [T, H * D] float32."""
@@ -151,8 +163,9 @@ class Attention(nn.Module):
             rows = slice(seg.start, seg.stop)
             seg.cache.write_first(layer, k[rows].transpose(0, 1), v[rows].transpose(0, 1))
             qs = q[rows] if q.dtype == torch.float32 else q[rows].float()
-            out[rows] = attend(qs if scale == 1.0 else qs * scale, seg.cache.layer_k[layer],
-                               seg.cache.layer_v[layer], seg.layout)
+            out[rows] = attend(
+                qs if scale == 1.0 else qs * scale, seg.cache.layer_k[layer], seg.cache.layer_v[layer], seg.layout
+            )
         return out
 
 
@@ -162,7 +175,7 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.gate_up_proj: nn.Module | None = None   # gate and up in one product, when a format fuses them
+        self.gate_up_proj: nn.Module | None = None  # gate and up in one product, when a format fuses them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
@@ -189,17 +202,18 @@ class Decoder(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         if cfg.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {cfg.architecture!r}; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(
+                f"unsupported architecture {cfg.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        self.activation_dtype: torch.dtype | None = None   # None: the weights' dtype; a format may set float32
+        self.activation_dtype: torch.dtype | None = None  # None: the weights' dtype; a format may set float32
         self._rope = Rope(cfg.head_dim, cfg.rope_theta)
-        self._native = False                               # not looked at yet (`_native_layers`)
+        self._native = False  # not looked at yet (`_native_layers`)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -217,8 +231,9 @@ class Decoder(nn.Module):
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         """A cache of at least `max_len` slots (`cache_slots`)."""
         cfg = self.cfg
-        return KVCache(cfg.num_layers, batch, cfg.num_kv_heads, self.cache_slots(max_len), cfg.head_dim,
-                       self.dtype, self.device)
+        return KVCache(
+            cfg.num_layers, batch, cfg.num_kv_heads, self.cache_slots(max_len), cfg.head_dim, self.dtype, self.device
+        )
 
     @staticmethod
     def cache_slots(max_len: int) -> int:
@@ -227,11 +242,22 @@ class Decoder(nn.Module):
         return key_length(max_len - 1)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
-                attention_mask: torch.Tensor | None = None, *, layout: RowLayout | None = None,
-                last_only: bool = False, output_hidden: bool = False, all_hidden: bool = False,
-                hidden_layer: int | None = None, layers: list[int] | range | None = None,
-                head: nn.Module | None = None, segments: list[Segment] | None = None) -> DecoderOutput:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        layout: RowLayout | None = None,
+        last_only: bool = False,
+        output_hidden: bool = False,
+        all_hidden: bool = False,
+        hidden_layer: int | None = None,
+        layers: list[int] | range | None = None,
+        head: nn.Module | None = None,
+        segments: list[Segment] | None = None,
+    ) -> DecoderOutput:
         """Run the new tokens against the cache and append their keys and values to it.
 
         tokens, positions: [B, T] (or [T]). attention_mask: bool, True where a new token may attend,
@@ -252,17 +278,18 @@ class Decoder(nn.Module):
             positions = positions[None].expand(tokens.shape[0], -1)
         t = tokens.shape[1]
         dtype = self.dtype
-        cos, sin = self._rope.tables(positions, dtype)                             # [B, T, 1, D]
+        cos, sin = self._rope.tables(positions, dtype)  # [B, T, 1, D]
         if segments is not None:
-            layout = segments                      # the blocks pass it on to attention
-        mask, causal = (None, False) if layout is not None else self._mask(attention_mask, cache.length, t,
-                                                                             tokens.device)
-        x = self.embed_tokens(tokens).to(dtype)                                    # [B, T, hidden]
+            layout = segments  # the blocks pass it on to attention
+        mask, causal = (
+            (None, False) if layout is not None else self._mask(attention_mask, cache.length, t, tokens.device)
+        )
+        x = self.embed_tokens(tokens).to(dtype)  # [B, T, hidden]
         layer_hidden = None
         blocks = self.layers
         order = range(self.cfg.num_layers) if layers is None else layers
         fast = self._native_layers() if layout is not None and tokens.shape[0] == 1 else None
-        if fast is not None:                     # every row-exact layer in one native call each
+        if fast is not None:  # every row-exact layer in one native call each
             rows = segments if segments is not None else [Segment(0, t, cache, layout)]
             x, layer_hidden = native_layer.run_layers(self, fast, x[0], cos[0], sin[0], rows, order, hidden_layer)
             x, layer_hidden = x[None], None if layer_hidden is None else layer_hidden[None]
@@ -281,9 +308,11 @@ class Decoder(nn.Module):
             x, last = x[:, last], None
         x = self.norm(x)
         scored = x if last is None else x[:, last]
-        return DecoderOutput(logits=(self.lm_head if head is None else head)(scored).float(),
-                             hidden=x if output_hidden else None,
-                             layer_hidden=layer_hidden)
+        return DecoderOutput(
+            logits=(self.lm_head if head is None else head)(scored).float(),
+            hidden=x if output_hidden else None,
+            layer_hidden=layer_hidden,
+        )
 
     def _native_layers(self):
         """The layers' native descriptions (`native_layer.prepare`), made at the first row-exact

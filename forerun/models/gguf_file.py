@@ -7,6 +7,7 @@ uses of gguf-py's reader (`fields[key].contents()`, `tensors` with `name`, `tens
 `data`, `data_offset`, `n_bytes`), and refuses a file whose header or a tensor's bytes run past its
 end, naming what was cut.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -18,8 +19,15 @@ import numpy as np
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
-_DENSE = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
-          "I32": np.int32, "I64": np.int64}
+_DENSE = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+}
 
 
 class GGUFFormatError(ValueError):
@@ -37,12 +45,12 @@ class Field:
 @dataclass
 class Tensor:
     name: str
-    tensor_type: object           # gguf.GGMLQuantizationType
-    shape: np.ndarray             # dims, fastest first (as GGUF writes them)
-    data_offset: int              # absolute, in the file
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: np.ndarray  # dims, fastest first (as GGUF writes them)
+    data_offset: int  # absolute, in the file
     n_bytes: int
-    data: np.ndarray              # read-only view of the file: float arrays shaped [..., dims reversed],
-                                  # block types as uint8 [rows, row bytes]
+    data: np.ndarray  # read-only view of the file: float arrays shaped [..., dims reversed],
+    # block types as uint8 [rows, row bytes]
 
 
 class GGUFFile:
@@ -85,8 +93,10 @@ class GGUFFile:
         n_bytes = count * type_bytes // block
         at = start + offset
         if at + n_bytes > self.size:
-            raise GGUFFormatError(f"tensor {name} runs past the end of the file (to byte {at + n_bytes:,} of "
-                                  f"{self.size:,}): the file is truncated")
+            raise GGUFFormatError(
+                f"tensor {name} runs past the end of the file (to byte {at + n_bytes:,} of "
+                f"{self.size:,}): the file is truncated"
+            )
         shape = tuple(reversed(dims))
         dense = _DENSE.get(qtype.name)
         if dense is not None:
@@ -101,7 +111,7 @@ class GGUFFile:
     def _take(self, n: int) -> bytes:
         if self._at + n > self.size:
             raise GGUFFormatError(f"its header ends early (at byte {self.size:,}): the file is truncated")
-        out = self._map[self._at:self._at + n]
+        out = self._map[self._at : self._at + n]
         self._at += n
         return out
 
@@ -122,14 +132,14 @@ class GGUFFile:
         if kind == _STRING:
             if keep:
                 return self._string()
-            length = self._scalar("<Q")                           # skipped: not decoded
+            length = self._scalar("<Q")  # skipped: not decoded
             self._at += length
             if self._at > self.size:
                 raise GGUFFormatError("a string in its header runs past the end: the file is truncated")
             return None
         if kind == _ARRAY:
             item, count = self._scalar("<I"), self._scalar("<Q")
-            if item in _SCALARS and not keep:                     # skipped: one jump
+            if item in _SCALARS and not keep:  # skipped: one jump
                 self._at += struct.calcsize(_SCALARS[item]) * count
                 if self._at > self.size:
                     raise GGUFFormatError("an array in its header runs past the end: the file is truncated")

@@ -7,6 +7,7 @@ batch. q/k/v and gate/up run as one product each (one activation quantization, o
 whatever their block types). A tensor in a type the kernels do not read is dequantized and computed
 as a w8a8 product (row-exact too), and the loader says which.
 """
+
 from __future__ import annotations
 
 import sys
@@ -23,10 +24,11 @@ from forerun import native
 @dataclass
 class Part:
     """One GGUF tensor's rows inside a product: `rows` outputs from the packed blocks of `type_id`."""
+
     type_id: int
     rows: int
-    packed: torch.Tensor          # uint8: native.repack's tile layout
-    raw: torch.Tensor | None      # uint8 [rows, row bytes]: the file's blocks (a memory map), for taking rows
+    packed: torch.Tensor  # uint8: native.repack's tile layout
+    raw: torch.Tensor | None  # uint8 [rows, row bytes]: the file's blocks (a memory map), for taking rows
 
 
 class _Scratch(threading.local):
@@ -55,8 +57,13 @@ class GGUFLinear(nn.Module):
     do not read.
     """
 
-    def __init__(self, in_features: int, parts: list[Part], bias: torch.Tensor | None = None,
-                 fallback: list[nn.Module | None] | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        parts: list[Part],
+        bias: torch.Tensor | None = None,
+        fallback: list[nn.Module | None] | None = None,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.parts = parts
@@ -66,13 +73,15 @@ class GGUFLinear(nn.Module):
         self._fallback = fallback or [None] * len(parts)
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
         self._blocks = sorted({native.block_inputs(p.type_id) for p, f in zip(parts, self._fallback) if f is None})
-        for i, p in enumerate(parts):                 # buffers: .to(), state_dict and byte counts see them
+        for i, p in enumerate(parts):  # buffers: .to(), state_dict and byte counts see them
             self.register_buffer(f"packed{i}", p.packed, persistent=False)
 
     def extra_repr(self) -> str:
         kinds = ",".join(native.TYPE_NAMES.get(p.type_id, f"fallback{p.type_id}") for p in self.parts)
-        return (f"in_features={self.in_features}, out_features={self.out_features}, parts={kinds}, "
-                f"bias={self.bias is not None}, kernel={self.kernel}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, parts={kinds}, "
+            f"bias={self.bias is not None}, kernel={self.kernel}"
+        )
 
     def weight_bytes(self) -> int:
         """Bytes a pass reads: the packed blocks (and any fallback product's own weights)."""
@@ -90,26 +99,37 @@ class GGUFLinear(nn.Module):
         m = rows.shape[0]
         acts = {}
         for block in self._blocks:
-            acts[block] = native.quantize(rows, block, out=_scratch.act(m, self.in_features), kernel_path=self.kernel) \
-                if len(self._blocks) == 1 else native.quantize(rows, block, kernel_path=self.kernel)
+            acts[block] = (
+                native.quantize(rows, block, out=_scratch.act(m, self.in_features), kernel_path=self.kernel)
+                if len(self._blocks) == 1
+                else native.quantize(rows, block, kernel_path=self.kernel)
+            )
         y = torch.empty(m, self.out_features, dtype=torch.float32)
         start = 0
         bias = self.bias
         for part, fallback in zip(self.parts, self._fallback):
-            out = y[:, start:start + part.rows]
+            out = y[:, start : start + part.rows]
             if fallback is not None:
                 out.copy_(fallback(rows))
                 if bias is not None:
-                    out.add_(bias[start:start + part.rows])
+                    out.add_(bias[start : start + part.rows])
             else:
-                native.matmul(part.type_id, part.packed, part.rows, self.in_features,
-                              acts[native.block_inputs(part.type_id)], m, out,
-                              None if bias is None else bias[start:start + part.rows], kernel_path=self.kernel)
+                native.matmul(
+                    part.type_id,
+                    part.packed,
+                    part.rows,
+                    self.in_features,
+                    acts[native.block_inputs(part.type_id)],
+                    m,
+                    out,
+                    None if bias is None else bias[start : start + part.rows],
+                    kernel_path=self.kernel,
+                )
             start += part.rows
         return y.view(*shape[:-1], self.out_features)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "GGUFLinear":
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> GGUFLinear:
         """A float weight [out, in] (in a multiple of 32) as Q8_0 blocks (gguf-py's quantizer): for
         weights that come as floats, a trained draft head's, on the same kernels as the model's."""
         import gguf
@@ -128,16 +148,22 @@ class GGUFLinear(nn.Module):
             if fallback is not None:
                 from forerun.models.w8a8 import W8A8Linear
 
-                pieces.append(fallback.qweight().float() * fallback.scale[:, None] if isinstance(fallback, W8A8Linear)
-                              else fallback.weight.detach().float())
+                pieces.append(
+                    fallback.qweight().float() * fallback.scale[:, None]
+                    if isinstance(fallback, W8A8Linear)
+                    else fallback.weight.detach().float()
+                )
             elif part.raw is None:
                 raise TypeError("this product kept no copy of its blocks to dequantize")
             else:
-                pieces.append(native.dequantize_rows(part.type_id, part.raw.reshape(-1), self.in_features,
-                                                     torch.arange(part.rows)))
+                pieces.append(
+                    native.dequantize_rows(
+                        part.type_id, part.raw.reshape(-1), self.in_features, torch.arange(part.rows)
+                    )
+                )
         return torch.cat(pieces)
 
-    def take_rows(self, ids: torch.Tensor) -> "GGUFLinear":
+    def take_rows(self, ids: torch.Tensor) -> GGUFLinear:
         """A product scoring only outputs `ids` (a reduced vocabulary): the same blocks, repacked."""
         if len(self.parts) != 1 or self._fallback[0] is not None or self.parts[0].raw is None:
             raise TypeError("rows can be taken from a single native GGUF product only")
@@ -153,7 +179,7 @@ class GGUFEmbedding(nn.Module):
 
     def __init__(self, type_id: int, raw: torch.Tensor, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
-        self.type_id, self.raw = type_id, raw                  # raw: uint8 [num_embeddings, row bytes]
+        self.type_id, self.raw = type_id, raw  # raw: uint8 [num_embeddings, row bytes]
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         # Dequantizing needs a tensor to say the module's device and dtype, as nn.Embedding's weight does.
         self.register_buffer("anchor", torch.zeros(0), persistent=False)
@@ -162,8 +188,7 @@ class GGUFEmbedding(nn.Module):
     def weight(self) -> torch.Tensor:
         """The whole table dequantized (float32, hundreds of MB for a real vocabulary): for code that
         needs the matrix itself (a checksum, training a head from it); looking rows up reads only them."""
-        return native.dequantize_rows(self.type_id, self.raw, self.embedding_dim,
-                                      torch.arange(self.num_embeddings))
+        return native.dequantize_rows(self.type_id, self.raw, self.embedding_dim, torch.arange(self.num_embeddings))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -188,7 +213,7 @@ def raw_rows(data: np.ndarray, rows: int) -> torch.Tensor:
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")          # a read-only memory map: nothing here writes to it
+        warnings.simplefilter("ignore")  # a read-only memory map: nothing here writes to it
         return torch.from_numpy(np.ascontiguousarray(data).reshape(rows, -1).view(np.uint8))
 
 
@@ -222,8 +247,10 @@ def load_decoder(reader, cfg):
         raise KeyError(f"the GGUF file did not fill {left[:3]}")
     if source.fell_back:
         names = source.fell_back
-        say(f"--quantization gguf: {len(names)} tensors are in block types the native kernels do not read "
-            f"and run as w8a8 products instead: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}")
+        say(
+            f"--quantization gguf: {len(names)} tensors are in block types the native kernels do not read "
+            f"and run as w8a8 products instead: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+        )
     return decoder.eval()
 
 
@@ -233,9 +260,10 @@ class _Tensors:
     def __init__(self, reader, cfg) -> None:
         self.tensors = {t.name: t for t in reader.tensors}
         # llama.cpp interleaves llama/mistral q and k rows for its rope; ours pairs i with i + D/2.
-        self.permute = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} \
-            if cfg.architecture in ("llama", "mistral") else {}
-        self.fell_back: list[str] = []        # tensors in block types the kernels do not read
+        self.permute = (
+            {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if cfg.architecture in ("llama", "mistral") else {}
+        )
+        self.fell_back: list[str] = []  # tensors in block types the kernels do not read
 
     def _order(self, name: str, rows: int) -> np.ndarray | None:
         from forerun.models.gguf_loader import unpermute

@@ -1,16 +1,17 @@
 """Read a GGUF file: its architecture, its tensors dequantized under Hugging Face names, its tokenizer."""
+
 from __future__ import annotations
 
 import re
 import struct
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
 
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
 from forerun.models.decoder import SUPPORTED_ARCHITECTURES, DecoderConfig
 
 _BLOCK_NAMES = {
@@ -40,8 +41,10 @@ def open_reader(path: Path):
     except GGUFFormatError as exc:
         raise ForerunError(f"{path} is not a readable GGUF file: {exc}; {_REFETCH}") from None
     except (OSError, ValueError, UnicodeDecodeError, struct.error) as exc:
-        raise ForerunError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}). "
-                           f"It may be truncated or corrupt: {_REFETCH}.") from None
+        raise ForerunError(
+            f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}). "
+            f"It may be truncated or corrupt: {_REFETCH}."
+        ) from None
 
 
 def _field(reader, key: str, default=None):
@@ -59,20 +62,24 @@ def _float32_value(value) -> float:
 def read_config(reader) -> DecoderConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ForerunError(f"unsupported architecture {arch!r} in GGUF file; "
-                           f"forerun supports: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ForerunError(
+            f"unsupported architecture {arch!r} in GGUF file; forerun supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     names = {t.name for t in reader.tensors}
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none") or "rope_freqs.weight" in names:
         # Plain rope on a model trained with scaled rope gives fluent-looking but wrong output.
-        raise ForerunError(f"rope scaling ({scaling or 'rope_freqs'}) is not supported yet; "
-                           "use a model without rope scaling")
+        raise ForerunError(
+            f"rope scaling ({scaling or 'rope_freqs'}) is not supported yet; use a model without rope scaling"
+        )
 
     def need(key: str) -> int:
         value = _field(reader, f"{arch}.{key}")
         if value is None:
-            raise ForerunError(f"the GGUF file lacks the metadata key {arch}.{key}; it may be corrupt or "
-                               "written by an incompatible converter")
+            raise ForerunError(
+                f"the GGUF file lacks the metadata key {arch}.{key}; it may be corrupt or "
+                "written by an incompatible converter"
+            )
         return int(value)
 
     if "token_embd.weight" not in names:
@@ -82,7 +89,7 @@ def read_config(reader) -> DecoderConfig:
     emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
     return DecoderConfig(
         architecture=arch,
-        vocab_size=int(emb.shape[1]),   # GGUF shapes run fastest dimension first: [hidden, vocab]
+        vocab_size=int(emb.shape[1]),  # GGUF shapes run fastest dimension first: [hidden, vocab]
         hidden_size=hidden,
         intermediate_size=need("feed_forward_length"),
         num_layers=need("block_count"),
@@ -120,15 +127,22 @@ def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_tensors(reader, cfg: DecoderConfig, dtype: torch.dtype,
-                 progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(
+    reader, cfg: DecoderConfig, dtype: torch.dtype, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, tensor in `dtype`) for every tensor the decoder needs; a progress bar on
     stderr while it dequantizes (about half a minute for a 1.5B model)."""
     import gguf
     from tqdm import tqdm
 
-    for t in tqdm(reader.tensors, desc=f"converting to {str(dtype).removeprefix('torch.')} (once)", unit="tensor",
-                  file=sys.stderr, disable=not progress, leave=False):
+    for t in tqdm(
+        reader.tensors,
+        desc=f"converting to {str(dtype).removeprefix('torch.')} (once)",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not progress,
+        leave=False,
+    ):
         name = hf_name(t.name)
         if name is None:
             continue
@@ -153,9 +167,19 @@ def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
         shapes["output.weight"] = (h, cfg.vocab_size)
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
-        shapes.update({p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,), p + "attn_q.weight": (h, q),
-                       p + "attn_k.weight": (h, kv), p + "attn_v.weight": (h, kv), p + "attn_output.weight": (q, h),
-                       p + "ffn_gate.weight": (h, f), p + "ffn_up.weight": (h, f), p + "ffn_down.weight": (f, h)})
+        shapes.update(
+            {
+                p + "attn_norm.weight": (h,),
+                p + "ffn_norm.weight": (h,),
+                p + "attn_q.weight": (h, q),
+                p + "attn_k.weight": (h, kv),
+                p + "attn_v.weight": (h, kv),
+                p + "attn_output.weight": (q, h),
+                p + "ffn_gate.weight": (h, f),
+                p + "ffn_up.weight": (h, f),
+                p + "ffn_down.weight": (f, h),
+            }
+        )
         if cfg.attention_bias:
             shapes.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
     return shapes
@@ -171,15 +195,20 @@ def check_tensors(reader, cfg: DecoderConfig, path: Path) -> None:
     for name, shape in expected_shapes(cfg).items():
         t = tensors.get(name)
         if t is None:
-            raise ForerunError(f"{path}: tensor {name} is missing; the file is incomplete or not a "
-                               f"{cfg.architecture} model")
+            raise ForerunError(
+                f"{path}: tensor {name} is missing; the file is incomplete or not a {cfg.architecture} model"
+            )
         got = tuple(int(d) for d in t.shape)
         if got != shape:
-            raise ForerunError(f"{path}: tensor {name} has shape {list(got)}, the model's metadata says "
-                               f"{list(shape)}; the file is corrupt or inconsistent")
+            raise ForerunError(
+                f"{path}: tensor {name} has shape {list(got)}, the model's metadata says "
+                f"{list(shape)}; the file is corrupt or inconsistent"
+            )
         block, type_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
         need = int(np.prod(got)) // block * type_bytes
         if int(t.data_offset) + need > size or t.data.nbytes < need:
-            raise ForerunError(f"{path}: tensor {name} runs past the end of the file ({size:,} bytes); "
-                               "it is truncated: download it again (for an embedded model, "
-                               "`forerun models fetch --force NAME`)")
+            raise ForerunError(
+                f"{path}: tensor {name} runs past the end of the file ({size:,} bytes); "
+                "it is truncated: download it again (for an embedded model, "
+                "`forerun models fetch --force NAME`)"
+            )

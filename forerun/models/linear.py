@@ -1,10 +1,11 @@
 """The one wrapper every weight matrix sits behind, so other numeric formats drop in unchanged."""
+
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,7 @@ class _Scratch(threading.local):
 
 
 _scratch = _Scratch()
-_SCRATCH_MAX = 1 << 26   # elements (256 MB): a vocabulary-sized LM head gets a temporary instead
+_SCRATCH_MAX = 1 << 26  # elements (256 MB): a vocabulary-sized LM head gets a temporary instead
 
 
 def _float_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -51,7 +52,7 @@ def _float_weight(weight: torch.Tensor) -> torch.Tensor:
     buf = _scratch.by_device.get(weight.device)
     if buf is None or buf.numel() < weight.numel():
         buf = _scratch.by_device[weight.device] = torch.empty(weight.numel(), dtype=torch.float32, device=weight.device)
-    return buf[:weight.numel()].view(weight.shape).copy_(weight)
+    return buf[: weight.numel()].view(weight.shape).copy_(weight)
 
 
 @contextlib.contextmanager
@@ -94,7 +95,7 @@ class Int8Linear(nn.Module):
     def __init__(self, source: Linear, from_meta: bool = False) -> None:
         """`from_meta`: only shape the buffers (on the meta device); a cached state dict fills them."""
         super().__init__()
-        w = source.weight.detach()                                # [out, in]
+        w = source.weight.detach()  # [out, in]
         if from_meta:
             self.register_buffer("qweight", torch.empty(w.shape, dtype=torch.int8, device="meta"))
             self.register_buffer("scale", torch.empty(w.shape[0], dtype=w.dtype, device="meta"))
@@ -110,8 +111,7 @@ class Int8Linear(nn.Module):
         if _float_path(x, _INT8_FLOAT_ROWS):
             y = F.linear(x.float(), _float_weight(self.qweight)) * self.scale.float()
             return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.scale.dtype),
-                                               self.qweight, self.scale)
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.scale.dtype), self.qweight, self.scale)
         y = y.reshape(*shape[:-1], -1)
         return y + self.bias if self.bias is not None else y
 

@@ -5,6 +5,7 @@ folder (config.json, *.safetensors, tokenizer files), or a hub id when a network
 GGUF weights are dequantized once and cached as safetensors keyed by the file's sha256, so every
 later load is a memory map.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,22 +19,22 @@ from pathlib import Path
 
 import torch
 
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
+from forerun.base.paths import converted_dir
 from forerun.models import fetch as fetching
+from forerun.models import formats
 from forerun.models.decoder import SUPPORTED_ARCHITECTURES, Decoder, DecoderConfig
 from forerun.models.embedded import EMBEDDED
-from forerun.models import formats
 from forerun.models.tokenizer import Tokenizer
-from forerun.paths import converted_dir
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 @dataclass
 class ModelSource:
-    kind: str      # "gguf" or "hf"
-    path: Path     # the .gguf file or the model folder
-    name: str      # what the user called it
+    kind: str  # "gguf" or "hf"
+    path: Path  # the .gguf file or the model folder
+    name: str  # what the user called it
 
 
 @dataclass
@@ -53,8 +54,10 @@ def model_identity(model: LoadedModel) -> str | None:
     if source.kind == "gguf":
         return _gguf_checksum(source.path)
     if source.kind == "hf":
-        stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns)
-                 for f in sorted(source.path.glob("*.safetensors")) + [source.path / "config.json"]]
+        stats = [
+            (f.name, f.stat().st_size, f.stat().st_mtime_ns)
+            for f in sorted(source.path.glob("*.safetensors")) + [source.path / "config.json"]
+        ]
         return hashlib.sha256(f"{source.path.resolve()}:{stats}".encode()).hexdigest()
     return None
 
@@ -89,17 +92,22 @@ def resolve(spec: str) -> ModelSource:
         return ModelSource("gguf", path, spec)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ForerunError(f"{path} has no config.json; a model folder needs config.json, "
-                               "*.safetensors and tokenizer files")
+            raise ForerunError(
+                f"{path} has no config.json; a model folder needs config.json, *.safetensors and tokenizer files"
+            )
         return ModelSource("hf", path, spec)
     known = ", ".join(sorted(EMBEDDED))
     if path.suffix == ".gguf" or spec.startswith((".", "/", "~")):
-        raise ForerunError(f"{spec}: no such file or folder. Pass an existing .gguf file or model folder, "
-                           f"or an embedded model name ({known})")
+        raise ForerunError(
+            f"{spec}: no such file or folder. Pass an existing .gguf file or model folder, "
+            f"or an embedded model name ({known})"
+        )
     if spec.count("/") == 1:
         return ModelSource("hf", _hub_download(spec), spec)
-    raise ForerunError(f"unknown model {spec!r}: not an embedded name ({known}), "
-                       "not an existing .gguf file or model folder, and not a hub id (owner/name)")
+    raise ForerunError(
+        f"unknown model {spec!r}: not an embedded name ({known}), "
+        "not an existing .gguf file or model folder, and not a hub id (owner/name)"
+    )
 
 
 def _hub_download(repo_id: str) -> Path:
@@ -118,22 +126,29 @@ def _hub_download(repo_id: str) -> Path:
 QUANTIZATIONS = (*formats.FORMATS, formats.AUTO)
 
 
-def load_model(spec: str, dtype: str | torch.dtype = "bfloat16", device: str | None = "cpu",
-               with_tokenizer: bool = True, quantization: str | None = None) -> LoadedModel:
+def load_model(
+    spec: str,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | None = "cpu",
+    with_tokenizer: bool = True,
+    quantization: str | None = None,
+) -> LoadedModel:
     """`quantization` (see forerun/models/formats.py) stores every product in that format; for a
     GGUF source the quantized weights are cached beside the converted ones, so only the first such
     load pays for it."""
     start = time.perf_counter()
     if quantization not in (None, formats.AUTO):
-        formats.get(quantization)                   # an unknown name fails before any work
+        formats.get(quantization)  # an unknown name fails before any work
     source = resolve(spec)
     torch_dtype, torch_device = parse_dtype(dtype), resolve_device(device)
     quantization = formats.resolve(quantization, torch_device, source.kind)
     if quantization is not None:
         formats.check_device(quantization, torch_device)
     if quantization == formats.GGUF and source.kind != "gguf":
-        raise ForerunError(f"--quantization gguf computes a GGUF file's own blocks, and {spec} is a model folder; "
-                           "use w8a8 (or auto) for it")
+        raise ForerunError(
+            f"--quantization gguf computes a GGUF file's own blocks, and {spec} is a model folder; "
+            "use w8a8 (or auto) for it"
+        )
     if source.kind == "gguf" and quantization == formats.GGUF:
         cfg, _, tok_dir = _load_gguf(source.path, torch_dtype, with_tokenizer, convert=False)
         decoder = _build_gguf(source.path, cfg, torch_device)
@@ -157,8 +172,11 @@ def _build_cached(cfg: DecoderConfig, weights: Path, quantization: str | None, d
     quantized = weights.with_name(f"{weights.stem}-{formats.get(quantization).cache_tag}.safetensors")
     if quantized.is_file():
         return build_decoder(cfg, load_file(str(quantized)), device, quantization)
-    print(f"forerun: storing the model's weights as {quantization} (once; cached in {quantized.parent})",
-          file=sys.stderr, flush=True)
+    print(
+        f"forerun: storing the model's weights as {quantization} (once; cached in {quantized.parent})",
+        file=sys.stderr,
+        flush=True,
+    )
     decoder = formats.quantize_(build_decoder(cfg, load_file(str(weights)), device), quantization, progress=True)
     _atomic_save_tensors({k: v.contiguous() for k, v in decoder.state_dict().items()}, quantized)
     return decoder
@@ -176,8 +194,9 @@ def _build_gguf(path: Path, cfg: DecoderConfig, device: torch.device) -> Decoder
         raise ForerunError(f"{path}: its tensors do not fit the model ({exc}); the file may be corrupt") from None
 
 
-def build_decoder(cfg: DecoderConfig, state: dict[str, torch.Tensor], device: torch.device,
-                  quantization: str | None = None) -> Decoder:
+def build_decoder(
+    cfg: DecoderConfig, state: dict[str, torch.Tensor], device: torch.device, quantization: str | None = None
+) -> Decoder:
     """Build on the meta device and adopt `state` without copying; `quantization`: state holds that
     format's cached weights."""
     with torch.device("meta"):
@@ -187,8 +206,10 @@ def build_decoder(cfg: DecoderConfig, state: dict[str, torch.Tensor], device: to
         try:
             return formats.get(quantization).load(decoder, state).to(device).eval()
         except (KeyError, RuntimeError) as exc:
-            raise ForerunError(f"the cached {quantization} weights do not fit the model ({str(exc)[-300:]}); "
-                               "delete them and load again") from None
+            raise ForerunError(
+                f"the cached {quantization} weights do not fit the model ({str(exc)[-300:]}); "
+                "delete them and load again"
+            ) from None
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
         state["lm_head.weight"] = state["embed_tokens.weight"]
@@ -259,8 +280,10 @@ def _check_gguf_magic(path: Path) -> None:
     with open(path, "rb") as f:
         head = f.read(4)
     if head != b"GGUF":
-        raise ForerunError(f"{path} is not a GGUF file: it starts with {head!r}, not b'GGUF'. "
-                           "Pass a .gguf model file (for an embedded model, `forerun models fetch --force NAME`).")
+        raise ForerunError(
+            f"{path} is not a GGUF file: it starts with {head!r}, not b'GGUF'. "
+            "Pass a .gguf model file (for an embedded model, `forerun models fetch --force NAME`)."
+        )
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool, convert: bool = True):
@@ -315,8 +338,9 @@ def _convert_gguf_tokenizer(path: Path, tok_dir: Path) -> None:
 def config_from_hf(raw: dict) -> DecoderConfig:
     arch = raw.get("model_type")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ForerunError(f"unsupported architecture {arch!r} in config.json; "
-                           f"forerun supports: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ForerunError(
+            f"unsupported architecture {arch!r} in config.json; forerun supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     scaling = raw.get("rope_scaling")
     if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
         raise ForerunError(f"rope scaling {scaling!r} is not supported yet; use a model without rope_scaling")

@@ -10,6 +10,7 @@ row's sums run in a fixed order: a row comes out the same alone or beside any ot
 `prepare(decoder)` says whether a decoder can run here and keeps its layers' descriptions;
 `run_layers` runs them for one forward.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -23,40 +24,85 @@ from forerun.models.attention import RowLayout, Segment
 from forerun.models.gguf_format import GGUFLinear
 
 MAX_PARTS = 4
-_i64, _f32p, _u8p, _ptr = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint8), ctypes.c_void_p
+_i64, _f32p, _u8p, _ptr = (
+    ctypes.c_int64,
+    ctypes.POINTER(ctypes.c_float),
+    ctypes.POINTER(ctypes.c_uint8),
+    ctypes.c_void_p,
+)
 
 
 class Product(ctypes.Structure):
-    _fields_ = [("parts", _i64), ("type", _i64 * MAX_PARTS), ("rows", _i64 * MAX_PARTS),
-                ("packed", _ptr * MAX_PARTS), ("inputs", _i64), ("out", _i64), ("bias", _ptr)]
+    _fields_ = [
+        ("parts", _i64),
+        ("type", _i64 * MAX_PARTS),
+        ("rows", _i64 * MAX_PARTS),
+        ("packed", _ptr * MAX_PARTS),
+        ("inputs", _i64),
+        ("out", _i64),
+        ("bias", _ptr),
+    ]
 
 
 class LayerDesc(ctypes.Structure):
-    _fields_ = [("qkv", Product), ("o", Product), ("gate_up", Product), ("down", Product),
-                ("norm1", _ptr), ("norm2", _ptr), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("ffn", _i64)]
+    _fields_ = [
+        ("qkv", Product),
+        ("o", Product),
+        ("gate_up", Product),
+        ("down", Product),
+        ("norm1", _ptr),
+        ("norm2", _ptr),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("hidden", _i64),
+        ("heads", _i64),
+        ("kv_heads", _i64),
+        ("head_dim", _i64),
+        ("ffn", _i64),
+    ]
 
 
 class RowDesc(ctypes.Structure):
-    _fields_ = [("k", _ptr), ("v", _ptr), ("layer_stride", _i64), ("slots", _i64), ("write", _i64),
-                ("prefix", _i64), ("n_extra", _i64), ("extra", _ptr), ("cos", _ptr), ("sin", _ptr)]
+    _fields_ = [
+        ("k", _ptr),
+        ("v", _ptr),
+        ("layer_stride", _i64),
+        ("slots", _i64),
+        ("write", _i64),
+        ("prefix", _i64),
+        ("n_extra", _i64),
+        ("extra", _ptr),
+        ("cos", _ptr),
+        ("sin", _ptr),
+    ]
 
 
 class PassDesc(ctypes.Structure):
-    _fields_ = [("rows", _i64), ("row", ctypes.POINTER(RowDesc)), ("h", _ptr), ("qkv", _ptr), ("att", _ptr),
-                ("tmp", _ptr), ("gu", _ptr), ("act_k", _ptr), ("act_0", _ptr), ("scores", _ptr),
-                ("scores_stride", _i64)]
+    _fields_ = [
+        ("rows", _i64),
+        ("row", ctypes.POINTER(RowDesc)),
+        ("h", _ptr),
+        ("qkv", _ptr),
+        ("att", _ptr),
+        ("tmp", _ptr),
+        ("gu", _ptr),
+        ("act_k", _ptr),
+        ("act_0", _ptr),
+        ("scores", _ptr),
+        ("scores_stride", _i64),
+    ]
 
 
 @dataclass
 class NativeLayers:
     """What the native layers need of a decoder, made once: a description per layer."""
+
     layers: list[LayerDesc]
-    path: int                       # index into native.PATHS
-    widest: int                     # the most inputs any product reads (activation buffer rows)
+    path: int  # index into native.PATHS
+    widest: int  # the most inputs any product reads (activation buffer rows)
 
     def __post_init__(self) -> None:
-        self.lib = native.library()   # what runs fr_layer (the profiler wraps it)
+        self.lib = native.library()  # what runs fr_layer (the profiler wraps it)
         self.addresses = [ctypes.addressof(layer) for layer in self.layers]
 
 
@@ -93,7 +139,7 @@ def prepare(decoder) -> NativeLayers | None:
             return None
         desc = LayerDesc(*products)
         desc.norm1, desc.norm2 = norms[0].weight.data_ptr(), norms[1].weight.data_ptr()
-        desc.eps, desc.scale = norms[0].eps, cfg.head_dim ** -0.5
+        desc.eps, desc.scale = norms[0].eps, cfg.head_dim**-0.5
         desc.hidden, desc.heads, desc.kv_heads = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
         desc.head_dim, desc.ffn = cfg.head_dim, cfg.intermediate_size
         layers.append(desc)
@@ -106,7 +152,7 @@ def _visible(layout: RowLayout, start: int) -> list[tuple[int, list[int]]]:
     attends to slots [0, prefix), then to the extra slots, in logical order."""
     out: list[tuple[int, list[int]] | None] = [None] * len(layout.positions)
     for group in layout.groups:
-        if group.visible is not None:                       # rows that need not be exact: their mask
+        if group.visible is not None:  # rows that need not be exact: their mask
             for i, row in enumerate(group.rows):
                 slots = group.visible[i].nonzero().flatten().tolist()
                 prefix = 0
@@ -140,8 +186,9 @@ def _rows(segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor, cfg) ->
     for seg in segments:
         cache = seg.cache
         if cache.length + seg.stop - seg.start > cache.max_len:
-            raise ValueError(f"KV cache overflow: {cache.length + seg.stop - seg.start} slots needed, "
-                             f"{cache.max_len} allocated")
+            raise ValueError(
+                f"KV cache overflow: {cache.length + seg.stop - seg.start} slots needed, {cache.max_len} allocated"
+            )
         if cache.k.dtype != torch.float32 or cache.k.shape[1] != 1:
             raise ValueError("native layers need a float32 cache of one sequence")
         layer_stride = cache.k.stride(0)
@@ -160,8 +207,16 @@ def _rows(segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor, cfg) ->
     return rows, most
 
 
-def run_layers(decoder, prepared: NativeLayers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               segments: list[Segment], layers, hidden_layer: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def run_layers(
+    decoder,
+    prepared: NativeLayers,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    segments: list[Segment],
+    layers,
+    hidden_layer: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, hidden] float32 through `layers` (indices); cos, sin [T, head_dim] at each row's position.
     Returns (x, the residual stream after `hidden_layer` or None)."""
     cfg = decoder.cfg
@@ -173,10 +228,16 @@ def run_layers(decoder, prepared: NativeLayers, x: torch.Tensor, cos: torch.Tens
     stride = share_heads * (-(-most // 16) * 16)
     act_bytes = native.act_row_bytes(prepared.widest)
     first = prepared.layers[0]
-    buffers = [torch.empty(t, prepared.widest), torch.empty(t, first.qkv.out), torch.empty(t, cfg.num_heads * cfg.head_dim),
-               torch.empty(t, cfg.hidden_size), torch.empty(t, first.gate_up.out),
-               torch.empty(t, act_bytes, dtype=torch.uint8), torch.empty(t, act_bytes, dtype=torch.uint8),
-               torch.empty(threads, max(stride, 16))]
+    buffers = [
+        torch.empty(t, prepared.widest),
+        torch.empty(t, first.qkv.out),
+        torch.empty(t, cfg.num_heads * cfg.head_dim),
+        torch.empty(t, cfg.hidden_size),
+        torch.empty(t, first.gate_up.out),
+        torch.empty(t, act_bytes, dtype=torch.uint8),
+        torch.empty(t, act_bytes, dtype=torch.uint8),
+        torch.empty(threads, max(stride, 16)),
+    ]
     pass_desc = PassDesc(t, rows.array, *(b.data_ptr() for b in buffers), max(stride, 16))
     x = x.contiguous()
     lib, path, out, pass_at = prepared.lib, prepared.path, x.data_ptr(), ctypes.addressof(pass_desc)

@@ -1,9 +1,10 @@
 """Tokenizer and chat template (from transformers), plus every token id that ends generation."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
 
 # Special tokens that end a turn or a document in the common families; llama.cpp stops on the same.
 _STOP_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>", "<|EOT|>"}
@@ -41,8 +42,7 @@ class Tokenizer:
 
     def apply_chat(self, messages: list[dict]) -> list[int]:
         if not getattr(self.hf, "chat_template", None):
-            raise ForerunError("this model has no chat template; pass a plain prompt instead of messages "
-                               "(drop --chat)")
+            raise ForerunError("this model has no chat template; pass a plain prompt instead of messages (drop --chat)")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.hf.encode(text, add_special_tokens=False))
 

@@ -21,6 +21,7 @@ overrides it); with 8-bit activations both give the same bits, so mixing them ke
   63 levels a side); where the full 8 bits do not saturate they are used. `reduce_range_needed()`
   tries it once rather than trusting CPU flags. On the AVX2 EPYC fbgemm is flat to four rows.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,13 +34,13 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from forerun import cpu
-from forerun.errors import ForerunError
+from forerun.base import cpu
+from forerun.base.errors import ForerunError
 
 PAD_MULTIPLE = 32
 KERNELS = ("mixed", "onednn", "fbgemm")
 KERNEL_ENV = "FORERUN_W8A8_KERNEL"
-ONEDNN_FROM_ROWS = 2   # "mixed": onednn from this many rows (flat to 16), fbgemm below (less overhead per call)
+ONEDNN_FROM_ROWS = 2  # "mixed": onednn from this many rows (flat to 16), fbgemm below (less overhead per call)
 
 
 def padded_width(in_features: int) -> int:
@@ -56,7 +57,7 @@ def reduce_range_needed() -> bool:
     """True when full-range u8 activations saturate fbgemm's int16 pair sums on this CPU."""
     n, k = 8, 64
     qweight = torch.full((n, k), 127, dtype=torch.int8)
-    qweight[:, -2:] = 0                              # the range columns, as real products have them
+    qweight[:, -2:] = 0  # the range columns, as real products have them
     x = torch.full((2, k), 127.0)
     x[1] = -127.0
     x[:, -2:] = torch.tensor([levels(False) + 0.5, -levels(False) - 0.5])
@@ -120,9 +121,10 @@ def _prepack(qweight: torch.Tensor, scale: torch.Tensor):
     """fbgemm's packed form of int8 weights [out, in] with per-channel scales [out]."""
     _engine()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")        # torch 2.13 flags its quantized-tensor API as deprecated
-        q = torch._make_per_channel_quantized_tensor(qweight, scale.double(),
-                                                     torch.zeros_like(scale, dtype=torch.long), 0)
+        warnings.simplefilter("ignore")  # torch 2.13 flags its quantized-tensor API as deprecated
+        q = torch._make_per_channel_quantized_tensor(
+            qweight, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0
+        )
         return torch.ops.quantized.linear_prepack(q, None)
 
 
@@ -134,8 +136,9 @@ def _dynamic_linear(x: torch.Tensor, packed, reduce_range: bool) -> torch.Tensor
 
 def _onednn_linear(x: torch.Tensor, packed, scale: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor:
     """int8 rows [R, in] times the packed int8 weights: float32 [R, out], each sum times its scale."""
-    return torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, packed, scale, zero_points, None, 1.0, 0,
-                                              torch.float32, "none", [], "")
+    return torch.ops.onednn.qlinear_pointwise(
+        x, 1.0, 0, packed, scale, zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+    )
 
 
 class _Scratch(threading.local):
@@ -144,8 +147,9 @@ class _Scratch(threading.local):
     def __init__(self) -> None:
         self.buffers: dict[tuple, torch.Tensor] = {}
 
-    def rows(self, count: int, width: int, dtype: torch.dtype = torch.float32,
-             pinned: tuple[int, float] | None = None) -> torch.Tensor:
+    def rows(
+        self, count: int, width: int, dtype: torch.dtype = torch.float32, pinned: tuple[int, float] | None = None
+    ) -> torch.Tensor:
         """[count, width]; `pinned` (column, value): that column holds +value and the next -value."""
         key = (width, dtype, pinned)
         buf = self.buffers.get(key)
@@ -174,8 +178,14 @@ class W8A8Linear(nn.Module):
     for building other heads from it; loaded from the cache it is a memory map of the file).
     """
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 norm_eps: float | None = None, kernel_name: str | None = None) -> None:
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        norm_eps: float | None = None,
+        kernel_name: str | None = None,
+    ) -> None:
         """qweight [out, in] int8; scale [out] (weight ~ qweight * scale); bias [out] or None;
         `kernel_name`: one of KERNELS, else this CPU's `kernel()`."""
         super().__init__()
@@ -204,8 +214,13 @@ class W8A8Linear(nn.Module):
         self._inv_levels = 1.0 / levels(self.reduce_range)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   norm_eps: float | None = None, kernel_name: str | None = None) -> "W8A8Linear":
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        norm_eps: float | None = None,
+        kernel_name: str | None = None,
+    ) -> W8A8Linear:
         qweight, scale = quantize_weight(weight)
         return cls(qweight, scale, bias, norm_eps, kernel_name)
 
@@ -218,22 +233,24 @@ class W8A8Linear(nn.Module):
         destination[prefix + "qweight"] = self.qweight()
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"kernel={self.kernel}" + (f", rms_norm_eps={self.norm_eps}" if self.norm_eps is not None else ""))
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"kernel={self.kernel}" + (f", rms_norm_eps={self.norm_eps}" if self.norm_eps is not None else "")
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, self.in_features)                                          # [R, in]
+        rows = x.reshape(-1, self.in_features)  # [R, in]
         count = rows.shape[0]
         step = rows.abs().amax(-1, keepdim=True).clamp_min_(1e-30).mul_(self._inv_levels)  # [R, 1]
         if count >= self._onednn_from:
             levels_ = torch.div(rows, step, out=_scratch.rows(count, self.in_features)).round_()
-            quantized = _scratch.rows(count, self.in_features, torch.int8).copy_(levels_)   # exact: integers
-            y = _onednn_linear(quantized, self._onednn, self.scale, self._zero_points)     # [R, out]
+            quantized = _scratch.rows(count, self.in_features, torch.int8).copy_(levels_)  # exact: integers
+            y = _onednn_linear(quantized, self._onednn, self.scale, self._zero_points)  # [R, out]
         else:
-            buf = _scratch.rows(count, self.width, pinned=self._pin)                      # [R, width]
-            torch.div(rows, step, out=buf[:, :self.in_features]).round_()
-            y = _dynamic_linear(buf, self._fbgemm, self.reduce_range)                      # [R, out]
+            buf = _scratch.rows(count, self.width, pinned=self._pin)  # [R, width]
+            torch.div(rows, step, out=buf[:, : self.in_features]).round_()
+            y = _dynamic_linear(buf, self._fbgemm, self.reduce_range)  # [R, out]
         if self.norm_eps is not None:
             # x / rms(x) / peak(x / rms(x)) == x / peak(x): the norm survives only as a factor per row.
             step.mul_(torch.rsqrt(rows.pow(2).mean(-1, keepdim=True).add_(self.norm_eps)))
@@ -266,16 +283,22 @@ def quantize_decoder_(decoder, progress: bool = False, kernel_name: str | None =
 
     cfg = decoder.cfg
     q_rows = cfg.num_heads * cfg.head_dim
-    for block in tqdm(decoder.layers, desc="quantizing to w8a8 (once)", unit="layer", file=sys.stderr,
-                      disable=not progress, leave=False):
+    for block in tqdm(
+        decoder.layers,
+        desc="quantizing to w8a8 (once)",
+        unit="layer",
+        file=sys.stderr,
+        disable=not progress,
+        leave=False,
+    ):
         attn, mlp = block.self_attn, block.mlp
-        gain = block.input_layernorm.weight.detach().float()                              # [hidden]
+        gain = block.input_layernorm.weight.detach().float()  # [hidden]
         weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).float() * gain
-        weight[:q_rows] *= cfg.head_dim ** -0.5
+        weight[:q_rows] *= cfg.head_dim**-0.5
         bias = None
         if attn.q_proj.bias is not None:
             bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).float()
-            bias[:q_rows] *= cfg.head_dim ** -0.5
+            bias[:q_rows] *= cfg.head_dim**-0.5
         attn.qkv_proj = W8A8Linear.from_float(weight, bias, block.input_layernorm.eps, kernel_name)
         attn.o_proj = W8A8Linear.from_float(attn.o_proj.weight, kernel_name=kernel_name)
         gain = block.post_attention_layernorm.weight.detach().float()
@@ -306,12 +329,23 @@ def load_decoder_(decoder, state: dict[str, torch.Tensor], kernel_name: str | No
     on every thread torch uses (a 1.5B model: ~14 s on two cores instead of ~28 s; onednn packs
     ~10 times as fast).
     """
-    names = [f"layers.{i}.{part}" for i in range(len(decoder.layers))
-             for part in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
+    names = [
+        f"layers.{i}.{part}"
+        for i in range(len(decoder.layers))
+        for part in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    ]
     names.append("lm_head")
     eps = decoder.cfg.rms_norm_eps
-    args = [(state.pop(f"{n}.qweight"), state.pop(f"{n}.scale"), state.pop(f"{n}.bias", None),
-             eps if n.endswith(("qkv_proj", "gate_up_proj")) else None, kernel_name) for n in names]
+    args = [
+        (
+            state.pop(f"{n}.qweight"),
+            state.pop(f"{n}.scale"),
+            state.pop(f"{n}.bias", None),
+            eps if n.endswith(("qkv_proj", "gate_up_proj")) else None,
+            kernel_name,
+        )
+        for n in names
+    ]
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         products = dict(zip(names, pool.map(lambda a: W8A8Linear(*a), args)))
     for i, block in enumerate(decoder.layers):
@@ -326,14 +360,15 @@ def load_decoder_(decoder, state: dict[str, torch.Tensor], kernel_name: str | No
     owned = {name for name, module in decoder.named_modules() if isinstance(module, W8A8Linear)}
     missing = [k for k in result.missing_keys if k.rpartition(".")[0] not in owned]
     if missing or result.unexpected_keys:
-        raise KeyError(f"w8a8 weights do not fit the model: missing {missing[:3]}, "
-                       f"unexpected {result.unexpected_keys[:3]}")
+        raise KeyError(
+            f"w8a8 weights do not fit the model: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}"
+        )
     _float_norms(decoder)
     return decoder
 
 
 def _float_norms(decoder) -> None:
-    for name, module in decoder.named_modules():
-        if hasattr(module, "eps") and hasattr(module, "weight"):      # RMSNorm
+    for module in decoder.modules():
+        if hasattr(module, "eps") and hasattr(module, "weight"):  # RMSNorm
             module.weight = nn.Parameter(module.weight.detach().float(), requires_grad=False)
     decoder.activation_dtype = torch.float32

@@ -9,6 +9,7 @@ path another call took.
 The functions here take torch tensors and hand their memory to the library; callers keep the
 tensors alive and contiguous (checked).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -19,10 +20,10 @@ import threading
 
 import torch
 
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
 
 ABI_VERSION = 3
-PATHS = ("scalar", "avx2", "avx512")            # bit i of fr_paths() is PATHS[i]
+PATHS = ("scalar", "avx2", "avx512")  # bit i of fr_paths() is PATHS[i]
 PATH_ENV = "FORERUN_KERNEL_PATH"
 
 # GGML type ids the products read, by name (gguf.GGMLQuantizationType).
@@ -149,9 +150,9 @@ def weight_buffer(size: int) -> torch.Tensor:
         region.madvise(mmap.MADV_HUGEPAGE)
     except OSError:
         pass
-    whole = torch.frombuffer(region, dtype=torch.uint8)       # keeps the mapping alive
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
     skip = -whole.data_ptr() % HUGE_PAGE
-    return whole[skip:skip + size]
+    return whole[skip : skip + size]
 
 
 def dequantize_rows(type_id: int, raw: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tensor:
@@ -161,8 +162,9 @@ def dequantize_rows(type_id: int, raw: torch.Tensor, k: int, rows: torch.Tensor)
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= stored):
         raise IndexError(f"row out of range [0, {stored})")
     out = torch.empty(rows.numel(), k, dtype=torch.float32)
-    library().fr_dequantize_rows(type_id, _check(raw, torch.uint8, "raw"), k, rows.data_ptr(), rows.numel(),
-                                 out.data_ptr())
+    library().fr_dequantize_rows(
+        type_id, _check(raw, torch.uint8, "raw"), k, rows.data_ptr(), rows.numel(), out.data_ptr()
+    )
     return out
 
 
@@ -170,7 +172,9 @@ def act_row_bytes(k: int) -> int:
     return library().fr_act_row_bytes(k)
 
 
-def quantize(x: torch.Tensor, block: int, out: torch.Tensor | None = None, kernel_path: str | None = None) -> torch.Tensor:
+def quantize(
+    x: torch.Tensor, block: int, out: torch.Tensor | None = None, kernel_path: str | None = None
+) -> torch.Tensor:
     """Rows of x [m, k] float32 as the products' int8 activation blocks (of `block` inputs): uint8 [m, row bytes]."""
     m, k = x.shape
     stride = x.stride(0)
@@ -180,8 +184,9 @@ def quantize(x: torch.Tensor, block: int, out: torch.Tensor | None = None, kerne
         out = torch.empty(m, act_row_bytes(k), dtype=torch.uint8)
     elif out.shape[0] < m or out.numel() < m * act_row_bytes(k):
         raise ValueError(f"out holds {tuple(out.shape)}, {m} rows of {act_row_bytes(k)} bytes are needed")
-    library().fr_quantize(PATHS.index(kernel_path or path()), _check_rows(x), m, k, stride, block,
-                          _check(out, torch.uint8, "out"))
+    library().fr_quantize(
+        PATHS.index(kernel_path or path()), _check_rows(x), m, k, stride, block, _check(out, torch.uint8, "out")
+    )
     return out
 
 
@@ -191,20 +196,40 @@ def _check_rows(x: torch.Tensor) -> int:
     return x.data_ptr()
 
 
-def matmul(type_id: int, packed: torch.Tensor, n: int, k: int, act: torch.Tensor, m: int,
-           out: torch.Tensor, bias: torch.Tensor | None = None, kernel_path: str | None = None,
-           threads: int | None = None) -> torch.Tensor:
+def matmul(
+    type_id: int,
+    packed: torch.Tensor,
+    n: int,
+    k: int,
+    act: torch.Tensor,
+    m: int,
+    out: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    kernel_path: str | None = None,
+    threads: int | None = None,
+) -> torch.Tensor:
     """out[r, :n] = rows' activations times the packed weight (+ bias); out [m, >= n] float32, rows contiguous."""
     lib = library()
     if out.stride(1) != 1 or out.dtype != torch.float32 or out.shape[0] < m or out.shape[1] < n:
         raise ValueError(f"out must be float32 [>= {m}, >= {n}] with contiguous rows, got {tuple(out.shape)}")
     if packed.numel() != lib.fr_packed_bytes(type_id, n, k) or act.numel() < m * act_row_bytes(k):
-        raise ValueError(f"packed ({packed.numel()} bytes) or act ({act.numel()}) do not fit {n} x {k} "
-                         f"{TYPE_NAMES.get(type_id, type_id)} for {m} rows")
+        raise ValueError(
+            f"packed ({packed.numel()} bytes) or act ({act.numel()}) do not fit {n} x {k} "
+            f"{TYPE_NAMES.get(type_id, type_id)} for {m} rows"
+        )
     if bias is not None and bias.numel() < n:
         raise ValueError(f"bias has {bias.numel()} values for {n} outputs")
-    lib.fr_matmul(PATHS.index(kernel_path or path()), type_id, _check(packed, torch.uint8, "packed"), n, k,
-                        _check(act, torch.uint8, "act"), m, out.data_ptr(), out.stride(0),
-                        None if bias is None else _check(bias, torch.float32, "bias"),
-                        threads or torch.get_num_threads())
+    lib.fr_matmul(
+        PATHS.index(kernel_path or path()),
+        type_id,
+        _check(packed, torch.uint8, "packed"),
+        n,
+        k,
+        _check(act, torch.uint8, "act"),
+        m,
+        out.data_ptr(),
+        out.stride(0),
+        None if bias is None else _check(bias, torch.float32, "bias"),
+        threads or torch.get_num_threads(),
+    )
     return out

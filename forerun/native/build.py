@@ -6,6 +6,7 @@ Every instruction-set path is compiled on x86-64 whatever this CPU is (`-m` flag
 compiler emit those instructions); which path runs is decided at run time from the CPU's features.
 `python -m forerun.native.build` builds it ahead (what `make` does).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,18 +19,25 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from forerun.paths import forerun_home as home
+from forerun.base.paths import forerun_home as home
 
 SOURCES = Path(__file__).parent / "src"
 LIBRARY = "libforerun_kernels.so"
 # Exact float semantics: no contraction of a*b+c into an fma the other paths do not make, no
 # reassociation. -fno-math-errno only lets fmaf/nearbyintf inline.
-COMMON = ["-O3", "-std=c++17", "-fPIC", "-fno-math-errno", "-ffp-contract=off", "-Wall", "-Wextra",
-          "-Wno-unused-parameter"]
+COMMON = [
+    "-O3",
+    "-std=c++17",
+    "-fPIC",
+    "-fno-math-errno",
+    "-ffp-contract=off",
+    "-Wall",
+    "-Wextra",
+    "-Wno-unused-parameter",
+]
 X86_FLAGS = {
     "avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
-    "avx512.cpp": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                   "-mavx512vnni"],
+    "avx512.cpp": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
 }
 
 
@@ -40,7 +48,7 @@ class BuildError(RuntimeError):
 @dataclass(frozen=True)
 class Plan:
     compiler: str
-    units: dict[str, list[str]]   # source file name -> its extra flags
+    units: dict[str, list[str]]  # source file name -> its extra flags
 
     def key(self, version: str) -> str:
         digest = hashlib.sha256(version.encode())
@@ -97,7 +105,7 @@ def build(verbose: bool = False) -> Path:
             objects.append(str(obj))
         built = Path(tmp) / LIBRARY
         _run([p.compiler, "-shared", "-fopenmp", "-o", str(built), *objects], verbose)
-        os.replace(built, target)          # atomic: another process sees the whole library or none
+        os.replace(built, target)  # atomic: another process sees the whole library or none
     return target
 
 
@@ -116,9 +124,11 @@ def main() -> int:
     try:
         path = build(verbose="-v" in sys.argv)
     except BuildError as exc:
-        print(f"forerun: the native kernels did not build ({exc}); --quantization gguf falls back to w8a8",
-              file=sys.stderr)
-        return 0          # never fails an install: the formats that need no kernels still work
+        print(
+            f"forerun: the native kernels did not build ({exc}); --quantization gguf falls back to w8a8",
+            file=sys.stderr,
+        )
+        return 0  # never fails an install: the formats that need no kernels still work
     print(f"forerun: native kernels ready ({path})", file=sys.stderr)
     return 0
 

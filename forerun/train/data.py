@@ -13,44 +13,45 @@ continuations from the target's own features. Shards hold whole sequences:
 A manifest (`manifest.json`) lists the finished shards and how many prompts they cover, so an
 interrupted run resumes at the next prompt.
 """
+
 from __future__ import annotations
 
 import json
-import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from tqdm import tqdm
 
-from forerun.batch import BatchEngine
-from forerun.config import SamplingParams
-from forerun.engine import Engine
+from forerun.base import files
+from forerun.base.config import SamplingParams
+from forerun.engine.batch import BatchEngine
+from forerun.engine.engine import Engine
 from forerun.models import linear
 from forerun.models.load import LoadedModel
 
 MANIFEST = "manifest.json"
-SHARD_TOKENS = 1 << 16        # a shard is written once it holds this many positions
-BATCH = 8                     # prompts answered together
+SHARD_TOKENS = 1 << 16  # a shard is written once it holds this many positions
+BATCH = 8  # prompts answered together
 
 
 @dataclass
 class Sequence:
-    tokens: list[int]          # prompt + answer
-    answer: int                # index of the answer's first token
+    tokens: list[int]  # prompt + answer
+    answer: int  # index of the answer's first token
 
 
 @dataclass
 class Manifest:
     prompts_done: int = 0
     shards: list[str] = field(default_factory=list)
-    tokens: int = 0            # positions stored
-    answer_tokens: int = 0     # of which the target wrote
+    tokens: int = 0  # positions stored
+    answer_tokens: int = 0  # of which the target wrote
 
     @classmethod
-    def read(cls, folder: Path) -> "Manifest":
+    def read(cls, folder: Path) -> Manifest:
         path = folder / MANIFEST
         if not path.is_file():
             return cls()
@@ -58,9 +59,7 @@ class Manifest:
         return cls(data["prompts_done"], list(data["shards"]), data["tokens"], data["answer_tokens"])
 
     def write(self, folder: Path) -> None:
-        tmp = folder / f".{MANIFEST}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(self.__dict__, indent=1))
-        os.replace(tmp, folder / MANIFEST)
+        files.write_json(folder / MANIFEST, self.__dict__, indent=1)
 
 
 def answer_prompts(target: LoadedModel, prompts: list[list[int]], max_tokens: int) -> Iterator[Sequence]:
@@ -68,7 +67,7 @@ def answer_prompts(target: LoadedModel, prompts: list[list[int]], max_tokens: in
     params = SamplingParams(max_tokens=max_tokens)
     batch = BatchEngine(lambda: Engine(target), max_seqs=BATCH)
     for first in range(0, len(prompts), BATCH):
-        group = prompts[first:first + BATCH]
+        group = prompts[first : first + BATCH]
         answers: dict[int, list[int]] = {}
         for i, ids in enumerate(group):
             answers[i] = list(batch.add(i, ids, params).token_ids)
@@ -88,20 +87,38 @@ def features_of(target: LoadedModel, tokens: list[int]) -> torch.Tensor:
     decoder = target.decoder
     cache = decoder.new_cache(len(tokens))
     with linear.prefill():
-        out = decoder(torch.tensor(tokens, device=decoder.device), torch.arange(len(tokens), device=decoder.device),
-                      cache, last_only=True, output_hidden=True, all_hidden=True)
+        out = decoder(
+            torch.tensor(tokens, device=decoder.device),
+            torch.arange(len(tokens), device=decoder.device),
+            cache,
+            last_only=True,
+            output_hidden=True,
+            all_hidden=True,
+        )
     return out.hidden[0].to(torch.bfloat16).cpu()
 
 
-def make_shards(target: LoadedModel, prompts: list[list[int]], folder: Path, max_tokens: int,
-                shard_tokens: int = SHARD_TOKENS, progress: bool = True) -> Manifest:
+def make_shards(
+    target: LoadedModel,
+    prompts: list[list[int]],
+    folder: Path,
+    max_tokens: int,
+    shard_tokens: int = SHARD_TOKENS,
+    progress: bool = True,
+) -> Manifest:
     """Answer the prompts not yet covered by `folder`'s manifest and store their features."""
     folder.mkdir(parents=True, exist_ok=True)
     manifest = Manifest.read(folder)
-    todo = prompts[manifest.prompts_done:]
+    todo = prompts[manifest.prompts_done :]
     pending: list[tuple[Sequence, torch.Tensor]] = []
-    with tqdm(total=len(prompts), initial=manifest.prompts_done, desc="answering prompts (self-distillation)",
-              unit="prompt", file=sys.stderr, disable=not progress) as bar:
+    with tqdm(
+        total=len(prompts),
+        initial=manifest.prompts_done,
+        desc="answering prompts (self-distillation)",
+        unit="prompt",
+        file=sys.stderr,
+        disable=not progress,
+    ) as bar:
         for seq in answer_prompts(target, todo, max_tokens):
             pending.append((seq, features_of(target, seq.tokens)))
             bar.update(1)
@@ -114,20 +131,19 @@ def make_shards(target: LoadedModel, prompts: list[list[int]], folder: Path, max
 
 
 def _flush(folder: Path, manifest: Manifest, pending: list[tuple[Sequence, torch.Tensor]]) -> None:
-    from safetensors.torch import save_file
-
     starts, answers, total = [0], [], 0
     for seq, _ in pending:
         answers.append(total + seq.answer)
         total += len(seq.tokens)
         starts.append(total)
     name = f"shard-{len(manifest.shards):05d}.safetensors"
-    tensors = {"tokens": torch.tensor([t for seq, _ in pending for t in seq.tokens], dtype=torch.int32),
-               "hidden": torch.cat([h for _, h in pending]).contiguous(),
-               "starts": torch.tensor(starts, dtype=torch.int64), "answers": torch.tensor(answers, dtype=torch.int64)}
-    tmp = folder / f".{name}.{os.getpid()}.tmp"
-    save_file(tensors, str(tmp))
-    os.replace(tmp, folder / name)
+    tensors = {
+        "tokens": torch.tensor([t for seq, _ in pending for t in seq.tokens], dtype=torch.int32),
+        "hidden": torch.cat([h for _, h in pending]).contiguous(),
+        "starts": torch.tensor(starts, dtype=torch.int64),
+        "answers": torch.tensor(answers, dtype=torch.int64),
+    }
+    files.save_tensors(folder / name, tensors)
     manifest.shards.append(name)
     manifest.prompts_done += len(pending)
     manifest.tokens += total
@@ -137,9 +153,9 @@ def _flush(folder: Path, manifest: Manifest, pending: list[tuple[Sequence, torch
 
 @dataclass
 class Example:
-    tokens: torch.Tensor       # int64 [T]
-    hidden: torch.Tensor       # float32 [T, hidden]
-    answer: int                # index of the answer's first token
+    tokens: torch.Tensor  # int64 [T]
+    hidden: torch.Tensor  # float32 [T, hidden]
+    answer: int  # index of the answer's first token
 
 
 def read_examples(folder: Path, order: list[int] | None = None) -> Iterator[Example]:
@@ -151,7 +167,7 @@ def read_examples(folder: Path, order: list[int] | None = None) -> Iterator[Exam
         shard = load_file(str(folder / name))
         starts, answers = shard["starts"].tolist(), shard["answers"].tolist()
         count = len(answers)
-        for i in (order_within(order, count) if order is not None else range(count)):
+        for i in order_within(order, count) if order is not None else range(count):
             a, b = starts[i], starts[i + 1]
             yield Example(shard["tokens"][a:b].long(), shard["hidden"][a:b].float(), answers[i] - a)
 

@@ -10,10 +10,10 @@ target's own greedy choice); the prompt is context:
 A checkpoint (weights, optimizer, position in the data, curves, random state) is written every few
 minutes and at the end of each epoch; `resume` continues from it exactly where it stopped.
 """
+
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 import time
@@ -25,46 +25,48 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from forerun.base import files
 from forerun.train.data import Example, count_sequences, read_examples
 
 CHECKPOINT = "checkpoint"
-TOKEN_WEIGHT = 0.1         # EAGLE: the token loss beside the feature regression
-NOISE = 0.1                # EAGLE: uniform noise on the input features (robustness to its own predictions)
-MAX_SEQUENCE = 1024        # EAGLE: the longest sequence trained at once (the answer end is kept)
+TOKEN_WEIGHT = 0.1  # EAGLE: the token loss beside the feature regression
+NOISE = 0.1  # EAGLE: uniform noise on the input features (robustness to its own predictions)
+MAX_SEQUENCE = 1024  # EAGLE: the longest sequence trained at once (the answer end is kept)
 
 
 @dataclass
 class TrainConfig:
-    method: str                 # "medusa" or "eagle"
+    method: str  # "medusa" or "eagle"
     epochs: int = 2
     lr: float = 1e-3
     seed: int = 0
     checkpoint_every_s: float = 300.0
-    batch_rows: int = 512       # Medusa: positions per optimizer step (EAGLE: one sequence per step)
+    batch_rows: int = 512  # Medusa: positions per optimizer step (EAGLE: one sequence per step)
 
 
 @dataclass
 class History:
     steps: list[int] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
-    accuracy: list[list[float]] = field(default_factory=list)   # per logged step, top-1 per head (EAGLE: one)
+    accuracy: list[list[float]] = field(default_factory=list)  # per logged step, top-1 per head (EAGLE: one)
 
 
 @dataclass
 class Progress:
     epoch: int = 0
-    sequence: int = 0           # sequences of this epoch already trained
-    step: int = 0               # optimizer steps in all
-    seconds: float = 0.0        # training time in all, resumed runs included
+    sequence: int = 0  # sequences of this epoch already trained
+    step: int = 0  # optimizer steps in all
+    seconds: float = 0.0  # training time in all, resumed runs included
 
 
 class Trainer:
-    def __init__(self, head: nn.Module, config: TrainConfig, data: Path, out: Path,
-                 embed: nn.Module | None = None) -> None:
+    def __init__(
+        self, head: nn.Module, config: TrainConfig, data: Path, out: Path, embed: nn.Module | None = None
+    ) -> None:
         """`embed`: the target's token embedding (EAGLE reads it, never trains it)."""
         self.head, self.config, self.data, self.out, self.embed = head, config, data, out, embed
         self.device = next(head.parameters()).device
-        self.vocab = head.vocab                                   # [N] token ids
+        self.vocab = head.vocab  # [N] token ids
         # token id -> column of the draft vocabulary, -100 (skipped) outside it
         self.column = torch.full((int(self.vocab.max()) + 1,), -100, dtype=torch.long, device=self.vocab.device)
         self.column[self.vocab] = torch.arange(len(self.vocab), device=self.vocab.device)
@@ -80,18 +82,26 @@ class Trainer:
             self.load_checkpoint()
         last_save = time.monotonic()
         total = self.config.epochs * self.sequences
-        bar = tqdm(total=total, initial=self.progress.epoch * self.sequences + self.progress.sequence,
-                   desc=f"training {self.config.method}", unit="seq", file=sys.stderr, disable=not progress)
+        bar = tqdm(
+            total=total,
+            initial=self.progress.epoch * self.sequences + self.progress.sequence,
+            desc=f"training {self.config.method}",
+            unit="seq",
+            file=sys.stderr,
+            disable=not progress,
+        )
         try:
             while self.progress.epoch < self.config.epochs:
                 order = self._order(self.progress.epoch)
                 pending: list[Example] = []
                 for index, example in enumerate(read_examples(self.data, order)):
                     if index < self.progress.sequence:
-                        continue                               # trained before the interruption
+                        continue  # trained before the interruption
                     pending.append(example)
-                    if self.config.method == "eagle" or sum(len(e.tokens) - e.answer for e in pending) >= \
-                            self.config.batch_rows:
+                    if (
+                        self.config.method == "eagle"
+                        or sum(len(e.tokens) - e.answer for e in pending) >= self.config.batch_rows
+                    ):
                         started = time.perf_counter()
                         loss, accuracy = self._step(pending)
                         self.progress.seconds += time.perf_counter() - started
@@ -160,8 +170,8 @@ class Trainer:
             labels.append(self._labels(targets).masked_fill(beyond, -100))
         if not features:
             return torch.zeros((), requires_grad=True, device=self.device), [0.0] * heads
-        logits = self.head(torch.cat(features))                                   # [H, R, N]
-        target = torch.cat(labels, dim=1)                                         # [H, R]
+        logits = self.head(torch.cat(features))  # [H, R, N]
+        target = torch.cat(labels, dim=1)  # [H, R]
         loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
         return loss, _accuracy(logits, target)
 
@@ -176,13 +186,13 @@ class Trainer:
             if t < 3:
                 continue
             with torch.no_grad():
-                embeds = self.embed(tokens[1:]).float()                           # row j: embed(x_{j+1})
+                embeds = self.embed(tokens[1:]).float()  # row j: embed(x_{j+1})
             noisy = hidden[:-1] + (torch.rand_like(hidden[:-1]) * 2 - 1) * NOISE  # row j: f_j
-            predicted = self.head.forward_train(embeds[None], noisy[None])[0]     # [T-1, h]: f̂_{j+1}
+            predicted = self.head.forward_train(embeds[None], noisy[None])[0]  # [T-1, h]: f̂_{j+1}
             # Rows whose prediction falls in the answer: f̂_{j+1} with j+1 >= answer - 1.
             rows = torch.arange(max(answer - 2, 0), t - 1, device=self.device)
             feature_loss = F.smooth_l1_loss(predicted[rows], hidden[rows + 1])
-            logits = self.head.logits(predicted[rows[:-1]])                       # scores x_{j+2}
+            logits = self.head.logits(predicted[rows[:-1]])  # scores x_{j+2}
             target = self._labels(tokens[rows[:-1] + 2])
             token_loss = F.cross_entropy(logits, target, ignore_index=-100) if (target >= 0).any() else 0.0
             total = total + feature_loss + TOKEN_WEIGHT * token_loss
@@ -197,8 +207,6 @@ class Trainer:
         return self.out / CHECKPOINT
 
     def save_checkpoint(self) -> None:
-        from safetensors.torch import save_file
-
         folder = self.checkpoint_dir()
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {f"head.{k}": v.detach().contiguous() for k, v in self.head.state_dict().items()}
@@ -211,14 +219,14 @@ class Trainer:
                     tensors[f"optim.{index}.{name}"] = value.contiguous()
                 else:
                     scalars["state"][str(index)][name] = float(value)
-        meta = {"optimizer": scalars, "progress": self.progress.__dict__, "history": self.history.__dict__,
-                "torch_rng": torch.get_rng_state().tolist()}
-        tmp = folder / f".weights.{os.getpid()}.tmp"
-        save_file(tensors, str(tmp))
-        os.replace(tmp, folder / "weights.safetensors")
-        tmp = folder / f".state.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, folder / "state.json")
+        meta = {
+            "optimizer": scalars,
+            "progress": self.progress.__dict__,
+            "history": self.history.__dict__,
+            "torch_rng": torch.get_rng_state().tolist(),
+        }
+        files.save_tensors(folder / "weights.safetensors", tensors)
+        files.write_json(folder / "state.json", meta)
 
     def load_checkpoint(self) -> bool:
         """Continue from the checkpoint in `out`, if there is one; True when one was loaded."""
@@ -270,8 +278,12 @@ def plot_history(history: History, path: Path, title: str) -> None:
     left.set_title("training loss")
     heads = len(history.accuracy[0]) if history.accuracy else 0
     for i in range(heads):
-        right.plot(history.steps, [a[i] for a in history.accuracy], linewidth=0.8,
-                   label=f"head {i + 1}" if heads > 1 else "next token")
+        right.plot(
+            history.steps,
+            [a[i] for a in history.accuracy],
+            linewidth=0.8,
+            label=f"head {i + 1}" if heads > 1 else "next token",
+        )
     right.set_xlabel("optimizer step")
     right.set_ylabel("top-1 accuracy (training batch)")
     right.set_ylim(0, 1)

@@ -9,6 +9,7 @@ choice can carry its speculation figures in vLLM's per-request shape. Anything w
 engine failures. With an API key every route but /health, /openapi.json and /docs wants
 `Authorization: Bearer <key>` (unknown routes too, so they reveal nothing without it).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,40 +17,58 @@ import hmac
 import json
 import logging
 import time
-import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from forerun.config import SamplingParams
-from forerun.errors import ForerunError
-from forerun.scheduler import (Delta, Done, EngineStopped, Event, Failed, QueueFull, Request, Scheduler,
-                               ShuttingDown)
-from forerun.server_metrics import ServerMetrics
-from forerun.server_requests import (BadRequest, ChatCompletionRequest, Checked, ClientGone, CompletionRequest,
-                                     Limits, check, read_json, sampling, scores_prompt_only)
-from forerun.server_shapes import Choice, Reply, spec_stats
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.serve.metrics import ServerMetrics
+from forerun.serve.requests import (
+    BadRequest,
+    ChatCompletionRequest,
+    Checked,
+    ClientGone,
+    CompletionRequest,
+    Limits,
+    check,
+    read_json,
+    sampling,
+    scores_prompt_only,
+)
+from forerun.serve.responses import Choice, Reply, spec_stats
+from forerun.serve.scheduler import (
+    Delta,
+    EngineStopped,
+    Event,
+    Failed,
+    QueueFull,
+    Request,
+    Scheduler,
+    ShuttingDown,
+)
 
-MAX_BODY_BYTES = 4 << 20          # a request body larger than this is refused (413)
-BODY_TIMEOUT = 30.0               # seconds a request's body may take to arrive (408)
-POLL_SECONDS = 0.5                # how often a waiting non-streamed request checks its client is there
+MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413)
+BODY_TIMEOUT = 30.0  # seconds a request's body may take to arrive (408)
+POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks its client is there
 SPEC_STATS = ("none", "summary", "detailed")
 
-log = logging.getLogger("forerun.server")
+log = logging.getLogger("forerun.serve.app")
 
 
 @dataclass
 class ServerConfig:
     served_model_name: str
-    max_model_len: int               # prompt plus max_tokens may not exceed it
+    max_model_len: int  # prompt plus max_tokens may not exceed it
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout: float = BODY_TIMEOUT
-    speculative_model: str | None = None   # /v1/models lists it as the served model's speculator
-    spec_stats: str = "none"         # per-request speculation figures: none, summary or detailed
+    speculative_model: str | None = None  # /v1/models lists it as the served model's speculator
+    spec_stats: str = "none"  # per-request speculation figures: none, summary or detailed
 
 
 def _error_body(exc: BadRequest) -> dict:
@@ -62,17 +81,28 @@ def _refused(exc: BadRequest) -> JSONResponse:
 
 
 def _schema(model) -> dict:
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
-        "$ref": f"#/components/schemas/{model.__name__}"}}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+    }
 
 
 def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
     """The app over a started `scheduler` running `llm`'s engine (llm gives the tokenizer)."""
     if config.spec_stats not in SPEC_STATS:
-        raise ForerunError(f"per-request speculation figures must be one of {', '.join(SPEC_STATS)}, "
-                           f"got {config.spec_stats!r}")
-    app = FastAPI(title="forerun", version="1", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
-                  description="OpenAI-compatible completions and chat over forerun's speculative engine.")
+        raise ForerunError(
+            f"per-request speculation figures must be one of {', '.join(SPEC_STATS)}, got {config.spec_stats!r}"
+        )
+    app = FastAPI(
+        title="forerun",
+        version="1",
+        docs_url="/docs",
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        description="OpenAI-compatible completions and chat over forerun's speculative engine.",
+    )
     tokenizer = llm.tokenizer
     limits = Limits(config.max_model_len, llm.target.decoder.cfg.vocab_size, config.max_body_bytes)
     created = int(time.time())
@@ -83,12 +113,18 @@ def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerM
         if config.api_key:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                raise BadRequest("missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                 None, 401, "authentication_error", "invalid_api_key")
+                raise BadRequest(
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    None,
+                    401,
+                    "authentication_error",
+                    "invalid_api_key",
+                )
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-            raise BadRequest(f"request body of {length} bytes is over the limit of "
-                             f"{config.max_body_bytes} bytes", None, 413)
+            raise BadRequest(
+                f"request body of {length} bytes is over the limit of {config.max_body_bytes} bytes", None, 413
+            )
 
     def refusal(request: HTTPRequest) -> Response | None:
         """guard()'s error response, or None when the request may go on."""
@@ -104,15 +140,18 @@ def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerM
         if (denied := refusal(request)) is not None:
             return denied
         metrics.rejected(exc.status_code)
-        what = {404: f"no route {request.url.path}: see /docs", 405: f"{request.method} is not allowed on "
-                f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+        what = {
+            404: f"no route {request.url.path}: see /docs",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }.get(exc.status_code, str(exc.detail))
         return _refused(BadRequest(what, None, exc.status_code))
 
     @app.exception_handler(Exception)
     async def server_error(request: HTTPRequest, exc: Exception) -> Response:
         log.error("forerun: %s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
-        return _refused(BadRequest(f"the server failed on this request: {type(exc).__name__}", None, 500,
-                                   "server_error"))
+        return _refused(
+            BadRequest(f"the server failed on this request: {type(exc).__name__}", None, 500, "server_error")
+        )
 
     @app.get("/health", summary="200 while the engine runs; 503 once it stopped or is shutting down")
     async def health() -> Response:
@@ -126,9 +165,21 @@ def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerM
     async def models(request: HTTPRequest) -> Response:
         if (denied := refusal(request)) is not None:
             return denied
-        return JSONResponse({"object": "list", "data": [
-            {"id": config.served_model_name, "object": "model", "created": created, "owned_by": "forerun",
-             "max_model_len": config.max_model_len, "speculative_model": config.speculative_model}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": config.served_model_name,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "forerun",
+                        "max_model_len": config.max_model_len,
+                        "speculative_model": config.speculative_model,
+                    }
+                ],
+            }
+        )
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def prometheus(request: HTTPRequest) -> Response:
@@ -142,8 +193,7 @@ def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerM
     async def completions(request: HTTPRequest) -> Response:
         return await _generation(request, chat=False)
 
-    @app.post("/v1/chat/completions", summary="OpenAI's chat completions",
-              openapi_extra=_schema(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", summary="OpenAI's chat completions", openapi_extra=_schema(ChatCompletionRequest))
     async def chat(request: HTTPRequest) -> Response:
         return await _generation(request, chat=True)
 
@@ -151,8 +201,7 @@ def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerM
         if app.openapi_schema is None:
             from fastapi.openapi.utils import get_openapi
 
-            schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                                 routes=app.routes)
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for model in (CompletionRequest, ChatCompletionRequest):
                 spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -178,14 +227,16 @@ def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerM
         except ClientGone:
             return Response(status_code=499)
 
-    async def _serve(http: HTTPRequest, checked: Checked, prompt_ids: list[int],
-                     params: list[SamplingParams]) -> Response:
+    async def _serve(
+        http: HTTPRequest, checked: Checked, prompt_ids: list[int], params: list[SamplingParams]
+    ) -> Response:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
         def receiver(index: int):
             def on_event(request: Request, event: Event) -> None:
                 loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
             return on_event
 
         first = Request(prompt_ids, params[0], receiver(0))
@@ -200,20 +251,25 @@ def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerM
             raise BadRequest(str(exc), None, 503, "server_error", "engine_stopped") from None
         except ForerunError as exc:
             raise BadRequest(str(exc), "max_tokens") from None
-        reply = Reply(checked, config.served_model_name, prompt_ids, tokenizer,
-                      prompt_text=_prompt_text(checked, prompt_ids, tokenizer))
+        reply = Reply(
+            checked,
+            config.served_model_name,
+            prompt_ids,
+            tokenizer,
+            prompt_text=_prompt_text(checked, prompt_ids, tokenizer),
+        )
         run = _Run(group, events, reply, config.spec_stats, scores_prompt_only(checked))
         if checked.stream:
             return StreamingResponse(_stream(run), media_type="text/event-stream")
         return await _whole(http, run)
 
-    async def _whole(http: HTTPRequest, run: "_Run") -> Response:
+    async def _whole(http: HTTPRequest, run: _Run) -> Response:
         checked = time.monotonic()
         try:
             while not run.done:
                 try:
                     index, event = await asyncio.wait_for(run.events.get(), POLL_SECONDS)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     index, event = -1, None
                 # Every POLL_SECONDS, tokens flowing or not: is the client still there?
                 if event is None or time.monotonic() - checked >= POLL_SECONDS:
@@ -227,7 +283,7 @@ def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerM
                 run.take(index, event, metrics)
             return JSONResponse(run.reply.whole(run.choices, run.stats()))
         finally:
-            run.cancel()            # a no-op once finished; frees the sequences if we left early
+            run.cancel()  # a no-op once finished; frees the sequences if we left early
 
     def _failure(event: Failed) -> BadRequest:
         """The error a failed generation ends with (counted): an engine failure, or a shutdown's cut."""
@@ -237,7 +293,7 @@ def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerM
         metrics.failed()
         return BadRequest(f"generation failed: {event.message}", None, 500, "server_error")
 
-    async def _stream(run: "_Run") -> AsyncIterator[str]:
+    async def _stream(run: _Run) -> AsyncIterator[str]:
         reply = run.reply
         try:
             for chunk in reply.opening():
@@ -256,7 +312,7 @@ def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerM
                     yield _sse(reply.usage_chunk(run.choices, run.stats()))
             yield "data: [DONE]\n\n"
         finally:
-            run.cancel()            # the client went away mid-stream: free the sequences
+            run.cancel()  # the client went away mid-stream: free the sequences
 
     return app
 
@@ -267,8 +323,10 @@ def _tokenize(checked: Checked, tokenizer) -> list[int]:
     if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
         return list(prompt)
     if tokenizer is None:
-        raise BadRequest("this model has no tokenizer: send prompt as a list of token ids to /v1/completions",
-                         "messages" if checked.chat else "prompt")
+        raise BadRequest(
+            "this model has no tokenizer: send prompt as a list of token ids to /v1/completions",
+            "messages" if checked.chat else "prompt",
+        )
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
     else:
@@ -276,7 +334,7 @@ def _tokenize(checked: Checked, tokenizer) -> list[int]:
             ids = tokenizer.apply_chat(prompt)
         except ForerunError as exc:
             raise BadRequest(str(exc), "messages") from None
-        except Exception as exc:              # noqa: BLE001 - a template that rejects these turns
+        except Exception as exc:  # noqa: BLE001 - a template that rejects these turns
             raise BadRequest(f"the chat template rejected these messages: {exc}", "messages") from None
     if not ids:
         raise BadRequest("the prompt encodes to no tokens", "prompt")
@@ -299,11 +357,12 @@ def _sse(obj: dict) -> str:
 @dataclass
 class _Run:
     """One HTTP request's samples in flight: their events and what each choice has so far."""
+
     requests: list[Request]
     events: asyncio.Queue
     reply: Reply
     spec_stats: str
-    prompt_only: bool                 # echo with max_tokens 0: the generated token is dropped
+    prompt_only: bool  # echo with max_tokens 0: the generated token is dropped
     choices: list[Choice] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -13,6 +13,7 @@ Rows are [root, a, b, c, z] at positions [s, s+1, s+2, s+1, s+offset(z)]; b sees
 root, c; z sees root, z. After acceptance the caller keeps the slots of the accepted path only, so
 aux rows are dropped like rejected nodes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,10 +23,10 @@ import torch
 
 @dataclass
 class DraftTree:
-    tokens: list[int]                  # [N] draft token of each node
-    parents: list[int]                 # [N] parent node index, -1 for children of the root
+    tokens: list[int]  # [N] draft token of each node
+    parents: list[int]  # [N] parent node index, -1 for children of the root
     probs: torch.Tensor | None = None  # [N, vocab] draft distribution each token was drawn from; None: one-hot
-    aux_tokens: list[int] = field(default_factory=list)   # [A] extra rows fed after the nodes
+    aux_tokens: list[int] = field(default_factory=list)  # [A] extra rows fed after the nodes
     aux_offsets: list[int] = field(default_factory=list)  # [A] rope position of each aux row minus the root's
     aux_mask: torch.Tensor | None = None  # bool [A, 1+A]: which of (root, aux rows) each aux row sees
     depths: list[int] = field(init=False)  # [N] 1 for children of the root
@@ -44,16 +45,16 @@ class DraftTree:
             raise ValueError(f"aux_mask must be bool [{a}, {a + 1}] over (root, aux rows)")
 
     @classmethod
-    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None) -> "DraftTree":
+    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None) -> DraftTree:
         return cls(list(tokens), list(range(-1, len(tokens) - 1)), probs)
 
     @classmethod
-    def trie(cls, sequences: list[list[int]]) -> "DraftTree":
+    def trie(cls, sequences: list[list[int]]) -> DraftTree:
         """One-hot drafts that share prefixes, merged: siblings carry distinct tokens, and the first
         sequence's branch comes first (the acceptance rule tries siblings in order)."""
         tokens: list[int] = []
         parents: list[int] = []
-        child: dict[tuple[int, int], int] = {}   # (parent node, token) -> node
+        child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
         for seq in sequences:
             node = -1
             for token in seq:
@@ -88,21 +89,22 @@ class DraftTree:
     def positions(self, start: int) -> torch.Tensor:
         """Rope positions of the verifier rows [num_rows]: the root sits at `start`, a node at
         start + depth, an aux row at start + its offset."""
-        return torch.tensor([start] + [start + d for d in self.depths] + [start + o for o in self.aux_offsets],
-                            dtype=torch.long)
+        return torch.tensor(
+            [start] + [start + d for d in self.depths] + [start + o for o in self.aux_offsets], dtype=torch.long
+        )
 
     def attention_mask(self, past: int) -> torch.Tensor:
         """bool [R, past+R] with R = num_rows: every row sees the cache; a node sees its ancestors
         (root included) and itself; an aux row sees what aux_mask allows and no node."""
         n = len(self.tokens) + 1
-        own = torch.eye(n, dtype=torch.bool)                                 # [N+1, N+1]
+        own = torch.eye(n, dtype=torch.bool)  # [N+1, N+1]
         own[:, 0] = True
         for i, p in enumerate(self.parents):
             if p >= 0:
                 own[i + 1] |= own[p + 1]
         a = len(self.aux_tokens)
         if a:
-            rows = torch.zeros(n + a, n + a, dtype=torch.bool)               # [R, R]
+            rows = torch.zeros(n + a, n + a, dtype=torch.bool)  # [R, R]
             rows[:n, :n] = own
             rows[n:, 0] = self.aux_mask[:, 0]
             rows[n:, n:] = self.aux_mask[:, 1:]

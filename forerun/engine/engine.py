@@ -1,28 +1,28 @@
 """The step loop: draft, verify in one target pass, accept, roll caches back, emit, tell the drafter."""
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Iterator
 
 import torch
 
-from forerun.accept import accept
-from forerun.config import SamplingParams
-from forerun.cost_model import DraftLengthPolicy
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
 from forerun.drafters import Drafter, rows_per_step
 from forerun.drafters.passes import DraftPass, DraftSteps, run_alone
-from forerun.errors import ForerunError
-from forerun.kv_cache import KVCache
-from forerun.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
-from forerun.metrics import SpecMetrics
+from forerun.engine.metrics import SpecMetrics
+from forerun.engine.sequence import Sequence
 from forerun.models import linear
+from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
-from forerun.sampling import make_generator, probabilities, sample
-from forerun.sequence import Sequence
-from forerun.tree import DraftTree
-from forerun.verify import Verification, verify
-
+from forerun.policy.cost_model import DraftLengthPolicy
+from forerun.verification.accept import accept
+from forerun.verification.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
+from forerun.verification.sampling import make_generator, probabilities, sample
+from forerun.verification.tree import DraftTree
+from forerun.verification.verify import Verification, verify
 
 # Prompt tokens per prefill forward. A batch steps its running requests between a long prompt's
 # chunks (chunked prefill), and the bounds are fixed by the prompt alone, so the prefill is the same
@@ -32,11 +32,11 @@ PREFILL_CHUNK = 64
 
 @dataclass
 class StepOutput:
-    token_ids: list[int]         # tokens emitted by this step
-    text: str                    # text that became final with them
+    token_ids: list[int]  # tokens emitted by this step
+    text: str  # text that became final with them
     finished: bool
-    logprobs: list[TokenLogprob] | None = None   # each token's, aligned with token_ids (params.logprobs)
-    prompt_logprobs: list[TokenLogprob | None] | None = None   # the first step's only (params.prompt_logprobs)
+    logprobs: list[TokenLogprob] | None = None  # each token's, aligned with token_ids (params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the first step's only (params.prompt_logprobs)
 
 
 @dataclass
@@ -45,11 +45,11 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
-    elapsed_s: float             # generation only, from prefill to the last token
-    first_token_s: float         # time to the first token
+    elapsed_s: float  # generation only, from prefill to the last token
+    first_token_s: float  # time to the first token
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
-    logprobs: list[TokenLogprob] | None = None                 # each of token_ids' (params.logprobs)
-    prompt_logprobs: list[TokenLogprob | None] | None = None   # each prompt token's, entry 0 None
+    logprobs: list[TokenLogprob] | None = None  # each of token_ids' (params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # each prompt token's, entry 0 None
 
     @property
     def tokens_per_s(self) -> float:
@@ -59,41 +59,48 @@ class RequestOutput:
 @dataclass
 class Running:
     """A request between its steps."""
+
     seq: Sequence
     cache: KVCache
     gen: torch.Generator
     metrics: SpecMetrics
-    start: float                 # perf_counter at its prefill
+    start: float  # perf_counter at its prefill
     first_token_s: float = 0.0
     # The prefill's raw logits at the prompt's last position [1, vocab], kept until the first step:
     # another request of the same prompt may start from them and a copy of the cache (`begin(like=)`).
     prefill_logits: torch.Tensor | None = None
-    logprobs: list[TokenLogprob] | None = None                 # every emitted token's, when asked
+    logprobs: list[TokenLogprob] | None = None  # every emitted token's, when asked
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def step_output(self, emitted: list[int]) -> StepOutput:
         """What a step that appended `emitted` hands out: the tokens, their text and log probabilities."""
-        logprobs = self.logprobs[len(self.logprobs) - len(emitted):] if self.logprobs is not None else None
+        logprobs = self.logprobs[len(self.logprobs) - len(emitted) :] if self.logprobs is not None else None
         return StepOutput(emitted, self.seq.take_text(), self.seq.finished, logprobs)
 
 
 @dataclass
 class Plan:
     """What one step will verify: the root and the draft."""
-    root: int                    # the token emitted last, fed first
-    tree: DraftTree | None       # the draft (None: a plain step)
-    shadow: DraftTree | None     # a free proposal made beside a plain step, not verified
-    probe: bool                  # the draft is the policy's probe
-    base: int                    # cache slots before the root
-    started: float               # perf_counter when the verification began
+
+    root: int  # the token emitted last, fed first
+    tree: DraftTree | None  # the draft (None: a plain step)
+    shadow: DraftTree | None  # a free proposal made beside a plain step, not verified
+    probe: bool  # the draft is the policy's probe
+    base: int  # cache slots before the root
+    started: float  # perf_counter when the verification began
 
 
 class Engine:
     """Runs requests one at a time. With a drafter, each step drafts `num_speculative_tokens`, or,
     given a `policy` (forerun/cost_model.py), the length that policy chooses up to it (0: a plain step)."""
 
-    def __init__(self, target: LoadedModel, drafter: Drafter | None = None, num_speculative_tokens: int = 0,
-                 policy: DraftLengthPolicy | None = None) -> None:
+    def __init__(
+        self,
+        target: LoadedModel,
+        drafter: Drafter | None = None,
+        num_speculative_tokens: int = 0,
+        policy: DraftLengthPolicy | None = None,
+    ) -> None:
         self.target = target
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
@@ -102,17 +109,17 @@ class Engine:
         self.can_shadow = bool(getattr(drafter, "stateless", False))
         # A drafter with several sources says which it will use and which it used (`auto`).
         self.next_source = getattr(drafter, "next_source", None)
-        self.free_source = getattr(drafter, "free_source", None)   # only a free one (`choose_free`)
+        self.free_source = getattr(drafter, "free_source", None)  # only a free one (`choose_free`)
         set_gate = getattr(drafter, "set_gate", None)
         if self.policy is not None and set_gate is not None:
-            set_gate(self.policy.pays_setup)     # the policy decides when a catch-up pays
+            set_gate(self.policy.pays_setup)  # the policy decides when a catch-up pays
         set_pass_cost = getattr(drafter, "set_pass_cost", None)
         if self.policy is not None and set_pass_cost is not None:
             set_pass_cost(self.policy.pass_cost)  # a tree sized from what rows cost here
         # A drafter that reads the target's hidden states (draft heads) gets those of every kept row.
         self.feed_features = getattr(drafter, "features", None) if getattr(drafter, "reads_features", False) else None
-        self.rows = rows_per_step(drafter, self.k)   # most cache slots a step uses after the root
-        self.last_k = self.k if drafter is not None else None   # the draft length the last step chose
+        self.rows = rows_per_step(drafter, self.k)  # most cache slots a step uses after the root
+        self.last_k = self.k if drafter is not None else None  # the draft length the last step chose
         tok = target.tokenizer
         self.stop_ids = tok.stop_ids if tok is not None else frozenset()
 
@@ -123,13 +130,16 @@ class Engine:
         limit = self.target.decoder.cfg.max_position
         need = len(prompt_ids) + params.max_tokens
         if need > limit:
-            raise ForerunError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                               f"is {need} tokens, beyond the model's context of {limit}; "
-                               "shorten the prompt or lower max_tokens")
+            raise ForerunError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"is {need} tokens, beyond the model's context of {limit}; "
+                "shorten the prompt or lower max_tokens"
+            )
         return need + self.rows + 1
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams,
-               result: list[RequestOutput] | None = None) -> Iterator[StepOutput]:
+    def stream(
+        self, prompt_ids: list[int], params: SamplingParams, result: list[RequestOutput] | None = None
+    ) -> Iterator[StepOutput]:
         """Steps of one request, the first after the prefill; appends the finished RequestOutput
         to `result` when one is given."""
         run, first = self.begin(prompt_ids, params)
@@ -140,8 +150,9 @@ class Engine:
         if result is not None:
             result.append(out)
 
-    def begin(self, prompt_ids: list[int], params: SamplingParams,
-              like: Running | None = None) -> tuple[Running, StepOutput]:
+    def begin(
+        self, prompt_ids: list[int], params: SamplingParams, like: Running | None = None
+    ) -> tuple[Running, StepOutput]:
         """Prefill a request and sample its first token. `like`: a running request of the same
         prompt that has not stepped yet (n completions of one prompt; usually another engine's, as
         a drafter follows one request at a time); this one then copies its cache and samples from
@@ -153,8 +164,9 @@ class Engine:
             except StopIteration as stop:
                 return stop.value
 
-    def begin_steps(self, prompt_ids: list[int], params: SamplingParams,
-                    like: Running | None = None) -> Generator[None, None, tuple[Running, StepOutput]]:
+    def begin_steps(
+        self, prompt_ids: list[int], params: SamplingParams, like: Running | None = None
+    ) -> Generator[None, None, tuple[Running, StepOutput]]:
         """`begin` one prefill forward at a time: yields between the prompt's chunks (a batch steps
         its running requests there, chunked prefill); returns what `begin` does."""
         max_len = self.check_fits(prompt_ids, params)
@@ -162,9 +174,14 @@ class Engine:
             _check_shareable(like, prompt_ids)
         decoder = self.target.decoder
         seq = Sequence(prompt_ids, params, self.target.tokenizer, self.stop_ids)
-        run = Running(seq, decoder.new_cache(max_len), make_generator(params.seed, decoder.device),
-                      SpecMetrics(num_speculative_tokens=self.k), time.perf_counter(),
-                      logprobs=[] if params.logprobs is not None else None)
+        run = Running(
+            seq,
+            decoder.new_cache(max_len),
+            make_generator(params.seed, decoder.device),
+            SpecMetrics(num_speculative_tokens=self.k),
+            time.perf_counter(),
+            logprobs=[] if params.logprobs is not None else None,
+        )
         if self.policy is not None:
             self.policy.start()
         if self.drafter is not None:
@@ -176,8 +193,8 @@ class Engine:
         else:
             logits, hidden = yield from self._prefill(run)
         if self.feed_features is not None:
-            self.feed_features(hidden)                                      # [T, hidden]
-        run.prefill_logits = logits                                         # [1, vocab]
+            self.feed_features(hidden)  # [T, hidden]
+        run.prefill_logits = logits  # [1, vocab]
         first = int(sample(probabilities(logits, params), run.gen)[0])
         if run.logprobs is not None:
             run.logprobs += token_logprobs(logits, [first], params.logprobs)
@@ -205,17 +222,23 @@ class Engine:
             if start:
                 yield
             stop = min(start + PREFILL_CHUNK, len(prompt))
-            with linear.prefill():        # entered per chunk: a step between chunks is no prefill
-                out = decoder(ids[start:stop], torch.arange(start, stop, device=decoder.device), run.cache,
-                              last_only=True, output_hidden=keep, all_hidden=True)
+            with linear.prefill():  # entered per chunk: a step between chunks is no prefill
+                out = decoder(
+                    ids[start:stop],
+                    torch.arange(start, stop, device=decoder.device),
+                    run.cache,
+                    last_only=True,
+                    output_hidden=keep,
+                    all_hidden=True,
+                )
             if keep:
-                hiddens.append(out.hidden[0])                               # [chunk, hidden]
-        hidden = torch.cat(hiddens) if keep else None                       # [T, hidden]
+                hiddens.append(out.hidden[0])  # [chunk, hidden]
+        hidden = torch.cat(hiddens) if keep else None  # [T, hidden]
         if scored:
 
             def score(a: int, b: int) -> torch.Tensor:
                 with torch.inference_mode():
-                    return decoder.lm_head(hidden[None, a:b])[0].float()    # [b - a, vocab]
+                    return decoder.lm_head(hidden[None, a:b])[0].float()  # [b - a, vocab]
 
             run.prompt_logprobs = prompt_logprobs(score, prompt, params.prompt_logprobs)
         return out.logits[0], hidden if self.feed_features is not None else None
@@ -238,9 +261,17 @@ class Engine:
 
     def output(self, run: Running) -> RequestOutput:
         seq = run.seq
-        return RequestOutput(seq.prompt_ids, seq.output_ids, seq.text, seq.finish_reason,
-                             time.perf_counter() - run.start, run.first_token_s, run.metrics,
-                             run.logprobs, run.prompt_logprobs)
+        return RequestOutput(
+            seq.prompt_ids,
+            seq.output_ids,
+            seq.text,
+            seq.finish_reason,
+            time.perf_counter() - run.start,
+            run.first_token_s,
+            run.metrics,
+            run.logprobs,
+            run.prompt_logprobs,
+        )
 
     def step(self, run: Running) -> list[int]:
         """One step of a running request: draft, verify, accept. Returns the tokens it emitted."""
@@ -268,7 +299,7 @@ class Engine:
         """The policy's choice with the figures of the source `source_of(context)` names (None: the
         drafter has one source); (0, False) when it names none."""
         seq = run.seq
-        self.policy.remaining = seq.params.max_tokens - len(seq.output_ids)   # before the source is asked
+        self.policy.remaining = seq.params.max_tokens - len(seq.output_ids)  # before the source is asked
         if source_of is not None:
             source = source_of(seq.context)
             if source is None:
@@ -281,8 +312,9 @@ class Engine:
         `chosen` is what `choose` said, when the caller asked it already."""
         return run_alone(self.plan_steps(run, k_cap, chosen))
 
-    def plan_steps(self, run: Running, k_cap: int | None = None,
-                   chosen: tuple[int, bool] | None = None) -> Generator[DraftPass, torch.Tensor, Plan]:
+    def plan_steps(
+        self, run: Running, k_cap: int | None = None, chosen: tuple[int, bool] | None = None
+    ) -> Generator[DraftPass, torch.Tensor, Plan]:
         """`plan` with the drafter's model forwards yielded, for a batch to share them (passes.py)."""
         seq = run.seq
         context = seq.context
@@ -319,8 +351,8 @@ class Engine:
             tokens, path = acc.tokens, acc.path
         if self.policy is not None:
             self._tell_policy(tree, plan.shadow, path, plan.probe, ver.probs[0])
-        base = plan.base                         # slots before the root
-        if path == list(range(len(path))):     # a chain prefix: rollback is a length change (aux rows go too)
+        base = plan.base  # slots before the root
+        if path == list(range(len(path))):  # a chain prefix: rollback is a length change (aux rows go too)
             cache.truncate(base + 1 + len(path))
         else:
             cache.keep(list(range(base + 1)) + [base + 1 + node for node in path])
@@ -329,7 +361,7 @@ class Engine:
         if self.drafter is not None and tree is not None:
             self.drafter.observe(len(path), ver.aux_logits)
         if self.feed_features is not None:
-            self.feed_features(ver.hidden[[0] + [1 + node for node in path]])    # the root and the kept path
+            self.feed_features(ver.hidden[[0] + [1 + node for node in path]])  # the root and the kept path
         emitted = []
         for token in tokens:
             emitted.append(token)
@@ -337,9 +369,9 @@ class Engine:
                 break
         if run.logprobs is not None:
             # Each token from the row that predicted it: the root's (row 0), then each kept node's.
-            rows = [0] + [1 + node for node in path[:len(emitted) - 1]]
+            rows = [0] + [1 + node for node in path[: len(emitted) - 1]]
             run.logprobs += token_logprobs(ver.logits[rows], emitted, seq.params.logprobs)
-        run.prefill_logits = None              # stepped: its prefill can no longer be shared
+        run.prefill_logits = None  # stepped: its prefill can no longer be shared
         run.metrics.record_step(len(tree) if tree else 0, len(path), len(emitted))
         return emitted
 
@@ -356,7 +388,7 @@ class Engine:
         run.metrics.draft_seconds += seconds
         if self.policy is not None and self.next_source is not None:
             self.policy.select(self.drafter.source)
-        if self.policy is not None and tree is not None:     # None: nothing drafted, nothing to time
+        if self.policy is not None and tree is not None:  # None: nothing drafted, nothing to time
             # A drafter that knows its own token cost says it (a draft model's catch-up on skipped
             # tokens is no cost of drafting one more); otherwise the call's time counts.
             own = getattr(self.drafter, "cost_per_token", None)
@@ -391,24 +423,29 @@ class Engine:
 def _check_shareable(like: Running, prompt_ids: list[int]) -> None:
     """A clear error when `like`'s prefill cannot serve a request of `prompt_ids`."""
     if like.seq.prompt_ids != list(prompt_ids):
-        raise ForerunError("a prefill can be shared only by requests of the same prompt, and this "
-                           "prompt differs from the one of the request named to share it")
+        raise ForerunError(
+            "a prefill can be shared only by requests of the same prompt, and this "
+            "prompt differs from the one of the request named to share it"
+        )
     if like.prefill_logits is None or like.cache.length != len(prompt_ids):
-        raise ForerunError("the request named to share its prefill has already stepped (its cache holds "
-                           "more than the prompt): start every request of one prompt before the next step")
+        raise ForerunError(
+            "the request named to share its prefill has already stepped (its cache holds "
+            "more than the prompt): start every request of one prompt before the next step"
+        )
 
 
 def _share_prefill(run: Running, like: Running) -> torch.Tensor:
     """Copy `like`'s prompt slots into `run`'s cache (both empty past the prompt: `like` has not
     stepped); its prompt log probabilities too, cut to `run`'s count. Returns the last logits."""
     n = like.cache.length
-    run.cache.k[:, :, :, :n] = like.cache.k[:, :, :, :n]             # [layers, B, kv_heads, n, head_dim]
+    run.cache.k[:, :, :, :n] = like.cache.k[:, :, :, :n]  # [layers, B, kv_heads, n, head_dim]
     run.cache.v[:, :, :, :n] = like.cache.v[:, :, :, :n]
     run.cache.advance(n)
     top = run.seq.params.prompt_logprobs
     if top is not None:
-        run.prompt_logprobs = [None] + [TokenLogprob(t.token_id, t.logprob, t.top[:top])
-                                        for t in like.prompt_logprobs[1:]]
+        run.prompt_logprobs = [None] + [
+            TokenLogprob(t.token_id, t.logprob, t.top[:top]) for t in like.prompt_logprobs[1:]
+        ]
     return like.prefill_logits
 
 

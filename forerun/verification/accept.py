@@ -18,24 +18,30 @@ normalize(max(0, p_2 - q_2)); c is never looked at. All kept -> emit [a, b, c, b
 A deterministic drafter (prompt lookup) gives q = one-hot(x): x is kept with probability p(x), and
 on rejection the recovered token comes from p with x removed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from forerun.sampling import sample
-from forerun.tree import DraftTree
+from forerun.verification.sampling import sample
+from forerun.verification.tree import DraftTree
 
 
 @dataclass
 class Acceptance:
-    path: list[int]    # accepted nodes of the tree, root side first
+    path: list[int]  # accepted nodes of the tree, root side first
     tokens: list[int]  # the accepted draft tokens, then the recovered or bonus token [len(path) + 1]
 
 
-def accept_chain(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                 generator: torch.Generator | None, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_chain(
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None,
+    greedy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Vectorised over a batch of chains.
 
     target_probs [B, K+1, V]; draft_tokens [B, K] (long); draft_probs [B, K, V] or None (one-hot drafts).
@@ -44,17 +50,18 @@ def accept_chain(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_p
     b, k = draft_tokens.shape
     rows = torch.arange(b, device=draft_tokens.device)
     if greedy:
-        best = target_probs.argmax(-1)                                               # [B, K+1]
-        kept = draft_tokens == best[:, :k]                                           # [B, K]
-        num = kept.long().cumprod(-1).sum(-1)                                        # [B]
+        best = target_probs.argmax(-1)  # [B, K+1]
+        kept = draft_tokens == best[:, :k]  # [B, K]
+        num = kept.long().cumprod(-1).sum(-1)  # [B]
         return num, best[rows, num]
-    p_x = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)       # [B, K]
-    q_x = (draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-           if draft_probs is not None else torch.ones_like(p_x))                     # [B, K]
+    p_x = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
+    q_x = (
+        draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1) if draft_probs is not None else torch.ones_like(p_x)
+    )  # [B, K]
     u = torch.rand(b, k, generator=generator, device=p_x.device)
-    kept = u * q_x < p_x                          # u < p/q without dividing; q_x = 0 keeps any p_x > 0
-    num = kept.long().cumprod(-1).sum(-1)                                            # [B]
-    final = target_probs[rows, num].clone()                                          # [B, V]
+    kept = u * q_x < p_x  # u < p/q without dividing; q_x = 0 keeps any p_x > 0
+    num = kept.long().cumprod(-1).sum(-1)  # [B]
+    final = target_probs[rows, num].clone()  # [B, V]
     rejected = num < k
     if rejected.any():
         r = rows[rejected]
@@ -69,8 +76,7 @@ def accept_chain(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_p
     return num, sample(final, generator)
 
 
-def accept(target_probs: torch.Tensor, tree: DraftTree, generator: torch.Generator | None,
-           greedy: bool) -> Acceptance:
+def accept(target_probs: torch.Tensor, tree: DraftTree, generator: torch.Generator | None, greedy: bool) -> Acceptance:
     """target_probs [N+1, V]: row 0 follows the root, row i+1 follows node i."""
     if tree.is_chain:
         drafts = torch.tensor(tree.tokens, dtype=torch.long, device=target_probs.device)
@@ -81,8 +87,9 @@ def accept(target_probs: torch.Tensor, tree: DraftTree, generator: torch.Generat
     return _accept_tree(target_probs, tree, generator, greedy)
 
 
-def _accept_tree(target_probs: torch.Tensor, tree: DraftTree, generator: torch.Generator | None,
-                 greedy: bool) -> Acceptance:
+def _accept_tree(
+    target_probs: torch.Tensor, tree: DraftTree, generator: torch.Generator | None, greedy: bool
+) -> Acceptance:
     """Walk from the root. Among siblings, try each child in turn with the chain rule, replacing p by
     its residual after each rejection (SpecInfer's multi-draft rule); exact for any per-child q."""
     node, path = -1, []
@@ -103,7 +110,9 @@ def _accept_tree(target_probs: torch.Tensor, tree: DraftTree, generator: torch.G
                 if float(torch.rand((), generator=generator)) * q_x < float(p[x]):
                     chosen = c
                     break
-                residual = (p - q).clamp_min(0) if q is not None else p.scatter(0, torch.tensor([x], device=p.device), 0.0)
+                residual = (
+                    (p - q).clamp_min(0) if q is not None else p.scatter(0, torch.tensor([x], device=p.device), 0.0)
+                )
                 mass = residual.sum()
                 if mass > 0:
                     p = residual / mass

@@ -3,11 +3,12 @@
 The target and every drafter go through the same `probabilities`, so the acceptance rule compares
 processed distributions and the output follows the target's processed distribution exactly.
 """
+
 from __future__ import annotations
 
 import torch
 
-from forerun.config import SamplingParams
+from forerun.base.config import SamplingParams
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -17,7 +18,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]          # [N, 1]
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [N, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
@@ -39,9 +40,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     exponential per vocabulary entry (~4 ms for 152k on two cores), this costs a cumulative sum. A
     one-hot row gives its hot index.
     """
-    cdf = probs.double().cumsum(-1)                                                  # [N, V]
+    cdf = probs.double().cumsum(-1)  # [N, V]
     u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
-    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)       # [N]
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # [N]
     # u * total < total, so a row always lands inside; the clamp guards rounding at the very top.
     return picked.clamp_(max=probs.shape[-1] - 1)
 

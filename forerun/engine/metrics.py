@@ -1,4 +1,5 @@
 """Speculation counters per request and summed over a run, with the textbook prediction beside them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,17 +7,17 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SpecMetrics:
-    num_speculative_tokens: int = 0   # K
-    num_drafts: int = 0               # steps in which a draft was proposed
-    num_draft_tokens: int = 0         # draft tokens proposed
-    num_accepted_tokens: int = 0      # draft tokens kept (and emitted)
-    num_emitted_tokens: int = 0       # every token emitted, first token and bonus/recovered included
-    num_target_forwards: int = 0      # target passes, prefill included
-    num_emitted_in_drafts: int = 0    # tokens emitted by the steps that verified a draft
+    num_speculative_tokens: int = 0  # K
+    num_drafts: int = 0  # steps in which a draft was proposed
+    num_draft_tokens: int = 0  # draft tokens proposed
+    num_accepted_tokens: int = 0  # draft tokens kept (and emitted)
+    num_emitted_tokens: int = 0  # every token emitted, first token and bonus/recovered included
+    num_target_forwards: int = 0  # target passes, prefill included
+    num_emitted_in_drafts: int = 0  # tokens emitted by the steps that verified a draft
     accepted_per_position: list[int] = field(default_factory=list)  # [K] kept counts by draft position
-    draft_seconds: float = 0.0        # wall time the drafter spent proposing (shadow proposals too)
+    draft_seconds: float = 0.0  # wall time the drafter spent proposing (shadow proposals too)
     acceptance_histogram: list[int] = field(default_factory=list)  # [j]: drafting steps that kept j tokens
-    steps: list[tuple[int, int]] = field(default_factory=list)     # (drafted, kept) of each drafting step
+    steps: list[tuple[int, int]] = field(default_factory=list)  # (drafted, kept) of each drafting step
 
     def record_step(self, drafted: int, accepted: int, emitted: int) -> None:
         """One target forward that verified `drafted` tokens, kept `accepted`, emitted `emitted`."""
@@ -37,7 +38,7 @@ class SpecMetrics:
         for i in range(min(counted, len(self.accepted_per_position))):
             self.accepted_per_position[i] += 1
 
-    def merge(self, other: "SpecMetrics") -> None:
+    def merge(self, other: SpecMetrics) -> None:
         self.num_speculative_tokens = max(self.num_speculative_tokens, other.num_speculative_tokens)
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens

@@ -1,5 +1,6 @@
 """What CPU this is: its name and feature flags, read from /proc/cpuinfo (Linux), for choosing a
 numeric path, keying measured costs and saying in reports what ran where."""
+
 from __future__ import annotations
 
 import functools

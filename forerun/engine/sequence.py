@@ -1,25 +1,29 @@
 """One request's output as it grows: stop tokens, stop strings, max_tokens, and streamable text."""
+
 from __future__ import annotations
 
-from forerun.config import SamplingParams
-from forerun.errors import ForerunError
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
 from forerun.models.tokenizer import Tokenizer
 
 
 class Sequence:
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None,
-                 stop_ids: frozenset[int]) -> None:
+    def __init__(
+        self, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None, stop_ids: frozenset[int]
+    ) -> None:
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
         self.tokenizer = tokenizer
         self.stop_ids = frozenset() if params.ignore_eos else stop_ids
         self.finish_reason: str | None = None
-        self.text = ""        # decoded output, cut before a stop string
-        self._streamed = 0    # characters of `text` already handed out
+        self.text = ""  # decoded output, cut before a stop string
+        self._streamed = 0  # characters of `text` already handed out
         if params.stop and tokenizer is None:
-            raise ForerunError("stop strings need a tokenizer to match text, and this model has none: "
-                               "leave out stop, or load the model with its tokenizer")
+            raise ForerunError(
+                "stop strings need a tokenizer to match text, and this model has none: "
+                "leave out stop, or load the model with its tokenizer"
+            )
 
     @property
     def context(self) -> list[int]:
@@ -47,7 +51,7 @@ class Sequence:
         tail_from = max(0, self._streamed - longest)
         hits = [i for i in (self.text.find(s, tail_from) for s in self.params.stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            self.text = self.text[: min(hits)]
             self.finish_reason = "stop"
 
     def take_text(self) -> str:
@@ -63,6 +67,6 @@ class Sequence:
                         end -= n
                         break
         end = max(end, self._streamed)
-        piece = self.text[self._streamed:end]
+        piece = self.text[self._streamed : end]
         self._streamed = end
         return piece

@@ -1,11 +1,12 @@
-"""Benchmark prompts: the bundled Spec-Bench question set or a user's JSONL, filtered by category."""
+"""Prompt files: a JSONL of prompts, and the bundled Spec-Bench question set filtered by category."""
+
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from forerun.commands.common import read_prompts_file
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
 
 SPEC_BENCH = "spec-bench"
 SPEC_BENCH_FILE = Path(__file__).resolve().parent.parent / "data" / "spec_bench_question.jsonl"
@@ -13,19 +14,20 @@ SPEC_BENCH_FILE = Path(__file__).resolve().parent.parent / "data" / "spec_bench_
 # Spec-Bench reports MT-bench's eight categories as one task kind, "multi-turn conversation".
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 MT_BENCH = "mt_bench"
-DEFAULT_CATEGORY = "default"   # for prompts whose line has no `category`
+DEFAULT_CATEGORY = "default"  # for prompts whose line has no `category`
 
 
 @dataclass(frozen=True)
 class Prompt:
-    prompt_id: str     # stable across runs of the same file: the question_id, else the record number
-    category: str      # as written in the file
-    task: str          # the task kind reports group by (Spec-Bench folds MT-bench into one)
-    text: str          # the first user turn
+    prompt_id: str  # stable across runs of the same file: the question_id, else the record number
+    category: str  # as written in the file
+    task: str  # the task kind reports group by (Spec-Bench folds MT-bench into one)
+    text: str  # the first user turn
 
 
-def load_prompts(dataset: str, categories: list[str] | None = None,
-                 limit_per_category: int | None = None) -> list[Prompt]:
+def load_prompts(
+    dataset: str, categories: list[str] | None = None, limit_per_category: int | None = None
+) -> list[Prompt]:
     """Prompts of `dataset` ("spec-bench" or a JSONL path), in file order.
 
     `categories` keeps only those categories; a task kind (e.g. mt_bench) names all of its
@@ -37,8 +39,9 @@ def load_prompts(dataset: str, categories: list[str] | None = None,
         raise ForerunError(f"dataset {dataset!r} is neither 'spec-bench' nor an existing JSONL file")
     records = read_prompts_file(path)
     ids = _prompt_ids(records)
-    prompts = [Prompt(ids[i], _category(r), _task(_category(r), is_spec_bench), r["prompt"])
-               for i, r in enumerate(records)]
+    prompts = [
+        Prompt(ids[i], _category(r), _task(_category(r), is_spec_bench), r["prompt"]) for i, r in enumerate(records)
+    ]
     if categories:
         wanted = _expand_categories(categories, prompts)
         prompts = [p for p in prompts if p.category in wanted]
@@ -53,6 +56,37 @@ def load_prompts(dataset: str, categories: list[str] | None = None,
                 kept.append(p)
         prompts = kept
     return prompts
+
+
+def read_prompts_file(path: str | Path) -> list[dict]:
+    """JSONL records with `prompt` (or `turns`, whose first item is used); other fields are kept."""
+    path = Path(path)
+    if not path.is_file():
+        raise ForerunError(f"prompts file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ForerunError(f"prompts file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ForerunError(f"{path}, line {number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise ForerunError(f"{path}, line {number}: expected a JSON object with 'prompt' or 'turns'")
+        if isinstance(obj.get("prompt"), str):
+            text = obj["prompt"]
+        elif isinstance(obj.get("turns"), list) and obj["turns"] and isinstance(obj["turns"][0], str):
+            text = obj["turns"][0]
+        else:
+            raise ForerunError(f"{path}, line {number}: missing 'prompt' (a string) or 'turns' (a list of strings)")
+        records.append({**obj, "prompt": text})
+    if not records:
+        raise ForerunError(f"prompts file {path} holds no prompts")
+    return records
 
 
 def _category(record: dict) -> str:

@@ -3,14 +3,23 @@
 Slots are cache rows, one per token fed; they are not rope positions (tree nodes at the same
 depth share a position but each has its own slot). Every sequence in the batch shares one length.
 """
+
 from __future__ import annotations
 
 import torch
 
 
 class KVCache:
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, B, kv_heads, max_len, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [layers, B, kv_heads, max_len, head_dim]
@@ -29,8 +38,8 @@ class KVCache:
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_len} allocated")
-        self.k[layer, :, :, self.length:end] = k
-        self.v[layer, :, :, self.length:end] = v
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def write_first(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -39,8 +48,8 @@ class KVCache:
         end = self.length + k.shape[1]
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: {end} slots needed, {self.max_len} allocated")
-        self.layer_k[layer][:, self.length:end] = k
-        self.layer_v[layer][:, self.length:end] = v
+        self.layer_k[layer][:, self.length : end] = k
+        self.layer_v[layer][:, self.length : end] = v
 
     def advance(self, num_tokens: int) -> None:
         self.length += num_tokens

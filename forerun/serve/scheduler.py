@@ -25,6 +25,7 @@ go on until they finish or the grace period ends, when each left is cut with a "
 A request of a group (the `n` samples of one prompt) names the group's first request in `like`:
 started while that one still prefills, it copies its prefill once done instead of running its own.
 """
+
 from __future__ import annotations
 
 import collections
@@ -33,21 +34,21 @@ import math
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from forerun.config import SamplingParams
-from forerun.batch import BatchEngine
-from forerun.engine import RequestOutput
-from forerun.errors import ForerunError
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.engine.batch import BatchEngine
+from forerun.engine.engine import RequestOutput
 
 
 @dataclass
 class Delta:
     text: str
     token_ids: list[int]
-    logprobs: list | None = None     # the target's TokenLogprob of each token, when the request asked
-    prompt_logprobs: list | None = None   # the first Delta: the prompt's, when the request asked
+    logprobs: list | None = None  # the target's TokenLogprob of each token, when the request asked
+    prompt_logprobs: list | None = None  # the first Delta: the prompt's, when the request asked
 
 
 @dataclass
@@ -58,7 +59,7 @@ class Done:
 @dataclass
 class Failed:
     message: str
-    reason: str = "engine"      # "engine": the engine failed; "shutdown": the server is stopping
+    reason: str = "engine"  # "engine": the engine failed; "shutdown": the server is stopping
 
 
 Event = Delta | Done | Failed
@@ -68,11 +69,11 @@ Event = Delta | Done | Failed
 class Request:
     prompt_ids: list[int]
     params: SamplingParams
-    on_event: Callable[["Request", Event], None]
+    on_event: Callable[[Request, Event], None]
     id: int = field(default_factory=itertools.count().__next__)
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    like: "Request | None" = None    # the group's first request, whose prefill this one may share
+    like: Request | None = None  # the group's first request, whose prefill this one may share
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -96,8 +97,13 @@ class ShuttingDown(EngineStopped):
 
 
 class Scheduler:
-    def __init__(self, batch: BatchEngine, max_waiting: int = 256,
-                 on_start: Callable[[Request], None] | None = None, prefill_share: float = PREFILL_SHARE) -> None:
+    def __init__(
+        self,
+        batch: BatchEngine,
+        max_waiting: int = 256,
+        on_start: Callable[[Request], None] | None = None,
+        prefill_share: float = PREFILL_SHARE,
+    ) -> None:
         """`max_waiting`: requests allowed to wait beyond the running ones; `on_start` is called on
         the loop thread when a request starts running (metrics); `prefill_share`: seconds of
         prefill per second of steps while requests are decoding."""
@@ -109,16 +115,16 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="forerun-scheduler", daemon=True)
-        self._looping = threading.Event()   # the loop runs, on whichever thread
+        self._looping = threading.Event()  # the loop runs, on whichever thread
         self._keep_going: Callable[[], bool] = lambda: True
-        self.died: str | None = None        # why the loop ended, if it did
+        self.died: str | None = None  # why the loop ended, if it did
         # When the running requests are cut (perf_counter), once `drain` was called; set by a plain
         # assignment so a signal handler may call it while the loop holds the lock.
         self._drain_deadline: float | None = None
-        self.cut: list[int] = []            # ids of the requests cut at the end of a drain
+        self.cut: list[int] = []  # ids of the requests cut at the end of a drain
         self.prefill_share = prefill_share
-        self._credit = 0.0                  # seconds of prefill the steps have paid for (chunked prefill)
-        self._fresh: set[int] = set()       # prefilled since the last step
+        self._credit = 0.0  # seconds of prefill the steps have paid for (chunked prefill)
+        self._fresh: set[int] = set()  # prefilled since the last step
 
     # --- the caller's side ---------------------------------------------------------------------
 
@@ -169,11 +175,13 @@ class Scheduler:
         """Queue `requests` side by side (the samples of one prompt, admitted together where lanes
         are free); all or none: QueueFull when they would pass max_waiting."""
         for request in requests:
-            self.batch.check_fits(request.prompt_ids, request.params)     # a clear error before queueing
+            self.batch.check_fits(request.prompt_ids, request.params)  # a clear error before queueing
         with self._cond:
             if self.draining:
-                raise ShuttingDown("the server is shutting down and takes no new requests; send it to another "
-                                   "replica, or again once the server is back")
+                raise ShuttingDown(
+                    "the server is shutting down and takes no new requests; send it to another "
+                    "replica, or again once the server is back"
+                )
             if not self.alive:
                 raise EngineStopped(f"the engine loop has stopped and takes no requests: {self.died or 'not started'}")
             self._drop_cancelled()
@@ -219,21 +227,26 @@ class Scheduler:
         waiting, self._waiting = list(self._waiting), collections.deque()
         for r in waiting:
             r.cancel()
-            _emit(r, Failed("the server is shutting down and did not start this request; send it again",
-                            "shutdown"))
+            _emit(r, Failed("the server is shutting down and did not start this request; send it again", "shutdown"))
         if self._running and time.perf_counter() >= self._drain_deadline:
             for r in list(self._running.values()):
                 del self._running[r.id]
                 self.batch.remove(r.id)
                 self.cut.append(r.id)
-                _emit(r, Failed("the server is shutting down: this request was cut at the end of its grace "
-                                "period; send it again", "shutdown"))
+                _emit(
+                    r,
+                    Failed(
+                        "the server is shutting down: this request was cut at the end of its grace "
+                        "period; send it again",
+                        "shutdown",
+                    ),
+                )
         return None if not self._running else []
 
     def _loop(self) -> None:
         try:
             while (admitted := self._admit()) is not None:
-                while True:                             # and those that came while these prefilled
+                while True:  # and those that came while these prefilled
                     for request in admitted:
                         self._begin(request)
                     self._leave_cancelled()
@@ -258,7 +271,7 @@ class Scheduler:
                     _emit(request, Delta(out.text, out.token_ids, out.logprobs))
                     if result.output.finished:
                         self._end(request, None)
-        except BaseException as exc:                    # noqa: BLE001 - recorded for /health
+        except BaseException as exc:  # noqa: BLE001 - recorded for /health
             self.died = traceback.format_exc(limit=5)
             self._looping.clear()
             with self._cond:
@@ -267,14 +280,14 @@ class Scheduler:
                 self._running.clear()
             for r in ended:
                 _emit(r, Failed("the engine loop stopped; the server needs a restart"))
-            if isinstance(exc, KeyboardInterrupt):       # Ctrl-C on the main thread: the caller stops
+            if isinstance(exc, KeyboardInterrupt):  # Ctrl-C on the main thread: the caller stops
                 raise
         finally:
             self._looping.clear()
 
     def _begin(self, request: Request) -> None:
         """Start `request`'s prefill (run by `_prefill`, a chunk at a time)."""
-        if request.cancelled.is_set():                  # gone while it waited: no prefill for nobody
+        if request.cancelled.is_set():  # gone while it waited: no prefill for nobody
             with self._cond:
                 self._running.pop(request.id, None)
             return
@@ -283,7 +296,7 @@ class Scheduler:
         like = request.like.id if request.like is not None else None
         try:
             self.batch.start(request.id, request.prompt_ids, request.params, like=like)
-        except Exception as exc:                        # noqa: BLE001 - one request fails, the loop goes on
+        except Exception as exc:  # noqa: BLE001 - one request fails, the loop goes on
             with self._cond:
                 self._running.pop(request.id, None)
             _emit(request, Failed(f"{type(exc).__name__}: {exc}"))
@@ -333,5 +346,5 @@ def _emit(request: Request, event: Event) -> None:
     """Hand `event` on; a receiver that fails (its loop closed) cancels its own request only."""
     try:
         request.on_event(request, event)
-    except Exception:                                   # noqa: BLE001
+    except Exception:  # noqa: BLE001
         request.cancel()

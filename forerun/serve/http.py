@@ -6,6 +6,7 @@ forever. Here a connection has `header_timeout` seconds, from when it opens or i
 ended, to send a whole request head; then it is closed. The body has its own deadline
 (forerun/server_requests.py `read_json`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,14 +15,14 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
 class TimedH11Protocol(H11Protocol):
-    header_timeout: float = 10.0     # seconds
+    header_timeout: float = 10.0  # seconds
 
     @classmethod
-    def with_timeout(cls, seconds: float) -> type["TimedH11Protocol"]:
+    def with_timeout(cls, seconds: float) -> type[TimedH11Protocol]:
         """The protocol with a head deadline of `seconds` (uvicorn takes a class)."""
         return type(cls.__name__, (cls,), {"header_timeout": seconds})
 
-    def connection_made(self, transport: asyncio.Transport) -> None:   # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_deadline: asyncio.TimerHandle | None = None
         self._arm()
@@ -29,13 +30,13 @@ class TimedH11Protocol(H11Protocol):
     def handle_events(self) -> None:
         cycle = self.cycle
         super().handle_events()
-        if self.cycle is not cycle:                 # a request's head arrived whole
+        if self.cycle is not cycle:  # a request's head arrived whole
             self._disarm()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if not self.transport.is_closing():
-            self._arm()                             # the next request's head has the same deadline
+            self._arm()  # the next request's head has the same deadline
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

@@ -1,28 +1,29 @@
 """User-facing settings as frozen dataclasses; each checks its own values and names the bad field."""
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from numbers import Integral
 
-from forerun.errors import ForerunError
+from forerun.base.errors import ForerunError
 
 # A temperature below this samples as greedy (as vLLM does): dividing logits by it overflows float32,
 # and the distribution is a one-hot at the argmax to every digit a float holds anyway.
 GREEDY_BELOW = 1e-5
-SEED_RANGE = (-(2 ** 63), 2 ** 64)   # what torch.Generator.manual_seed takes (end excluded)
-MAX_LOGPROBS = 20                    # most alternatives a token's log probability comes with (OpenAI's limit)
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes (end excluded)
+MAX_LOGPROBS = 20  # most alternatives a token's log probability comes with (OpenAI's limit)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0          # 0 means greedy (argmax)
-    top_p: float = 1.0                # nucleus mass kept, in (0, 1]
-    top_k: int = 0                    # keep the k likeliest tokens; 0 keeps all
-    max_tokens: int = 128             # most new tokens to generate
-    stop: tuple[str, ...] = ()        # strings that end generation (not included in the text)
-    seed: int | None = None           # seeds the sampler; None draws a fresh seed
-    ignore_eos: bool = False          # keep going past stop tokens (benchmarks)
+    temperature: float = 0.0  # 0 means greedy (argmax)
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # keep the k likeliest tokens; 0 keeps all
+    max_tokens: int = 128  # most new tokens to generate
+    stop: tuple[str, ...] = ()  # strings that end generation (not included in the text)
+    seed: int | None = None  # seeds the sampler; None draws a fresh seed
+    ignore_eos: bool = False  # keep going past stop tokens (benchmarks)
     # Log probabilities (the target's raw logits, before temperature, top-k and top-p): None computes
     # none; N gives each generated token's, with the N likeliest tokens at its position beside it.
     logprobs: int | None = None
@@ -37,8 +38,9 @@ class SamplingParams:
             raise ForerunError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ForerunError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and (not isinstance(self.seed, Integral)
-                                      or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+        if self.seed is not None and (
+            not isinstance(self.seed, Integral) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]
+        ):
             raise ForerunError(f"seed must be a whole number in [-2**63, 2**64), got {self.seed!r}")
         # Whole numbers only: a float slips past `< 0` (NaN always does) and fails deep in torch later.
         if not isinstance(self.top_k, Integral) or self.top_k < 0:
@@ -51,10 +53,13 @@ class SamplingParams:
             raise ForerunError("stop strings must not be empty")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)
-                                      or not 0 <= value <= MAX_LOGPROBS):
-                raise ForerunError(f"{name} must be a whole number from 0 to {MAX_LOGPROBS} (alternatives per "
-                                   f"token), or None for no log probabilities, got {value!r}")
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, Integral) or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise ForerunError(
+                    f"{name} must be a whole number from 0 to {MAX_LOGPROBS} (alternatives per "
+                    f"token), or None for no log probabilities, got {value!r}"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -64,10 +69,10 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str | None = None          # drafter name in the registry; None is plain decoding
-    num_speculative_tokens: int = 5    # K: the most tokens a step drafts (every step's length when fixed)
+    method: str | None = None  # drafter name in the registry; None is plain decoding
+    num_speculative_tokens: int = 5  # K: the most tokens a step drafts (every step's length when fixed)
     options: dict = field(default_factory=dict)  # the drafter's own settings, passed to it alone
-    k_policy: str = "adaptive"         # adaptive: each step's length from costs and acceptance; fixed: always K
+    k_policy: str = "adaptive"  # adaptive: each step's length from costs and acceptance; fixed: always K
 
     def __post_init__(self) -> None:
         if self.method is not None and self.num_speculative_tokens < 1:

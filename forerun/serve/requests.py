@@ -8,6 +8,7 @@ Unicode, token ids outside the vocabulary, a body nested too deeply to parse. Th
 at the end only describe the two requests for /openapi.json and /docs; the checks are the
 functions here.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,35 +21,71 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
-from forerun.config import SEED_RANGE, SamplingParams
-from forerun.errors import ForerunError
+from forerun.base.config import SEED_RANGE, SamplingParams
+from forerun.base.errors import ForerunError
 
-MAX_LOGPROBS = 20                 # most alternatives a position's logprobs may list
-MAX_N = 16                        # most samples one request may ask for
-CHARS_PER_TOKEN = 16              # a prompt longer than max_model_len x this is refused before tokenizing
-ROLES = {"system", "user", "assistant", "tool", "developer"}   # developer: OpenAI's newer name for system
+MAX_LOGPROBS = 20  # most alternatives a position's logprobs may list
+MAX_N = 16  # most samples one request may ask for
+CHARS_PER_TOKEN = 16  # a prompt longer than max_model_len x this is refused before tokenizing
+ROLES = {"system", "user", "assistant", "tool", "developer"}  # developer: OpenAI's newer name for system
 
 # Fields each route takes; others are refused by name (a typo or a feature forerun lacks).
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-           "stream_options", "logprobs", "ignore_eos", "user", "store", "metadata", "service_tier"}
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "ignore_eos",
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+}
 _COMPLETIONS = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls"}
 # Fields of OpenAI's or vLLM's API that forerun cannot honour, with the values that ask for nothing.
 _NEUTRAL: dict[str, tuple] = {
-    "best_of": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0), "suffix": (None, ""),
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
-    "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,),
-    "web_search_options": (None,), "length_penalty": (None, 1), "use_beam_search": (None, False),
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "min_p": (None, 0),
+    "min_tokens": (None, 0),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "length_penalty": (None, 1),
+    "use_beam_search": (None, False),
 }
 
 
 class BadRequest(Exception):
     """A request the server refuses: the HTTP status and OpenAI's error fields."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
 
@@ -60,8 +97,9 @@ class ClientGone(Exception):
 @dataclass
 class Limits:
     """What the server allows a request."""
-    max_model_len: int                # prompt plus max_tokens may not exceed it
-    vocab_size: int                   # token ids in a prompt must be below it
+
+    max_model_len: int  # prompt plus max_tokens may not exceed it
+    vocab_size: int  # token ids in a prompt must be below it
     max_body_bytes: int
     max_n: int = MAX_N
 
@@ -73,13 +111,14 @@ class Limits:
 @dataclass
 class Checked:
     """A request whose fields are all checked; its prompt still to tokenize."""
+
     chat: bool
-    prompt: str | list[int] | list[dict]   # completions text, token ids, or chat turns
+    prompt: str | list[int] | list[dict]  # completions text, token ids, or chat turns
     n: int
     stream: bool
     include_usage: bool
-    logprobs: int | None                   # alternatives per position; None: no logprobs
-    echo: bool                             # completions: the prompt leads the text (and its logprobs)
+    logprobs: int | None  # alternatives per position; None: no logprobs
+    echo: bool  # completions: the prompt leads the text (and its logprobs)
     body: dict = field(repr=False)
 
 
@@ -118,19 +157,22 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required: the name /v1/models lists", "model")
     if model != served_name:
-        raise BadRequest(f"model {model!r} is not served here; this server serves {served_name!r}",
-                         "model", code="model_not_found")
+        raise BadRequest(
+            f"model {model!r} is not served here; this server serves {served_name!r}", "model", code="model_not_found"
+        )
     n = whole(body, "n", 1)
     if not 1 <= n <= limits.max_n:
         raise BadRequest(f"n must be between 1 and {limits.max_n}, got {n}", "n")
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
-        raise BadRequest("best_of is not supported (it would rank samples by likelihood); leave it out or "
-                         "set it equal to n", "best_of")
+        raise BadRequest(
+            "best_of is not supported (it would rank samples by likelihood); leave it out or set it equal to n",
+            "best_of",
+        )
     stream = flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise BadRequest("stream_options must be an object such as {\"include_usage\": true}", "stream_options")
+        raise BadRequest('stream_options must be an object such as {"include_usage": true}', "stream_options")
     include_usage = bool((options or {}).get("include_usage"))
     if chat:
         logprobs = whole(body, "top_logprobs", 0 if flag(body, "logprobs") else None)
@@ -153,7 +195,7 @@ def _check_names(body: dict, chat: bool) -> None:
             continue
         if name in _NEUTRAL:
             if name == "best_of" or any(value == neutral for neutral in _NEUTRAL[name]):
-                continue                      # asks for nothing (best_of is checked against n)
+                continue  # asks for nothing (best_of is checked against n)
             raise BadRequest(f"{name} is not supported by this server; leave it out", name)
         other = "/v1/completions" if chat else "/v1/chat/completions"
         if name in (_COMPLETIONS if chat else _CHAT):
@@ -164,7 +206,7 @@ def _check_names(body: dict, chat: bool) -> None:
 def _completion_prompt(body: dict, limits: Limits) -> str | list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                    # the client libraries' one-prompt batch
+        prompt = prompt[0]  # the client libraries' one-prompt batch
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("prompt is empty: give at least one character", "prompt")
@@ -174,8 +216,9 @@ def _completion_prompt(body: dict, limits: Limits) -> str | list[int]:
         if bad is not None:
             raise BadRequest(f"token id {bad} is outside the vocabulary (0 to {limits.vocab_size - 1})", "prompt")
         if len(prompt) > limits.max_model_len:
-            raise BadRequest(f"the prompt's {len(prompt)} tokens are over this server's context of "
-                             f"{limits.max_model_len}", "prompt")
+            raise BadRequest(
+                f"the prompt's {len(prompt)} tokens are over this server's context of {limits.max_model_len}", "prompt"
+            )
         return [int(t) for t in prompt]
     if isinstance(prompt, list) and not prompt:
         raise BadRequest("prompt is empty: give at least one token", "prompt")
@@ -185,7 +228,7 @@ def _completion_prompt(body: dict, limits: Limits) -> str | list[int]:
 def _chat_turns(body: dict, limits: Limits) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list of {\"role\", \"content\"} objects", "messages")
+        raise BadRequest('messages must be a non-empty list of {"role", "content"} objects', "messages")
     turns = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -194,9 +237,10 @@ def _chat_turns(body: dict, limits: Limits) -> list[dict]:
         if role not in ROLES:
             raise BadRequest(f"messages[{i}].role {role[:40]!r} is not one of {', '.join(sorted(ROLES))}", "messages")
         content = m.get("content")
-        if isinstance(content, list):         # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
@@ -205,9 +249,11 @@ def _chat_turns(body: dict, limits: Limits) -> list[dict]:
         turns.append({"role": "system" if role == "developer" else role, "content": content})
     chars = sum(len(t["content"]) for t in turns)
     if chars > limits.max_prompt_chars:
-        raise BadRequest(f"the messages hold {chars} characters, over this server's limit of "
-                         f"{limits.max_prompt_chars} ({CHARS_PER_TOKEN} per token of context); shorten them",
-                         "messages")
+        raise BadRequest(
+            f"the messages hold {chars} characters, over this server's limit of "
+            f"{limits.max_prompt_chars} ({CHARS_PER_TOKEN} per token of context); shorten them",
+            "messages",
+        )
     return turns
 
 
@@ -222,7 +268,7 @@ def sampling(checked: Checked, prompt_tokens: int, limits: Limits) -> list[Sampl
         raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
     top_k = whole(body, "top_k", 0)
     if top_k == -1:
-        top_k = 0                             # vLLM's "off"
+        top_k = 0  # vLLM's "off"
     if top_k < 0:
         raise BadRequest(f"top_k must be >= 0 (0 or -1 keep every token), got {top_k}", "top_k")
     max_tokens, name = _max_tokens(checked, prompt_tokens, limits)
@@ -242,11 +288,20 @@ def sampling(checked: Checked, prompt_tokens: int, limits: Limits) -> list[Sampl
         text(s, "stop", limits.max_prompt_chars)
     prompt_logprobs = checked.logprobs if checked.echo and checked.logprobs is not None else None
     try:
-        return [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                               stop=tuple(stop), seed=None if seed is None else seed + i,
-                               ignore_eos=flag(body, "ignore_eos"), logprobs=checked.logprobs,
-                               prompt_logprobs=prompt_logprobs)
-                for i in range(checked.n)]
+        return [
+            SamplingParams(
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                max_tokens=max_tokens,
+                stop=tuple(stop),
+                seed=None if seed is None else seed + i,
+                ignore_eos=flag(body, "ignore_eos"),
+                logprobs=checked.logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
+            for i in range(checked.n)
+        ]
     except ForerunError as exc:
         raise BadRequest(str(exc), None) from None
 
@@ -265,9 +320,12 @@ def _max_tokens(checked: Checked, prompt_tokens: int, limits: Limits) -> tuple[i
     elif max_tokens < 1:
         raise BadRequest(f"{name} must be >= 1 (0 only with echo), got {max_tokens}", name)
     if prompt_tokens + max_tokens > limits.max_model_len:
-        raise BadRequest(f"the prompt ({prompt_tokens} tokens) plus {name} ({max_tokens}) is "
-                         f"{prompt_tokens + max_tokens} tokens, over this server's context of "
-                         f"{limits.max_model_len}; shorten the prompt or lower {name}", name)
+        raise BadRequest(
+            f"the prompt ({prompt_tokens} tokens) plus {name} ({max_tokens}) is "
+            f"{prompt_tokens + max_tokens} tokens, over this server's context of "
+            f"{limits.max_model_len}; shorten the prompt or lower {name}",
+            name,
+        )
     return max_tokens, name
 
 
@@ -313,13 +371,19 @@ def flag(body: dict, name: str) -> bool:
 def text(value: str, name: str, max_chars: int) -> str:
     """`value` if it is valid Unicode within `max_chars` characters."""
     if len(value) > max_chars:
-        raise BadRequest(f"{name} is {len(value)} characters, over this server's limit of {max_chars} "
-                         f"({CHARS_PER_TOKEN} per token of context); shorten it", name)
+        raise BadRequest(
+            f"{name} is {len(value)} characters, over this server's limit of {max_chars} "
+            f"({CHARS_PER_TOKEN} per token of context); shorten it",
+            name,
+        )
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise BadRequest(f"{name} is not valid Unicode: a lone surrogate {value[exc.start]!r} at character "
-                         f"{exc.start}; send surrogates in pairs", name) from None
+        raise BadRequest(
+            f"{name} is not valid Unicode: a lone surrogate {value[exc.start]!r} at character "
+            f"{exc.start}; send surrogates in pairs",
+            name,
+        ) from None
     return value
 
 

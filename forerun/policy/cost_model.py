@@ -34,6 +34,7 @@ stays within a few per cent of plain decoding.
 Where it loses: c(r) is taken at one cache length, and the chain model counts a tree's branches as
 extra rows only through the proposal's actual size; α is assumed the same at every position.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,35 +42,35 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from forerun import cpu
+from forerun.base import cpu
+from forerun.base.paths import forerun_home
 from forerun.models.attention import RowLayout
-from forerun.models.load import LoadedModel, model_identity
 from forerun.models.gguf_format import GGUFLinear
+from forerun.models.load import LoadedModel, model_identity
 from forerun.models.w8a8 import W8A8Linear
-from forerun.paths import forerun_home
 
 POLICIES = ("adaptive", "fixed")
-MEASURED_ROWS = 16         # c(r) is measured for r = 1 .. 16,
-WIDE_ROWS = (24, 32, 48, 64, 96, 128)   # and at these wider passes (a full batch's rows), linear between
-MEASURE_CONTEXT = 256      # cache length the passes are timed at
-DECAY = 0.95               # weight of an acceptance observation after one more (about 20 steps)
-PRIOR = (1.0, 1.0)         # pseudo-counts (kept, rejected) behind a drafter's first estimate
-REQUEST_PRIOR = 4.0        # a request starts from earlier requests' acceptance worth this many observations:
-                           # its text may be unlike theirs, and a short answer must adapt within a few steps
-LEARN_AFTER = 3            # steps over a row count before its own running mean replaces the scaled offline figure
-PROBE_WAIT = (4, 64)       # plain steps before probing a non-free drafter: first wait, longest wait
-PROBE_SHARE = 0.02         # probes may cost at most this share of the plain steps between them
-FREE_SHARE = 0.02          # a draft token costing under this share of c(1) counts as free
-MARGIN = 1.05              # drafting must promise this much more than a plain step's rate: the
-                           # acceptance rule, cache roll-back and a drafter's bookkeeping cost a
-                           # little beside what is priced, and a marginal draft is a coin toss
-                           # (measured: one-token drafts promising ~2 % lost ~10 % on short answers)
+MEASURED_ROWS = 16  # c(r) is measured for r = 1 .. 16,
+WIDE_ROWS = (24, 32, 48, 64, 96, 128)  # and at these wider passes (a full batch's rows), linear between
+MEASURE_CONTEXT = 256  # cache length the passes are timed at
+DECAY = 0.95  # weight of an acceptance observation after one more (about 20 steps)
+PRIOR = (1.0, 1.0)  # pseudo-counts (kept, rejected) behind a drafter's first estimate
+REQUEST_PRIOR = 4.0  # a request starts from earlier requests' acceptance worth this many observations:
+# its text may be unlike theirs, and a short answer must adapt within a few steps
+LEARN_AFTER = 3  # steps over a row count before its own running mean replaces the scaled offline figure
+PROBE_WAIT = (4, 64)  # plain steps before probing a non-free drafter: first wait, longest wait
+PROBE_SHARE = 0.02  # probes may cost at most this share of the plain steps between them
+FREE_SHARE = 0.02  # a draft token costing under this share of c(1) counts as free
+MARGIN = 1.05  # drafting must promise this much more than a plain step's rate: the
+# acceptance rule, cache roll-back and a drafter's bookkeeping cost a
+# little beside what is priced, and a marginal draft is a coin toss
+# (measured: one-token drafts promising ~2 % lost ~10 % on short answers)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -79,8 +80,9 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def best_k(alpha: float, pass_cost: Callable[[int], float], draft_cost: float, k_max: int,
-           rows_per_token: float = 1.0) -> int:
+def best_k(
+    alpha: float, pass_cost: Callable[[int], float], draft_cost: float, k_max: int, rows_per_token: float = 1.0
+) -> int:
     """The draft length in [0, k_max] with the most expected tokens per second (0: a plain step).
 
     A proposal of k tokens adds about k * rows_per_token verifier rows (more than k for trees and
@@ -94,8 +96,13 @@ def best_k(alpha: float, pass_cost: Callable[[int], float], draft_cost: float, k
     return best
 
 
-def batch_draft_length(lanes: list[tuple[float, float, float]], pass_cost: Callable[[int], float],
-                       k_max: int, plain_lanes: int = 0, draft_pass: float = 0.0) -> int:
+def batch_draft_length(
+    lanes: list[tuple[float, float, float]],
+    pass_cost: Callable[[int], float],
+    k_max: int,
+    plain_lanes: int = 0,
+    draft_pass: float = 0.0,
+) -> int:
     """The draft length K in [0, k_max] that every drafting sequence of a batch drafts this step,
     chosen for the most expected tokens per second of the whole batch. `lanes`: (α, c_draft, rows
     per token) per drafting sequence; `plain_lanes` more sequences take a plain step anyway. K drafts
@@ -125,13 +132,14 @@ class PassCosts:
     steps (one row) and verifications keep separate ratios: a verification's work around the pass
     (a tree's mask, the rule over its nodes, a window's rows) is not in the offline figure, and a
     drafter whose row count changes every step is priced by it before any count is seen often."""
+
     seconds: list[float]
-    wide: dict[int, float] = field(default_factory=dict)     # rows past len(seconds) -> seconds
+    wide: dict[int, float] = field(default_factory=dict)  # rows past len(seconds) -> seconds
     learn: bool = False
-    scale: float = 1.0                                   # running mean of seen / offline, one-row steps
-    multi_scale: float | None = None                     # the same over steps of several rows
-    online: dict[int, float] = field(default_factory=dict)   # rows -> running mean of seen step times
-    seen: dict[int, int] = field(default_factory=dict)       # rows -> steps seen
+    scale: float = 1.0  # running mean of seen / offline, one-row steps
+    multi_scale: float | None = None  # the same over steps of several rows
+    online: dict[int, float] = field(default_factory=dict)  # rows -> running mean of seen step times
+    seen: dict[int, int] = field(default_factory=dict)  # rows -> steps seen
 
     def __post_init__(self) -> None:
         # Noise only adds time: a timing above a wider pass's is a slow moment, and comes down to it
@@ -140,8 +148,8 @@ class PassCosts:
         times = [*self.seconds, *wide.values()]
         for i in range(len(times) - 2, -1, -1):
             times[i] = min(times[i], times[i + 1])
-        self.seconds[:] = times[:len(self.seconds)]
-        self.wide = dict(zip(wide, times[len(self.seconds):]))
+        self.seconds[:] = times[: len(self.seconds)]
+        self.wide = dict(zip(wide, times[len(self.seconds) :]))
 
     def offline(self, rows: int) -> float:
         s = self.seconds
@@ -184,8 +192,13 @@ class PassCosts:
         self.seen[rows] = count + 1
 
 
-def measure_pass_costs(decoder, rows: int = MEASURED_ROWS, context: int = MEASURE_CONTEXT,
-                       repeats: int = 3, wide: tuple[int, ...] = WIDE_ROWS) -> PassCosts:
+def measure_pass_costs(
+    decoder,
+    rows: int = MEASURED_ROWS,
+    context: int = MEASURE_CONTEXT,
+    repeats: int = 3,
+    wide: tuple[int, ...] = WIDE_ROWS,
+) -> PassCosts:
     """Time one chain pass over 1..rows rows, and over each of `wide` rows past them (those within
     half the model's context), after `context` cached slots (the fastest of `repeats`).
 
@@ -202,7 +215,7 @@ def measure_pass_costs(decoder, rows: int = MEASURED_ROWS, context: int = MEASUR
     with torch.inference_mode():
         for r in (*range(1, rows + 1), *wide):
             best = float("inf")
-            for _ in range(repeats + 1):              # the first run warms kernels and buffers
+            for _ in range(repeats + 1):  # the first run warms kernels and buffers
                 cache.length = context
                 start = time.perf_counter()
                 decoder(tokens[:r], positions[:r], cache, layout=RowLayout.chain(context, r), last_only=False)
@@ -223,13 +236,18 @@ def pass_costs(model: LoadedModel, rows: int = MEASURED_ROWS) -> PassCosts:
     if path is not None and path.exists():
         try:
             saved = json.loads(path.read_text())
-            return PassCosts([float(s) for s in saved["seconds"]],
-                             {int(r): float(s) for r, s in saved["wide"].items()}, learn=True)
+            return PassCosts(
+                [float(s) for s in saved["seconds"]], {int(r): float(s) for r, s in saved["wide"].items()}, learn=True
+            )
         except (ValueError, KeyError, TypeError):
-            pass                                      # unreadable: measure again and overwrite it
+            pass  # unreadable: measure again and overwrite it
     if path is not None:
-        print(f"forerun: timing {model.name}'s pass over 1-{rows} rows and wider, once for this machine "
-              f"(cached in {path.parent})", file=sys.stderr, flush=True)
+        print(
+            f"forerun: timing {model.name}'s pass over 1-{rows} rows and wider, once for this machine "
+            f"(cached in {path.parent})",
+            file=sys.stderr,
+            flush=True,
+        )
     costs = measure_pass_costs(model.decoder, rows)
     costs.learn = True
     if path is not None:
@@ -248,19 +266,35 @@ def _cost_key(model: LoadedModel, rows: int) -> str | None:
     decoder = model.decoder
     # A product's kernel is part of its kind (the kernels cost differently per row count), and so is
     # whether the layers run natively.
-    kinds = sorted({type(m).__name__ + (f"[{m.kernel}]" if isinstance(m, (W8A8Linear, GGUFLinear)) else "")
-                    for m in decoder.modules()} | {f"native layers: {decoder._native_layers() is not None}"})
+    kinds = sorted(
+        {
+            type(m).__name__ + (f"[{m.kernel}]" if isinstance(m, (W8A8Linear, GGUFLinear)) else "")
+            for m in decoder.modules()
+        }
+        | {f"native layers: {decoder._native_layers() is not None}"}
+    )
     dtypes = sorted({str(t.dtype) for t in [*decoder.parameters(), *decoder.buffers()]})
     # The CPU's name alone does not tell its kernels apart (one "AMD EPYC" has AVX2 only, another AVX-512).
-    parts = [identity, ",".join(kinds), ",".join(dtypes), str(decoder.device), cpu.name(),
-             torch.backends.cpu.get_cpu_capability(),
-             str(torch.get_num_threads()), torch.__version__, str(rows), str(WIDE_ROWS), str(MEASURE_CONTEXT)]
+    parts = [
+        identity,
+        ",".join(kinds),
+        ",".join(dtypes),
+        str(decoder.device),
+        cpu.name(),
+        torch.backends.cpu.get_cpu_capability(),
+        str(torch.get_num_threads()),
+        torch.__version__,
+        str(rows),
+        str(WIDE_ROWS),
+        str(MEASURE_CONTEXT),
+    ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
 @dataclass
 class Acceptance:
     """Decayed counts of kept and rejected draft positions: α = kept / (kept + rejected)."""
+
     kept: float = PRIOR[0]
     rejected: float = PRIOR[1]
 
@@ -276,10 +310,11 @@ class Acceptance:
 @dataclass
 class SourceState:
     """What the policy knows of one source of drafts: its acceptance and its cost per token."""
-    history: Acceptance = field(default_factory=Acceptance)   # over earlier requests
-    current: Acceptance = field(default_factory=Acceptance)   # this request
-    draft_cost: float = 0.0                 # seconds per proposed token, running average
-    rows_per_token: float = 1.0             # verifier rows a proposal adds per token asked, running average
+
+    history: Acceptance = field(default_factory=Acceptance)  # over earlier requests
+    current: Acceptance = field(default_factory=Acceptance)  # this request
+    draft_cost: float = 0.0  # seconds per proposed token, running average
+    rows_per_token: float = 1.0  # verifier rows a proposal adds per token asked, running average
     timed: bool = False
 
 
@@ -292,17 +327,18 @@ class DraftLengthPolicy:
     A drafter with several sources of drafts (`auto`: suffix matches and a draft model) has each
     one's acceptance and cost kept apart: `select(source)` says whose drafts the step is about.
     """
+
     pass_cost: Callable[[int], float]
     k_max: int
     fixed: bool = False
     sources: dict[str | None, SourceState] = field(default_factory=dict)
-    source: str | None = None               # whose drafts the current step is about
-    plain_steps: int = 0                    # plain steps since the last draft or probe
+    source: str | None = None  # whose drafts the current step is about
+    plain_steps: int = 0  # plain steps since the last draft or probe
     probe_wait: int = PROBE_WAIT[0]
-    forgone: float = 0.0                    # seconds drafting would have saved while a catch-up waited
-    asked_at: int | None = None             # `remaining` when pays_setup was last asked
-    unasked_seconds: float = 0.0            # seconds of the steps timed since then
-    remaining: int | None = None            # tokens the request may still emit (the engine sets it each step)
+    forgone: float = 0.0  # seconds drafting would have saved while a catch-up waited
+    asked_at: int | None = None  # `remaining` when pays_setup was last asked
+    unasked_seconds: float = 0.0  # seconds of the steps timed since then
+    remaining: int | None = None  # tokens the request may still emit (the engine sets it each step)
 
     def start(self) -> None:
         """A new request: each source's estimate starts from its history."""
@@ -352,10 +388,10 @@ class DraftLengthPolicy:
         if self.fixed:
             return self.k_max, False
         if not self._seen.timed:
-            return 1, True                      # a source's first draft is one token: it times the drafter
+            return 1, True  # a source's first draft is one token: it times the drafter
         k = best_k(self.alpha, self.pass_cost, self.draft_cost, self.k_max, self.rows_per_token)
         if k == 0 and not (can_shadow and self.free) and self.plain_steps >= self.probe_wait:
-            return 1, True                      # one draft token to see whether drafts recover
+            return 1, True  # one draft token to see whether drafts recover
         return k, False
 
     def saving(self, draft_cost: float | None = None, alpha: float | None = None) -> float:
@@ -383,7 +419,7 @@ class DraftLengthPolicy:
             return True
         saving = self.saving(draft_cost, alpha)
         if self.remaining is not None and saving * self.remaining < seconds:
-            return False                         # the tokens left could not win it back
+            return False  # the tokens left could not win it back
         forgone = saving
         if self.remaining is not None and self.asked_at is not None and self.unasked_seconds > 0:
             emitted = max(1, self.asked_at - self.remaining)

@@ -5,34 +5,36 @@ sent yet (text and logprobs) in each chunk; `echo` puts the prompt (and its logp
 first. Speculation figures follow vLLM's per-request spec-decode shape, per choice, so tools that
 read vLLM's read these unchanged; summed over every choice they equal the /metrics counters.
 """
+
 from __future__ import annotations
 
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from forerun.engine import RequestOutput
-from forerun.metrics import SpecMetrics
-from forerun.scheduler import Delta
-from forerun.server_requests import Checked
+from forerun.engine.engine import RequestOutput
+from forerun.engine.metrics import SpecMetrics
+from forerun.serve.requests import Checked
+from forerun.serve.scheduler import Delta
 
-LOGPROB_FLOOR = -9999.0           # JSON has no -Infinity: a token the model rules out gets this
+LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity: a token the model rules out gets this
 
 
 @dataclass
 class Choice:
     """One sample's text and logprobs so far, and what of them a stream has sent."""
+
     index: int
     pieces: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)          # TokenLogprob per generated token
-    prompt_logprobs: list | None = None                   # echo: the prompt's (first entry None)
-    output: RequestOutput | None = None                   # once finished
-    finish_reason: str | None = None                      # overrides the output's (echo alone)
+    logprobs: list = field(default_factory=list)  # TokenLogprob per generated token
+    prompt_logprobs: list | None = None  # echo: the prompt's (first entry None)
+    output: RequestOutput | None = None  # once finished
+    finish_reason: str | None = None  # overrides the output's (echo alone)
     sent_pieces: int = 0
     sent_logprobs: int = 0
     echoed: bool = False
-    text_offset: int = 0                                  # completions logprobs: where the next token starts
+    text_offset: int = 0  # completions logprobs: where the next token starts
 
     def add(self, delta: Delta) -> None:
         self.pieces.append(delta.text)
@@ -65,11 +67,17 @@ class Reply:
         for choice, figures in zip(choices, stats):
             text = "".join(choice.pieces)
             if self.chat:
-                entry = {"index": choice.index, "message": {"role": "assistant", "content": text},
-                         "logprobs": self._chat_logprobs(choice.logprobs)}
+                entry = {
+                    "index": choice.index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": self._chat_logprobs(choice.logprobs),
+                }
             else:
-                entry = {"index": choice.index, "text": self.prompt_text + text,
-                         "logprobs": self._completion_logprobs(choice, self._echo_entries(choice) + choice.logprobs)}
+                entry = {
+                    "index": choice.index,
+                    "text": self.prompt_text + text,
+                    "logprobs": self._completion_logprobs(choice, self._echo_entries(choice) + choice.logprobs),
+                }
             entry["finish_reason"] = choice.reason
             if figures is not None:
                 entry["speculative_decoding_stats"] = figures
@@ -82,14 +90,18 @@ class Reply:
         """Chunks sent before any token: chat's role, one per choice."""
         if not self.chat:
             return []
-        return [self._top(self.object + ".chunk", [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}])
-                for i in range(self.checked.n)]
+        return [
+            self._top(
+                self.object + ".chunk",
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+            )
+            for i in range(self.checked.n)
+        ]
 
     def chunk(self, choice: Choice, stats: dict | None = None) -> dict | None:
         """What `choice` has not sent yet (None: nothing); with its finish reason (and `stats`) once done."""
-        text = "".join(choice.pieces[choice.sent_pieces:])
-        entries = choice.logprobs[choice.sent_logprobs:]
+        text = "".join(choice.pieces[choice.sent_pieces :])
+        entries = choice.logprobs[choice.sent_logprobs :]
         prefix_text, prefix_entries = "", []
         if not choice.echoed and (text or entries or choice.output is not None):
             prefix_text, prefix_entries = self.prompt_text, self._echo_entries(choice)
@@ -98,11 +110,17 @@ class Reply:
         if not (text or entries or prefix_text or choice.output is not None):
             return None
         if self.chat:
-            entry = {"index": choice.index, "delta": {"content": text} if text else {},
-                     "logprobs": self._chat_logprobs(entries)}
+            entry = {
+                "index": choice.index,
+                "delta": {"content": text} if text else {},
+                "logprobs": self._chat_logprobs(entries),
+            }
         else:
-            entry = {"index": choice.index, "text": prefix_text + text,
-                     "logprobs": self._completion_logprobs(choice, prefix_entries + entries)}
+            entry = {
+                "index": choice.index,
+                "text": prefix_text + text,
+                "logprobs": self._completion_logprobs(choice, prefix_entries + entries),
+            }
         entry["finish_reason"] = choice.reason
         if stats is not None:
             entry["speculative_decoding_stats"] = stats
@@ -118,13 +136,14 @@ class Reply:
         prompt = len(self.prompt_ids)
         return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
 
-    def _top(self, obj: str, choices: list[dict], usage: dict | None = None,
-             stats: list[dict | None] | None = None) -> dict:
+    def _top(
+        self, obj: str, choices: list[dict], usage: dict | None = None, stats: list[dict | None] | None = None
+    ) -> dict:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         if usage is not None:
             out["usage"] = usage
         if stats is not None and len(stats) == 1 and stats[0] is not None:
-            out["speculative_decoding_stats"] = stats[0]     # where a reader of the whole response looks
+            out["speculative_decoding_stats"] = stats[0]  # where a reader of the whole response looks
         return out
 
     def _echo_entries(self, choice: Choice) -> list:
@@ -140,7 +159,7 @@ class Reply:
         tokens, token_logprobs, top, offsets = [], [], [], []
         offset = choice.text_offset
         for i, entry in enumerate(entries):
-            if entry is None:                               # the prompt's first token: nothing before it
+            if entry is None:  # the prompt's first token: nothing before it
                 token = self.tokenizer.piece(self.prompt_ids[i]) if self.tokenizer is not None else ""
                 tokens.append(token)
                 token_logprobs.append(None)
@@ -158,8 +177,12 @@ class Reply:
     def _chat_logprobs(self, entries: list) -> dict | None:
         if self.checked.logprobs is None:
             return None
-        return {"content": [{**self._token(e.token_id, e.logprob),
-                             "top_logprobs": [self._token(t, lp) for t, lp in e.top]} for e in entries]}
+        return {
+            "content": [
+                {**self._token(e.token_id, e.logprob), "top_logprobs": [self._token(t, lp) for t, lp in e.top]}
+                for e in entries
+            ]
+        }
 
     def _token(self, token_id: int, logprob: float) -> dict:
         piece = self._piece(token_id)

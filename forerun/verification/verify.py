@@ -1,21 +1,22 @@
 """One target forward over the root and every draft node; the target's distribution at each row."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from forerun.config import SamplingParams
-from forerun.kv_cache import KVCache
+from forerun.base.config import SamplingParams
 from forerun.models.attention import RowLayout, Segment
 from forerun.models.decoder import Decoder
-from forerun.sampling import probabilities
-from forerun.tree import DraftTree
+from forerun.models.kv_cache import KVCache
+from forerun.verification.sampling import probabilities
+from forerun.verification.tree import DraftTree
 
 
 @dataclass
 class Verification:
-    probs: torch.Tensor   # [N+1, vocab] processed target distribution after the root (row 0) and each node
+    probs: torch.Tensor  # [N+1, vocab] processed target distribution after the root (row 0) and each node
     hidden: torch.Tensor  # [N+1, hidden] final hidden state of each row (for feature-level drafters)
     aux_logits: torch.Tensor | None = None  # [A, vocab] raw target logits of the tree's aux rows, if any
     # [N+1, vocab] raw target logits of the root and each node (a view of the pass's), only for a
@@ -23,8 +24,7 @@ class Verification:
     logits: torch.Tensor | None = None
 
 
-def verify(target: Decoder, cache: KVCache, root: int, tree: DraftTree | None,
-           params: SamplingParams) -> Verification:
+def verify(target: Decoder, cache: KVCache, root: int, tree: DraftTree | None, params: SamplingParams) -> Verification:
     """Feed the root (last accepted token, at slot and position cache.length), the tree's nodes,
     then its aux rows.
 
@@ -36,19 +36,23 @@ def verify(target: Decoder, cache: KVCache, root: int, tree: DraftTree | None,
     start = cache.length
     device = target.device
     tree = tree if tree is not None else DraftTree([], [])
-    tokens = torch.tensor([root] + tree.tokens + tree.aux_tokens, device=device)   # [R]
-    positions = tree.positions(start).to(device)                                     # [R]
+    tokens = torch.tensor([root] + tree.tokens + tree.aux_tokens, device=device)  # [R]
+    positions = tree.positions(start).to(device)  # [R]
     out = target(tokens, positions, cache, layout=row_layout(tree, start), output_hidden=True)
     n = len(tree) + 1
-    logits = out.logits[0]                                                           # [R, vocab]
-    return Verification(probs=probabilities(logits[:n], params), hidden=out.hidden[0, :n],
-                        aux_logits=logits[n:] if tree.aux_tokens else None,
-                        logits=logits[:n] if params.logprobs is not None else None)
+    logits = out.logits[0]  # [R, vocab]
+    return Verification(
+        probs=probabilities(logits[:n], params),
+        hidden=out.hidden[0, :n],
+        aux_logits=logits[n:] if tree.aux_tokens else None,
+        logits=logits[:n] if params.logprobs is not None else None,
+    )
 
 
 @dataclass
 class VerifyJob:
     """One sequence's part of a verification over several sequences."""
+
     cache: KVCache
     root: int
     tree: DraftTree | None
@@ -69,9 +73,14 @@ def verify_many(target: Decoder, jobs: list[VerifyJob]) -> list[Verification]:
         tokens += rows
         positions.append(tree.positions(start))
     device = target.device
-    out = target(torch.tensor(tokens, device=device), torch.cat(positions).to(device), None,
-                 segments=segments, output_hidden=True)
-    logits, hidden = out.logits[0], out.hidden[0]                                    # [R, vocab], [R, hidden]
+    out = target(
+        torch.tensor(tokens, device=device),
+        torch.cat(positions).to(device),
+        None,
+        segments=segments,
+        output_hidden=True,
+    )
+    logits, hidden = out.logits[0], out.hidden[0]  # [R, vocab], [R, hidden]
     # Greedy sequences' one-hot rows in one go: one argmax and one fill over the pass, not one per
     # sequence (each row the same either way; at 32 sequences a few ms of a step).
     greedy = [job.params for job in jobs if job.params.greedy]
@@ -79,12 +88,20 @@ def verify_many(target: Decoder, jobs: list[VerifyJob]) -> list[Verification]:
     results = []
     for job, tree, seg in zip(jobs, trees, segments):
         n = len(tree) + 1
-        rows = logits[seg.start:seg.stop]
-        probs = one_hot[seg.start:seg.start + n] if one_hot is not None and job.params.greedy \
+        rows = logits[seg.start : seg.stop]
+        probs = (
+            one_hot[seg.start : seg.start + n]
+            if one_hot is not None and job.params.greedy
             else probabilities(rows[:n], job.params)
-        results.append(Verification(probs=probs, hidden=hidden[seg.start:seg.start + n],
-                                    aux_logits=rows[n:] if tree.aux_tokens else None,
-                                    logits=rows[:n] if job.params.logprobs is not None else None))
+        )
+        results.append(
+            Verification(
+                probs=probs,
+                hidden=hidden[seg.start : seg.start + n],
+                aux_logits=rows[n:] if tree.aux_tokens else None,
+                logits=rows[:n] if job.params.logprobs is not None else None,
+            )
+        )
     return results
 
 
@@ -95,7 +112,6 @@ def row_layout(tree: DraftTree, start: int) -> RowLayout:
     paths = [[0] + [1 + node for node in tree.path_to(leaf)] for leaf in leaves] or [[0]]
     layout = RowLayout.from_paths(start, paths, n)
     if tree.aux_tokens:
-        visible = tree.attention_mask(start)[n:]                                     # [A, start+R]
-        layout.add_masked_rows(list(range(n, n + len(tree.aux_tokens))),
-                               [start + o for o in tree.aux_offsets], visible)
+        visible = tree.attention_mask(start)[n:]  # [A, start+R]
+        layout.add_masked_rows(list(range(n, n + len(tree.aux_tokens))), [start + o for o in tree.aux_offsets], visible)
     return layout

@@ -1,4 +1,5 @@
 """Where forerun keeps downloaded and converted models: FORERUN_HOME, else ~/.cache/forerun."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Tiny random models for tests and examples: fp32, a few layers, a small vocabulary, no downloads."""
+
 from __future__ import annotations
 
 import json
@@ -16,10 +17,21 @@ _CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 
 
 def tiny_config(vocab_size: int = 128, num_layers: int = 2, architecture: str = "qwen2", **overrides) -> DecoderConfig:
-    fields = dict(architecture=architecture, vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                  num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
-                  rms_norm_eps=1e-6, max_position=1024, attention_bias=architecture == "qwen2",
-                  tie_embeddings=False)
+    fields = dict(
+        architecture=architecture,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position=1024,
+        attention_bias=architecture == "qwen2",
+        tie_embeddings=False,
+    )
     fields.update(overrides)
     return DecoderConfig(**fields)
 
@@ -42,17 +54,20 @@ def tiny_decoder(cfg: DecoderConfig | None = None, seed: int = 0, scale: float =
 def tiny_tokenizer_folder(folder: Path) -> Path:
     """Write a character-level Hugging Face tokenizer (with a chat template) into `folder`."""
     from tokenizers import Tokenizer as HFTok
-    from tokenizers import models, pre_tokenizers, decoders
+    from tokenizers import decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(_SPECIALS + _CHARS)}
     tok = HFTok(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=_SPECIALS)
-    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=_SPECIALS
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     folder.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(folder))
     return folder
@@ -78,16 +93,28 @@ def save_hf_folder(model: LoadedModel, folder: Path) -> Path:
 
     cfg = model.decoder.cfg
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"model_type": cfg.architecture, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-              "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-              "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-              "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
-              "max_position_embeddings": cfg.max_position, "tie_word_embeddings": cfg.tie_embeddings,
-              "attention_bias": cfg.attention_bias, "architectures": ["Qwen2ForCausalLM"]}
+    config = {
+        "model_type": cfg.architecture,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "architectures": ["Qwen2ForCausalLM"],
+    }
     (folder / "config.json").write_text(json.dumps(config))
-    state = {f"model.{k}" if k != "lm_head.weight" else k: v.contiguous()
-             for k, v in model.decoder.state_dict().items()
-             if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    state = {
+        f"model.{k}" if k != "lm_head.weight" else k: v.contiguous()
+        for k, v in model.decoder.state_dict().items()
+        if not (cfg.tie_embeddings and k == "lm_head.weight")
+    }
     save_file(state, str(folder / "model.safetensors"))
     tiny_tokenizer_folder(folder)
     return folder
@@ -121,9 +148,9 @@ def _quantize_k4(blocks, levels: int):
     import numpy as np
 
     sub = blocks.reshape(-1, 8, 32)
-    low = np.minimum(sub.min(-1), 0.0)                           # [n, 8]
+    low = np.minimum(sub.min(-1), 0.0)  # [n, 8]
     scale = (sub.max(-1) - low) / levels
-    d = np.maximum(scale.max(-1), 1e-10) / 63                    # [n]
+    d = np.maximum(scale.max(-1), 1e-10) / 63  # [n]
     dmin = np.maximum((-low).max(-1), 1e-10) / 63
     d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
     sc = np.clip(np.round(scale / d[:, None]), 0, 63).astype(np.uint8)
@@ -146,7 +173,7 @@ def quantize_k(array, kind: str):
         qs = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(n, 128)
         parts = [_f16_bytes(d), _f16_bytes(dmin), _pack_k4_scales(sc, mn)]
         if kind == "Q5_K":
-            high = (q >> 4).reshape(n, 8, 32)                    # bit 4 of element 32 j + l
+            high = (q >> 4).reshape(n, 8, 32)  # bit 4 of element 32 j + l
             qh = np.zeros((n, 32), dtype=np.uint8)
             for j in range(8):
                 qh |= (high[:, j] << j).astype(np.uint8)
@@ -154,13 +181,14 @@ def quantize_k(array, kind: str):
         parts.append(qs)
     elif kind == "Q6_K":
         sub = blocks.reshape(n, 16, 16)
-        scale = np.abs(sub).max(-1) / 32                         # [n, 16]
+        scale = np.abs(sub).max(-1) / 32  # [n, 16]
         d = (np.maximum(np.abs(scale).max(-1), 1e-10) / 127).astype(np.float16).astype(np.float32)
         sc = np.clip(np.round(scale / d[:, None]), -128, 127).astype(np.int8)
         step = np.where(sc == 0, 1e30, d[:, None] * sc)[..., None]
         q = (np.clip(np.round(sub / step), -32, 31) + 32).astype(np.uint8).reshape(n, 2, 4, 32)
-        ql = np.concatenate([(q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4),
-                             (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)], axis=-1)   # [n, 2, 64]
+        ql = np.concatenate(
+            [(q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4), (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)], axis=-1
+        )  # [n, 2, 64]
         qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
         parts = [ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), _f16_bytes(d)]
     else:

@@ -25,20 +25,21 @@ exactly the single-request engine.
 Failures stay with their request: a lane whose drafter or acceptance raises is ended with that
 error; if the shared pass raises, each lane is verified alone so only the guilty one fails.
 """
+
 from __future__ import annotations
 
 import collections
 import math
 import time
+from collections.abc import Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Hashable, Sequence
 
-from forerun.config import SamplingParams
-from forerun.cost_model import batch_draft_length
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
 from forerun.drafters.passes import run_passes
-from forerun.engine import Engine, Plan, RequestOutput, Running, StepOutput
-from forerun.errors import ForerunError
-from forerun.verify import Verification, VerifyJob, verify, verify_many
+from forerun.engine.engine import Engine, Plan, RequestOutput, Running, StepOutput
+from forerun.policy.cost_model import batch_draft_length
+from forerun.verification.verify import Verification, VerifyJob, verify, verify_many
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Lane:
 @dataclass
 class Prefill:
     """A request whose prompt is being prefilled a chunk at a time (`BatchEngine.start`)."""
+
     engine: Engine
     steps: Generator[None, None, tuple[Running, StepOutput]]
     prompt_ids: list[int]
@@ -61,13 +63,14 @@ class Prefill:
 @dataclass
 class StepResult:
     """What one step did to one request: its emitted tokens, or the error that ended it."""
+
     output: StepOutput | None
     error: Exception | None = None
 
 
-EXPLORE_EVERY = 16    # steps between tries of the option that measured worse, at the least
+EXPLORE_EVERY = 16  # steps between tries of the option that measured worse, at the least
 EXPLORE_SHARE = 0.02  # and never so often that those tries cost more than this share of the time
-EXPLORE_MAX = 512     # each try that measured worse again doubles the steps to the next, up to this
+EXPLORE_MAX = 512  # each try that measured worse again doubles the steps to the next, up to this
 # Drafting is chosen only while it measures this much faster than plain steps: its steps' rates leave
 # out what drafting costs beside them (a drafting step is longer, and requests waiting to join wait
 # for it; a switch to drafting makes every lane's draft model catch up), and two nearly equal noisy
@@ -79,13 +82,14 @@ DRAFTING_EDGE = 0.05
 class Rates:
     """Tokens per second and seconds per step of one batch size's steps, with drafting and
     without (running means)."""
+
     drafting: float | None = None
     plain: float | None = None
     drafting_s: float | None = None
     plain_s: float | None = None
-    since: int = 0                 # steps since the worse option was last tried
-    losses: int = 0                # tries in a row after which the same option still measured better
-    trying: bool = False           # the step being taken is a try of the worse option
+    since: int = 0  # steps since the worse option was last tried
+    losses: int = 0  # tries in a row after which the same option still measured better
+    trying: bool = False  # the step being taken is a try of the worse option
 
     def choose_drafting(self) -> bool:
         """Draft this step? Each option is tried first; then the faster one, and the other again
@@ -119,7 +123,7 @@ class Rates:
         def mean(old: float | None, new: float) -> float:
             return new if old is None else 0.7 * old + 0.3 * new
 
-        before = self.drafting_better() if self.trying else None   # a try is made only once both have figures
+        before = self.drafting_better() if self.trying else None  # a try is made only once both have figures
         if drafting:
             self.drafting, self.drafting_s = mean(self.drafting, rate), mean(self.drafting_s, seconds)
         else:
@@ -138,10 +142,10 @@ class BatchEngine:
         self.new_engine = new_engine
         self.max_seqs = max_seqs
         self.lanes: dict[Hashable, Lane] = {}
-        self.prefilling: dict[Hashable, Prefill] = {}   # started, prompt not through yet (oldest first)
+        self.prefilling: dict[Hashable, Prefill] = {}  # started, prompt not through yet (oldest first)
         self.idle: list[Engine] = list(engines)
-        self._checker: Engine | None = engines[0] if engines else None   # answers check_fits; may also run a lane
-        self.last_k: int | None = None     # the draft length the last step allowed (None: no drafter)
+        self._checker: Engine | None = engines[0] if engines else None  # answers check_fits; may also run a lane
+        self.last_k: int | None = None  # the draft length the last step allowed (None: no drafter)
         # Per batch size class (1, 2-3, 4-7, 8-15, ...: the size's bit length), measured rates.
         self.rates: collections.defaultdict[int, Rates] = collections.defaultdict(Rates)
 
@@ -166,8 +170,9 @@ class BatchEngine:
             self.idle.append(self._new())
         return self._checker.check_fits(prompt_ids, params)
 
-    def add(self, key: Hashable, prompt_ids: list[int], params: SamplingParams,
-            like: Hashable | None = None) -> StepOutput:
+    def add(
+        self, key: Hashable, prompt_ids: list[int], params: SamplingParams, like: Hashable | None = None
+    ) -> StepOutput:
         """Start a request under `key` (prefill and first token); the caller must not exceed max_seqs.
         `like`: the key of a request of the same prompt added since the last step, whose prefill
         this one shares (n completions of one prompt: one prefill, each its own seed)."""
@@ -176,8 +181,10 @@ class BatchEngine:
         shared = None
         if like is not None:
             if like not in self.lanes:
-                raise ForerunError(f"like={like!r} names no running request: a prefill is shared with a "
-                                   "request added before this one and not removed yet")
+                raise ForerunError(
+                    f"like={like!r} names no running request: a prefill is shared with a "
+                    "request added before this one and not removed yet"
+                )
             shared = self.lanes[like].run
         engine = self._engine()
         try:
@@ -188,8 +195,7 @@ class BatchEngine:
         self.lanes[key] = Lane(engine, run)
         return first
 
-    def start(self, key: Hashable, prompt_ids: list[int], params: SamplingParams,
-              like: Hashable | None = None) -> None:
+    def start(self, key: Hashable, prompt_ids: list[int], params: SamplingParams, like: Hashable | None = None) -> None:
         """`add` without the prefill: the request's prompt goes through in `prefill` calls, a chunk
         at a time, between steps of the running requests (chunked prefill). `like`: the key of a
         request of the same prompt still prefilling, whose prefill this one then shares (otherwise
@@ -213,7 +219,7 @@ class BatchEngine:
             chunks += 1
             key, job = next(iter(self.prefilling.items()))
             try:
-                next(job.steps)                         # one chunk
+                next(job.steps)  # one chunk
             except StopIteration as stop:
                 run, first = stop.value
                 del self.prefilling[key]
@@ -221,7 +227,7 @@ class BatchEngine:
                 results[key] = StepResult(first)
                 for follower, params in job.followers:
                     results[follower] = self._follow(follower, job.prompt_ids, params, key)
-            except Exception as exc:                    # noqa: BLE001 - this request fails, the others go on
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                 self._drop_prefill(key)
                 results[key] = StepResult(None, exc)
         return results
@@ -233,7 +239,7 @@ class BatchEngine:
     def _follow(self, key: Hashable, prompt_ids: list[int], params: SamplingParams, like: Hashable) -> StepResult:
         try:
             return StepResult(self.add(key, prompt_ids, params, like=like))
-        except Exception as exc:                        # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             return StepResult(None, exc)
 
     def _drop_prefill(self, key: Hashable) -> None:
@@ -275,14 +281,15 @@ class BatchEngine:
         # hand (auto's long suffix match) still drafts it where the batch's length says its rows
         # pay; such steps count as plain ones, so the choice measured is whether the draft model
         # adds to them.
-        plain = len(lanes) > 1 and all(lane.engine.policy is not None for _, lane in lanes) \
-            and not bucket.choose_drafting()
+        plain = (
+            len(lanes) > 1 and all(lane.engine.policy is not None for _, lane in lanes) and not bucket.choose_drafting()
+        )
         # Each lane first settles what it alone would draft (and from which source); the batch
         # then caps everyone's length by what the load makes pay.
         for key, lane in lanes:
             try:
                 chosen[key] = lane.engine.choose_free(lane.run) if plain else lane.engine.choose(lane.run)
-            except Exception as exc:                    # noqa: BLE001 - this request fails, the others go on
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                 results[key] = StepResult(None, exc)
         lanes = [(key, lane) for key, lane in lanes if key in chosen]
         cap = self._k_cap([(lane, chosen[key][0]) for key, lane in lanes]) if len(lanes) > 1 else None
@@ -303,7 +310,7 @@ class BatchEngine:
             try:
                 emitted = lane.engine.finish(lane.run, plan, ver, timed=not shared)
                 results[key] = StepResult(lane.run.step_output(emitted))
-            except Exception as exc:                    # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001
                 results[key] = StepResult(None, exc)
         ks = [lane.engine.last_k for _, lane, _ in planned if lane.engine.last_k is not None]
         self.last_k = max(ks) if ks else None
@@ -328,11 +335,11 @@ class BatchEngine:
         `lanes`: each lane with the length it chose alone; those that chose 0 count as plain rows."""
         figures = []
         pass_cost, k_max, plain = None, 0, 0
-        shared: list[Engine] = []                        # lanes whose draft forwards run as one
+        shared: list[Engine] = []  # lanes whose draft forwards run as one
         for lane, k in lanes:
             engine, policy = lane.engine, lane.engine.policy
             if policy is None:
-                return None                              # a fixed K was asked for: the experiment rules
+                return None  # a fixed K was asked for: the experiment rules
             pass_cost = policy.pass_cost
             if k == 0:
                 plain += 1
@@ -356,18 +363,18 @@ class BatchEngine:
             _, lane, plan = planned[0]
             try:
                 return [verify(lane.engine.target.decoder, lane.run.cache, plan.root, plan.tree, lane.run.seq.params)]
-            except Exception as exc:                    # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001
                 return [exc]
         target = planned[0][1].engine.target.decoder
         lengths = [lane.run.cache.length for _, lane, _ in planned]
         try:
             return list(verify_many(target, [job(lane, plan) for _, lane, plan in planned]))
-        except Exception:                               # noqa: BLE001 - find whose rows failed
+        except Exception:  # noqa: BLE001 - find whose rows failed
             outcomes: list[Verification | Exception] = []
             for (_, lane, plan), length in zip(planned, lengths):
                 lane.run.cache.truncate(min(length, lane.run.cache.length))
                 try:
                     outcomes.append(verify(target, lane.run.cache, plan.root, plan.tree, lane.run.seq.params))
-                except Exception as exc:                # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001
                     outcomes.append(exc)
             return outcomes

@@ -1,0 +1,57 @@
+"""Files forerun writes into its cache and output folders: whole or not at all, and their checksums."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+_CHUNK = 1 << 20  # bytes read at a time when hashing
+
+
+def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """Run `write(tmp)` on a temporary sibling of `path`, then rename it into place.
+
+    A reader sees the old file or the new one, never half of one, and a crash leaves no temporary
+    behind. `tmp` may be a file or a folder; a folder replaces an older folder at `path`.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        if tmp.is_dir() and path.is_dir():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+
+
+def write_text(path: Path, text: str) -> None:
+    write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_json(path: Path, data: object, indent: int | None = None) -> None:
+    write_text(path, json.dumps(data, indent=indent))
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A safetensors file, written atomically (never a pickle)."""
+    from safetensors.torch import save_file
+
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp)))
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()

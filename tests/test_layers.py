@@ -1,0 +1,104 @@
+"""forerun's packages form layers, and an import may only point down (or across one layer).
+
+Every import statement is read from the source, the ones inside functions included, so a
+function-level import cannot hide an arrow that climbs. The layers are the ones
+docs/architecture.md draws.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "forerun"
+
+# Lowest first. A module may import its own layer and any layer below it.
+LAYERS: list[tuple[str, ...]] = [
+    ("forerun.base",),
+    ("forerun.native",),
+    ("forerun.models", "forerun.heads"),
+    ("forerun.verification",),
+    ("forerun.policy",),
+    ("forerun.drafters",),
+    ("forerun.engine",),
+    ("forerun.api", "forerun.serve"),
+    ("forerun.train", "forerun.bench"),
+    ("forerun.commands",),
+    ("forerun.cli", "forerun"),
+]
+
+
+def layer_of(module: str) -> int:
+    best, best_len = None, -1
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add its package to LAYERS and docs/architecture.md")
+    return best
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every forerun module `path` imports, wherever the statement sits."""
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                # `from forerun import native` imports a module; `from forerun.x import name` imports from one.
+                candidate = f"{base}.{alias.name}"
+                target = candidate if _is_module(candidate) else base
+                found.append((node.lineno, target))
+    return [(line, name) for line, name in found if name == "forerun" or name.startswith("forerun.")]
+
+
+def _is_module(name: str) -> bool:
+    path = PACKAGE.parent / Path(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_module_has_a_layer():
+    for path in SOURCES:
+        layer_of(module_name(path))
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_no_import_climbs_a_layer(path: Path):
+    here = module_name(path)
+    climbing = [
+        f"line {line}: {here} (layer {layer_of(here)}) imports {name} (layer {layer_of(name)})"
+        for line, name in imported(path)
+        if layer_of(name) > layer_of(here)
+    ]
+    assert not climbing, "\n".join(climbing)
+
+
+def test_the_checker_sees_a_climbing_import(tmp_path: Path):
+    # The negative control: a function-level import from a higher layer is found.
+    source = PACKAGE / "base" / "climbing_probe.py"
+    source.write_text("def f():\n    from forerun.engine.engine import Engine\n    return Engine\n")
+    try:
+        assert [(2, "forerun.engine.engine")] == imported(source)
+        assert layer_of("forerun.engine.engine") > layer_of(module_name(source))
+    finally:
+        source.unlink()
