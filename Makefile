@@ -41,7 +41,7 @@ run: models
 # llama.cpp for `forerun bench --peers llama.cpp`, built once under FORERUN_HOME (~10 minutes on 2
 # cores). Never needed by `make test`; the bench builds it on first use when this was not run.
 peers: $(STAMP)
-	$(VPY) -c 'import sys; from forerun.bench.llamacpp import main; sys.exit(main())'
+	$(VPY) -c 'import sys; from forerun.bench.llamacpp.build import main; sys.exit(main())'
 
 test: models
 	$(VENV)/bin/ruff check forerun tests

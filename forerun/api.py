@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from forerun import drafters
 from forerun.base.config import SamplingParams, SpeculativeConfig
 from forerun.base.errors import ForerunError
-from forerun.drafters.draft_model import DRAFT_MODEL_METHODS
 from forerun.engine.engine import Engine, RequestOutput
 from forerun.engine.metrics import SpecMetrics
 from forerun.models import formats
 from forerun.models.load import LoadedModel, load_model
-from forerun.policy.cost_model import DraftLengthPolicy, pass_costs
+from forerun.policy.draft_length import DraftLengthPolicy
+from forerun.policy.pass_costs import cached_pass_costs
 from forerun.verification.logprobs import TokenLogprob
 
 
@@ -65,7 +66,7 @@ class LLM:
     speculative_method picks the drafter by name; speculative_model implies "auto". Any further
     keyword arguments in `speculative_options` go to the drafter alone. num_speculative_tokens is
     the most a step drafts: with speculative_k_policy "adaptive" each step drafts the length that
-    pays best (0 when drafts keep failing; forerun/cost_model.py), with "fixed" always that many.
+    pays best (0 when drafts keep failing; policy/draft_length.py), with "fixed" always that many.
     """
 
     def __init__(
@@ -89,42 +90,40 @@ class LLM:
         self.last_result: GenerationResult | None = None
         options = dict(speculative_options or {})
         if speculative_model is not None:
-            if speculative_method not in (None, *DRAFT_MODEL_METHODS):
+            if speculative_method is not None and not drafters.needs_draft_model(speculative_method):
+                methods = drafters.draft_model_methods()
                 raise ForerunError(
                     f"speculative_model is a draft model, but speculative_method {speculative_method!r} "
-                    f"runs none; use {' or '.join(DRAFT_MODEL_METHODS)}, or leave it out"
+                    f"runs none; use {' or '.join(methods)}, or leave it out"
                 )
             speculative_method = speculative_method or "auto"
             options.setdefault("model", speculative_model)
             options.setdefault("dtype", dtype)
             options.setdefault("device", device)
-        self.spec = SpeculativeConfig(speculative_method, num_speculative_tokens, options, speculative_k_policy)
+        spec = SpeculativeConfig(speculative_method, num_speculative_tokens, options, speculative_k_policy)
         if speculative_method is not None and num_speculative_tokens > self.target.decoder.cfg.max_position:
             raise ForerunError(f"num_speculative_tokens {num_speculative_tokens} is beyond the model's context")
-        if isinstance(options.get("model"), str):
-            # Loaded once here, so every engine's drafter (one per batched sequence) shares the weights.
-            options["model"] = load_model(
-                options["model"],
-                options.get("dtype", dtype),
-                options.get("device", device),
-                quantization=options.pop("quantize", None),
-            )
-        self._drafter_options = options
+        # A draft model named by path is loaded once here, so every engine's drafter (one per
+        # batched sequence) shares the weights.
+        self.spec = dataclasses.replace(spec, options=_with_draft_loaded(options, dtype, device))
+        self.drafter_memory: object | None = None  # what the drafters remember, shared by every engine's
         self.engine = self.new_engine()
 
     def new_engine(self) -> Engine:
         """An engine of its own (drafter, cost policy) over this LLM's weights: one per sequence
-        generated at once (forerun/batch.py)."""
+        generated at once (engine/batch.py)."""
         spec = self.spec
-        drafter = drafters.create(spec.method, self.target, self._drafter_options) if spec.method else None
-        memory = getattr(drafter, "memory", None)
-        if memory is not None:
+        drafter = None
+        if spec.method:
+            memory = self.drafter_memory
+            options = spec.options if memory is None else {"memory": memory, **spec.options}
+            drafter = drafters.create(spec.method, self.target, options)
             # Earlier outputs remembered once for all engines: a server's lane drafts from what any
             # earlier request answered (suffix.py).
-            self._drafter_options.setdefault("memory", memory)
+            self.drafter_memory = memory if memory is not None else drafter.memory
         policy = None
         if drafter is not None and spec.k_policy == "adaptive":
-            policy = DraftLengthPolicy(pass_costs(self.target), spec.num_speculative_tokens)
+            policy = DraftLengthPolicy(cached_pass_costs(self.target), spec.num_speculative_tokens)
         return Engine(self.target, drafter, spec.num_speculative_tokens, policy)
 
     @property
@@ -174,3 +173,18 @@ class LLM:
         return GenerationResult(
             prompt, ids, [completion], out.elapsed_s, out.first_token_s, out.metrics, out.prompt_logprobs
         )
+
+
+def _with_draft_loaded(options: dict, dtype: str, device: str) -> dict:
+    """`options` with a draft model named by path loaded (in its `quantize` format, which the
+    drafter then does not apply again)."""
+    if not isinstance(options.get("model"), str):
+        return options
+    loaded = {key: value for key, value in options.items() if key != "quantize"}
+    loaded["model"] = load_model(
+        options["model"],
+        options.get("dtype", dtype),
+        options.get("device", device),
+        quantization=options.get("quantize"),
+    )
+    return loaded

@@ -21,12 +21,8 @@ from forerun.engine.batch import BatchEngine
 from forerun.engine.engine import Engine
 from forerun.models.testing import tiny_model
 from forerun.models.w8a8 import quantize_decoder_
-from forerun.policy.cost_model import (
-    DraftLengthPolicy,
-    PassCosts,
-    batch_draft_length,
-    expected_tokens,
-)
+from forerun.policy.draft_length import DraftLengthPolicy, batch_draft_length, expected_tokens
+from forerun.policy.pass_costs import PassCosts
 from forerun.verification.tree import DraftTree
 from forerun.verification.verify import VerifyJob, verify, verify_many
 
@@ -253,7 +249,7 @@ def test_the_batch_caps_each_lanes_draft_length_by_the_load(quantized) -> None:
 
 
 def test_a_batch_drafts_only_while_drafting_measures_faster() -> None:
-    from forerun.engine.batch import EXPLORE_EVERY, Rates
+    from forerun.policy.batch_rates import EXPLORE_EVERY, Rates
 
     rates = Rates()
     assert rates.choose_drafting() is True  # each option is tried first
@@ -270,7 +266,7 @@ def test_a_batch_drafts_only_while_drafting_measures_faster() -> None:
 
 
 def test_drafting_that_measures_only_a_little_faster_is_not_chosen() -> None:
-    from forerun.engine.batch import DRAFTING_EDGE, EXPLORE_EVERY, Rates
+    from forerun.policy.batch_rates import DRAFTING_EDGE, EXPLORE_EVERY, Rates
 
     rates = Rates()
     rates.record(True, 20.0 * (1 + DRAFTING_EDGE / 2), 0.10)  # within the edge: noise, or no gain
@@ -285,7 +281,7 @@ def test_drafting_that_measures_only_a_little_faster_is_not_chosen() -> None:
 
 
 def test_a_dear_option_is_tried_again_only_as_often_as_it_is_cheap_to() -> None:
-    from forerun.engine.batch import EXPLORE_SHARE, Rates
+    from forerun.policy.batch_rates import EXPLORE_SHARE, Rates
 
     rates = Rates()
     rates.record(True, 10.0, 0.50)  # a drafting step: 0.5 s at half the rate
@@ -297,7 +293,7 @@ def test_a_dear_option_is_tried_again_only_as_often_as_it_is_cheap_to() -> None:
 
 
 def test_tries_that_keep_measuring_worse_fade_out_and_one_that_wins_brings_them_back() -> None:
-    from forerun.engine.batch import EXPLORE_EVERY, EXPLORE_MAX, Rates
+    from forerun.policy.batch_rates import EXPLORE_EVERY, EXPLORE_MAX, Rates
 
     rates = Rates()
     rates.record(True, 18.0, 0.10)
@@ -332,7 +328,6 @@ def test_tries_that_keep_measuring_worse_fade_out_and_one_that_wins_brings_them_
 
 
 def test_lanes_that_step_plainly_count_as_plain_rows_in_the_batch_length() -> None:
-    from forerun.policy.cost_model import PassCosts, batch_draft_length
 
     flat = PassCosts([0.1] * 8 + [0.2] * 8)
     sure = (0.9, 0.0, 1.0)

@@ -14,22 +14,24 @@ from pathlib import Path
 import pytest
 
 from forerun.base.config import SamplingParams
-from forerun.bench import llamacpp
 from forerun.bench.contenders import decode_rate
 from forerun.bench.llamacpp import (
     LLAMA_DRAFT,
+    LLAMA_METHODS,
     LLAMA_NGRAM,
     LLAMA_PLAIN,
     LlamaCppUnavailable,
-    LlamaServer,
-    ServerSpec,
-    parse_completion,
-    request_body,
+    peer,
+    repack,
 )
+from forerun.bench.llamacpp import build as llama_build
+from forerun.bench.llamacpp.completion import parse_completion, request_body
+from forerun.bench.llamacpp.server import LlamaServer
+from forerun.bench.llamacpp.server_spec import ServerSpec, server_specs
 from forerun.bench.report import ReportContext, render
 from forerun.bench.summary import OVERALL, by_task
 from forerun.cli import main
-from forerun.models.load import ModelSource
+from forerun.models.source import ModelSource
 from forerun.models.testing import save_hf_folder, tiny_model
 from forerun.models.tokenizer import Tokenizer
 
@@ -129,7 +131,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def pretend_gguf(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny models are folders; let the peer take them for GGUF files (the servers are stand-ins)."""
-    monkeypatch.setattr(llamacpp, "resolve", lambda spec: ModelSource("gguf", Path(spec) / "model.gguf", spec))
+    monkeypatch.setattr(peer, "resolve", lambda spec: ModelSource("gguf", Path(spec) / "model.gguf", spec))
 
 
 def bench_args(folders: dict[str, Path], out: Path, *extra: str) -> list[str]:
@@ -166,7 +168,7 @@ def test_a_failed_llama_build_is_noted_and_the_forerun_runs_go_on(
     def no_build(*_args, **_kwargs):
         raise LlamaCppUnavailable("could not download llama-cpp-python 0.3.36 with pip (no network)")
 
-    monkeypatch.setattr(llamacpp, "build", no_build)
+    monkeypatch.setattr(llama_build, "build", no_build)
     assert main(bench_args(folders, tmp_path / "out", "--methods", "plain", "--peers", "llama.cpp")) == 0
     assert "llama.cpp peer left out: could not download" in capsys.readouterr().err
     records = read_records(tmp_path / "out")
@@ -183,28 +185,28 @@ def test_a_model_folder_is_noted_as_not_runnable_by_llama_cpp(
 
 
 def test_a_binary_without_the_stamp_of_a_finished_build_is_not_found(home: Path) -> None:
-    server = llamacpp.server_path()
+    server = llama_build.server_path()
     server.parent.mkdir(parents=True)
     server.write_text("half built")
-    assert llamacpp.find_server() is None
-    llamacpp.stamp_path().write_text("{}")
-    assert llamacpp.find_server() == server
+    assert llama_build.find_server() is None
+    llama_build.stamp_path().write_text("{}")
+    assert llama_build.find_server() == server
 
 
 def test_a_failed_download_says_what_failed_and_leaves_no_stamp(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def pip_fails(command, **_kwargs):
-        assert command[1:4] == ["-m", "pip", "download"] and f"llama-cpp-python=={llamacpp.VERSION}" in command
-        return llamacpp.subprocess.CompletedProcess(command, 1, "", "ERROR: Could not find a version\n")
+        assert command[1:4] == ["-m", "pip", "download"] and f"llama-cpp-python=={llama_build.VERSION}" in command
+        return llama_build.subprocess.CompletedProcess(command, 1, "", "ERROR: Could not find a version\n")
 
-    monkeypatch.setattr(llamacpp.subprocess, "run", pip_fails)
+    monkeypatch.setattr(llama_build.subprocess, "run", pip_fails)
     with pytest.raises(
         LlamaCppUnavailable,
         match="could not download llama-cpp-python 0.3.36 with pip "
         r"\(ERROR: Could not find a version\)",
     ):
-        llamacpp.build(say=lambda _: None)
-    assert not llamacpp.stamp_path().exists() and llamacpp.find_server() is None
-    assert llamacpp.main() == 1
+        llama_build.build(say=lambda _: None)
+    assert not llama_build.stamp_path().exists() and llama_build.find_server() is None
+    assert llama_build.main() == 1
 
 
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake")
@@ -212,24 +214,24 @@ def test_a_failed_compile_names_the_step_and_the_log(
     home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A stand-in sdist whose llama.cpp tree CMake refuses.
-    tree = tmp_path / f"llama_cpp_python-{llamacpp.VERSION}" / "vendor" / "llama.cpp"
+    tree = tmp_path / f"llama_cpp_python-{llama_build.VERSION}" / "vendor" / "llama.cpp"
     tree.mkdir(parents=True)
     (tree / "CMakeLists.txt").write_text('message(FATAL_ERROR "broken on purpose")\n')
     (tree / ".git").write_text("gitdir: ../../.git/modules/vendor/llama.cpp\n")
-    sdist = tmp_path / llamacpp.SDIST
+    sdist = tmp_path / llama_build.SDIST
     with tarfile.open(sdist, "w:gz") as tar:
-        tar.add(tmp_path / f"llama_cpp_python-{llamacpp.VERSION}", arcname=f"llama_cpp_python-{llamacpp.VERSION}")
-    monkeypatch.setattr(llamacpp, "_download", lambda folder, say: sdist)
+        tar.add(tmp_path / f"llama_cpp_python-{llama_build.VERSION}", arcname=f"llama_cpp_python-{llama_build.VERSION}")
+    monkeypatch.setattr(llama_build, "_download", lambda folder, say: sdist)
     said: list[str] = []
     with pytest.raises(LlamaCppUnavailable, match=r"`cmake -B build .*` failed .*\n(.|\n)*broken on purpose"):
-        llamacpp.build(say=said.append)
-    assert "about 10 minutes" in said[0] and str(llamacpp.peer_dir()) in said[0]
-    assert (llamacpp.source_dir() / "CMakeLists.txt").is_file() and not (llamacpp.source_dir() / ".git").exists()
-    assert llamacpp.find_server() is None
+        llama_build.build(say=said.append)
+    assert "about 10 minutes" in said[0] and str(llama_build.peer_dir()) in said[0]
+    assert (llama_build.source_dir() / "CMakeLists.txt").is_file() and not (llama_build.source_dir() / ".git").exists()
+    assert llama_build.find_server() is None
     # A second try compiles the tree already unpacked, without downloading again.
-    monkeypatch.setattr(llamacpp, "_download", lambda folder, say: pytest.fail("downloaded again"))
+    monkeypatch.setattr(llama_build, "_download", lambda folder, say: pytest.fail("downloaded again"))
     with pytest.raises(LlamaCppUnavailable, match="broken on purpose"):
-        llamacpp.build(say=said.append)
+        llama_build.build(say=said.append)
 
 
 # --- the command lines ------------------------------------------------------------------------
@@ -268,7 +270,7 @@ def test_server_listens_on_loopback_at_its_port_and_records_flags_without_paths(
     command = server.command()
     assert command[0] == "/bin/llama-server" and command[-4:] == ["--host", "127.0.0.1", "--port", "4321"]
     assert spec.options() == {
-        "version": llamacpp.VERSION,
+        "version": llama_build.VERSION,
         "threads": 2,
         "flags": "--spec-type draft-simple -md draft.gguf --spec-draft-n-max 2 --spec-draft-p-min 0.75",
     }
@@ -276,9 +278,9 @@ def test_server_listens_on_loopback_at_its_port_and_records_flags_without_paths(
 
 def test_specs_cover_each_k_and_leave_draft_out_without_a_draft_model() -> None:
     model = Path("m.gguf")
-    specs = llamacpp.server_specs(model, None, [1, 3], 2, 100, llamacpp.LLAMA_METHODS)
+    specs = server_specs(model, None, [1, 3], 2, 100, LLAMA_METHODS)
     assert [(s.method, s.k) for s in specs] == [(LLAMA_PLAIN, 0), (LLAMA_NGRAM, 1), (LLAMA_NGRAM, 3)]
-    specs = llamacpp.server_specs(model, Path("d.gguf"), [2], 2, 100, (LLAMA_DRAFT,))
+    specs = server_specs(model, Path("d.gguf"), [2], 2, 100, (LLAMA_DRAFT,))
     assert [(s.method, s.k, s.draft) for s in specs] == [(LLAMA_DRAFT, 2, Path("d.gguf"))]
 
 
@@ -297,16 +299,16 @@ def test_repacked_weights_that_crash_a_batch_turn_repacking_off_once_per_cpu(
     (tmp_path / "llama-bench").chmod(0o755)
     monkeypatch.setenv("FAKE_BENCH_CRASH", "1" if crash else "0")
     binary = tmp_path / "llama-server"
-    assert llamacpp.repack_works(binary, Path("/m/target.gguf"), 2) is not crash
-    assert llamacpp.repack_works(binary, Path("/m/target.gguf"), 2) is not crash  # remembered, not probed again
+    assert repack.repack_works(binary, Path("/m/target.gguf"), 2) is not crash
+    assert repack.repack_works(binary, Path("/m/target.gguf"), 2) is not crash  # remembered, not probed again
     assert (tmp_path / "probes").read_text().count("run") == 1
-    spec = llamacpp.server_specs(Path("/m/target.gguf"), None, [2], 2, 100, llamacpp.LLAMA_METHODS, repack=not crash)[0]
+    spec = server_specs(Path("/m/target.gguf"), None, [2], 2, 100, LLAMA_METHODS, repack=not crash)[0]
     assert ("--no-repack" in spec.flags()) is crash
     assert ("--no-repack" in spec.options().get("flags", "")) is crash
 
 
 def test_without_llama_bench_repacking_stays_on(home: Path, tmp_path: Path) -> None:
-    assert llamacpp.repack_works(tmp_path / "llama-server", Path("/m/target.gguf"), 2)
+    assert repack.repack_works(tmp_path / "llama-server", Path("/m/target.gguf"), 2)
 
 
 def test_request_carries_the_prompt_ids_and_greedy_settings() -> None:
@@ -365,7 +367,7 @@ def fake_server(tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch) -> 
     started = tmp_path / "started"
     started.mkdir()
     monkeypatch.setenv("FAKE_LLAMA_DIR", str(started))
-    monkeypatch.setattr(llamacpp, "find_server", lambda: binary)
+    monkeypatch.setattr(llama_build, "find_server", lambda: binary)
     pretend_gguf(monkeypatch)
     return started
 
@@ -412,7 +414,7 @@ def test_llama_contenders_run_beside_forerun_and_their_servers_stop(
     report = (out / "report.md").read_text()
     assert "## Decode rate × llama.cpp plain, by task kind" in report
     assert "| llama-plain (llama.cpp) | – |" in report
-    assert f"llama-cpp-python {llamacpp.VERSION}" in report and "--spec-draft-p-min 0.75" in report
+    assert f"llama-cpp-python {llama_build.VERSION}" in report and "--spec-draft-p-min 0.75" in report
 
 
 def test_single_llama_contenders_can_be_named(fake_server: Path, folders: dict[str, Path], tmp_path: Path) -> None:

@@ -12,18 +12,13 @@ from forerun import drafters
 from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
+from forerun.drafters.base import Drafter
 from forerun.engine.engine import Engine
 from forerun.models.load import LoadedModel, load_model
 from forerun.models.testing import save_hf_folder, tiny_model
-from forerun.policy import cost_model
-from forerun.policy.cost_model import (
-    DraftLengthPolicy,
-    PassCosts,
-    best_k,
-    expected_tokens,
-    measure_pass_costs,
-    pass_costs,
-)
+from forerun.policy import pass_costs as pass_costs_module
+from forerun.policy.draft_length import DraftLengthPolicy, best_k, expected_tokens
+from forerun.policy.pass_costs import PassCosts, cached_pass_costs, measure_pass_costs
 from forerun.verification.tree import DraftTree
 from tests.conftest import perturbed
 
@@ -98,15 +93,15 @@ def test_drafts_that_promise_too_little_are_not_worth_the_step() -> None:
 def test_the_policy_stops_drafting_when_drafts_fail_and_probes_ever_less_often() -> None:
     policy = DraftLengthPolicy(FLAT, k_max=5)
     policy.start()
-    policy.time_proposal(0.02, 5, 5)  # a draft model: a fifth of a pass per token
+    policy.record_proposal(0.02, 5, 5)  # a draft model: a fifth of a pass per token
     kinds = []
     for _ in range(300):
         k, probe = policy.choose()
         if k == 0:
-            policy.plain()
+            policy.record_plain()
             kinds.append("plain")
         else:
-            policy.drafted(k, 0, probe)  # every draft rejected at once
+            policy.record_drafted(k, 0, probe)  # every draft rejected at once
             kinds.append("probe" if probe else "draft")
     assert kinds[:2] == ["draft", "draft"]  # starts optimistic (α prior 0.5)
     probes = [i for i, kind in enumerate(kinds) if kind == "probe"]
@@ -118,29 +113,29 @@ def test_the_policy_stops_drafting_when_drafts_fail_and_probes_ever_less_often()
 def test_probes_of_a_dear_drafter_are_spaced_to_cost_at_most_two_percent() -> None:
     policy = DraftLengthPolicy(FLAT, k_max=5)
     policy.start()
-    policy.time_proposal(0.05, 1, 1)  # half a pass per draft token (early exit)
-    policy.drafted(1, 1, probe=True)  # a probe that was kept
+    policy.record_proposal(0.05, 1, 1)  # half a pass per draft token (early exit)
+    policy.record_drafted(1, 1, probe=True)  # a probe that was kept
     # The probe cost half a pass beyond a plain step; 25 plain steps make that 2 % of them.
     assert policy.probe_wait == 25
     cheap = DraftLengthPolicy(FLAT, k_max=5)
     cheap.start()
-    cheap.time_proposal(0.0001, 1, 1)
-    cheap.drafted(1, 1, probe=True)
+    cheap.record_proposal(0.0001, 1, 1)
+    cheap.record_drafted(1, 1, probe=True)
     assert cheap.probe_wait == 4  # a nearly free probe may come again soon
 
 
 def test_a_free_stateless_drafter_is_measured_in_the_shadow_without_probes() -> None:
     policy = DraftLengthPolicy(FLAT, k_max=5)
     policy.start()
-    policy.time_proposal(1e-6, 1, 1)
+    policy.record_proposal(1e-6, 1, 1)
     for _ in range(30):
-        policy.shadow(0.0)
+        policy.record_shadow(0.0)
     assert policy.choose(can_shadow=True) == (0, False)
     for _ in range(30):
-        policy.plain()
+        policy.record_plain()
     assert policy.choose(can_shadow=True) == (0, False)  # no probe: shadows keep measuring
     for _ in range(40):
-        policy.shadow(1.0)  # the text turned repetitive
+        policy.record_shadow(1.0)  # the text turned repetitive
     k, probe = policy.choose(can_shadow=True)
     assert k >= 3 and not probe
 
@@ -149,44 +144,40 @@ def test_a_request_starts_from_the_acceptance_of_earlier_requests() -> None:
     policy = DraftLengthPolicy(FLAT, k_max=5)
     policy.start()
     for _ in range(20):
-        policy.drafted(5, 5, False)
+        policy.record_drafted(5, 5, False)
     policy.start()
-    assert policy.alpha > 0.9
+    assert policy.figures().alpha > 0.9
 
 
 def test_a_request_unlike_earlier_ones_moves_off_their_acceptance_within_a_few_steps() -> None:
     policy = DraftLengthPolicy(FLAT, k_max=5)
     policy.start()
     for _ in range(50):
-        policy.drafted(5, 5, False)  # earlier requests: every draft kept
+        policy.record_drafted(5, 5, False)  # earlier requests: every draft kept
     policy.start()
     for _ in range(4):
-        policy.drafted(5, 0, False)  # this one: the first token always rejected
-    assert policy.alpha < 0.5  # with all earlier requests' weight it would be ~0.85
+        policy.record_drafted(5, 0, False)  # this one: the first token always rejected
+    assert policy.figures().alpha < 0.5  # with all earlier requests' weight it would be ~0.85
 
 
 def test_each_source_of_drafts_has_its_own_acceptance() -> None:
     policy = DraftLengthPolicy(FLAT, k_max=4)
     policy.start()
-    policy.select("suffix")
     for _ in range(10):
-        policy.drafted(4, 0, False)
-    policy.select("draft")
+        policy.record_drafted(4, 0, False, source="suffix")
     for _ in range(10):
-        policy.drafted(4, 4, False)
-    assert policy.alpha > 0.9
-    policy.select("suffix")
-    assert policy.alpha < 0.2
+        policy.record_drafted(4, 4, False, source="draft")
+    assert policy.figures("draft").alpha > 0.9
+    assert policy.figures("suffix").alpha < 0.2
     policy.start()  # a new request starts from each one's history
-    assert policy.alpha < 0.2
-    policy.select("draft")
-    assert policy.alpha > 0.9
+    assert policy.figures("suffix").alpha < 0.2
+    assert policy.figures("draft").alpha > 0.9
 
 
 def test_fixed_always_drafts_k() -> None:
     policy = DraftLengthPolicy(LINEAR, k_max=4, fixed=True)
     policy.start()
-    policy.drafted(4, 0, False)
+    policy.record_drafted(4, 0, False)
     assert policy.choose() == (4, False)
 
 
@@ -194,42 +185,41 @@ def test_a_catch_up_is_paid_once_what_drafting_would_have_saved_reaches_its_cost
     policy = DraftLengthPolicy(FLAT, k_max=4)
     policy.start()
     for _ in range(20):
-        policy.drafted(4, 4, False)  # drafts that are always kept
+        policy.record_drafted(4, 4, False)  # drafts that are always kept
     saving = policy.saving(draft_cost=0.01)
     assert 0 < saving < FLAT(1)
     cost = 5.5 * saving  # the catch-up costs five and a half steps' saving
-    answers = [policy.pays_setup(cost, 0.01) for _ in range(8)]
+    answers = [policy.pays_catch_up(cost, 0.01) for _ in range(8)]
     assert policy.saving(0.01, alpha=0.1) < saving  # drafts kept less often save less
     assert answers == [False] * 6 + [True, False]  # paid on the 7th step; the count starts again
-    assert policy.pays_setup(0.0)  # nothing to catch up: always
+    assert policy.pays_catch_up(0.0)  # nothing to catch up: always
     policy.start()
-    assert policy.forgone == 0.0  # a new request starts from nothing
+    assert policy.catch_up.forgone == 0.0  # a new request starts from nothing
 
 
 def test_a_catch_up_the_tokens_left_cannot_win_back_is_never_paid() -> None:
     policy = DraftLengthPolicy(FLAT, k_max=4)
     policy.start()
     saving = policy.saving(draft_cost=0.01, alpha=0.9)
-    policy.remaining = 10  # the request may emit 10 more tokens at most
-    assert not any(policy.pays_setup(11 * saving, 0.01, 0.9) for _ in range(100))
-    policy.remaining = 100
-    assert any(policy.pays_setup(11 * saving, 0.01, 0.9) for _ in range(100))
+    # The request may emit 10 more tokens at most: never; 100: within a hundred asks.
+    assert not any(policy.pays_catch_up(11 * saving, 0.01, 0.9, remaining=10) for _ in range(100))
+    assert any(policy.pays_catch_up(11 * saving, 0.01, 0.9, remaining=100) for _ in range(100))
     policy.start()
-    assert policy.remaining is None  # unknown until the engine's next step says
+    assert policy.catch_up.asked_at is None  # a new request's tokens left are unknown until it asks
 
 
 def test_a_catch_up_is_never_paid_for_drafts_that_do_not_pay() -> None:
     policy = DraftLengthPolicy(LINEAR, k_max=4)  # every row costs a full pass
     policy.start()
     assert policy.saving(draft_cost=0.01) == 0.0
-    assert not any(policy.pays_setup(0.001, 0.01) for _ in range(100))
-    assert DraftLengthPolicy(LINEAR, k_max=4, fixed=True).pays_setup(100.0)  # fixed K: the experiment pays
+    assert not any(policy.pays_catch_up(0.001, 0.01) for _ in range(100))
+    assert DraftLengthPolicy(LINEAR, k_max=4, fixed=True).pays_catch_up(100.0)  # fixed K: the experiment pays
 
 
 # --- the engine under a policy ---------------------------------------------------------------------
 
 
-class WrongDrafter:
+class WrongDrafter(Drafter):
     """Proposes a token the target never writes: every draft fails."""
 
     def __init__(self, token: int, stateless: bool) -> None:
@@ -268,7 +258,7 @@ def test_the_engine_stops_verifying_drafts_that_keep_failing(target4, stateless)
     # α falls from its prior of 0.5 one rejection per step until a row's 5 % is no longer worth it;
     # then only probes (a non-free drafter) or nothing (shadows) are verified: 16 of 59 steps at most.
     assert m.num_drafts <= 16
-    assert policy.alpha < 0.2
+    assert policy.figures().alpha < 0.2
     if stateless:
         assert drafter.calls > 50  # still proposing, in the shadow of plain steps
 
@@ -309,28 +299,27 @@ def test_measured_pass_costs_cover_every_row_count(target4) -> None:
 
 def test_pass_costs_are_cached_per_model_and_measured_once(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(cost_model, "costs_dir", lambda: tmp_path / "home" / "costs")
     folder = save_hf_folder(tiny_model(0, name="cached"), tmp_path / "model")
     model = load_model(str(folder), "float32")
-    first = pass_costs(model, rows=4)
+    first = cached_pass_costs(model, rows=4)
     files = list((tmp_path / "home" / "costs").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["seconds"] == first.seconds
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured again instead of reading the cache")
 
-    monkeypatch.setattr(cost_model, "measure_pass_costs", no_measuring)
-    cached = pass_costs(model, rows=4)
+    monkeypatch.setattr(pass_costs_module, "measure_pass_costs", no_measuring)
+    cached = cached_pass_costs(model, rows=4)
     assert cached.seconds == first.seconds and first.wide and cached.wide == first.wide  # the wider passes too
     files[0].write_text("not json")  # a damaged cache is measured again, not fatal
-    monkeypatch.setattr(cost_model, "measure_pass_costs", measure_pass_costs)
-    assert len(pass_costs(model, rows=4).seconds) == 4
+    monkeypatch.setattr(pass_costs_module, "measure_pass_costs", measure_pass_costs)
+    assert len(cached_pass_costs(model, rows=4).seconds) == 4
     assert len(json.loads(files[0].read_text())["seconds"]) == 4
 
 
 def test_a_model_built_in_memory_is_measured_not_cached(tmp_path, monkeypatch, target4) -> None:
-    monkeypatch.setattr(cost_model, "costs_dir", lambda: tmp_path / "costs")
-    assert len(pass_costs(target4, rows=3).seconds) == 3
+    monkeypatch.setenv("FORERUN_HOME", str(tmp_path))
+    assert len(cached_pass_costs(target4, rows=3).seconds) == 3
     assert not (tmp_path / "costs").exists()
 
 
@@ -345,7 +334,7 @@ def test_a_drafter_that_knows_its_token_cost_is_believed_over_the_call_time(targ
     policy = DraftLengthPolicy(SLOPED, k_max=3)
     engine = Engine(target4, CostlyDrafter(0, stateless=False), 3, policy)
     engine.generate(PROMPT, SamplingParams(max_tokens=3))
-    assert policy.draft_cost == pytest.approx(0.5)  # not the microseconds its call took
+    assert policy.figures().draft_cost == pytest.approx(0.5)  # not the microseconds its call took
     assert policy.choose() == (0, False)  # half a second per token never pays here
 
 
@@ -367,7 +356,7 @@ def test_aux_rows_count_as_rows_the_draft_adds(target4) -> None:
     policy = DraftLengthPolicy(SLOPED, k_max=2)
     engine = Engine(target4, WindowDrafter(0, stateless=False), 2, policy)
     engine.generate(PROMPT, SamplingParams(max_tokens=3))  # one step: the one-token first draft
-    assert policy.rows_per_token == pytest.approx(9.0)  # its node and the eight aux rows
+    assert policy.figures().rows_per_token == pytest.approx(9.0)  # its node and the eight aux rows
 
 
 class GuesslessWindowDrafter(WrongDrafter):
@@ -390,7 +379,7 @@ def test_a_window_without_guesses_counts_as_a_failed_draft(target4) -> None:
     engine = Engine(target4, drafter, 2, policy)
     out = engine.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))
     assert len(out.token_ids) == 24 and out.metrics.num_draft_tokens == 0
-    assert policy.alpha < 0.4  # below the prior: each window a failed draft
+    assert policy.figures().alpha < 0.4  # below the prior: each window a failed draft
     assert drafter.calls <= 6  # first draft and a few probes, not every step
 
 
@@ -428,7 +417,7 @@ def test_a_draft_model_reads_a_long_prompt_only_when_the_answer_can_pay_for_it(t
     plain = Engine(target4).generate(prompt, GREEDY).token_ids
     drafter = drafters.create("draft", target4, {"model": perturbed(target4, 0.05)})
     engine = Engine(target4, drafter, 3, DraftLengthPolicy(FLAT, k_max=3))
-    drafter.read_seconds = read_seconds  # seconds per token of catch-up
+    drafter.costs.read_seconds = read_seconds  # seconds per token of catch-up
     out = engine.generate(prompt, GREEDY)
     assert out.token_ids == plain
     # Dear: 40 s of catch-up against at most a pass saved per step, never paid in 60 steps.
@@ -446,7 +435,7 @@ def test_auto_keeps_the_acceptance_of_its_suffix_and_draft_model_apart(target4) 
     assert auto.steps["draft"] > 0 and set(policy.sources) <= {"suffix", "draft"}
     draft = policy.sources["draft"]
     assert draft.current.alpha > 0.9 and draft.timed and draft.draft_cost > 0
-    assert auto.draft.acceptance.alpha > 0.9  # the draft model's own count, for its catch-up gate
+    assert auto.draft.costs.acceptance.alpha > 0.9  # the draft model's own count, for its catch-up gate
 
 
 def test_the_engine_times_its_steps_into_learned_costs(target4) -> None:
@@ -462,14 +451,14 @@ def test_a_waiting_catch_up_is_owed_what_the_steps_meanwhile_cost_beyond_drafted
     def forgone_after(steps: list[tuple[int, int, float]]) -> float:
         policy = DraftLengthPolicy(FLAT, k_max=4)
         policy.start()
-        policy.remaining = 1000
-        policy.pays_setup(10.0, 0.01, 0.9)  # the first ask: one token's saving
-        before = policy.forgone
+        remaining = 1000
+        policy.pays_catch_up(10.0, 0.01, 0.9, remaining)  # the first ask: one token's saving
+        before = policy.catch_up.forgone
         for rows, tokens, seconds in steps:
-            policy.timed_step(rows, seconds)
-            policy.remaining -= tokens
-            policy.pays_setup(10.0, 0.01, 0.9)
-        return policy.forgone - before
+            policy.record_timed_step(rows, seconds)
+            remaining -= tokens
+            policy.pays_catch_up(10.0, 0.01, 0.9, remaining)
+        return policy.catch_up.forgone - before
 
     saving = DraftLengthPolicy(FLAT, k_max=4).saving(0.01, 0.9)
     assert 0 < saving < FLAT(1)

@@ -16,7 +16,7 @@ from forerun.drafters.passes import DraftPass, forward, run_alone, run_passes
 from forerun.engine.batch import BatchEngine
 from forerun.models.testing import tiny_model
 from forerun.models.w8a8 import quantize_decoder_
-from forerun.policy.cost_model import batch_draft_length
+from forerun.policy.draft_length import batch_draft_length
 
 SLOW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 GREEDY = SamplingParams(max_tokens=40)
@@ -61,7 +61,7 @@ def test_a_shared_forward_gives_every_pass_its_logits_alone(draft, data, count: 
         q = shared[i]
         assert q.cache.length == p.cache.length == p.start + len(p.tokens)
         assert torch.equal(q.cache.k[:, :, :, : q.cache.length], p.cache.k[:, :, :, : p.cache.length])
-    assert all(q.shared == count and q.rows == sum(len(p.tokens) for p in shared) for q in shared)
+    assert all(q.passes == count and q.rows == sum(len(p.tokens) for p in shared) for q in shared)
     assert [q.lead for q in shared] == [True] + [False] * (count - 1)
 
 

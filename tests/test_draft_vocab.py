@@ -95,7 +95,7 @@ def restricted_drafter(
     target: LoadedModel, draft: LoadedModel, ids: list[int], monkeypatch: pytest.MonkeyPatch, **options
 ) -> DraftModelDrafter:
     """A draft model restricted to `ids`, whatever the calibration would choose."""
-    monkeypatch.setattr("forerun.drafters.draft_model.draft_vocabulary", lambda t, n: torch.tensor(ids))
+    monkeypatch.setattr("forerun.drafters.draft_setup.draft_vocabulary", lambda t, n: torch.tensor(ids))
     drafter = DraftModelDrafter(target, draft, draft_vocab=len(ids), **options)
     assert drafter.vocab.tolist() == ids
     return drafter

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from forerun.base import files
 from forerun.base.errors import ForerunError
 from forerun.models import fetch as fetching
 from forerun.models.embedded import EMBEDDED, EmbeddedModel
@@ -196,8 +197,8 @@ def test_verified_stamp_makes_a_rerun_skip_hashing(fake, home: Path, monkeypatch
     model, _, index = fake
     path = fetching.fetch(model.name, progress=False)
     hashed: list[Path] = []
-    real_sha = fetching.sha256_of
-    monkeypatch.setattr(fetching, "sha256_of", lambda p: hashed.append(p) or real_sha(p))
+    real_sha = files.sha256_file
+    monkeypatch.setattr(files, "sha256_file", lambda p: hashed.append(p) or real_sha(p))
 
     index.calls.clear()
     assert fetching.fetch(model.name, progress=False) == path

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from forerun.base import files
 from forerun.base.errors import ForerunError
 from forerun.models import gguf_loader
-from forerun.models import load as loading
 from forerun.models.embedded import EMBEDDED
 from forerun.models.load import LoadedModel, load_model
 from forerun.models.testing import gguf_bytes, save_hf_folder, tiny_model
@@ -199,7 +199,7 @@ def test_second_load_of_a_gguf_reads_the_converted_cache(
     original = tiny_model(seed=6)
     path = write_gguf(original, tmp_path / "tiny.gguf")
     first = load_model(str(path), dtype="float32", with_tokenizer=False)
-    sha = loading.fetching.sha256_of(path)
+    sha = files.sha256_file(path)
     cache = home / "converted" / sha[:24]
     assert (cache / "weights-float32.safetensors").is_file() and (cache / "config.json").is_file()
     assert not [f for f in _cache_files(home) if f.endswith(".tmp")]
@@ -209,7 +209,7 @@ def test_second_load_of_a_gguf_reads_the_converted_cache(
 
     monkeypatch.setattr(gguf_loader, "open_reader", no_gguf_reading)
     monkeypatch.setattr(gguf_loader, "iter_tensors", no_gguf_reading)
-    monkeypatch.setattr(loading.fetching, "sha256_of", no_gguf_reading)  # the checksum is remembered too
+    monkeypatch.setattr(files, "sha256_file", no_gguf_reading)  # the checksum is remembered too
     second = load_model(str(path), dtype="float32", with_tokenizer=False)
     torch.testing.assert_close(logits_of(second, IDS), logits_of(first, IDS), rtol=0, atol=0)
     with pytest.raises(AssertionError, match="read again"):  # another dtype is a new conversion
@@ -232,7 +232,7 @@ def test_llama_cache_from_the_old_converter_is_rebuilt(home: Path, tmp_path: Pat
     original = tiny_model(seed=19, architecture="llama")
     path = write_gguf(original, tmp_path / "llama.gguf")
     load_model(str(path), dtype="float32", with_tokenizer=False)
-    cache = home / "converted" / loading.fetching.sha256_of(path)[:24]
+    cache = home / "converted" / files.sha256_file(path)[:24]
     _downgrade_cache_to_version_1(cache)
     loaded = load_model(str(path), dtype="float32", with_tokenizer=False)
     torch.testing.assert_close(logits_of(loaded, IDS), logits_of(original, IDS), rtol=0, atol=1e-5)
@@ -244,7 +244,7 @@ def test_qwen2_cache_from_the_old_converter_stays_in_use(
 ) -> None:
     path = write_gguf(tiny_model(seed=20), tmp_path / "qwen.gguf")
     load_model(str(path), dtype="float32", with_tokenizer=False)
-    _downgrade_cache_to_version_1(home / "converted" / loading.fetching.sha256_of(path)[:24])
+    _downgrade_cache_to_version_1(home / "converted" / files.sha256_file(path)[:24])
     monkeypatch.setattr(gguf_loader, "open_reader", lambda *a: pytest.fail("a valid qwen2 cache was rebuilt"))
     loaded = load_model(str(path), dtype="float32", with_tokenizer=False)
     assert float(loaded.decoder.embed_tokens.weight.abs().sum()) == 0.0  # the cached (zeroed) weights

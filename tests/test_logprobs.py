@@ -15,6 +15,7 @@ from forerun import drafters, native
 from forerun.api import LLM
 from forerun.base.config import MAX_LOGPROBS, SamplingParams
 from forerun.base.errors import ForerunError
+from forerun.drafters.base import Drafter
 from forerun.engine.batch import BatchEngine
 from forerun.engine.engine import Engine, RequestOutput, Running
 from forerun.models.load import LoadedModel, load_model
@@ -313,7 +314,7 @@ def test_the_engine_shares_a_prefill_and_cuts_prompt_logprobs_to_each_count(targ
     assert prefills == [len(PROMPT)] * 2
 
 
-class FeatureReader:
+class FeatureReader(Drafter):
     """A drafter that reads the target's features and never proposes."""
 
     reads_features = True

@@ -21,10 +21,11 @@ from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.engine.batch import BatchEngine
 from forerun.engine.engine import Engine
-from forerun.serve.app import ServerConfig, create_app
+from forerun.serve.app import create_app
 from forerun.serve.http import TimedH11Protocol
 from forerun.serve.metrics import ServerMetrics
 from forerun.serve.scheduler import Scheduler
+from forerun.serve.state import ServerConfig
 
 KEY = "test-key"
 NAME = "tiny"

@@ -14,6 +14,8 @@ from forerun.engine.metrics import SpecMetrics
 from forerun.models.load import LoadedModel
 from forerun.models.testing import tiny_model
 from forerun.models.tokenizer import Tokenizer
+from forerun.policy.draft_length import DecayedCounts
+from forerun.policy.pass_costs import PassCosts
 
 PROMPT = [5, 6, 7, 8, 40, 41]
 MAX = 32
@@ -78,12 +80,10 @@ def test_second_choice_leaves_keep_greedy_output_and_save_target_passes(target, 
 
 @pytest.mark.parametrize("row_seconds,leaves", [(0.0, True), (0.1, False)], ids=["free rows", "dear rows"])
 def test_a_second_choice_leaf_is_proposed_only_where_its_row_pays(target, drafts, row_seconds, leaves) -> None:
-    from forerun.policy.cost_model import PassCosts
-
     drafter = DraftModelDrafter(target, drafts["noisy"], second_choice=0.0)
     drafter.start(PROMPT, None, 64)
     drafter.set_pass_cost(PassCosts([0.1 + row_seconds * r for r in range(16)]))
-    drafter.token_seconds = 1e-6
+    drafter.costs.token_seconds = 1e-6
     tree = drafter.propose(PROMPT, 4, SamplingParams(), None)
     # A row as dear as a whole pass never pays for a leaf the target keeps less than always.
     assert (not tree.is_chain) == leaves
@@ -92,23 +92,21 @@ def test_a_second_choice_leaf_is_proposed_only_where_its_row_pays(target, drafts
 def test_a_draft_model_shut_out_by_a_stalled_pass_gets_its_timed_cost_back_by_degrees(target, drafts) -> None:
     # The gate admits a catch-up on the drafter's token cost, which only drafting updates: after
     # a stalled pass, requests without drafting age it toward the timed figure.
-    from forerun.policy.cost_model import Acceptance
-
     drafter = DraftModelDrafter(target, drafts["noisy"])
-    drafter.shared["timed", None] = (0.001, 0.01)
+    drafter.setup.timed = (0.001, 0.01)
     drafter.start(PROMPT, None, 64)
-    drafter.acceptance, drafter.token_seconds = Acceptance(1.0, 9.0), 1.0
+    drafter.costs.acceptance, drafter.costs.token_seconds = DecayedCounts(1.0, 9.0), 1.0
     costs = []
     for _ in range(5):
         drafter.start(PROMPT, None, 64)  # the request before drafted nothing
-        costs.append(drafter.token_seconds)
+        costs.append(drafter.costs.token_seconds)
     assert costs == sorted(costs, reverse=True) and costs[-1] < 0.05
-    assert drafter.acceptance.alpha == pytest.approx(0.1)  # what the drafts showed stands
+    assert drafter.costs.acceptance.alpha == pytest.approx(0.1)  # what the drafts showed stands
     # A request that drafted keeps its figures as they are.
     drafter.propose(PROMPT, 2, SamplingParams(), None)
-    drafter.token_seconds = 1.0
+    drafter.costs.token_seconds = 1.0
     drafter.start(PROMPT, None, 64)
-    assert drafter.token_seconds == 1.0
+    assert drafter.costs.token_seconds == 1.0
 
 
 def test_with_the_target_as_draft_each_step_emits_k_plus_one_tokens(target, drafts):
@@ -283,12 +281,10 @@ def test_predicted_mean_accepted_length_is_the_geometric_series(rate, k, expecte
 
 @pytest.mark.parametrize("token_seconds,drafted", [(1e-6, 6), (1.0, 1)], ids=["cheap", "dear"])
 def test_a_draft_ends_once_another_token_cannot_pay(target, drafts, token_seconds, drafted) -> None:
-    from forerun.policy.cost_model import PassCosts
-
     drafter = DraftModelDrafter(target, drafts["same"], second_choice=2.0)  # chains
     drafter.start(PROMPT, None, 64)
     drafter.set_pass_cost(PassCosts([0.1] * 16))  # one target pass: 0.1 s; extra rows free
-    drafter.token_seconds = token_seconds
+    drafter.costs.token_seconds = token_seconds
     tree = drafter.propose(PROMPT, 6, SamplingParams(), None)
     # A draft forward dearer than a whole target pass never pays for a second token; a free one
     # is worth drafting while the draft's own probability of its tokens stays above ~0.

@@ -71,7 +71,8 @@ class SamplingParams:
 class SpeculativeConfig:
     method: str | None = None  # drafter name in the registry; None is plain decoding
     num_speculative_tokens: int = 5  # K: the most tokens a step drafts (every step's length when fixed)
-    options: dict = field(default_factory=dict)  # the drafter's own settings, passed to it alone
+    # The drafter's own settings, passed to it alone; never changed once made (dataclasses.replace).
+    options: dict = field(default_factory=dict)
     k_policy: str = "adaptive"  # adaptive: each step's length from costs and acceptance; fixed: always K
 
     def __post_init__(self) -> None:

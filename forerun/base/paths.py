@@ -1,4 +1,4 @@
-"""Where forerun keeps downloaded and converted models: FORERUN_HOME, else ~/.cache/forerun."""
+"""Where forerun keeps what it caches: FORERUN_HOME, else ~/.cache/forerun, one folder per kind."""
 
 from __future__ import annotations
 
@@ -13,13 +13,18 @@ def forerun_home() -> Path:
     return path
 
 
-def models_dir() -> Path:
-    path = forerun_home() / "models"
+def cache_dir(name: str) -> Path:
+    """FORERUN_HOME/`name`, made if missing: every cache folder is named here, never built by hand."""
+    path = forerun_home() / name
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def models_dir() -> Path:
+    """The embedded models, as fetched."""
+    return cache_dir("models")
 
 
 def converted_dir() -> Path:
-    path = forerun_home() / "converted"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """GGUF files converted once: config, dequantized and quantized weights, tokenizer, checksums."""
+    return cache_dir("converted")

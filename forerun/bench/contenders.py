@@ -1,8 +1,8 @@
 """What the bench times: forerun's plain and speculative runs behind one small interface.
 
 A contender is one (method, K) configuration with its models already loaded; `run` generates for
-one prompt and returns what was measured. The peers (peers.py for transformers, llamacpp.py for
-llama.cpp) have the same shape; one that holds a process has `close()`, called when the bench ends.
+one prompt and returns what was measured. The peers (transformers_peer.py for transformers, llamacpp/peer.py
+for llama.cpp) have the same shape; one that holds a process has `close()`, called when the bench ends.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from forerun.base import files
 from forerun.bench.summary import OVERALL, Row, by_task
 
 DETAIL_HEADER = (
@@ -24,7 +25,7 @@ class ReportContext:
 
 
 def write_report(path: Path, records: list[dict], ctx: ReportContext) -> None:
-    path.write_text(render(records, ctx))
+    files.write_text(path, render(records, ctx))
 
 
 def render(records: list[dict], ctx: ReportContext) -> str:

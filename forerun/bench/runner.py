@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from forerun import drafters
+from forerun.base import files
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import Prompt, load_prompts, task_order
@@ -29,12 +30,12 @@ from forerun.bench.contenders import (
     Measurement,
     build_forerun_contenders,
 )
-from forerun.bench.peers import HF_METHODS, PEERS, transformers_contenders
+from forerun.bench.llamacpp import peer as llama_peer
 from forerun.bench.plots import draw_all
 from forerun.bench.report import ReportContext, write_report
 from forerun.bench.store import ResultStore
 from forerun.bench.summary import by_task
-from forerun.drafters.draft_model import DRAFT_MODEL_METHODS
+from forerun.bench.transformers_peer import HF_METHODS, PEERS, transformers_contenders
 from forerun.models.load import LoadedModel, load_model
 
 WARMUP_TOKENS = 16
@@ -87,7 +88,7 @@ def check_methods(methods: list[str], speculative_model: str | None) -> None:
     for method in methods:
         if method not in valid:
             raise ForerunError(f"unknown method {method!r}; valid methods: {', '.join(valid)}")
-    for method in DRAFT_MODEL_METHODS:
+    for method in drafters.draft_model_methods():
         if method in methods and not speculative_model:
             raise ForerunError(f"method {method} needs a draft model: add --speculative-model")
 
@@ -196,7 +197,7 @@ def _contenders(cfg: BenchConfig, target: LoadedModel, notes: list[str], context
     options = {m: dict(o) for m, o in cfg.method_options.items()}
     recorded = {m: dict(o) for m, o in options.items()}
     loaded: dict = {}  # the draft model, loaded once for every method that runs it
-    for method in (m for m in DRAFT_MODEL_METHODS if m in cfg.methods):
+    for method in (m for m in drafters.draft_model_methods() if m in cfg.methods):
         draft_opts = options.setdefault(method, {})
         # Loaded once, already in its format (a cached quantized copy when there is one); the
         # drafter must not quantize it again, but the record keeps the setting.
@@ -229,7 +230,7 @@ def _contenders(cfg: BenchConfig, target: LoadedModel, notes: list[str], context
     )
     if llama_methods:
         ngram = int(options.get("ngram", {}).get("ngram_max", 3))  # look up as long a suffix as forerun's ngram
-        setup = llamacpp.llamacpp_contenders(
+        setup = llama_peer.llamacpp_contenders(
             cfg.model,
             cfg.speculative_model,
             cfg.ks,
@@ -243,7 +244,7 @@ def _contenders(cfg: BenchConfig, target: LoadedModel, notes: list[str], context
             print(f"note: {note}", file=sys.stderr)
         notes.extend(setup.notes)
         if setup.contenders:
-            notes.append(llamacpp.describe(setup.contenders))
+            notes.append(llama_peer.describe(setup.contenders))
         contenders += setup.contenders
     return contenders
 
@@ -320,11 +321,8 @@ def write_outputs(
         notes,
     )
     write_report(cfg.out / "report.md", records, ctx)
-    (cfg.out / "run.json").write_text(
-        json.dumps(
-            {"command": cfg.command, "machine": ctx.machine, "settings": store.settings, "notes": notes}, indent=1
-        )
-    )
+    run = {"command": cfg.command, "machine": ctx.machine, "settings": store.settings, "notes": notes}
+    files.write_json(cfg.out / "run.json", run, indent=1)
     return records
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from forerun.base import files
 from forerun.base.errors import ForerunError
 
 Key = tuple[str, str, int]  # (prompt_id, method, k)
@@ -67,7 +68,7 @@ class ResultStore:
             self._check_settings(record, number)
             records.append(record)
         if torn.strip():
-            self.path.write_text("".join(line + "\n" for line in lines))
+            files.write_text(self.path, "".join(line + "\n" for line in lines))
         return records
 
     def _check_settings(self, record: dict, number: int) -> None:

@@ -20,7 +20,7 @@ OVERALL = "overall"
 @dataclass
 class Row:
     method: str
-    engine: str  # "forerun" or "transformers"
+    engine: str  # "forerun", "transformers" or "llama.cpp"
     k: int  # 0 for plain decoding
     prompts: int
     speedup: float | None  # median per-prompt ratio to forerun plain

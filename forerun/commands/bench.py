@@ -15,7 +15,7 @@ from forerun.commands.common import (
     sampling_from_args,
     spec_from_args,
 )
-from forerun.drafters.draft_model import DRAFT_MODEL_METHODS
+from forerun.drafters import needs_draft_model
 
 HEAD_METHODS = ("medusa", "eagle")  # methods that read a trained head (--speculative-head)
 
@@ -162,7 +162,7 @@ def default_methods(
         m
         for m in available
         if m != "plain"
-        and (m not in DRAFT_MODEL_METHODS or speculative_model)
+        and (not needs_draft_model(m) or speculative_model)
         and (m not in HEAD_METHODS or m in (heads or {}))
     ]
 

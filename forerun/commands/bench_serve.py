@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from forerun.base.errors import ForerunError
+
+if TYPE_CHECKING:
+    from forerun.bench.serve_load import LevelResult
+    from forerun.bench.serve_servers import Process
 
 SETUPS = ("off", "fixed", "auto", "off-whole")
 # Each set-up: its speculation policy (None: off) and `forerun serve` flags of its own. off-whole
@@ -80,30 +86,19 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+@dataclass
+class _Server:
+    setup: str  # its name in the report: off, fixed, auto#2, llama-server, ...
+    process: Process
+    port: int
+
+
 def run(args: argparse.Namespace) -> int:
     from forerun.base.prompts import load_prompts
-    from forerun.bench import llamacpp
-    from forerun.bench.serve_load import (
-        Process,
-        forerun_command,
-        level_prompts,
-        request_lengths,
-        run_level,
-        running_order,
-        shortest,
-        spec_counts,
-        write_report,
-    )
+    from forerun.bench.serve_load import level_prompts, shortest
     from forerun.models.load import load_model
 
-    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
-    unknown = [s for s in setups if s not in SETUPS]
-    if unknown:
-        raise ForerunError(f"unknown set-up {unknown[0]!r}; use some of {', '.join(SETUPS)}")
-    if any(_SETUP_SERVE[s][0] is not None for s in setups) and args.speculative_model is None:
-        raise ForerunError("the fixed and auto set-ups draft with a model: give --speculative-model, or --setups off")
-    if args.requests_per_level < 1 or args.max_tokens < 1:
-        raise ForerunError("--requests-per-level and --max-tokens must be at least 1")
+    setups = _check(args)
     shortest(args.max_tokens, args.length_spread)  # a spread out of range: a clear error now
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -119,93 +114,111 @@ def run(args: argparse.Namespace) -> int:
     sends = level_prompts(prompts, [args.requests_per_level * c for c in args.concurrency], args.distinct)
     top = max(args.concurrency)
     context = max(len(p) for p in prompts) + args.max_tokens + args.num_speculative_tokens + 8
+    servers = _forerun_servers(args, setups, top, out)
+    if "llama.cpp" in args.peers:
+        servers += _llama_server(args.model, context, top, out)
+    _run_levels(args, servers, sends, out)
+    return 0
+
+
+def _check(args: argparse.Namespace) -> list[str]:
+    """The set-ups asked for, once the flags are known to fit together."""
+    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    unknown = [s for s in setups if s not in SETUPS]
+    if unknown:
+        raise ForerunError(f"unknown set-up {unknown[0]!r}; use some of {', '.join(SETUPS)}")
+    if any(_SETUP_SERVE[s][0] is not None for s in setups) and args.speculative_model is None:
+        raise ForerunError("the fixed and auto set-ups draft with a model: give --speculative-model, or --setups off")
+    if args.requests_per_level < 1 or args.max_tokens < 1:
+        raise ForerunError("--requests-per-level and --max-tokens must be at least 1")
+    return setups
+
+
+def _forerun_servers(args: argparse.Namespace, setups: list[str], top: int, out: Path) -> list[_Server]:
+    """A forerun serve per set-up (one named again is a second server, named kind#2)."""
+    from forerun.bench.llamacpp.server import free_port
+    from forerun.bench.serve_servers import Process, forerun_command
+
     servers = []
     for number, kind in enumerate(setups):
         count = setups[: number + 1].count(kind)
         setup = kind if count == 1 else f"{kind}#{count}"
-        port = llamacpp.free_port()
+        port = free_port()
         policy, flags = _SETUP_SERVE[kind]
-        command = (
-            forerun_command(
-                port,
-                args.model,
-                args.quantization,
-                args.speculative_model,
-                args.speculative_quantization,
-                args.draft_vocab,
-                args.num_speculative_tokens,
-                policy,
-                top,
-            )
-            + flags
+        command = forerun_command(
+            port,
+            args.model,
+            args.quantization,
+            args.speculative_model,
+            args.speculative_quantization,
+            args.draft_vocab,
+            args.num_speculative_tokens,
+            policy,
+            top,
         )
-        servers.append((setup, Process(command, f"http://127.0.0.1:{port}/health", out / f"{setup}.log"), port))
-    if "llama.cpp" in args.peers:
-        gguf, problem = llamacpp._gguf(args.model)
-        if gguf is None:
-            print(f"forerun: llama.cpp peer left out: {problem}", file=sys.stderr)
-        else:
-            import torch
+        health = f"http://127.0.0.1:{port}/health"
+        servers.append(_Server(setup, Process(command + flags, health, out / f"{setup}.log"), port))
+    return servers
 
-            port = llamacpp.free_port()
-            threads = torch.get_num_threads()
-            binary = llamacpp.ensure_server()
-            repack = [] if llamacpp.repack_works(binary, gguf, threads) else ["--no-repack"]
-            command = [
-                str(binary),
-                "-m",
-                str(gguf),
-                "-t",
-                str(threads),
-                "-td",
-                str(threads),
-                "-c",
-                str(context * top),
-                "-np",
-                str(top),
-                "-cram",
-                "0",
-                "--no-webui",
-                *repack,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ]
-            servers.append(
-                ("llama-server", Process(command, f"http://127.0.0.1:{port}/health", out / "llama-server.log"), port)
-            )
+
+def _llama_server(model: str, context: int, top: int, out: Path) -> list[_Server]:
+    """llama-server with a slot per request in flight, each with room for the longest request; none
+    (and a note) when llama.cpp cannot run the model."""
+    import torch
+
+    from forerun.bench.llamacpp.peer import serving_command
+    from forerun.bench.llamacpp.server import free_port
+    from forerun.bench.serve_servers import Process
+
+    port = free_port()
+    command, problem = serving_command(model, port, torch.get_num_threads(), context * top, top)
+    if command is None:
+        print(f"forerun: llama.cpp peer left out: {problem}", file=sys.stderr)
+        return []
+    health = f"http://127.0.0.1:{port}/health"
+    return [_Server("llama-server", Process(command, health, out / "llama-server.log"), port)]
+
+
+def _run_levels(args: argparse.Namespace, servers: list[_Server], sends: list[list], out: Path) -> None:
+    """Every level on every server, the report rewritten after each; the servers stop on every way out."""
+    from forerun.bench.serve_load import request_lengths, running_order, write_report
+
     # Every server is up at once (idle ones cost memory, not time) and each level runs every set-up
     # back to back, so the ratios at a level are taken moments apart on this shared machine; the
     # order reverses from one level to the next (a drift in the machine's speed favours no set-up).
     levels = []
     try:
-        for _, process, _ in servers:
-            process.start()
+        for server in servers:
+            server.process.start()
         for index, (c, sent) in enumerate(zip(args.concurrency, sends)):
             lengths = request_lengths(len(sent), args.max_tokens, args.length_spread, seed=c)
-            for setup, _, port in running_order(servers, index):
-                url = f"http://127.0.0.1:{port}"
-                counted = setup != "llama-server"  # forerun's servers: their draft counters
-                before = spec_counts(url) if counted else None
-                level = asyncio.run(run_level(url + "/v1", args.model, sent, c, lengths, setup=setup))
-                if counted:
-                    after = spec_counts(url)
-                    level.draft_tokens, level.accepted_tokens = (
-                        after[k] - before[k] for k in ("draft_tokens", "accepted_tokens")
-                    )
-                levels.append(level)
-                print(
-                    f"forerun: {setup} c={c}: {level.tokens_per_s:.1f} tok/s, TTFT p50 {level.ttft_p50_s * 1000:.0f} ms"
-                    f", failed {level.failures}" + (f" ({level.errors[0]})" if level.errors else ""),
-                    file=sys.stderr,
-                    flush=True,
-                )
+            for server in running_order(servers, index):
+                levels.append(_run_level(server, args.model, sent, c, lengths))
                 write_report(out, levels, _header(args))
     finally:
-        for _, process, _ in servers:
-            process.stop()
-    return 0
+        for server in servers:
+            server.process.stop()
+
+
+def _run_level(server: _Server, model: str, sent: list, c: int, lengths: list[int]) -> LevelResult:
+    """One level on one server, with forerun's draft counters over it; a line on stderr."""
+    from forerun.bench.serve_load import run_level
+    from forerun.bench.serve_servers import spec_counts
+
+    url = f"http://127.0.0.1:{server.port}"
+    counted = server.setup != "llama-server"  # forerun's servers: their draft counters
+    before = spec_counts(url) if counted else None
+    level = asyncio.run(run_level(url + "/v1", model, sent, c, lengths, setup=server.setup))
+    if counted:
+        after = spec_counts(url)
+        level.draft_tokens, level.accepted_tokens = (after[k] - before[k] for k in ("draft_tokens", "accepted_tokens"))
+    print(
+        f"forerun: {server.setup} c={c}: {level.tokens_per_s:.1f} tok/s, TTFT p50 {level.ttft_p50_s * 1000:.0f} ms"
+        f", failed {level.failures}" + (f" ({level.errors[0]})" if level.errors else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    return level
 
 
 def _header(args: argparse.Namespace) -> str:

@@ -5,34 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from forerun import drafters
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
-from forerun.drafters.draft_model import DRAFT_MODEL_METHODS
 from forerun.models.load import QUANTIZATIONS
-
-# Each method's own settings: flag destination -> drafter keyword. A drafter receives only its own.
-_DRAFT_MODEL_OPTIONS = {
-    "speculative_model": "model",
-    "speculative_quantization": "quantize",
-    "draft_min_confidence": "min_confidence",
-    "draft_vocab": "draft_vocab",
-    "draft_second_choice": "second_choice",
-}
-METHOD_OPTIONS: dict[str, dict[str, str]] = {
-    "draft": _DRAFT_MODEL_OPTIONS,
-    "auto": {**_DRAFT_MODEL_OPTIONS, "auto_long_match": "long_match"},
-    "ngram": {"ngram_max": "ngram_max", "ngram_min": "ngram_min"},
-    "suffix": {
-        "suffix_max_match": "max_match",
-        "suffix_min_match": "min_match",
-        "suffix_min_prob": "min_prob",
-        "suffix_branch_ratio": "branch_ratio",
-    },
-    "early-exit": {"early_exit_layer": "layer", "skip_layers": "skip_layers"},
-    "lookahead": {"lookahead_window": "window", "lookahead_ngram": "ngram", "lookahead_guesses": "guesses"},
-    "medusa": {"speculative_head": "head", "medusa_choices": "choices"},
-    "eagle": {"speculative_head": "head", "eagle_nodes": "nodes", "eagle_branch": "branch"},
-}
 
 
 def add_model_args(p: argparse.ArgumentParser, quantization: str | None = None) -> None:
@@ -73,6 +49,25 @@ def add_spec_args(p: argparse.ArgumentParser, quantization: str | None = None) -
         help="draft model (implies --speculative-method auto unless another method is named)",
     )
     g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=5,
+        help="K: the most tokens a step drafts (with --speculative-k-policy fixed, every step's count)",
+    )
+    g.add_argument(
+        "--speculative-k-policy",
+        default="adaptive",
+        choices=["adaptive", "fixed"],
+        help="adaptive: each step drafts the length that pays best from this machine's measured "
+        "pass costs and the acceptance so far (0 when drafts keep failing); fixed: always K",
+    )
+    _add_draft_model_args(g, quantization)
+    _add_suffix_args(g)
+    _add_method_args(g)
+
+
+def _add_draft_model_args(g: argparse._ArgumentGroup, quantization: str | None) -> None:
+    g.add_argument(
         "--speculative-quantization",
         default=quantization,
         choices=list(QUANTIZATIONS) + (["none"] if quantization is not None else []),
@@ -101,19 +96,9 @@ def add_spec_args(p: argparse.ArgumentParser, quantization: str | None = None) -
         help="the draft model scores only the N tokens the target writes most (e.g. 32768): cheaper "
         "draft tokens, output unchanged",
     )
-    g.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=5,
-        help="K: the most tokens a step drafts (with --speculative-k-policy fixed, every step's count)",
-    )
-    g.add_argument(
-        "--speculative-k-policy",
-        default="adaptive",
-        choices=["adaptive", "fixed"],
-        help="adaptive: each step drafts the length that pays best from this machine's measured "
-        "pass costs and the acceptance so far (0 when drafts keep failing); fixed: always K",
-    )
+
+
+def _add_suffix_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--auto-long-match",
         type=int,
@@ -135,6 +120,9 @@ def add_spec_args(p: argparse.ArgumentParser, quantization: str | None = None) -
         default=None,
         help="suffix: a runner-up continuation seen this share as often as the best gets its own branch (0.5)",
     )
+
+
+def _add_method_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--ngram-max", type=int, default=3, help="prompt lookup: longest suffix to match")
     g.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest suffix to match")
     g.add_argument(
@@ -185,12 +173,12 @@ def spec_from_args(args: argparse.Namespace, method: str | None = None) -> tuple
     method = method or args.speculative_method or ("auto" if args.speculative_model else None)
     if method is None:
         return None, {}
-    if method in DRAFT_MODEL_METHODS and not args.speculative_model:
+    if drafters.needs_draft_model(method) and not args.speculative_model:
         raise ForerunError(f"--speculative-method {method} needs --speculative-model")
-    names = METHOD_OPTIONS.get(method, {})
+    names = drafters.cli_options(method)  # each method's own flags: a drafter receives only its own
     # "none" (a format flag's own dtype) is no option at all.
     options = {kw: getattr(args, dest) for dest, kw in names.items() if getattr(args, dest, None) not in (None, "none")}
-    if method in DRAFT_MODEL_METHODS:
+    if drafters.needs_draft_model(method):
         options.update(dtype=args.dtype, device=args.device)
     return method, options
 

@@ -1,4 +1,4 @@
-"""`forerun serve`: an OpenAI-compatible HTTP server (forerun/server.py) over one engine.
+"""`forerun serve`: an OpenAI-compatible HTTP server (forerun/serve/app.py) over one engine.
 
 The engine loop runs on the main thread (the one that loaded the model) and HTTP on a thread
 beside it. SIGTERM or SIGINT drains: new requests get 503, waiting ones end at once with an error,
@@ -84,26 +84,13 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from forerun.commands.generate import build_llm
     from forerun.engine.batch import BatchEngine
-    from forerun.serve.app import ServerConfig, create_app
+    from forerun.serve.app import create_app
     from forerun.serve.metrics import ServerMetrics
     from forerun.serve.scheduler import PREFILL_SHARE, Scheduler
 
     _check(args)
     llm = build_llm(args)
-    context = llm.target.decoder.cfg.max_position
-    max_model_len = args.max_model_len or context
-    if not 1 < max_model_len <= context:
-        raise ForerunError(
-            f"--max-model-len must be between 2 and the model's context ({context}), got {max_model_len}"
-        )
-    config = ServerConfig(
-        served_model_name=args.served_model_name or args.model,
-        max_model_len=max_model_len,
-        api_key=args.api_key or os.environ.get("FORERUN_API_KEY") or None,
-        body_timeout=args.body_timeout,
-        speculative_model=args.speculative_model,
-        spec_stats=args.per_request_spec_decode_stats,
-    )
+    config = _server_config(args, llm)
     batch = BatchEngine(llm.new_engine, args.max_num_seqs, engines=[llm.engine])
     batch.prepare()  # every lane's drafter set up before the first request
     metrics = ServerMetrics(batch)
@@ -127,16 +114,41 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True
         scheduler.stop()
         http.join(args.shutdown_timeout + 5)
+    _report_shutdown(scheduler, args.shutdown_timeout)
+    return 0
+
+
+def _server_config(args: argparse.Namespace, llm):
+    """The app's options from the flags (--max-model-len checked against the model's context)."""
+    from forerun.serve.state import ServerConfig
+
+    context = llm.target.decoder.cfg.max_position
+    max_model_len = args.max_model_len or context
+    if not 1 < max_model_len <= context:
+        raise ForerunError(
+            f"--max-model-len must be between 2 and the model's context ({context}), got {max_model_len}"
+        )
+    return ServerConfig(
+        served_model_name=args.served_model_name or args.model,
+        max_model_len=max_model_len,
+        api_key=args.api_key or os.environ.get("FORERUN_API_KEY") or None,
+        body_timeout=args.body_timeout,
+        speculative_model=args.speculative_model,
+        spec_stats=args.per_request_spec_decode_stats,
+    )
+
+
+def _report_shutdown(scheduler, grace: float) -> None:
+    """What a drain did: the requests it cut, or that every running one finished."""
     if scheduler.cut:
         print(
             f"forerun: shut down; {len(scheduler.cut)} running request(s) cut at the end of the "
-            f"{args.shutdown_timeout:g} s grace period (ids {', '.join(map(str, scheduler.cut))})",
+            f"{grace:g} s grace period (ids {', '.join(map(str, scheduler.cut))})",
             file=sys.stderr,
             flush=True,
         )
     elif scheduler.draining:
         print("forerun: shut down; every running request finished", file=sys.stderr, flush=True)
-    return 0
 
 
 def _check(args: argparse.Namespace) -> None:

@@ -20,11 +20,18 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from forerun.base.errors import ForerunError
 from forerun.models.load import QUANTIZATIONS
+
+if TYPE_CHECKING:
+    from forerun.heads import HeadConfig
+    from forerun.models.load import LoadedModel
+    from forerun.train.data import Manifest
+    from forerun.train.trainer import Trainer
 
 METHODS = ("medusa", "eagle")
 DEFAULT_LR = {"medusa": 1e-3, "eagle": 3e-4}
@@ -85,17 +92,10 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from forerun.drafters.draft_vocab import draft_vocabulary
-    from forerun.heads import (
-        HeadConfig,
-        build_head,
-        float_weight,
-        save_head,
-        target_checksum,
-    )
+    from forerun.heads import save_head
     from forerun.models.load import load_model
     from forerun.train.data import make_shards
-    from forerun.train.trainer import CHECKPOINT, TrainConfig, Trainer, plot_history
+    from forerun.train.trainer import CHECKPOINT, plot_history
 
     _check(args)
     out = Path(args.out).expanduser()
@@ -119,6 +119,27 @@ def run(args: argparse.Namespace) -> int:
         f"by the target) in {data}",
         file=sys.stderr,
     )
+    config, head = _new_head(args, target)
+    trainer = _trainer(args, head, target, data, out)
+    history = trainer.run(resume=args.resume, progress=args.progress)
+    last = history.accuracy[-20:]
+    accuracy = [round(sum(a[i] for a in last) / len(last), 4) for i in range(len(last[0]))] if last else []
+    config.training = _training_record(args, used, manifest, trainer, data_minutes, accuracy)
+    save_head(out, config, head.cpu())
+    if history.steps:
+        plot_history(history, out / "curves.png", f"{args.method} head for {target.name}")
+    print(
+        f"forerun: {args.method} head in {out} (top-1 per head over the last steps: {accuracy}); use it with "
+        f"--speculative-method {args.method} --speculative-head {out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _new_head(args: argparse.Namespace, target: LoadedModel) -> tuple[HeadConfig, torch.nn.Module]:
+    """A fresh head over the target's most chosen tokens, its projection started from the LM head's rows."""
+    from forerun.drafters.draft_vocab import draft_vocabulary
+    from forerun.heads import HeadConfig, build_head, float_weight, target_checksum
 
     cfg = target.decoder.cfg
     vocab = draft_vocabulary(target, args.draft_vocab)
@@ -136,16 +157,29 @@ def run(args: argparse.Namespace) -> int:
     head = build_head(config, target)
     head.vocab.copy_(vocab)
     head.init_projection(float_weight(target.decoder.lm_head)[vocab])
-    head = head.to(args.device)
+    return config, head.to(args.device)
+
+
+def _trainer(args: argparse.Namespace, head: torch.nn.Module, target: LoadedModel, data: Path, out: Path) -> Trainer:
+    from forerun.train.trainer import TrainConfig, Trainer
+
     embed = target.decoder.embed_tokens.to(args.device) if args.method == "eagle" else None
     train_config = TrainConfig(
         args.method, args.epochs, args.lr or DEFAULT_LR[args.method], args.seed, args.checkpoint_minutes * 60
     )
-    trainer = Trainer(head, train_config, data, out, embed)
-    history = trainer.run(resume=args.resume, progress=args.progress)
-    last = history.accuracy[-20:]
-    accuracy = [round(sum(a[i] for a in last) / len(last), 4) for i in range(len(last[0]))] if last else []
-    config.training = {
+    return Trainer(head, train_config, data, out, embed)
+
+
+def _training_record(
+    args: argparse.Namespace,
+    used: list[str],
+    manifest: Manifest,
+    trainer: Trainer,
+    data_minutes: float,
+    accuracy: list[float],
+) -> dict:
+    """How the head was made, kept in its config."""
+    return {
         "prompts": args.prompts,
         "prompt_ids": used,
         "hold_out_per_category": args.hold_out if args.prompts == "spec-bench" else None,
@@ -154,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         "answer_tokens": manifest.answer_tokens,
         "max_tokens": args.max_tokens,
         "epochs": args.epochs,
-        "lr": train_config.lr,
+        "lr": trainer.config.lr,
         "steps": trainer.progress.step,
         "data_minutes": round(data_minutes, 1),
         "train_minutes": round(trainer.progress.seconds / 60, 1),
@@ -162,15 +196,6 @@ def run(args: argparse.Namespace) -> int:
         "quantization": args.quantization,
         "device": args.device,
     }
-    save_head(out, config, head.cpu())
-    if history.steps:
-        plot_history(history, out / "curves.png", f"{args.method} head for {target.name}")
-    print(
-        f"forerun: {args.method} head in {out} (top-1 per head over the last steps: {accuracy}); use it with "
-        f"--speculative-method {args.method} --speculative-head {out}",
-        file=sys.stderr,
-    )
-    return 0
 
 
 def _check(args: argparse.Namespace) -> None:

@@ -2,7 +2,7 @@
 proposal when its match is long, else the draft model's.
 
 A long match (`long_match` tokens or more of the context found earlier in the prompt, the output
-or earlier outputs) means the text is copying: the suffix draft is then free and usually right,
+or earlier outputs) means the text is copying: the suffix draft is then costless and usually right,
 and the draft model is not run at all for that step. Elsewhere the draft model guesses. Both go
 through the same verifier and exact rule, so the output is the target's either way; the draft
 model catches up on the tokens it skipped in one chain pass at its next proposal. Until the cost
@@ -10,9 +10,9 @@ policy agrees to pay the draft model's catch-up (reading a long prompt is worth 
 answer), the suffix drafter proposes whatever match it has. `next_source(context)` says before a
 step which of the two will propose (asking the draft model whether its catch-up pays now, so a
 step the draft model sits out is priced as the suffix drafter's), and `source` after it which
-did, so the cost policy keeps each one's acceptance and cost apart. `free_source(context)` asks
-only the suffix drafter: a full batch, where the draft model does not pay, still takes its free
-drafts.
+did, so the cost policy keeps each one's acceptance and cost apart. `costless_source(context)`
+asks only the suffix drafter: a full batch, where the draft model does not pay, still takes its
+costless drafts.
 
 Cost: a suffix look-up every step (microseconds), a draft-model token only on steps without a long
 match. Where it loses: a long match that stops being copied wastes one verification, and the
@@ -26,17 +26,20 @@ from collections.abc import Callable
 import torch
 
 from forerun.base.config import SamplingParams
-from forerun.drafters import register, rows_per_step
-from forerun.drafters.draft_model import SECOND_CHOICE, DraftModelDrafter
+from forerun.drafters import register
+from forerun.drafters.base import Drafter
+from forerun.drafters.draft_model import DRAFT_MODEL_CLI, DraftModelDrafter
 from forerun.drafters.passes import DraftSteps, run_alone
 from forerun.drafters.suffix import SuffixDrafter, SuffixMemory
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
+from forerun.policy.catch_up import Gate
+from forerun.policy.draft_model_costs import SECOND_CHOICE
 from forerun.verification.tree import DraftTree
 
 
-@register("auto")
-class AutoDrafter:
+@register("auto", needs_draft_model=True, cli_options={**DRAFT_MODEL_CLI, "auto_long_match": "long_match"})
+class AutoDrafter(Drafter):
     def __init__(
         self,
         target: LoadedModel,
@@ -60,37 +63,34 @@ class AutoDrafter:
         self.long_match = long_match
         self.steps = {"suffix": 0, "draft": 0}  # proposals made by each, this process
         self.source = "draft"  # which made the last proposal
-        self.planned: str | None = None  # what next_source said for the coming proposal
 
     @property
     def memory(self) -> SuffixMemory:
         return self.suffix.memory
 
     def max_rows(self, k: int) -> int:
-        return max(rows_per_step(self.suffix, k), self.draft.max_rows(k))
+        return max(self.suffix.max_rows(k), self.draft.max_rows(k))
 
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         self.suffix.start(prompt_ids, target_cache, max_len)
         self.draft.start(prompt_ids, target_cache, max_len)
 
-    def set_gate(self, gate: Callable[[float, float | None, float], bool]) -> None:
+    def set_gate(self, gate: Gate) -> None:
         self.draft.set_gate(gate)
 
     def set_pass_cost(self, pass_cost: Callable[[int], float]) -> None:
         self.draft.set_pass_cost(pass_cost)
 
-    def next_source(self, context: list[int]) -> str:
+    def next_source(self, context: list[int], params: SamplingParams) -> str:
         """Which will propose after `context` (the cost policy keeps their acceptance apart): the
         suffix drafter on a long match or while the draft model's catch-up does not pay yet."""
         long = self.suffix.match_length(context) >= self.long_match
-        self.planned = "suffix" if long or not self.draft.ready(context) else "draft"
-        return self.planned
+        return "suffix" if long or not self.draft.ready(context, params) else "draft"
 
-    def free_source(self, context: list[int]) -> str | None:
+    def costless_source(self, context: list[int], params: SamplingParams) -> str | None:
         """ "suffix" when a long match makes the coming proposal the suffix drafter's, which costs
-        nothing; None when only the draft model would propose (then nothing is planned)."""
-        self.planned = "suffix" if self.suffix.match_length(context) >= self.long_match else None
-        return self.planned
+        nothing; None when only the draft model would propose."""
+        return "suffix" if self.suffix.match_length(context) >= self.long_match else None
 
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
@@ -98,12 +98,17 @@ class AutoDrafter:
         return run_alone(self.propose_steps(context, k, params, generator))
 
     def propose_steps(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        source: str | None = None,
     ) -> DraftSteps:
-        """`propose` with the draft model's forwards yielded (passes.py)."""
+        """`propose` with the draft model's forwards yielded (passes.py). `source`: the one the step
+        planned (None: the draft model unless the suffix drafter has a long match)."""
         tree, match = self.suffix.propose_with_match(context, k, params, generator)
-        planned, self.planned = self.planned, None
-        if (tree is None or match < self.long_match) if planned is None else planned == "draft":
+        if (tree is None or match < self.long_match) if source is None else source == "draft":
             drafted = yield from self.draft.propose_steps(context, k, params, generator)
             if drafted is not None:  # None: its catch-up declined, the suffix's guess stands
                 self.source = "draft"
@@ -113,10 +118,10 @@ class AutoDrafter:
         self.steps["suffix"] += 1
         return tree
 
-    def batch_pass_seconds(self, sequences: int) -> float | None:
-        """A shared draft forward's seconds (the draft model's) when the coming proposal is the
-        draft model's; None when it is the suffix drafter's (no forward to share)."""
-        return self.draft.batch_pass_seconds(sequences) if self.planned == "draft" else None
+    def batch_pass_seconds(self, sequences: int, source: str | None = None) -> float | None:
+        """A pooled draft forward's seconds (the draft model's) when the coming proposal is the
+        draft model's; None when it is the suffix drafter's (no forward to pool)."""
+        return self.draft.batch_pass_seconds(sequences) if source == "draft" else None
 
     def end(self, output_ids: list[int]) -> None:
         self.suffix.end(output_ids)

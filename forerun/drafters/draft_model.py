@@ -2,7 +2,7 @@
 
 Before drafting it reads the tokens it has not seen (the prompt at first, then the target's token
 and anything another drafter emitted) in one pass: its catch-up. The engine's cost policy may decline
-a long catch-up (`gate`); the proposal is then None and the step goes without the draft model.
+a long catch-up (`set_gate`); the proposal is then None and the step goes without the draft model.
 
 A draft also ends early once another token cannot pay (given the target's pass costs,
 `set_pass_cost`): the product of the draft's own probabilities of its tokens so far estimates the
@@ -16,80 +16,47 @@ proposed too, as a leaf beside the chain's token, where its path's draft probabi
 tokens before it, then it) is at least `second_choice` and a pass saved that often outweighs its
 verified row. Where the chain's token is wrong, the target's token is often the draft's second (on
 coding prompts the 0.5B's second choice is the 1.5B's token in ~60 % of the places its first is
-not), and a leaf costs no draft forward. On the AMX Xeon leaves raise the tokens per target pass
-by ~16 % and the decode rate by ~5 % (docs/benchmarks.md, runs 20 and 21).
+not), and a leaf costs no draft forward: on a CPU with fast rows leaves raise the tokens per target
+pass by ~16 % and the decode rate by ~5 %.
+
+The cost figures and the rules that use them are the policy's (policy/draft_model_costs.py); what
+every drafter over one draft model shares is in draft_setup.py.
 """
 
 from __future__ import annotations
 
-import time
 import warnings
-import weakref
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
 
 from forerun.base.config import SamplingParams
-from forerun.base.errors import ForerunError
 from forerun.drafters import register
-from forerun.drafters.draft_vocab import draft_vocabulary, reduced_head
+from forerun.drafters.base import Drafter
+from forerun.drafters.draft_setup import draft_setup
 from forerun.drafters.passes import DraftPass, DraftSteps, run_alone
-from forerun.models import formats, linear
-from forerun.models.attention import RowLayout
+from forerun.drafters.vocabulary import full_vocabulary
+from forerun.models import formats
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel, load_model
-from forerun.models.tokenizer import Tokenizer
-from forerun.policy.cost_model import Acceptance, PassCosts
+from forerun.policy.catch_up import CATCH_UP_UNASKED, Gate
+from forerun.policy.draft_model_costs import SECOND_CHOICE, DraftModelCosts, pooled_prior, time_draft_passes
+from forerun.policy.pass_costs import PassCosts
 from forerun.verification.sampling import probabilities, sample
 from forerun.verification.tree import DraftTree
 
-DRAFT_MODEL_METHODS = ("draft", "auto")  # methods that run a draft model (its options: model, quantize, ...)
-# A catch-up this short is part of drafting's rhythm (a step's accepted tokens, a suffix draft's
-# run) and is paid without asking; longer ones (a prompt) are the cost policy's call.
-CATCH_UP_FREE = 16
-READ_PROBE_ROWS = 32  # rows of the pass that times a catch-up's cost per token
-BATCH_PRIOR_ROWS = 16  # rows of a shared draft forward estimated before any is timed
-# Kept and rejected pseudo-counts behind the acceptance a draft model expects before its first
-# verdict: a draft of the target's own family is usually right (0.8; runs 9 and 10 measured
-# 0.78-0.85 at the first position). It only decides when a catch-up pays; verdicts replace it.
-DRAFT_PRIOR = (4.0, 1.0)
-SECOND_CHOICE = 0.05  # the least draft probability of a second-choice leaf's path (greedy; above 1: none)
+# The draft model's own flags (CLI destination -> keyword), shared with `auto`.
+DRAFT_MODEL_CLI = {
+    "speculative_model": "model",
+    "speculative_quantization": "quantize",
+    "draft_min_confidence": "min_confidence",
+    "draft_vocab": "draft_vocab",
+    "draft_second_choice": "second_choice",
+}
 
 
-# Per draft decoder and target decoder: the reduced heads and first pass timings, by draft vocabulary size.
-_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
-    """Draft and target must agree token for token; say exactly where they differ."""
-    t_rows, d_rows = target.decoder.cfg.vocab_size, draft.decoder.cfg.vocab_size
-    if t_rows != d_rows:
-        raise ForerunError(
-            f"draft {draft.name} has {d_rows} vocabulary rows, target {target.name} has {t_rows}; "
-            "speculation needs the same tokenizer: pick a draft of the same model family"
-        )
-    if target.tokenizer is None or draft.tokenizer is None:
-        return
-    _compare_tokenizers(target.tokenizer, draft.tokenizer, target.name, draft.name)
-
-
-def _compare_tokenizers(t: Tokenizer, d: Tokenizer, t_name: str, d_name: str) -> None:
-    tv, dv = t.vocabulary(), d.vocabulary()
-    for i in sorted(set(tv) | set(dv)):
-        if tv.get(i) != dv.get(i):
-            raise ForerunError(
-                f"draft and target tokenizers differ at id {i}: target {t_name} has {tv.get(i)!r}, "
-                f"draft {d_name} has {dv.get(i)!r}; pick a draft with the target's tokenizer"
-            )
-    if t.stop_ids != d.stop_ids:
-        raise ForerunError(
-            f"draft and target stop tokens differ: target {sorted(t.stop_ids)}, draft {sorted(d.stop_ids)}"
-        )
-
-
-@register("draft")
-class DraftModelDrafter:
+@register("draft", needs_draft_model=True, cli_options=DRAFT_MODEL_CLI)
+class DraftModelDrafter(Drafter):
     def __init__(
         self,
         target: LoadedModel,
@@ -106,49 +73,23 @@ class DraftModelDrafter:
         it; `draft_vocab` N scores only the N tokens the target writes most (draft_vocab.py);
         `second_choice`: greedy drafts add the draft's second choice as a leaf where the draft's
         probability of its path is at least this and the leaf's row pays (above 1: chains only)."""
-        if quantize not in (None, formats.AUTO):
-            formats.get(quantize)
-        if isinstance(model, LoadedModel):
-            self.model = model
-            if quantize:
-                formats.quantize_(self.model.decoder, quantize)
-        else:
-            self.model = load_model(model, dtype, device or str(target.decoder.device), quantization=quantize)
-        if _num_weights(self.model.decoder) > _num_weights(target.decoder):
-            warnings.warn(
-                f"draft {self.model.name} is larger than target {target.name}: "
-                "speculation will likely be slower than plain decoding",
-                stacklevel=2,
-            )
+        self.model = _draft_model(target, model, dtype, device, quantize)
         self.min_confidence = min_confidence
         self.second_choice = second_choice
-        # What depends on the draft weights alone is made once per model and shared by every
-        # drafter over it (a server has one per running sequence).
-        self.shared = _SHARED.setdefault(self.model.decoder, weakref.WeakKeyDictionary()).setdefault(target.decoder, {})
-        if not self.shared.get("same vocabulary"):
-            check_same_vocabulary(target, self.model)
-            self.shared["same vocabulary"] = True
-        if ("head", draft_vocab) not in self.shared:
-            vocab = draft_vocabulary(target, draft_vocab) if draft_vocab else None  # [N] token ids
-            # The draft model keeps its full head; drafters with a reduced vocabulary score with its rows.
-            self.shared["head", draft_vocab] = (
-                vocab,
-                reduced_head(self.model.decoder.lm_head, vocab) if vocab is not None else None,
-            )
-        self.vocab, self.head = self.shared["head", draft_vocab]
-        self.draft_vocab = draft_vocab
+        self.setup = draft_setup(target, self.model, draft_vocab)
+        self.vocab, self.head = self.setup.vocab, self.setup.head
         self.vocab_size = target.decoder.cfg.vocab_size
         self.cache: KVCache | None = None
         self.max_len = 0  # slots this request's cache needs
+        self.prompt_len = 0  # the request's prompt tokens (what the context holds beyond them is output)
         self.fed: list[int] = []  # tokens whose keys/values sit in self.cache, in order
-        self.token_seconds: float | None = None  # running mean time of a one-token draft forward
-        self.read_seconds: float | None = None  # running mean time per token of a catch-up pass
-        self.gate: Callable[[float, float | None, float], bool] | None = None  # see set_gate
-        self.acceptance = Acceptance(*DRAFT_PRIOR)  # of its drafts, over every request of this drafter
+        self.costs = DraftModelCosts()
+        self.gate: Gate | None = None  # see set_gate
         self.proposed = 0  # tokens in the proposal awaiting its verdict
         self.drafted = True  # this request drafted (a first request counts as having)
-        self.admitted = False  # the gate agreed to a catch-up not made yet
-        self.pass_cost: Callable[[int], float] | None = None  # the target's c(rows), for ending drafts early
+        # The gate agreed to a catch-up not made yet. It stands until a proposal makes it: a batch's
+        # load may turn the step it was agreed for into a plain one.
+        self.admitted = False
 
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         # The cache is made at the first proposal (a request the draft model never drafts for, as
@@ -160,21 +101,12 @@ class DraftModelDrafter:
             self.cache.reset()
         else:
             self.cache = None
+        self.prompt_len = len(prompt_ids)
         self.fed = []
         self.admitted = False
-        if not self.drafted:
-            self._age_evidence()
+        if not self.drafted and self.setup.timed is not None:
+            self.costs.age(self.setup.timed[1])
         self.drafted = False
-
-    def _age_evidence(self) -> None:
-        """After a request in which the draft model never drafted, its token cost moves halfway
-        back to the timed figure. The gate admits a catch-up on it, and only drafting updates it:
-        without ageing, one slow pass would shut the draft model out of every later request. (Its
-        acceptance does not age: it is what keeps a draft model that is usually wrong on this
-        traffic from being tried again on every short answer.)"""
-        timed = self.shared.get(("timed", self.draft_vocab))
-        if timed is not None and self.token_seconds is not None:
-            self.token_seconds = (self.token_seconds + timed[1]) / 2
 
     def max_rows(self, k: int) -> int:
         """A chain of k, and under greedy up to k second-choice leaves beside it."""
@@ -186,195 +118,186 @@ class DraftModelDrafter:
         return run_alone(self.propose_steps(context, k, params, generator))
 
     def propose_steps(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        source: str | None = None,
     ) -> DraftSteps:
         """`propose` as draft forwards yielded one by one (passes.py: a batch runs several
         sequences' forwards as one)."""
-        if self.cache is None:
-            self.cache = self.model.decoder.new_cache(self.max_len)
-        cache = self.cache
-        # Roll back to what the context still agrees with (drops rejected drafts), then catch up.
-        keep = min(_common_prefix(self.fed, context), len(context) - 1)
-        cache.truncate(keep)
-        self.fed = self.fed[:keep]
-        pending = context[keep:]
+        pending = self._roll_back(context)
         # The root is read on every proposal; only what lies before it is catch-up.
         admitted, self.admitted = self.admitted, False
-        if (
-            self.gate is not None
-            and len(pending) - 1 > CATCH_UP_FREE
-            and not admitted
-            and not self.gate(self.catch_up_seconds(len(pending) - 1), self.cost_per_token(), self.acceptance.alpha)
-        ):
+        if len(pending) - 1 > CATCH_UP_UNASKED and not admitted and not self._pays(len(pending) - 1, context, params):
             return None
+        self.drafted = True
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         leaves: list[tuple[int, int]] = []  # (depth index, token): second choices beside the chain
         kept_chance = 1.0  # the draft's probability of its whole draft so far
-        self.drafted = True
         for _ in range(k):
-            step = DraftPass(self.model.decoder, cache, pending, len(self.fed), self.head)
+            step = DraftPass(self.model.decoder, self.cache, pending, len(self.fed), self.head)
             logits = yield step  # [1, N]
             self._time_pass(step)
             self.fed += pending
             confidence = logits.softmax(-1)[0]  # [N]
             if params.greedy:
-                best = confidence.topk(min(2, confidence.shape[0]))
-                choice = int(best.indices[0])
-                if len(best.values) > 1 and self._leaf_pays(
-                    kept_chance * float(best.values[1]), len(tokens) + len(leaves) + 1
-                ):
-                    leaves.append((len(tokens), self._token(int(best.indices[1]))))
+                choice = self._greedy_choice(confidence, kept_chance, len(tokens), leaves)
             else:
                 q = probabilities(logits, params)  # [1, N]
                 choice = int(sample(q, generator)[0])
-                probs.append(self._full_vocabulary(q[0]))
-            token = self._token(choice)
-            tokens.append(token)
-            pending = [token]
+                probs.append(full_vocabulary(q[0], self.vocab, self.vocab_size))
+            tokens.append(self._token(choice))
+            pending = [tokens[-1]]
             kept_chance *= float(confidence[choice])
             if self.min_confidence and float(confidence.max()) < self.min_confidence:
                 break
             if len(tokens) < k and not self._worth_another(len(tokens), kept_chance, step):
                 break
         self.proposed = len(tokens)
-        if leaves:
-            # A leaf beside the chain's token at depth index d hangs from that token's parent.
-            return DraftTree(
-                tokens + [t for _, t in leaves], list(range(-1, len(tokens) - 1)) + [d - 1 for d, _ in leaves]
-            )
-        return DraftTree.chain(tokens, None if params.greedy else torch.stack(probs))
+        return _tree(tokens, leaves, None if params.greedy else torch.stack(probs))
+
+    def _roll_back(self, context: list[int]) -> list[int]:
+        """Drop what the context no longer agrees with (rejected drafts); the tokens to read next."""
+        if self.cache is None:
+            self.cache = self.model.decoder.new_cache(self.max_len)
+        keep = min(_common_prefix(self.fed, context), len(context) - 1)
+        self.cache.truncate(keep)
+        self.fed = self.fed[:keep]
+        return context[keep:]
+
+    def _greedy_choice(
+        self, confidence: torch.Tensor, kept_chance: float, drafted: int, leaves: list[tuple[int, int]]
+    ) -> int:
+        """The draft's first choice [column]; its second joins `leaves` where that leaf pays."""
+        best = confidence.topk(min(2, confidence.shape[0]))
+        if len(best.values) > 1 and self.costs.leaf_pays(
+            kept_chance * float(best.values[1]), drafted + len(leaves) + 1, self.second_choice
+        ):
+            leaves.append((drafted, self._token(int(best.indices[1]))))
+        return int(best.indices[0])
 
     def _token(self, choice: int) -> int:
         """The target's token id of column `choice` of the draft's head."""
         return choice if self.vocab is None else int(self.vocab[choice])
 
     def set_pass_cost(self, pass_cost: Callable[[int], float]) -> None:
-        self.pass_cost = pass_cost
+        self.costs.pass_cost = pass_cost
 
     def _worth_another(self, drafted: int, kept_chance: float, last: DraftPass) -> bool:
-        """Whether a token after `drafted` ones, all kept with probability `kept_chance`, pays for
-        its draft forward and its verified row (True when the costs are not known). A forward
-        shared like `last` by several sequences costs each its share."""
-        if self.pass_cost is None:
+        """Whether a token after `drafted` ones, all kept with probability `kept_chance`, pays
+        (True when the target's costs are not known). A forward pooled like `last` by several
+        sequences costs each its share."""
+        if self.costs.pass_cost is None:
             return True
-        token_cost = self.token_seconds if last.shared == 1 else self.batch_pass_seconds(last.shared) / last.shared
-        return token_cost is None or self._saves(kept_chance, token_cost, drafted + 1)
+        if last.passes == 1:
+            token_seconds = self.costs.token_seconds
+        else:
+            token_seconds = self.batch_pass_seconds(last.passes) / last.passes
+        return self.costs.worth_another(kept_chance, token_seconds, drafted)
 
-    def _leaf_pays(self, chance: float, rows: int) -> bool:
-        """Whether a second-choice leaf the target keeps with probability about `chance` (the
-        draft's own probability of its path) pays for one more verified row beside `rows`: at least
-        `second_choice`, and, with the target's costs known, a pass saved that often outweighs the row."""
-        return chance >= self.second_choice and (self.pass_cost is None or self._saves(chance, 0.0, rows))
-
-    def _saves(self, chance: float, seconds: float, rows: int) -> bool:
-        """Whether a verified row beside `rows` others, kept with probability `chance`, saves more
-        (a target pass that often) than it costs (`seconds` to draft it, and the row)."""
-        return chance * self.pass_cost(1) > seconds + self.pass_cost(rows + 1) - self.pass_cost(rows)
-
-    def ready(self, context: list[int]) -> bool:
-        """Whether a proposal after `context` would draft: its catch-up is free, or the gate pays
-        for it now (asked here once per step; the proposal that follows does not ask again)."""
+    def ready(self, context: list[int], params: SamplingParams) -> bool:
+        """Whether a proposal after `context` would draft: its catch-up is paid without asking, or
+        the gate pays for it now (asked here once per step; the proposal that follows does not ask
+        again)."""
         skipped = len(context) - 1 - min(_common_prefix(self.fed, context), len(context) - 1)
-        if self.gate is None or skipped <= CATCH_UP_FREE or self.admitted:
+        if self.gate is None or skipped <= CATCH_UP_UNASKED or self.admitted:
             return True  # admitted before and not proposed since (the step went plain): still paid for
-        self.admitted = self.gate(self.catch_up_seconds(skipped), self.cost_per_token(), self.acceptance.alpha)
+        self.admitted = self._pays(skipped, context, params)
         return self.admitted
+
+    def _pays(self, skipped: int, context: list[int], params: SamplingParams) -> bool:
+        """The gate's answer on a catch-up of `skipped` tokens (True without a gate)."""
+        if self.gate is None:
+            return True
+        remaining = params.max_tokens - (len(context) - self.prompt_len)
+        costs = self.costs
+        return self.gate(self.catch_up_seconds(skipped), costs.token_seconds, costs.acceptance.alpha, remaining)
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
         # The cache needs nothing: the next propose() rolls back by comparing contexts.
         if self.proposed:
-            self.acceptance.observe(num_accepted, 1 if num_accepted < self.proposed else 0)
+            self.costs.acceptance.observe(num_accepted, 1 if num_accepted < self.proposed else 0)
             self.proposed = 0
 
     def cost_per_token(self) -> float | None:
         """What one more draft token costs (a one-token forward), catching up on skipped tokens
         left out: the cost model's c_draft. None before one is timed."""
-        return self.token_seconds
+        return self.costs.token_seconds
 
-    def set_gate(self, gate: Callable[[float, float | None, float], bool]) -> None:
-        """Before a catch-up longer than CATCH_UP_FREE tokens, ask `gate` with its estimated
-        seconds, the cost of a draft token and the share of draft tokens kept so far; False
-        declines the proposal. Times the draft model
-        now (under a second), so the first estimates fall at load time, not in a request."""
+    def set_gate(self, gate: Gate) -> None:
+        """Before a catch-up longer than CATCH_UP_UNASKED tokens, ask `gate`; no declines the
+        proposal. Times the draft model now (under a second), so the first estimates fall at load
+        time, not in a request."""
         self.gate = gate
-        if self.read_seconds is None or self.token_seconds is None:
-            timed = self.shared.get(("timed", self.draft_vocab))
-            read, token = timed if timed is not None else self._time_passes()
-            self.shared["timed", self.draft_vocab] = (read, token)
-            self.read_seconds = self.read_seconds or read
-            self.token_seconds = self.token_seconds or token
+        costs = self.costs
+        if costs.read_seconds is None or costs.token_seconds is None:
+            read, token = self.setup.timed if self.setup.timed is not None else self._time_passes()
+            self.setup.timed = (read, token)
+            costs.read_seconds = costs.read_seconds or read
+            costs.token_seconds = costs.token_seconds or token
 
     def catch_up_seconds(self, tokens: int) -> float:
         """Estimated time to read `tokens` skipped tokens, from the catch-up passes timed so far."""
-        if self.read_seconds is None:
-            self.read_seconds = self._time_passes()[0]
-        return tokens * self.read_seconds
+        if self.costs.read_seconds is None:
+            self.costs.read_seconds = self._time_passes()[0]
+        return tokens * self.costs.read_seconds
 
     def _time_passes(self) -> tuple[float, float]:
-        """(seconds per token of a catch-up pass, seconds of a one-token pass), the fastest of a few."""
-        decoder = self.model.decoder
-        rows = min(READ_PROBE_ROWS, decoder.cfg.max_position - 1)
-        cache = decoder.new_cache(rows + 1)
-        ids = torch.zeros(rows + 1, dtype=torch.long, device=decoder.device)
-        pos = torch.arange(rows + 1, device=decoder.device)
-        best = {rows: float("inf"), 1: float("inf")}
-        with torch.inference_mode():
-            for _ in range(3):
-                for n, first in ((rows, 0), (1, rows)):
-                    cache.truncate(first)
-                    start = time.perf_counter()
-                    with linear.prefill() if n > 1 else nullcontext():
-                        decoder(
-                            ids[first : first + n],
-                            pos[first : first + n],
-                            cache,
-                            layout=RowLayout.chain(first, n),
-                            last_only=True,
-                            head=self.head,
-                        )
-                    best[n] = min(best[n], time.perf_counter() - start)
-        return best[rows] / rows, best[1]
+        return time_draft_passes(self.model.decoder, self.head)
 
     def _time_pass(self, step: DraftPass) -> None:
         """Learn from a timed forward: a pass alone times this drafter's token or catch-up cost; a
-        forward shared with other sequences times the batched draft (`batch_pass_seconds`)."""
-        rows = len(step.tokens)
-        if step.shared > 1:
-            if step.lead:
-                self._batch_costs().observe(step.rows, step.seconds * step.shared)
-        elif rows == 1:
-            # One stalled pass (the machine is shared) counts as at most twice the running figure.
-            previous = self.token_seconds
-            self.token_seconds = (
-                step.seconds if previous is None else 0.8 * previous + 0.2 * min(step.seconds, 2 * previous)
-            )
-        elif rows >= 8:  # long enough that the per-row cost dominates
-            per_row, previous = step.seconds / rows, self.read_seconds
-            self.read_seconds = per_row if previous is None else 0.8 * previous + 0.2 * per_row
+        forward pooled with other sequences times the batched draft (`batch_pass_seconds`)."""
+        if step.passes == 1:
+            self.costs.record_pass(len(step.tokens), step.seconds)
+        elif step.lead:
+            self._pooled_costs().observe(step.rows, step.seconds * step.passes)
 
-    def batch_pass_seconds(self, sequences: int) -> float:
-        """Seconds of one draft forward shared by `sequences` sequences drafting a token each: as
+    def batch_pass_seconds(self, sequences: int, source: str | None = None) -> float:
+        """Seconds of one draft forward pooled by `sequences` sequences drafting a token each: as
         measured in a batch, else estimated from a one-token forward and the per-row cost of a
-        catch-up (the kernel's rows are nearly free until they are not)."""
-        return self._batch_costs()(sequences)
+        catch-up."""
+        return self._pooled_costs()(sequences)
 
-    def _batch_costs(self) -> PassCosts:
-        costs = self.shared.get(("batch passes", self.draft_vocab))
-        if costs is None:
-            read, token = self.read_seconds, self.token_seconds
+    def _pooled_costs(self) -> PassCosts:
+        if self.setup.pooled_costs is None:
+            read, token = self.costs.read_seconds, self.costs.token_seconds
             if read is None or token is None:
                 timed_read, timed_token = self._time_passes()
                 read, token = read or timed_read, token or timed_token
-            costs = PassCosts([max(token, rows * read) for rows in range(1, BATCH_PRIOR_ROWS + 1)], learn=True)
-            self.shared["batch passes", self.draft_vocab] = costs
-        return costs
+            self.setup.pooled_costs = pooled_prior(read, token)
+        return self.setup.pooled_costs
 
-    def _full_vocabulary(self, q: torch.Tensor) -> torch.Tensor:
-        """q over the draft vocabulary [N] as a distribution over every token [V] (0 outside it)."""
-        if self.vocab is None:
-            return q
-        return torch.zeros(self.vocab_size, dtype=q.dtype, device=q.device).index_copy_(0, self.vocab.to(q.device), q)
+
+def _draft_model(
+    target: LoadedModel, model: str | LoadedModel, dtype: str, device: str | None, quantize: str | None
+) -> LoadedModel:
+    """The draft model, loaded (or quantized) as asked; a warning when it is larger than the target."""
+    if quantize not in (None, formats.AUTO):
+        formats.get(quantize)
+    if isinstance(model, LoadedModel):
+        if quantize:
+            formats.quantize_(model.decoder, quantize)
+    else:
+        model = load_model(model, dtype, device or str(target.decoder.device), quantization=quantize)
+    if _num_weights(model.decoder) > _num_weights(target.decoder):
+        warnings.warn(
+            f"draft {model.name} is larger than target {target.name}: "
+            "speculation will likely be slower than plain decoding",
+            stacklevel=3,
+        )
+    return model
+
+
+def _tree(tokens: list[int], leaves: list[tuple[int, int]], probs: torch.Tensor | None) -> DraftTree:
+    """The chain of `tokens` (draft distributions `probs` [K, V], None: greedy), with each leaf
+    (depth index d, token) beside the chain's token at depth d, hanging from that token's parent."""
+    if leaves:
+        return DraftTree(tokens + [t for _, t in leaves], list(range(-1, len(tokens) - 1)) + [d - 1 for d, _ in leaves])
+    return DraftTree.chain(tokens, probs)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

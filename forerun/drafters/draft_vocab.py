@@ -16,14 +16,13 @@ The choice is cached per target and size under FORERUN_HOME/draft-vocab/.
 from __future__ import annotations
 
 import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
+from forerun.base.files import write_json
 from forerun.base.paths import forerun_home
 from forerun.models.gguf_format import GGUFLinear
 from forerun.models.linear import Int8Linear, Linear
@@ -55,7 +54,7 @@ def draft_vocabulary(target: LoadedModel, size: int) -> torch.Tensor | None:
     counts = target_choice_counts(target, calibration_prompts(target))
     ids = choose(counts, size, sorted(target.tokenizer.stop_ids) if target.tokenizer else [])
     if path is not None:
-        _write_json(path, {"size": size, "top": TOP, "token_ids": ids.tolist()})
+        write_json(path, {"size": size, "top": TOP, "token_ids": ids.tolist()})
     return ids
 
 
@@ -149,13 +148,3 @@ def reduced_head(head: nn.Module, ids: torch.Tensor) -> nn.Module:
 
 def _device_of(module: nn.Module) -> torch.device:
     return next(iter([*module.parameters(), *module.buffers()]), torch.empty(0)).device
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

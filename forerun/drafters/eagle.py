@@ -30,6 +30,8 @@ import torch
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.drafters import register
+from forerun.drafters.base import Drafter
+from forerun.drafters.vocabulary import full_vocabulary
 from forerun.heads import shared_head
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
@@ -40,8 +42,8 @@ DEFAULT_NODES = 16  # the most tree nodes a step verifies
 DEFAULT_BRANCH = 4  # nodes expanded per depth, children per expanded node
 
 
-@register("eagle")
-class EagleDrafter:
+@register("eagle", cli_options={"speculative_head": "head", "eagle_nodes": "nodes", "eagle_branch": "branch"})
+class EagleDrafter(Drafter):
     reads_features = True
 
     def __init__(
@@ -178,7 +180,9 @@ class EagleDrafter:
         feature, tokens, qs, slots = root_feature, [], [], []
         for level in range(depth):
             with torch.inference_mode():
-                q = self._full_vocabulary(probabilities(self.head.logits(feature)[None], params))  # [1, V]
+                q = full_vocabulary(
+                    probabilities(self.head.logits(feature)[None], params), self.vocab, self.vocab_size
+                )  # [1, V]
             token = int(sample(q, generator)[0])
             tokens.append(token)
             qs.append(q[0])
@@ -223,10 +227,6 @@ class EagleDrafter:
     def _time(self, seconds: float) -> None:
         previous = self.head_seconds
         self.head_seconds = seconds if previous is None else 0.8 * previous + 0.2 * seconds
-
-    def _full_vocabulary(self, q: torch.Tensor) -> torch.Tensor:
-        full = torch.zeros(q.shape[0], self.vocab_size, dtype=q.dtype, device=q.device)
-        return full.index_copy_(1, self.vocab, q)
 
 
 def _depth(node: int, parents: list[int]) -> int:

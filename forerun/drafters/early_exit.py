@@ -25,6 +25,7 @@ import torch
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.drafters import register
+from forerun.drafters.base import Drafter
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
 from forerun.verification.sampling import probabilities, sample
@@ -34,7 +35,7 @@ from forerun.verification.tree import DraftTree
 def draft_layers(num_layers: int, layer: int | None = None, skip_layers: list[int] | None = None) -> list[int]:
     """The layers the draft runs, checked: a prefix (`layer`), everything but `skip_layers`, or by
     default the first three quarters (on the 1.5B Qwen2.5 target, α 0.02 at half depth, 0.18 at three
-    quarters: docs/benchmarks.md, runs 2 and 7)."""
+    quarters)."""
     if layer is not None and skip_layers is not None:
         raise ForerunError("give either --early-exit-layer or --skip-layers, not both")
     if skip_layers is not None:
@@ -52,8 +53,8 @@ def draft_layers(num_layers: int, layer: int | None = None, skip_layers: list[in
     return list(range(layer))
 
 
-@register("early-exit")
-class EarlyExitDrafter:
+@register("early-exit", cli_options={"early_exit_layer": "layer", "skip_layers": "skip_layers"})
+class EarlyExitDrafter(Drafter):
     def __init__(self, target: LoadedModel, layer: int | None = None, skip_layers: list[int] | None = None) -> None:
         self.decoder = target.decoder
         self.layers = draft_layers(self.decoder.cfg.num_layers, layer, skip_layers)

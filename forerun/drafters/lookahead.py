@@ -34,6 +34,7 @@ import torch
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.drafters import register
+from forerun.drafters.base import Drafter
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
 from forerun.verification.tree import DraftTree
@@ -82,8 +83,11 @@ class NgramPool:
         return self.entries.get(first, [])[::-1]
 
 
-@register("lookahead")
-class LookaheadDrafter:
+@register(
+    "lookahead",
+    cli_options={"lookahead_window": "window", "lookahead_ngram": "ngram", "lookahead_guesses": "guesses"},
+)
+class LookaheadDrafter(Drafter):
     def __init__(self, target: LoadedModel | None, window: int = 4, ngram: int = 4, guesses: int = 4) -> None:
         if window < 1:
             raise ForerunError(f"--lookahead-window must be at least 1, got {window}")

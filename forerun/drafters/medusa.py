@@ -22,6 +22,8 @@ import torch
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.drafters import register
+from forerun.drafters.base import Drafter
+from forerun.drafters.vocabulary import full_vocabulary
 from forerun.heads import shared_head
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
@@ -55,8 +57,8 @@ def choices_tree(choices: list[tuple[int, ...]], depth: int) -> tuple[list[tuple
     return paths, [index[p[:-1]] if len(p) > 1 else -1 for p in paths]
 
 
-@register("medusa")
-class MedusaDrafter:
+@register("medusa", cli_options={"speculative_head": "head", "medusa_choices": "choices"})
+class MedusaDrafter(Drafter):
     reads_features = True
 
     def __init__(self, target: LoadedModel, head: str | None = None, choices=None) -> None:
@@ -97,18 +99,13 @@ class MedusaDrafter:
             tokens = [int(ranked[len(p) - 1, p[-1]]) if p[-1] < ranked.shape[1] else -1 for p in paths]
             keep = _without_missing(tokens, parents)
             return DraftTree([tokens[i] for i in keep], _reindex(parents, keep)) if keep else None
-        q = self._full_vocabulary(probabilities(logits, params))  # [H, V]
+        q = full_vocabulary(probabilities(logits, params), self.vocab, self.vocab_size)  # [H, V]
         depths = [len(p) - 1 for p in paths]
         tokens = sample(q[depths], generator).tolist()  # one draw per node
         return DraftTree(tokens, parents, q[depths])
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
         pass
-
-    def _full_vocabulary(self, q: torch.Tensor) -> torch.Tensor:
-        """[H, N] over the draft vocabulary -> [H, V] over every token (0 outside it)."""
-        full = torch.zeros(q.shape[0], self.vocab_size, dtype=q.dtype, device=q.device)
-        return full.index_copy_(1, self.vocab, q)
 
 
 def _without_missing(tokens: list[int], parents: list[int]) -> list[int]:

@@ -29,6 +29,7 @@ import torch
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.drafters import register
+from forerun.drafters.base import Drafter
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
 from forerun.verification.tree import DraftTree
@@ -87,8 +88,8 @@ class NgramIndex:
         return draft
 
 
-@register("ngram")
-class NgramDrafter:
+@register("ngram", cli_options={"ngram_max": "ngram_max", "ngram_min": "ngram_min"})
+class NgramDrafter(Drafter):
     stateless = True  # a proposal leaves nothing behind: the engine may propose without verifying
 
     def __init__(self, target: LoadedModel | None, ngram_max: int = 3, ngram_min: int = 1) -> None:

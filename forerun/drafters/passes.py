@@ -44,7 +44,7 @@ class DraftPass:
     head: nn.Module | None = None
     # Set by the forward that ran it:
     seconds: float = 0.0  # this pass's share of the forward's time
-    shared: int = 1  # passes in that forward
+    passes: int = 1  # passes in that forward (1: it ran alone)
     rows: int = 0  # rows in that forward
     lead: bool = True  # the forward's first pass (the one to time the whole forward by)
 
@@ -146,5 +146,5 @@ def forward(passes: list[DraftPass]) -> list[torch.Tensor]:
     share = (time.perf_counter() - start) / len(passes)
     rows = sum(len(p.tokens) for p in passes)
     for i, p in enumerate(passes):
-        p.seconds, p.shared, p.rows, p.lead = share, len(passes), rows, i == 0
+        p.seconds, p.passes, p.rows, p.lead = share, len(passes), rows, i == 0
     return [logits[i : i + 1] for i in range(len(passes))]

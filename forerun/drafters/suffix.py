@@ -35,6 +35,7 @@ import torch
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.drafters import register
+from forerun.drafters.base import Drafter
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
 from forerun.verification.tree import DraftTree
@@ -120,8 +121,16 @@ class SuffixMemory:
             self.trie.append(t)
 
 
-@register("suffix")
-class SuffixDrafter:
+@register(
+    "suffix",
+    cli_options={
+        "suffix_max_match": "max_match",
+        "suffix_min_match": "min_match",
+        "suffix_min_prob": "min_prob",
+        "suffix_branch_ratio": "branch_ratio",
+    },
+)
+class SuffixDrafter(Drafter):
     stateless = True  # a proposal leaves nothing behind: the engine may propose without verifying
 
     def __init__(

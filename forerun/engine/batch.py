@@ -9,18 +9,9 @@ their own, or a copy of another's of the same prompt: n completions) and leave b
 an idle lane is kept for the next request, so a drafter's one-off set-up is paid once per lane,
 not per request.
 
-Load: with B sequences, a step of K drafts each verifies about B·(K+1) rows, and rows stop being
-nearly free as B grows. Where the lanes have cost policies, the step's K is capped at the common
-length with the most expected tokens per second for the whole batch (`batch_draft_length`), so
-speculation backs off as the batch fills and comes back as it empties. The model prices the pass
-and the drafts but not each lane's own work around them (sampling and stopping a draft,
-acceptance, roll-back), which grows with B; so for each size of batch the engine also measures
-tokens per second of its steps with drafting and without, and drafts only while drafting measures
-faster, by DRAFTING_EDGE at least (trying the other again now and then, as often as is cheap, and
-half as often after each try that measured worse again: under a steady full batch the tries fade
-out). While plain steps measure faster, a lane whose drafter has a free draft at hand (`auto`'s
-long suffix match) still drafts it where the batch's length says its rows pay. One lane alone is
-exactly the single-request engine.
+Load: with B sequences a step of K drafts verifies about B·(K+1) rows, so the step's K is capped
+at the length that pays for the whole batch, and a per-batch-size bandit decides whether it drafts
+at all (docs/architecture.md, Cost policy: batch draft length, batch explore/exploit).
 
 Failures stay with their request: a lane whose drafter or acceptance raises is ended with that
 error; if the shared pass raises, each lane is verified alone so only the guilty one fails.
@@ -29,7 +20,6 @@ error; if the shared pass raises, each lane is verified alone so only the guilty
 from __future__ import annotations
 
 import collections
-import math
 import time
 from collections.abc import Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -37,8 +27,9 @@ from dataclasses import dataclass, field
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.drafters.passes import run_passes
-from forerun.engine.engine import Engine, Plan, RequestOutput, Running, StepOutput
-from forerun.policy.cost_model import batch_draft_length
+from forerun.engine.engine import Choice, Engine, Plan, RequestOutput, Running, StepOutput
+from forerun.policy.batch_rates import Rates
+from forerun.policy.draft_length import batch_draft_length
 from forerun.verification.verify import Verification, VerifyJob, verify, verify_many
 
 
@@ -66,71 +57,6 @@ class StepResult:
 
     output: StepOutput | None
     error: Exception | None = None
-
-
-EXPLORE_EVERY = 16  # steps between tries of the option that measured worse, at the least
-EXPLORE_SHARE = 0.02  # and never so often that those tries cost more than this share of the time
-EXPLORE_MAX = 512  # each try that measured worse again doubles the steps to the next, up to this
-# Drafting is chosen only while it measures this much faster than plain steps: its steps' rates leave
-# out what drafting costs beside them (a drafting step is longer, and requests waiting to join wait
-# for it; a switch to drafting makes every lane's draft model catch up), and two nearly equal noisy
-# rates would otherwise flip the choice back and forth at random (15-16 lanes: benchmarks.md, run 27).
-DRAFTING_EDGE = 0.05
-
-
-@dataclass
-class Rates:
-    """Tokens per second and seconds per step of one batch size's steps, with drafting and
-    without (running means)."""
-
-    drafting: float | None = None
-    plain: float | None = None
-    drafting_s: float | None = None
-    plain_s: float | None = None
-    since: int = 0  # steps since the worse option was last tried
-    losses: int = 0  # tries in a row after which the same option still measured better
-    trying: bool = False  # the step being taken is a try of the worse option
-
-    def choose_drafting(self) -> bool:
-        """Draft this step? Each option is tried first; then the faster one, and the other again
-        now and then (acceptance and the batch's make-up drift), as often as it is cheap to."""
-        if self.plain is None or self.drafting is None:
-            return self.drafting is None
-        better = self.drafting_better()
-        self.since += 1
-        if self.since >= self.explore_every(better):
-            self.since, self.trying = 0, True
-            return not better
-        return better
-
-    def drafting_better(self) -> bool:
-        """Drafting measures faster than plain steps, by DRAFTING_EDGE at least (both measured)."""
-        return self.drafting >= self.plain * (1 + DRAFTING_EDGE)
-
-    def explore_every(self, drafting_better: bool) -> int:
-        """Steps between tries of the worse option: a try loses its step's time times the share of
-        throughput it gives up, and that may be at most EXPLORE_SHARE of the steps between tries;
-        and EXPLORE_EVERY doubled for each try in a row that changed nothing (up to EXPLORE_MAX)."""
-        if drafting_better:
-            worse, best, worse_s, best_s = self.plain, self.drafting, self.plain_s, self.drafting_s
-        else:
-            worse, best, worse_s, best_s = self.drafting, self.plain, self.drafting_s, self.plain_s
-        backoff = min(EXPLORE_EVERY << min(self.losses, 16), EXPLORE_MAX)
-        loss = worse_s * (1 - worse / best) if best > 0 else 0.0
-        return max(backoff, math.ceil(loss / (EXPLORE_SHARE * best_s) - 1e-9)) if best_s else backoff
-
-    def record(self, drafting: bool, rate: float, seconds: float) -> None:
-        def mean(old: float | None, new: float) -> float:
-            return new if old is None else 0.7 * old + 0.3 * new
-
-        before = self.drafting_better() if self.trying else None  # a try is made only once both have figures
-        if drafting:
-            self.drafting, self.drafting_s = mean(self.drafting, rate), mean(self.drafting_s, seconds)
-        else:
-            self.plain, self.plain_s = mean(self.plain, rate), mean(self.plain_s, seconds)
-        if self.trying:
-            self.trying = False
-            self.losses = self.losses + 1 if self.drafting_better() == before else 0
 
 
 class BatchEngine:
@@ -178,17 +104,17 @@ class BatchEngine:
         this one shares (n completions of one prompt: one prefill, each its own seed)."""
         if self.full:
             raise RuntimeError(f"{self.size} requests already run; max_seqs is {self.max_seqs}")
-        shared = None
+        leader = None  # the request whose prefill this one starts from
         if like is not None:
             if like not in self.lanes:
                 raise ForerunError(
                     f"like={like!r} names no running request: a prefill is shared with a "
                     "request added before this one and not removed yet"
                 )
-            shared = self.lanes[like].run
+            leader = self.lanes[like].run
         engine = self._engine()
         try:
-            run, first = engine.begin(prompt_ids, params, like=shared)
+            run, first = engine.begin(prompt_ids, params, like=leader)
         except BaseException:
             self.idle.append(engine)
             raise
@@ -275,9 +201,8 @@ class BatchEngine:
         results: dict[Hashable, StepResult] = {}
         started = time.perf_counter()
         bucket = self.rates[len(lanes).bit_length()]
-        chosen: dict[Hashable, tuple[int, bool]] = {}
         # Plain steps measure faster at this batch size: until the batch tries drafting again, no
-        # lane runs its draft model, probes it or pays its catch-up. A lane with a free draft at
+        # lane runs its draft model, probes it or pays its catch-up. A lane with a costless draft at
         # hand (auto's long suffix match) still drafts it where the batch's length says its rows
         # pay; such steps count as plain ones, so the choice measured is whether the draft model
         # adds to them.
@@ -286,15 +211,52 @@ class BatchEngine:
         )
         # Each lane first settles what it alone would draft (and from which source); the batch
         # then caps everyone's length by what the load makes pay.
+        chosen = self._choose(lanes, plain, results)
+        lanes = [(key, lane) for key, lane in lanes if key in chosen]
+        cap = self._k_cap([(lane, chosen[key]) for key, lane in lanes]) if len(lanes) > 1 else None
+        drafting = not plain and (cap is None or cap > 0)
+        planned = self._plan(lanes, cap, chosen, results)
+        together = len(planned) > 1  # one pass for several lanes: no lane's step is timed alone
+        for (key, lane, plan), ver in zip(planned, self._verify(planned)):
+            if isinstance(ver, Exception):
+                results[key] = StepResult(None, ver)
+                continue
+            try:
+                emitted = lane.engine.finish(lane.run, plan, ver, timed=not together)
+                results[key] = StepResult(lane.run.step_output(emitted))
+            except Exception as exc:  # noqa: BLE001
+                results[key] = StepResult(None, exc)
+        ks = [plan.k for _, _, plan in planned if plan.k is not None]
+        self.last_k = max(ks) if ks else None
+        if cap is not None:
+            emitted = sum(len(r.output.token_ids) for r in results.values() if r.output is not None)
+            seconds = max(time.perf_counter() - started, 1e-9)
+            bucket.record(drafting, emitted / seconds, seconds)
+        return results
+
+    @staticmethod
+    def _choose(
+        lanes: list[tuple[Hashable, Lane]], plain: bool, results: dict[Hashable, StepResult]
+    ) -> dict[Hashable, Choice]:
+        """Each lane's draft as it alone would choose it (`plain`: costless drafts only); a lane
+        whose drafter raises gets its error in `results`."""
+        chosen: dict[Hashable, Choice] = {}
         for key, lane in lanes:
             try:
-                chosen[key] = lane.engine.choose_free(lane.run) if plain else lane.engine.choose(lane.run)
+                chosen[key] = lane.engine.choose_costless(lane.run) if plain else lane.engine.choose(lane.run)
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                 results[key] = StepResult(None, exc)
-        lanes = [(key, lane) for key, lane in lanes if key in chosen]
-        cap = self._k_cap([(lane, chosen[key][0]) for key, lane in lanes]) if len(lanes) > 1 else None
-        drafting = not plain and (cap is None or cap > 0)
-        # Every lane drafts at once: their draft-model forwards run as one (passes.py).
+        return chosen
+
+    @staticmethod
+    def _plan(
+        lanes: list[tuple[Hashable, Lane]],
+        cap: int | None,
+        chosen: dict[Hashable, Choice],
+        results: dict[Hashable, StepResult],
+    ) -> list[tuple[Hashable, Lane, Plan]]:
+        """Every lane's draft at once, their draft-model forwards run as one (passes.py); a lane
+        whose proposal raises gets its error in `results`."""
         planned: list[tuple[Hashable, Lane, Plan]] = []
         steps = [lane.engine.plan_steps(lane.run, cap, chosen[key]) for key, lane in lanes]
         for (key, lane), plan in zip(lanes, run_passes(steps)):
@@ -302,23 +264,7 @@ class BatchEngine:
                 results[key] = StepResult(None, plan)
             else:
                 planned.append((key, lane, plan))
-        shared = len(planned) > 1
-        for (key, lane, plan), ver in zip(planned, self._verify(planned)):
-            if isinstance(ver, Exception):
-                results[key] = StepResult(None, ver)
-                continue
-            try:
-                emitted = lane.engine.finish(lane.run, plan, ver, timed=not shared)
-                results[key] = StepResult(lane.run.step_output(emitted))
-            except Exception as exc:  # noqa: BLE001
-                results[key] = StepResult(None, exc)
-        ks = [lane.engine.last_k for _, lane, _ in planned if lane.engine.last_k is not None]
-        self.last_k = max(ks) if ks else None
-        if cap is not None:
-            emitted = sum(len(r.output.token_ids) for r in results.values() if r.output is not None)
-            seconds = max(time.perf_counter() - started, 1e-9)
-            bucket.record(drafting, emitted / seconds, seconds)
-        return results
+        return planned
 
     def _engine(self) -> Engine:
         if not self.idle:
@@ -330,29 +276,29 @@ class BatchEngine:
         self._checker = self._checker or engine
         return engine
 
-    def _k_cap(self, lanes: list[tuple[Lane, int]]) -> int | None:
+    def _k_cap(self, lanes: list[tuple[Lane, Choice]]) -> int | None:
         """The common draft length that pays best for the whole batch (None: no lane has a policy).
-        `lanes`: each lane with the length it chose alone; those that chose 0 count as plain rows."""
+        `lanes`: each lane with what it chose alone; those that chose 0 count as plain rows."""
         figures = []
         pass_cost, k_max, plain = None, 0, 0
-        shared: list[Engine] = []  # lanes whose draft forwards run as one
-        for lane, k in lanes:
+        pooled: list[tuple[Engine, str | None]] = []  # lanes whose draft forwards run as one
+        for lane, choice in lanes:
             engine, policy = lane.engine, lane.engine.policy
             if policy is None:
                 return None  # a fixed K was asked for: the experiment rules
             pass_cost = policy.pass_cost
-            if k == 0:
+            if choice.k == 0:
                 plain += 1
                 continue
-            # The figures of the source this step drafts from (choose() selected it).
-            sharing = engine.batch_pass_seconds(1) is not None
-            figures.append((policy.alpha, 0.0 if sharing else policy.draft_cost, policy.rows_per_token))
-            if sharing:
-                shared.append(engine)
+            seen = policy.figures(choice.source)  # of the source this step drafts from
+            pooling = engine.batch_pass_seconds(1, choice.source) is not None
+            figures.append((seen.alpha, 0.0 if pooling else seen.draft_cost, seen.rows_per_token))
+            if pooling:
+                pooled.append((engine, choice.source))
             k_max = max(k_max, engine.k)
         if not figures:
             return 0
-        draft_pass = shared[0].batch_pass_seconds(len(shared)) if shared else 0.0
+        draft_pass = pooled[0][0].batch_pass_seconds(len(pooled), pooled[0][1]) if pooled else 0.0
         return batch_draft_length(figures, pass_cost, k_max, plain_lanes=plain, draft_pass=draft_pass)
 
     def _verify(self, planned: list[tuple[Hashable, Lane, Plan]]) -> list[Verification | Exception]:

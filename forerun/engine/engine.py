@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
-from forerun.drafters import Drafter, rows_per_step
+from forerun.drafters.base import Drafter
 from forerun.drafters.passes import DraftPass, DraftSteps, run_alone
 from forerun.engine.metrics import SpecMetrics
 from forerun.engine.sequence import Sequence
 from forerun.models import linear
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
-from forerun.policy.cost_model import DraftLengthPolicy
+from forerun.policy.draft_length import DraftLengthPolicy
 from forerun.verification.accept import accept
 from forerun.verification.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from forerun.verification.sampling import make_generator, probabilities, sample
@@ -78,21 +78,32 @@ class Running:
         return StepOutput(emitted, self.seq.take_text(), self.seq.finished, logprobs)
 
 
+@dataclass(frozen=True)
+class Choice:
+    """A step's draft length as one request alone would choose it, before a batch caps it."""
+
+    k: int  # tokens to draft (0: a plain step)
+    probe: bool  # the draft is the policy's probe
+    source: str | None = None  # the drafter's source it was chosen for (None: its only one)
+
+
 @dataclass
 class Plan:
     """What one step will verify: the root and the draft."""
 
     root: int  # the token emitted last, fed first
     tree: DraftTree | None  # the draft (None: a plain step)
-    shadow: DraftTree | None  # a free proposal made beside a plain step, not verified
+    shadow: DraftTree | None  # a costless proposal made beside a plain step, not verified
     probe: bool  # the draft is the policy's probe
     base: int  # cache slots before the root
     started: float  # perf_counter when the verification began
+    k: int | None = None  # the draft length the step allowed (None: no drafter)
+    source: str | None = None  # the source of the step's proposal, whose figures its verdict updates
 
 
 class Engine:
     """Runs requests one at a time. With a drafter, each step drafts `num_speculative_tokens`, or,
-    given a `policy` (forerun/cost_model.py), the length that policy chooses up to it (0: a plain step)."""
+    given a `policy` (policy/draft_length.py), the length that policy chooses up to it (0: a plain step)."""
 
     def __init__(
         self,
@@ -105,21 +116,14 @@ class Engine:
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
         self.policy = policy if drafter is not None and self.k > 0 else None
-        # Free, stateless proposals can be made beside a plain step to keep measuring acceptance.
-        self.can_shadow = bool(getattr(drafter, "stateless", False))
-        # A drafter with several sources says which it will use and which it used (`auto`).
-        self.next_source = getattr(drafter, "next_source", None)
-        self.free_source = getattr(drafter, "free_source", None)  # only a free one (`choose_free`)
-        set_gate = getattr(drafter, "set_gate", None)
-        if self.policy is not None and set_gate is not None:
-            set_gate(self.policy.pays_setup)  # the policy decides when a catch-up pays
-        set_pass_cost = getattr(drafter, "set_pass_cost", None)
-        if self.policy is not None and set_pass_cost is not None:
-            set_pass_cost(self.policy.pass_cost)  # a tree sized from what rows cost here
+        # Costless, stateless proposals can be made beside a plain step to keep measuring acceptance.
+        self.can_shadow = drafter is not None and drafter.stateless
+        if self.policy is not None:
+            drafter.set_gate(self.policy.pays_catch_up)  # the policy decides when a catch-up pays
+            drafter.set_pass_cost(self.policy.pass_cost)  # drafts sized from what rows cost here
         # A drafter that reads the target's hidden states (draft heads) gets those of every kept row.
-        self.feed_features = getattr(drafter, "features", None) if getattr(drafter, "reads_features", False) else None
-        self.rows = rows_per_step(drafter, self.k)  # most cache slots a step uses after the root
-        self.last_k = self.k if drafter is not None else None  # the draft length the last step chose
+        self.reads_features = drafter is not None and drafter.reads_features
+        self.rows = drafter.max_rows(self.k) if drafter is not None else 0  # most cache slots after the root
         tok = target.tokenizer
         self.stop_ids = tok.stop_ids if tok is not None else frozenset()
 
@@ -192,8 +196,8 @@ class Engine:
             logits = _share_prefill(run, like)
         else:
             logits, hidden = yield from self._prefill(run)
-        if self.feed_features is not None:
-            self.feed_features(hidden)  # [T, hidden]
+        if self.reads_features:
+            self.drafter.features(hidden)  # [T, hidden]
         run.prefill_logits = logits  # [1, vocab]
         first = int(sample(probabilities(logits, params), run.gen)[0])
         if run.logprobs is not None:
@@ -214,7 +218,7 @@ class Engine:
         decoder, prompt, params = self.target.decoder, run.seq.prompt_ids, run.seq.params
         ids = torch.tensor(prompt, device=decoder.device)
         scored = params.prompt_logprobs is not None
-        keep = self.feed_features is not None or scored
+        keep = self.reads_features or scored
         hiddens = []
         # Sampling needs the last position's logits alone. The prompt's log probabilities score the
         # other rows' hidden states apart, a slice at a time: the last row comes out as without them.
@@ -241,22 +245,21 @@ class Engine:
                     return decoder.lm_head(hidden[None, a:b])[0].float()  # [b - a, vocab]
 
             run.prompt_logprobs = prompt_logprobs(score, prompt, params.prompt_logprobs)
-        return out.logits[0], hidden if self.feed_features is not None else None
+        return out.logits[0], hidden if self.reads_features else None
 
     def _can_share(self, like: Running, params: SamplingParams) -> bool:
         """Whether this engine's request may start from `like`'s prefill. A drafter that reads the
         target's features needs every prompt position's hidden state, which is not kept: it gets a
         prefill of its own (so do prompt log probabilities with more alternatives than `like` has)."""
-        if self.feed_features is not None:
+        if self.reads_features:
             return False
         want = params.prompt_logprobs
         return want is None or (like.prompt_logprobs is not None and like.seq.params.prompt_logprobs >= want)
 
     def end(self, run: Running) -> RequestOutput:
         """The request is over (finished or given up): the drafter hears its output; returns it."""
-        end = getattr(self.drafter, "end", None)
-        if end is not None:
-            end(run.seq.output_ids)
+        if self.drafter is not None:
+            self.drafter.end(run.seq.output_ids)
         return self.output(run)
 
     def output(self, run: Running) -> RequestOutput:
@@ -279,64 +282,56 @@ class Engine:
         ver = verify(self.target.decoder, run.cache, plan.root, plan.tree, run.seq.params)
         return self.finish(run, plan, ver)
 
-    def choose(self, run: Running) -> tuple[int, bool]:
-        """The step's draft length as this request alone would choose it, and whether it is a
-        probe. With a drafter of several sources (`auto`), which one proposes is settled here,
-        once a step, so the policy's figures are that source's (a batch reads them next)."""
+    def choose(self, run: Running) -> Choice:
+        """The step's draft length as this request alone would choose it. With a drafter of several
+        sources (`auto`), which one proposes is settled here, once a step, and the choice is that
+        source's (a batch reads its figures next)."""
         if self.policy is None:
-            return self.k, False
-        return self._choose(run, self.next_source)
+            return Choice(self.k, False)
+        return self._choose(self.drafter.next_source(run.seq.context, run.seq.params))
 
-    def choose_free(self, run: Running) -> tuple[int, bool]:
+    def choose_costless(self, run: Running) -> Choice:
         """`choose` limited to drafts that cost nothing to make (`auto`'s long suffix matches), for a
-        batch whose draft model does not pay: (0, False) when the drafter has none at hand. A dear
+        batch whose draft model does not pay: a plain step when the drafter has none at hand. A dear
         source is not asked, so it neither probes nor pays a catch-up."""
-        if self.policy is None or self.free_source is None:
-            return 0, False
-        return self._choose(run, self.free_source)
+        source = self.drafter.costless_source(run.seq.context, run.seq.params) if self.policy is not None else None
+        if source is None:
+            return Choice(0, False)
+        return self._choose(source)
 
-    def _choose(self, run: Running, source_of: Callable[[list[int]], str | None] | None) -> tuple[int, bool]:
-        """The policy's choice with the figures of the source `source_of(context)` names (None: the
-        drafter has one source); (0, False) when it names none."""
-        seq = run.seq
-        self.policy.remaining = seq.params.max_tokens - len(seq.output_ids)  # before the source is asked
-        if source_of is not None:
-            source = source_of(seq.context)
-            if source is None:
-                return 0, False
-            self.policy.select(source)
-        return self.policy.choose(self.can_shadow)
+    def _choose(self, source: str | None) -> Choice:
+        k, probe = self.policy.choose(source, self.can_shadow)
+        return Choice(k, probe, source)
 
-    def plan(self, run: Running, k_cap: int | None = None, chosen: tuple[int, bool] | None = None) -> Plan:
+    def plan(self, run: Running, k_cap: int | None = None, chosen: Choice | None = None) -> Plan:
         """The step's draft (None: a plain step); `k_cap` bounds its length (a batch's load);
         `chosen` is what `choose` said, when the caller asked it already."""
         return run_alone(self.plan_steps(run, k_cap, chosen))
 
     def plan_steps(
-        self, run: Running, k_cap: int | None = None, chosen: tuple[int, bool] | None = None
+        self, run: Running, k_cap: int | None = None, chosen: Choice | None = None
     ) -> Generator[DraftPass, torch.Tensor, Plan]:
         """`plan` with the drafter's model forwards yielded, for a batch to share them (passes.py)."""
         seq = run.seq
         context = seq.context
         room = seq.params.max_tokens - len(seq.output_ids)
         tree = shadow = None
-        k, probe = chosen if chosen is not None else self.choose(run)
-        if k_cap is not None:
-            k = min(k, k_cap)
-        self.last_k = k if self.drafter is not None else None
+        choice = chosen if chosen is not None else self.choose(run)
+        k = choice.k if k_cap is None else min(choice.k, k_cap)
+        source = choice.source
         if self.drafter is not None and room > 1:
             if k > 0:
-                tree = yield from self._propose(run, min(k, room - 1))
-            elif self.can_shadow and self.policy is not None and self.policy.free:
-                shadow = yield from self._propose(run, 1)
+                tree, source = yield from self._propose(run, min(k, room - 1), choice.source)
+            elif self.can_shadow and self.policy is not None and self.policy.costless(choice.source):
+                shadow, source = yield from self._propose(run, 1, choice.source)
         # The root was emitted last step and is not in the cache yet.
-        return Plan(context[-1], tree, shadow, probe, run.cache.length, time.perf_counter())
+        allowed = k if self.drafter is not None else None
+        return Plan(context[-1], tree, shadow, choice.probe, run.cache.length, time.perf_counter(), allowed, source)
 
-    def batch_pass_seconds(self, sequences: int) -> float | None:
-        """Seconds of one draft forward that `sequences` sequences share, when this step's proposal
-        runs a draft model whose forwards a batch shares; None otherwise."""
-        own = getattr(self.drafter, "batch_pass_seconds", None)
-        return own(sequences) if own is not None else None
+    def batch_pass_seconds(self, sequences: int, source: str | None = None) -> float | None:
+        """Seconds of one draft forward that `sequences` sequences pool, when a proposal from
+        `source` runs a draft model whose forwards a batch pools; None otherwise."""
+        return self.drafter.batch_pass_seconds(sequences, source) if self.drafter is not None else None
 
     def finish(self, run: Running, plan: Plan, ver: Verification, timed: bool = True) -> list[int]:
         """Accept from the verified draft, roll the cache back, tell the policy and the drafter,
@@ -350,18 +345,18 @@ class Engine:
             acc = accept(ver.probs, tree, run.gen, seq.params.greedy)
             tokens, path = acc.tokens, acc.path
         if self.policy is not None:
-            self._tell_policy(tree, plan.shadow, path, plan.probe, ver.probs[0])
+            self._tell_policy(plan, path, ver.probs[0])
         base = plan.base  # slots before the root
         if path == list(range(len(path))):  # a chain prefix: rollback is a length change (aux rows go too)
             cache.truncate(base + 1 + len(path))
         else:
             cache.keep(list(range(base + 1)) + [base + 1 + node for node in path])
         if self.policy is not None and timed:
-            self.policy.timed_step(tree.num_rows if tree is not None else 1, time.perf_counter() - plan.started)
+            self.policy.record_timed_step(tree.num_rows if tree is not None else 1, time.perf_counter() - plan.started)
         if self.drafter is not None and tree is not None:
             self.drafter.observe(len(path), ver.aux_logits)
-        if self.feed_features is not None:
-            self.feed_features(ver.hidden[[0] + [1 + node for node in path]])  # the root and the kept path
+        if self.reads_features:
+            self.drafter.features(ver.hidden[[0] + [1 + node for node in path]])  # the root and the kept path
         emitted = []
         for token in tokens:
             emitted.append(token)
@@ -375,43 +370,44 @@ class Engine:
         run.metrics.record_step(len(tree) if tree else 0, len(path), len(emitted))
         return emitted
 
-    def _propose(self, run: Running, k: int) -> Generator[DraftPass, torch.Tensor, DraftTree | None]:
-        steps = getattr(self.drafter, "propose_steps", None)
-        started = time.perf_counter()
-        if steps is None:
-            tree = self.drafter.propose(run.seq.context, k, run.seq.params, run.gen)
-            seconds = time.perf_counter() - started
-        else:
-            # The drafter's own time plus its share of the forwards (in a batch, the time between
-            # its forwards is spent on other sequences).
-            tree, seconds = yield from _timed(steps(run.seq.context, k, run.seq.params, run.gen))
+    def _propose(
+        self, run: Running, k: int, source: str | None
+    ) -> Generator[DraftPass, torch.Tensor, tuple[DraftTree | None, str | None]]:
+        """The drafter's proposal of up to k tokens from `source` (what the step chose), timed for the
+        policy: the proposal and the source that made it."""
+        seq = run.seq
+        # The drafter's own time plus its share of the forwards (in a batch, the time between its
+        # forwards is spent on other sequences).
+        tree, seconds = yield from _timed(self.drafter.propose_steps(seq.context, k, seq.params, run.gen, source))
         run.metrics.draft_seconds += seconds
-        if self.policy is not None and self.next_source is not None:
-            self.policy.select(self.drafter.source)
-        if self.policy is not None and tree is not None:  # None: nothing drafted, nothing to time
+        proposer = self.drafter.source
+        if self.policy is not None:
             # A drafter that knows its own token cost says it (a draft model's catch-up on skipped
             # tokens is no cost of drafting one more); otherwise the call's time counts.
-            own = getattr(self.drafter, "cost_per_token", None)
-            per_token = own() if own is not None else None
-            # Every row the proposal adds counts, aux rows too (lookahead's window rides on every step).
-            self.policy.time_proposal(per_token * k if per_token is not None else seconds, k, tree.num_rows - 1)
-        return tree
+            per_token = self.drafter.cost_per_token() if tree is not None else None
+            priced = per_token * k if per_token is not None else seconds
+            # Every row the proposal adds counts, aux rows too (lookahead's window rides on every
+            # step); None: nothing drafted, nothing to time.
+            rows = tree.num_rows - 1 if tree is not None else None
+            self.policy.record_proposal(priced, k, rows, proposer)
+        return tree, proposer
 
-    def _tell_policy(self, tree, shadow, path: list[int], probe: bool, root_probs: torch.Tensor) -> None:
+    def _tell_policy(self, plan: Plan, path: list[int], root_probs: torch.Tensor) -> None:
         """What the step showed about acceptance: a verified draft, a shadow proposal's first
         tokens against the target's distribution after the root, or nothing (a plain step). A
         proposal of aux rows alone (lookahead's window with no guess) paid for rows and drafted
         nothing: the policy sees it as a draft whose first token failed."""
+        tree, shadow, source = plan.tree, plan.shadow, plan.source
         if tree is not None and len(tree):
-            self.policy.drafted(max(tree.depths), len(path), probe)
+            self.policy.record_drafted(max(tree.depths), len(path), plan.probe, source)
         elif tree is not None and tree.num_rows > 1:
-            self.policy.drafted(1, 0, probe)
+            self.policy.record_drafted(1, 0, plan.probe, source)
         elif shadow is not None and len(shadow):
             # One-hot siblings are kept with their summed target probability (one at most under greedy).
             firsts = torch.tensor([shadow.tokens[i] for i in shadow.children(-1)], device=root_probs.device)
-            self.policy.shadow(min(float(root_probs[firsts].sum()), 1.0))
+            self.policy.record_shadow(min(float(root_probs[firsts].sum()), 1.0), source)
         else:
-            self.policy.plain()
+            self.policy.record_plain()
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
         result: list[RequestOutput] = []

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 from forerun.base.errors import ForerunError
+from forerun.base.files import save_tensors, write_json
 from forerun.models.gguf_format import GGUFLinear
 from forerun.models.linear import Int8Linear, Linear
 from forerun.models.load import LoadedModel, model_identity
@@ -71,17 +71,10 @@ def float_weight(module: nn.Module) -> torch.Tensor:
 
 
 def save_head(folder: Path, config: HeadConfig, head: nn.Module) -> None:
-    """Write the head's folder atomically enough: weights first, the config that names them last."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write the head's folder, each file whole: weights first, the config that names them last."""
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-    tmp = folder / f".{WEIGHTS}.{os.getpid()}.tmp"
-    save_file(state, str(tmp))
-    os.replace(tmp, folder / WEIGHTS)
-    tmp = folder / f".{CONFIG}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(asdict(config), indent=1))
-    os.replace(tmp, folder / CONFIG)
+    save_tensors(folder / WEIGHTS, state)
+    write_json(folder / CONFIG, asdict(config), indent=1)
 
 
 def read_config(folder: str | Path) -> HeadConfig:

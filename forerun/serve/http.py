@@ -4,7 +4,7 @@ uvicorn closes a connection idle between requests, but not one that trickles its
 at a time (a slow client, or one holding connections open on purpose): each would hold its socket
 forever. Here a connection has `header_timeout` seconds, from when it opens or its last response
 ended, to send a whole request head; then it is closed. The body has its own deadline
-(forerun/server_requests.py `read_json`).
+(forerun/serve/requests.py `read_json`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from forerun.engine.batch import BatchEngine
 from forerun.engine.engine import RequestOutput
 from forerun.engine.metrics import SpecMetrics
 from forerun.serve.scheduler import Request
@@ -28,10 +29,9 @@ _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
 
 
 class ServerMetrics:
-    def __init__(self, engine=None) -> None:
-        """`engine` (an Engine or a BatchEngine): read for the draft length its cost policy chose
-        last (None: not shown)."""
-        self.engine = engine
+    def __init__(self, batch: BatchEngine | None = None) -> None:
+        """`batch`: read for the draft length its last step allowed (None: not shown)."""
+        self.batch = batch
         self.registry = r = CollectorRegistry()
         self.drafts = Counter("forerun:spec_decode_num_drafts", "Steps that verified a draft", registry=r)
         self.draft_tokens = Counter("forerun:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
@@ -84,7 +84,7 @@ class ServerMetrics:
     def set_queue(self, running: int, waiting: int) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
-        last = getattr(self.engine, "last_k", None)
+        last = self.batch.last_k if self.batch is not None else None
         if last is not None:
             self.draft_length.set(last)
 

@@ -1,12 +1,11 @@
-"""What a client sends to `forerun serve`: the body read, every field checked, and the request schemas.
+"""What a client sends to `forerun serve`: the body read, every field checked, the prompt tokenized.
 
 A request is read and checked before the engine sees it. Anything wrong raises BadRequest (HTTP
 4xx in OpenAI's error shape, naming the field and saying what to send instead): a field of the
 wrong type or range, a field of the other route, a field forerun cannot honour (`logit_bias`,
 `tools`, ...) set to anything but its neutral value, a name no API knows, text that is not valid
-Unicode, token ids outside the vocabulary, a body nested too deeply to parse. The pydantic models
-at the end only describe the two requests for /openapi.json and /docs; the checks are the
-functions here.
+Unicode, token ids outside the vocabulary, a body nested too deeply to parse, a chat the template
+rejects. What /openapi.json says of a request is in forerun/serve/schemas.py; the checks are here.
 """
 
 from __future__ import annotations
@@ -16,9 +15,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
 from forerun.base.config import SEED_RANGE, SamplingParams
@@ -160,7 +157,7 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
         raise BadRequest(
             f"model {model!r} is not served here; this server serves {served_name!r}", "model", code="model_not_found"
         )
-    n = whole(body, "n", 1)
+    n = integer(body, "n", 1)
     if not 1 <= n <= limits.max_n:
         raise BadRequest(f"n must be between 1 and {limits.max_n}, got {n}", "n")
     best_of = body.get("best_of")
@@ -175,13 +172,13 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
         raise BadRequest('stream_options must be an object such as {"include_usage": true}', "stream_options")
     include_usage = bool((options or {}).get("include_usage"))
     if chat:
-        logprobs = whole(body, "top_logprobs", 0 if flag(body, "logprobs") else None)
+        logprobs = integer(body, "top_logprobs", 0 if flag(body, "logprobs") else None)
         if logprobs is not None and not flag(body, "logprobs"):
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         name, echo = "top_logprobs", False
         prompt: str | list[int] | list[dict] = _chat_turns(body, limits)
     else:
-        logprobs, name, echo = whole(body, "logprobs", None), "logprobs", flag(body, "echo")
+        logprobs, name, echo = integer(body, "logprobs", None), "logprobs", flag(body, "echo")
         prompt = _completion_prompt(body, limits)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise BadRequest(f"{name} must be between 0 and {MAX_LOGPROBS}, got {logprobs}", name)
@@ -266,13 +263,13 @@ def sampling(checked: Checked, prompt_tokens: int, limits: Limits) -> list[Sampl
     top_p = number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
-    top_k = whole(body, "top_k", 0)
+    top_k = integer(body, "top_k", 0)
     if top_k == -1:
         top_k = 0  # vLLM's "off"
     if top_k < 0:
         raise BadRequest(f"top_k must be >= 0 (0 or -1 keep every token), got {top_k}", "top_k")
     max_tokens, name = _max_tokens(checked, prompt_tokens, limits)
-    seed = whole(body, "seed", None)
+    seed = integer(body, "seed", None)
     if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1] - (checked.n - 1):
         raise BadRequest(f"seed must be in [-2**63, 2**64 - n), got {seed}", "seed")
     stop = body.get("stop")
@@ -312,7 +309,7 @@ def _max_tokens(checked: Checked, prompt_tokens: int, limits: Limits) -> tuple[i
     body = checked.body
     room = limits.max_model_len - prompt_tokens
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = whole(body, name, None)
+    max_tokens = integer(body, name, None)
     if max_tokens is None:
         max_tokens = room
     if max_tokens == 0 and checked.echo:
@@ -334,6 +331,30 @@ def scores_prompt_only(checked: Checked) -> bool:
     return checked.echo and checked.body.get("max_tokens") == 0
 
 
+def tokenize(checked: Checked, tokenizer) -> list[int]:
+    """The prompt's token ids. Slow for a long prompt: the server runs it on a worker thread."""
+    prompt = checked.prompt
+    if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+        return list(prompt)
+    if tokenizer is None:
+        raise BadRequest(
+            "this model has no tokenizer: send prompt as a list of token ids to /v1/completions",
+            "messages" if checked.chat else "prompt",
+        )
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    else:
+        try:
+            ids = tokenizer.apply_chat(prompt)
+        except ForerunError as exc:
+            raise BadRequest(str(exc), "messages") from None
+        except Exception as exc:  # noqa: BLE001 - a template that rejects these turns
+            raise BadRequest(f"the chat template rejected these messages: {exc}", "messages") from None
+    if not ids:
+        raise BadRequest("the prompt encodes to no tokens", "prompt")
+    return ids
+
+
 # --- values ----------------------------------------------------------------------------------------
 
 
@@ -350,7 +371,7 @@ def number(body: dict, name: str, default: float) -> float:
     return float(value)
 
 
-def whole(body: dict, name: str, default: int | None) -> int | None:
+def integer(body: dict, name: str, default: int | None) -> int | None:
     value = body.get(name)
     if value is None:
         return default
@@ -385,40 +406,3 @@ def text(value: str, name: str, max_chars: int) -> str:
             name,
         ) from None
     return value
-
-
-# --- the schemas (for /openapi.json and /docs) -----------------------------------------------------
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str = Field(description="the name /v1/models lists")
-    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate (default: the context's room)")
-    temperature: float | None = Field(None, ge=0, description="0 (or below 1e-5) is greedy; default 1")
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="0 or -1 keep every token")
-    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1] - MAX_N)
-    stop: str | list[str] | None = None
-    n: int | None = Field(None, ge=1, le=MAX_N, description="samples of the prompt (seeds seed, seed+1, ...)")
-    stream: bool | None = None
-    stream_options: dict | None = Field(None, description='{"include_usage": true}')
-    ignore_eos: bool | None = None
-    user: str | None = None
-
-
-class CompletionRequest(_Request):
-    prompt: str | list[int] = Field(description="text, or token ids")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives listed per token")
-    echo: bool | None = Field(None, description="the prompt leads the text (max_tokens 0: the prompt alone)")
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-
-
-class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

@@ -1,4 +1,4 @@
-"""What `forerun serve` answers: OpenAI's response and chunk shapes, logprobs, speculation figures.
+"""What `forerun serve` answers: OpenAI's response, chunk and error shapes, logprobs, speculation figures.
 
 One `Reply` per HTTP request, one `Choice` per sample (`n`). A streamed choice sends what it has not
 sent yet (text and logprobs) in each chunk; `echo` puts the prompt (and its logprobs) before the
@@ -12,9 +12,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from fastapi.responses import JSONResponse
+
 from forerun.engine.engine import RequestOutput
 from forerun.engine.metrics import SpecMetrics
-from forerun.serve.requests import Checked
+from forerun.serve.requests import BadRequest, Checked
 from forerun.serve.scheduler import Delta
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity: a token the model rules out gets this
@@ -60,9 +62,9 @@ class Reply:
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
 
-    # --- whole ---------------------------------------------------------------------------------
+    # --- not streamed --------------------------------------------------------------------------
 
-    def whole(self, choices: list[Choice], stats: list[dict | None]) -> dict:
+    def complete(self, choices: list[Choice], stats: list[dict | None]) -> dict:
         shaped = []
         for choice, figures in zip(choices, stats):
             text = "".join(choice.pieces)
@@ -190,6 +192,41 @@ class Reply:
 
     def _piece(self, token_id: int) -> str:
         return self.tokenizer.piece(token_id) if self.tokenizer is not None else f"<{token_id}>"
+
+
+def echo_text(checked: Checked, prompt_ids: list[int], tokenizer) -> str:
+    """What `echo` puts before the completion: the prompt as sent (token ids decoded)."""
+    if not checked.echo:
+        return ""
+    if isinstance(checked.prompt, str):
+        return checked.prompt
+    return tokenizer.decode(prompt_ids) if tokenizer is not None else ""
+
+
+def error_body(exc: BadRequest) -> dict:
+    """OpenAI's error shape: a response's body, or a stream's last event."""
+    return {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}}
+
+
+def refused(exc: BadRequest) -> JSONResponse:
+    return JSONResponse(error_body(exc), status_code=exc.status)
+
+
+def model_list(name: str, created: int, max_model_len: int, speculative_model: str | None) -> dict:
+    """/v1/models: the one served model, naming the speculator that drafts for it (None: none)."""
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "forerun",
+                "max_model_len": max_model_len,
+                "speculative_model": speculative_model,
+            }
+        ],
+    }
 
 
 def _floor(logprob: float) -> float:

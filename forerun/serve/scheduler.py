@@ -1,6 +1,6 @@
 """Requests from many clients, one engine: a waiting queue, a loop thread, events back per request.
 
-The loop runs a BatchEngine (forerun/batch.py): between steps it admits waiting requests, first
+The loop runs a BatchEngine (forerun/engine/batch.py): between steps it admits waiting requests, first
 come first served, while fewer than its max_seqs run, drops the cancelled ones (a client went
 away), prefills, then steps every running request in one target pass. With max_seqs 1 requests
 run one after another.
@@ -173,7 +173,7 @@ class Scheduler:
 
     def submit_group(self, requests: list[Request]) -> None:
         """Queue `requests` side by side (the samples of one prompt, admitted together where lanes
-        are free); all or none: QueueFull when they would pass max_waiting."""
+        are open); all or none: QueueFull when they would pass max_waiting."""
         for request in requests:
             self.batch.check_fits(request.prompt_ids, request.params)  # a clear error before queueing
         with self._cond:
@@ -204,7 +204,7 @@ class Scheduler:
             self._waiting = collections.deque(r for r in self._waiting if not r.cancelled.is_set())
 
     def _admit(self, wait: bool = True) -> list[Request] | None:
-        """Waiting requests to start now, as many as there are free lanes; with `wait`, waits while
+        """Waiting requests to start now, as many as there are open lanes; with `wait`, waits while
         there is nothing to do; None once stopped."""
         with self._cond:
             while True:
@@ -213,8 +213,8 @@ class Scheduler:
                     return None
                 if self.draining:
                     return self._drained()
-                free = self.batch.max_seqs - len(self._running)
-                admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+                open_lanes = self.batch.max_seqs - len(self._running)
+                admitted = [self._waiting.popleft() for _ in range(min(open_lanes, len(self._waiting)))]
                 for r in admitted:
                     self._running[r.id] = r
                 if admitted or self._running or not wait:
@@ -246,44 +246,58 @@ class Scheduler:
     def _loop(self) -> None:
         try:
             while (admitted := self._admit()) is not None:
-                while True:  # and those that came while these prefilled
-                    for request in admitted:
-                        self._begin(request)
-                    self._leave_cancelled()
-                    self._prefill()
-                    admitted = self._admit(wait=False)
-                    if not admitted:
-                        break
-                started = time.perf_counter()
-                results = self.batch.step()
-                if results:
-                    # Prefill may take as much time as the steps did (PREFILL_SHARE of it), a
-                    # step's worth at most saved up.
-                    step = time.perf_counter() - started
-                    self._credit = min(self._credit + self.prefill_share * step, self.prefill_share * step)
-                self._fresh.clear()
-                for rid, result in results.items():
-                    request = self._running[rid]
-                    if result.error is not None:
-                        self._end(request, Failed(f"{type(result.error).__name__}: {result.error}"))
-                        continue
-                    out = result.output
-                    _emit(request, Delta(out.text, out.token_ids, out.logprobs))
-                    if result.output.finished:
-                        self._end(request, None)
+                self._start(admitted)
+                self._step()
         except BaseException as exc:  # noqa: BLE001 - recorded for /health
-            self.died = traceback.format_exc(limit=5)
-            self._looping.clear()
-            with self._cond:
-                ended = list(self._waiting) + list(self._running.values())
-                self._waiting.clear()
-                self._running.clear()
-            for r in ended:
-                _emit(r, Failed("the engine loop stopped; the server needs a restart"))
+            self._die()
             if isinstance(exc, KeyboardInterrupt):  # Ctrl-C on the main thread: the caller stops
                 raise
         finally:
             self._looping.clear()
+
+    def _start(self, admitted: list[Request]) -> None:
+        """Start `admitted` and prefill within the budget (chunks left from earlier rounds too, so this
+        runs with nothing admitted as well); again for those that came meanwhile."""
+        while True:
+            for request in admitted:
+                self._begin(request)
+            self._leave_cancelled()
+            self._prefill()
+            admitted = self._admit(wait=False)
+            if not admitted:
+                return
+
+    def _step(self) -> None:
+        """One step of every running request; each gets its Delta, and Done or Failed when it ends."""
+        started = time.perf_counter()
+        results = self.batch.step()
+        if results:
+            # Prefill may take as much time as the steps did (PREFILL_SHARE of it), a step's worth at
+            # most saved up.
+            step = time.perf_counter() - started
+            self._credit = min(self._credit + self.prefill_share * step, self.prefill_share * step)
+        self._fresh.clear()
+        for rid, result in results.items():
+            request = self._running[rid]
+            if result.error is not None:
+                self._end(request, Failed(f"{type(result.error).__name__}: {result.error}"))
+                continue
+            out = result.output
+            _emit(request, Delta(out.text, out.token_ids, out.logprobs))
+            if result.output.finished:
+                self._end(request, None)
+
+    def _die(self) -> None:
+        """The loop itself failed (called in its `except`): every queued or running request ends with
+        an error event, and `alive` turns False with the reason kept for /health."""
+        self.died = traceback.format_exc(limit=5)
+        self._looping.clear()
+        with self._cond:
+            ended = list(self._waiting) + list(self._running.values())
+            self._waiting.clear()
+            self._running.clear()
+        for r in ended:
+            _emit(r, Failed("the engine loop stopped; the server needs a restart"))
 
     def _begin(self, request: Request) -> None:
         """Start `request`'s prefill (run by `_prefill`, a chunk at a time)."""

@@ -5,7 +5,7 @@ Three contenders: plain `generate`, assisted generation with the same draft mode
 same token ids forerun sees, the same stop tokens and the same number of new tokens. Generation
 settings from the model's hub files (repetition penalty and the like) are cleared, so both engines
 compute the same thing. `PEERS` lists every name `--peers` takes; llama.cpp's contenders live in
-llamacpp.py.
+llamacpp/peer.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from forerun.base.config import SamplingParams
 from forerun.bench.contenders import Measurement, PeerSetup
 from forerun.bench.llamacpp import LLAMA_METHODS
 from forerun.bench.llamacpp import PEER as LLAMA_PEER
-from forerun.models.load import parse_dtype, resolve, resolve_device
+from forerun.models.load import parse_dtype, resolve_device
+from forerun.models.source import resolve
 from forerun.models.tokenizer import Tokenizer
 
 HF_PLAIN, HF_ASSISTED, HF_LOOKUP = "hf-plain", "hf-assisted", "hf-prompt-lookup"

@@ -1,0 +1,53 @@
+"""A Decoder from its weights: built on the meta device and handed a state dict, or over a GGUF file's own blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from forerun.base.errors import ForerunError
+from forerun.models import formats
+from forerun.models.decoder import Decoder, DecoderConfig
+
+
+def build_decoder(
+    cfg: DecoderConfig, state: dict[str, torch.Tensor], device: torch.device, quantization: str | None = None
+) -> Decoder:
+    """Build on the meta device and adopt `state` without copying; `quantization`: state holds that
+    format's cached weights."""
+    with torch.device("meta"):
+        decoder = Decoder(cfg)
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    if quantization is not None:
+        try:
+            return formats.get(quantization).load(decoder, state).to(device).eval()
+        except (KeyError, RuntimeError) as exc:
+            raise ForerunError(
+                f"the cached {quantization} weights do not fit the model ({str(exc)[-300:]}); "
+                "delete them and load again"
+            ) from None
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    missing = set(decoder.state_dict()) - set(state)
+    if missing:
+        raise ForerunError(f"the weights lack {len(missing)} tensors the model needs, e.g. {sorted(missing)[:3]}")
+    try:
+        decoder.load_state_dict({k: state[k] for k in decoder.state_dict()}, assign=True, strict=True)
+    except RuntimeError as exc:  # shapes that contradict the config
+        raise ForerunError(f"the weights do not match the model's configuration: {str(exc).strip()[-300:]}") from None
+    decoder.tie_weights()
+    return decoder.to(device).eval()
+
+
+def build_gguf_decoder(path: Path, cfg: DecoderConfig, device: torch.device) -> Decoder:
+    """The `gguf` format: products over the file's own blocks (no conversion, nothing cached)."""
+    from forerun.models import gguf_format, gguf_loader
+
+    reader = gguf_loader.open_reader(path)
+    gguf_loader.check_tensors(reader, cfg, path)
+    try:
+        return gguf_format.load_decoder(reader, cfg).to(device)
+    except (KeyError, ValueError) as exc:
+        raise ForerunError(f"{path}: its tensors do not fit the model ({exc}); the file may be corrupt") from None

@@ -1,0 +1,47 @@
+"""A model's Tokenizer from files: a tokenizer folder, or one converted once from a GGUF file's vocabulary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from forerun.base import files
+from forerun.base.errors import ForerunError
+from forerun.models.source import ModelSource
+from forerun.models.tokenizer import Tokenizer
+
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def convert_gguf_tokenizer(path: Path, tok_dir: Path) -> None:
+    """Write the tokenizer held in GGUF file `path` as a tokenizer folder at `tok_dir` (whole or not at all)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:
+        raise ForerunError(f"cannot build a tokenizer from {path} ({type(exc).__name__}: {exc})") from None
+    files.write_atomically(tok_dir, lambda tmp: tok.save_pretrained(str(tmp)))
+
+
+def load_tokenizer(tok_dir: Path, source: ModelSource) -> Tokenizer | None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    # A folder whose tokenizer_config names the generic class means "exactly this tokenizer.json".
+    # AutoTokenizer would instead pick the class registered for config.json's model_type (qwen2 ->
+    # Qwen2Tokenizer), which rebuilds its own pre-tokenizer and can tokenize differently.
+    try:
+        declared = json.loads((tok_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        declared = None
+    generic = declared in _GENERIC_TOKENIZER_CLASSES and (tok_dir / "tokenizer.json").is_file()
+    try:
+        hf = (PreTrainedTokenizerFast if generic else AutoTokenizer).from_pretrained(str(tok_dir))
+    except Exception as exc:
+        raise ForerunError(f"cannot load the tokenizer of {source.name} from {tok_dir} ({exc})") from None
+    extra: list[int] = []
+    gen_cfg = tok_dir / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        extra = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return Tokenizer(hf, extra)

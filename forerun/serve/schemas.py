@@ -1,0 +1,74 @@
+"""What /openapi.json and /docs say about the two generation routes: the requests as pydantic models.
+
+The models describe a request; they check nothing. Every check is in forerun/serve/requests.py,
+which refuses what these would let through and names the field, so the routes read the raw body and
+only point the schema here (`request_body`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict, Field
+
+from forerun.base.config import SEED_RANGE
+from forerun.serve.requests import MAX_LOGPROBS, MAX_N
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(description="the name /v1/models lists")
+    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate (default: the context's room)")
+    temperature: float | None = Field(None, ge=0, description="0 (or below 1e-5) is greedy; default 1")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1 keep every token")
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1] - MAX_N)
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N, description="samples of the prompt (seeds seed, seed+1, ...)")
+    stream: bool | None = None
+    stream_options: dict | None = Field(None, description='{"include_usage": true}')
+    ignore_eos: bool | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] = Field(description="text, or token ids")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives listed per token")
+    echo: bool | None = Field(None, description="the prompt leads the text (max_tokens 0: the prompt alone)")
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+def request_body(model: type[BaseModel]) -> dict:
+    """A route's `openapi_extra`: its JSON body is `model` (listed in the components by `openapi_schema`)."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+    }
+
+
+def openapi_schema(app: FastAPI) -> dict:
+    """`app`'s schema with both request models in its components; built once, then kept on the app."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (CompletionRequest, ChatCompletionRequest):
+            spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(spec.pop("$defs", {}))
+            components[model.__name__] = spec
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -1,0 +1,84 @@
+"""What every route of one `forerun serve` app reads: its options, the scheduler, metrics and limits.
+
+One object rather than closure variables, so a handler's inputs are named in one place. Its one
+behaviour is the check every guarded route makes first: the API key, then the body's declared size.
+The check runs in the route rather than in an HTTP middleware, because a middleware hides a
+client's disconnect from the route.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from dataclasses import dataclass
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import Response
+
+from forerun.base.errors import ForerunError
+from forerun.models.tokenizer import Tokenizer
+from forerun.serve.metrics import ServerMetrics
+from forerun.serve.requests import BadRequest, Limits
+from forerun.serve.responses import refused
+from forerun.serve.scheduler import Scheduler
+
+MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413)
+BODY_TIMEOUT = 30.0  # seconds a request's body may take to arrive (408)
+SPEC_STATS = ("none", "summary", "detailed")
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    max_model_len: int  # prompt plus max_tokens may not exceed it
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout: float = BODY_TIMEOUT
+    speculative_model: str | None = None  # /v1/models lists it as the served model's speculator
+    spec_stats: str = "none"  # per-request speculation figures: none, summary or detailed
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    scheduler: Scheduler  # started: it runs the engine
+    metrics: ServerMetrics
+    tokenizer: Tokenizer | None  # None: a model without one, whose prompts come as token ids
+    limits: Limits
+    created: int  # when the app was made, in seconds since the epoch (/v1/models' `created`)
+
+    @classmethod
+    def build(cls, llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerMetrics) -> ServerState:
+        """The state over `scheduler` running `llm`'s engine (`llm` gives the tokenizer and vocabulary)."""
+        if config.spec_stats not in SPEC_STATS:
+            raise ForerunError(
+                f"per-request speculation figures must be one of {', '.join(SPEC_STATS)}, got {config.spec_stats!r}"
+            )
+        limits = Limits(config.max_model_len, llm.target.decoder.cfg.vocab_size, config.max_body_bytes)
+        return cls(config, scheduler, metrics, llm.tokenizer, limits, int(time.time()))
+
+    def check_access(self, request: HTTPRequest) -> None:
+        """BadRequest (401 or 413) unless the request carries the key and declares a body within the limit."""
+        key, limit = self.config.api_key, self.config.max_body_bytes
+        if key:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                raise BadRequest(
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    None,
+                    401,
+                    "authentication_error",
+                    "invalid_api_key",
+                )
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise BadRequest(f"request body of {length} bytes is over the limit of {limit} bytes", None, 413)
+
+    def refusal(self, request: HTTPRequest) -> Response | None:
+        """`check_access`'s error response (counted), or None when the request may go on."""
+        try:
+            self.check_access(request)
+        except BadRequest as exc:
+            self.metrics.rejected(exc.status)
+            return refused(exc)
+        return None
