@@ -23,7 +23,7 @@ from torch import nn
 from tqdm import tqdm
 
 from forerun.base.files import write_json
-from forerun.base.paths import forerun_home
+from forerun.base.paths import cache_dir
 from forerun.models.gguf_format import GGUFLinear
 from forerun.models.linear import Int8Linear, Linear
 from forerun.models.load import LoadedModel, model_identity
@@ -43,7 +43,7 @@ def draft_vocabulary(target: LoadedModel, size: int) -> torch.Tensor | None:
     if size < 1:
         raise ValueError(f"a draft vocabulary needs at least one token, got {size}")
     identity = model_identity(target)
-    path = forerun_home() / "draft-vocab" / f"{identity}-{size}.json" if identity else None
+    path = cache_dir("draft-vocab") / f"{identity}-{size}.json" if identity else None
     if path is not None and path.is_file():
         try:
             ids = json.loads(path.read_text())["token_ids"]

@@ -17,7 +17,7 @@ import torch
 
 from forerun.base import cpu
 from forerun.base.files import write_json
-from forerun.base.paths import forerun_home
+from forerun.base.paths import cache_dir
 from forerun.models.attention import RowLayout
 from forerun.models.gguf_format import GGUFLinear
 from forerun.models.load import LoadedModel, model_identity
@@ -134,7 +134,7 @@ def measure_pass_costs(
 
 
 def costs_dir() -> Path:
-    return forerun_home() / "costs"
+    return cache_dir("costs")
 
 
 def cached_pass_costs(model: LoadedModel, rows: int = MEASURED_ROWS) -> PassCosts:
