@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("forerun.engine",),
     ("forerun.api", "forerun.serve"),
     ("forerun.train", "forerun.bench"),
-    ("forerun.commands",),
+    ("forerun.commands", "forerun.cluster"),
     ("forerun.cli", "forerun"),
 ]
 

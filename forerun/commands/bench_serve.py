@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import re
 import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -56,7 +58,9 @@ def register(sub) -> None:
         default="off,fixed,auto",
         help=f"comma-separated, of {', '.join(SETUPS)} (off-whole: off with each prompt prefilled whole, "
         "no chunked prefill); one named again runs as a second server of its own "
-        "(off,auto,off: an off-against-off control, the noise between two identical servers)",
+        "(off,auto,off: an off-against-off control, the noise between two identical servers); "
+        "@rayN[xT] runs a set-up as N replicas of T threads under Ray Serve (T: the CPUs over N), "
+        "and @rayN[xT]-p2c with Ray's power of two choices and a memory per replica (auto@ray2, auto@ray2-p2c)",
     )
     p.add_argument(
         "--concurrency",
@@ -124,14 +128,30 @@ def run(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> list[str]:
     """The set-ups asked for, once the flags are known to fit together."""
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
-    unknown = [s for s in setups if s not in SETUPS]
-    if unknown:
-        raise ForerunError(f"unknown set-up {unknown[0]!r}; use some of {', '.join(SETUPS)}")
-    if any(_SETUP_SERVE[s][0] is not None for s in setups) and args.speculative_model is None:
+    if any(setup_serve(s)[0] is not None for s in setups) and args.speculative_model is None:
         raise ForerunError("the fixed and auto set-ups draft with a model: give --speculative-model, or --setups off")
     if args.requests_per_level < 1 or args.max_tokens < 1:
         raise ForerunError("--requests-per-level and --max-tokens must be at least 1")
     return setups
+
+
+def setup_serve(setup: str) -> tuple[str | None, list[str]]:
+    """A set-up's speculation policy (None: off) and its `forerun serve` flags of its own."""
+    kind, _, placement = setup.partition("@")
+    if kind not in _SETUP_SERVE:
+        raise ForerunError(f"unknown set-up {kind!r}; use some of {', '.join(SETUPS)}")
+    policy, flags = _SETUP_SERVE[kind]
+    if not placement:
+        return policy, flags
+    found = re.fullmatch(r"ray(\d+)(?:x(\d+))?(-p2c)?", placement)
+    if found is None or int(found.group(1)) < 1 or found.group(2) == "0":
+        raise ForerunError(f"unknown placement {placement!r} in {setup!r}; use @rayN, @rayNxT or @rayNxT-p2c")
+    replicas = int(found.group(1))
+    threads = int(found.group(2) or max(1, (os.cpu_count() or 1) // replicas))
+    flags = [*flags, "--ray", "--num-replicas", str(replicas), "--replica-cpus", str(threads)]
+    if found.group(3):
+        flags += ["--routing", "p2c", "--shared-answers-tokens", "0"]
+    return policy, flags
 
 
 def _forerun_servers(args: argparse.Namespace, setups: list[str], top: int, out: Path) -> list[_Server]:
@@ -144,7 +164,7 @@ def _forerun_servers(args: argparse.Namespace, setups: list[str], top: int, out:
         count = setups[: number + 1].count(kind)
         setup = kind if count == 1 else f"{kind}#{count}"
         port = free_port()
-        policy, flags = _SETUP_SERVE[kind]
+        policy, flags = setup_serve(kind)
         command = forerun_command(
             port,
             args.model,

@@ -14,9 +14,17 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from forerun.base.errors import ForerunError
 from forerun.commands.common import add_model_args, add_spec_args, quantization_arg
+
+if TYPE_CHECKING:
+    from forerun.api import LLM
+    from forerun.serve.metrics import ServerMetrics
+    from forerun.serve.scheduler import Scheduler
 
 HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers
 
@@ -78,33 +86,71 @@ def register(sub) -> None:
     g.add_argument(
         "--body-timeout", type=float, default=30.0, help="seconds a request's body may take to arrive (then HTTP 408)"
     )
+    _add_ray_args(p)
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from forerun.commands.generate import build_llm
-    from forerun.engine.batch import BatchEngine
-    from forerun.serve.app import create_app
-    from forerun.serve.metrics import ServerMetrics
-    from forerun.serve.scheduler import PREFILL_SHARE, Scheduler
-
-    _check(args)
-    llm = build_llm(args)
-    config = _server_config(args, llm)
-    batch = BatchEngine(llm.new_engine, args.max_num_seqs, engines=[llm.engine])
-    batch.prepare()  # every lane's drafter set up before the first request
-    metrics = ServerMetrics(batch)
-    scheduler = Scheduler(
-        batch, args.max_waiting, prefill_share=PREFILL_SHARE if args.prefill_share is None else args.prefill_share
+def _add_ray_args(p) -> None:
+    g = p.add_argument_group("replicas under Ray Serve (docs/serving.md)")
+    g.add_argument("--ray", action="store_true", help="run replicas of the engine under Ray Serve behind one endpoint")
+    g.add_argument(
+        "--ray-address", default=None, help="join this Ray cluster (host:port, or auto); default: start a local one"
     )
-    app = create_app(llm, scheduler, config, metrics)
+    g.add_argument("--num-replicas", type=int, default=1, help="engine replicas (without autoscaling)")
+    g.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (with --max-replicas)")
+    g.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas (with --min-replicas)")
+    g.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=None,
+        help="autoscaling: requests per replica Ray Serve scales toward (default: --max-num-seqs)",
+    )
+    g.add_argument(
+        "--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica, and its torch threads"
+    )
+    g.add_argument(
+        "--routing",
+        default="affinity",
+        choices=["affinity", "p2c"],
+        help="affinity: a request goes to the replica its prompt prefix (or X-Routing-Key) prefers; "
+        "p2c: Ray Serve's power of two choices alone (the control)",
+    )
+    g.add_argument(
+        "--routing-imbalance",
+        type=int,
+        default=1,
+        help="a request goes to the replica its prompt prefers unless that one has this many more "
+        "requests than the least loaded (then the power of two choices)",
+    )
+    g.add_argument(
+        "--shared-answers-tokens",
+        type=int,
+        default=65536,
+        help="tokens of finished answers shared by every replica's suffix memory (oldest out first; "
+        "0: each replica remembers only its own)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from forerun.serve.app import create_app
+
+    check(args)
+    if args.ray:
+        from forerun.cluster.app import run_cluster
+
+        return run_cluster(args)
+    engine = start_engine(args)
+    config = server_config(args, engine.llm.target.decoder.cfg.max_position)
+    app = create_app(engine.llm, engine.scheduler, config, engine.metrics)
     server, http = _start_http(app, args)
+    method = engine.llm.spec.method or "off"
     print(
         f"forerun: serving {config.served_model_name} on http://{args.host}:{args.port}/v1 "
-        f"(format: {quantization_arg(args.quantization) or args.dtype}, speculation: {llm.spec.method or 'off'})",
+        f"(format: {quantization_arg(args.quantization) or args.dtype}, speculation: {method})",
         file=sys.stderr,
         flush=True,
     )
+    scheduler = engine.scheduler
     _on_signals(scheduler, args.shutdown_timeout)
     try:
         # The engine loop on this thread, the one that loaded the model (see Scheduler.run: a second
@@ -118,11 +164,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _server_config(args: argparse.Namespace, llm):
-    """The app's options from the flags (--max-model-len checked against the model's context)."""
+@dataclass
+class ServedEngine:
+    llm: LLM
+    scheduler: Scheduler  # not yet running: the caller runs its loop (Scheduler.run or start)
+    metrics: ServerMetrics
+
+
+def start_engine(args: argparse.Namespace, chores: Callable[[], None] | None = None) -> ServedEngine:
+    """The model, its batch of lanes (every drafter set up) and the scheduler over them, from the
+    flags; `chores`: the scheduler's (Scheduler)."""
+    from forerun.commands.generate import build_llm
+    from forerun.engine.batch import BatchEngine
+    from forerun.serve.metrics import ServerMetrics
+    from forerun.serve.scheduler import PREFILL_SHARE, Scheduler
+
+    llm = build_llm(args)
+    batch = BatchEngine(llm.new_engine, args.max_num_seqs, engines=[llm.engine])
+    batch.prepare()  # every lane's drafter set up before the first request
+    share = PREFILL_SHARE if args.prefill_share is None else args.prefill_share
+    scheduler = Scheduler(batch, args.max_waiting, prefill_share=share, chores=chores)
+    return ServedEngine(llm, scheduler, ServerMetrics(batch))
+
+
+def server_config(args: argparse.Namespace, context: int):
+    """The app's options from the flags (--max-model-len checked against the model's `context`)."""
     from forerun.serve.state import ServerConfig
 
-    context = llm.target.decoder.cfg.max_position
     max_model_len = args.max_model_len or context
     if not 1 < max_model_len <= context:
         raise ForerunError(
@@ -151,7 +219,8 @@ def _report_shutdown(scheduler, grace: float) -> None:
         print("forerun: shut down; every running request finished", file=sys.stderr, flush=True)
 
 
-def _check(args: argparse.Namespace) -> None:
+def check(args: argparse.Namespace) -> None:
+    """A clear error for flags out of range, before anything loads."""
     if args.max_num_seqs < 1:
         raise ForerunError(f"--max-num-seqs must be at least 1, got {args.max_num_seqs}")
     if not 0 < args.port < 65536:
@@ -163,6 +232,28 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("shutdown_timeout", "header_timeout", "body_timeout"):
         if not getattr(args, name) >= 0:
             raise ForerunError(f"--{name.replace('_', '-')} must be >= 0 seconds, got {getattr(args, name)}")
+    _check_ray(args)
+
+
+def _check_ray(args: argparse.Namespace) -> None:
+    ray_only = {
+        "ray_address": None,
+        "num_replicas": 1,
+        "min_replicas": None,
+        "max_replicas": None,
+        "target_ongoing_requests": None,
+    }
+    if not args.ray:
+        given = [name for name, default in ray_only.items() if getattr(args, name) != default]
+        if given:
+            raise ForerunError(f"--{given[0].replace('_', '-')} is for replicas: add --ray")
+        return
+    if args.num_replicas < 1:
+        raise ForerunError(f"--num-replicas must be at least 1, got {args.num_replicas}")
+    if not args.replica_cpus > 0:
+        raise ForerunError(f"--replica-cpus must be above 0, got {args.replica_cpus}")
+    if args.routing_imbalance < 0 or args.shared_answers_tokens < 0:
+        raise ForerunError("--routing-imbalance and --shared-answers-tokens must be >= 0")
 
 
 def _start_http(app, args: argparse.Namespace):

@@ -23,6 +23,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from forerun.serve.backend import LocalBackend
 from forerun.serve.generation import generation
 from forerun.serve.metrics import ServerMetrics
 from forerun.serve.requests import BadRequest
@@ -36,7 +37,13 @@ log = logging.getLogger("forerun.serve.app")
 
 def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
     """The app over a started `scheduler` running `llm`'s engine (llm gives the tokenizer)."""
-    routes = _Routes(ServerState.build(llm, scheduler, config, metrics))
+    backend = LocalBackend(scheduler, metrics)
+    return app_for(ServerState.build(llm.tokenizer, llm.target.decoder.cfg.vocab_size, backend, config, metrics))
+
+
+def app_for(state: ServerState) -> FastAPI:
+    """The app over `state`, whichever backend runs its requests."""
+    routes = _Routes(state)
     app = FastAPI(
         title="forerun",
         version="1",
@@ -76,12 +83,8 @@ class _Routes:
         self.state = state
 
     async def health(self) -> Response:
-        scheduler = self.state.scheduler
-        if scheduler.draining:
-            return JSONResponse({"status": "shutting down"}, status_code=503)
-        if not scheduler.alive:
-            return JSONResponse({"status": "engine loop stopped", "detail": scheduler.died}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        status, body = await self.state.backend.health()
+        return JSONResponse(body, status_code=status)
 
     async def models(self, request: HTTPRequest) -> Response:
         if (denied := self.state.refusal(request)) is not None:
@@ -94,9 +97,7 @@ class _Routes:
     async def prometheus(self, request: HTTPRequest) -> Response:
         if (denied := self.state.refusal(request)) is not None:
             return denied
-        metrics = self.state.metrics
-        metrics.set_queue(*self.state.scheduler.counts())
-        body, content_type = metrics.render()
+        body, content_type = await self.state.backend.metrics()
         return Response(body, media_type=content_type)
 
     async def completions(self, request: HTTPRequest) -> Response:

@@ -10,13 +10,14 @@ counted apart (`InFlight.failure`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
+from array import array
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from forerun.base.config import SamplingParams
-from forerun.base.errors import ForerunError
 from forerun.serve.inflight import InFlight, new_group
 from forerun.serve.requests import (
     BadRequest,
@@ -29,12 +30,15 @@ from forerun.serve.requests import (
     tokenize,
 )
 from forerun.serve.responses import Reply, echo_text, refused
-from forerun.serve.scheduler import EngineStopped, Failed, QueueFull, ShuttingDown
+from forerun.serve.scheduler import Failed
 from forerun.serve.state import ServerState
 from forerun.serve.stream import stream
 
 POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks its client is there
 CLIENT_GONE = 499  # nginx's status for a client that closed the connection: nobody reads it
+ROUTING_HEADER = "x-routing-key"  # a client's own key for where its requests run (replicas)
+ROUTING_PREFIX = 256  # prompt tokens that place a request without one
+REPLICA_HEADER = "x-forerun-replica"  # the replica that ran a request (replicas only)
 
 
 async def generation(state: ServerState, http: HTTPRequest, chat: bool) -> Response:
@@ -46,10 +50,12 @@ async def generation(state: ServerState, http: HTTPRequest, chat: bool) -> Respo
         checked = check(body, chat, config.served_model_name, state.limits)
         prompt_ids = await asyncio.to_thread(tokenize, checked, state.tokenizer)
         params = sampling(checked, len(prompt_ids), state.limits)
-        run = _submit(state, checked, prompt_ids, params)
+        run = _in_flight(state, checked, prompt_ids, params)
+        replica = await state.backend.submit(run.requests, routing_key(http, prompt_ids), whole=not checked.stream)
+        headers = {REPLICA_HEADER: replica} if replica is not None else None
         if checked.stream:
-            return StreamingResponse(stream(run), media_type="text/event-stream")
-        return await _complete_response(http, run)
+            return StreamingResponse(stream(run), media_type="text/event-stream", headers=headers)
+        return await _complete_response(http, run, headers)
     except BadRequest as exc:
         state.metrics.rejected(exc.status)
         return refused(exc)
@@ -57,26 +63,27 @@ async def generation(state: ServerState, http: HTTPRequest, chat: bool) -> Respo
         return Response(status_code=CLIENT_GONE)
 
 
-def _submit(state: ServerState, checked: Checked, prompt_ids: list[int], params: list[SamplingParams]) -> InFlight:
-    """Queue the request's samples as one group; a scheduler that refuses them is a BadRequest."""
+def routing_key(http: HTTPRequest, prompt_ids: list[int]) -> str:
+    """What places a request among replicas: the client's X-Routing-Key (a session's requests kept
+    together), else the prompt's first ROUTING_PREFIX tokens (a question asked again goes where its
+    answer is remembered)."""
+    given = http.headers.get(ROUTING_HEADER)
+    if given:
+        return given[:256]
+    head = array("q", prompt_ids[:ROUTING_PREFIX]).tobytes()
+    return hashlib.blake2b(head, digest_size=8).hexdigest()
+
+
+def _in_flight(state: ServerState, checked: Checked, prompt_ids: list[int], params: list[SamplingParams]) -> InFlight:
+    """The request's samples as one group, not yet submitted, with the reply that will answer them."""
     events: asyncio.Queue = asyncio.Queue()
     group = new_group(prompt_ids, params, events)
-    try:
-        state.scheduler.submit_group(group)
-    except QueueFull as exc:
-        raise BadRequest(str(exc), None, 503, "server_error", "queue_full") from None
-    except ShuttingDown as exc:
-        raise BadRequest(str(exc), None, 503, "server_error", "shutting_down") from None
-    except EngineStopped as exc:
-        raise BadRequest(str(exc), None, 503, "server_error", "engine_stopped") from None
-    except ForerunError as exc:
-        raise BadRequest(str(exc), "max_tokens") from None
     prompt_text = echo_text(checked, prompt_ids, state.tokenizer)
     reply = Reply(checked, state.config.served_model_name, prompt_ids, state.tokenizer, prompt_text=prompt_text)
     return InFlight(group, events, reply, state.config.spec_stats, scores_prompt_only(checked), state.metrics)
 
 
-async def _complete_response(http: HTTPRequest, run: InFlight) -> Response:
+async def _complete_response(http: HTTPRequest, run: InFlight, headers: dict | None) -> Response:
     """Every sample's whole answer in one JSON response, once all have finished; 499 if the client left."""
     last_check = time.monotonic()
     try:
@@ -95,6 +102,6 @@ async def _complete_response(http: HTTPRequest, run: InFlight) -> Response:
             if isinstance(event, Failed):
                 return refused(run.failure(event))
             run.take(index, event)
-        return JSONResponse(run.reply.complete(run.choices, run.stats()))
+        return JSONResponse(run.reply.complete(run.choices, run.stats()), headers=headers)
     finally:
         run.cancel()  # a no-op once finished; frees the sequences if we left early

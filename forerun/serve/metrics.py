@@ -106,7 +106,9 @@ class ServerMetrics:
         self.ttft.observe(waited + output.first_token_s)
         self.e2e.observe(now - request.arrival)
 
-    def failed(self) -> None:
+    def failed(self, reason: str = "engine") -> None:
+        """A request ended by a failure: "engine" (the engine's), or "replica" (the replica running
+        it was lost: forerun/cluster)."""
         self.failures.inc()
 
     def aborted(self) -> None:

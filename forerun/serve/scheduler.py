@@ -59,7 +59,9 @@ class Done:
 @dataclass
 class Failed:
     message: str
-    reason: str = "engine"  # "engine": the engine failed; "shutdown": the server is stopping
+    # "engine": the engine failed; "shutdown": the server is stopping; "replica": the replica running
+    # it was lost (forerun/cluster)
+    reason: str = "engine"
 
 
 Event = Delta | Done | Failed
@@ -103,11 +105,15 @@ class Scheduler:
         max_waiting: int = 256,
         on_start: Callable[[Request], None] | None = None,
         prefill_share: float = PREFILL_SHARE,
+        chores: Callable[[], None] | None = None,
     ) -> None:
         """`max_waiting`: requests allowed to wait beyond the running ones; `on_start` is called on
         the loop thread when a request starts running (metrics); `prefill_share`: seconds of
-        prefill per second of steps while requests are decoding."""
+        prefill per second of steps while requests are decoding; `chores`: called on the loop
+        thread before each round's admissions start (a replica adds other replicas' answers to its
+        drafters' memory there, where nothing else touches it)."""
         self.batch = batch
+        self.chores = chores
         self.max_waiting = max_waiting
         self.on_start = on_start
         self._waiting: collections.deque[Request] = collections.deque()
@@ -246,6 +252,8 @@ class Scheduler:
     def _loop(self) -> None:
         try:
             while (admitted := self._admit()) is not None:
+                if self.chores is not None:
+                    self.chores()
                 self._start(admitted)
                 self._step()
         except BaseException as exc:  # noqa: BLE001 - recorded for /health

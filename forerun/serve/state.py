@@ -1,4 +1,4 @@
-"""What every route of one `forerun serve` app reads: its options, the scheduler, metrics and limits.
+"""What every route of one `forerun serve` app reads: its options, the backend, metrics and limits.
 
 One object rather than closure variables, so a handler's inputs are named in one place. Its one
 behaviour is the check every guarded route makes first: the API key, then the body's declared size.
@@ -17,10 +17,10 @@ from fastapi.responses import Response
 
 from forerun.base.errors import ForerunError
 from forerun.models.tokenizer import Tokenizer
+from forerun.serve.backend import Backend
 from forerun.serve.metrics import ServerMetrics
 from forerun.serve.requests import BadRequest, Limits
 from forerun.serve.responses import refused
-from forerun.serve.scheduler import Scheduler
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413)
 BODY_TIMEOUT = 30.0  # seconds a request's body may take to arrive (408)
@@ -41,21 +41,28 @@ class ServerConfig:
 @dataclass
 class ServerState:
     config: ServerConfig
-    scheduler: Scheduler  # started: it runs the engine
+    backend: Backend  # where the requests run: this process's scheduler, or replicas
     metrics: ServerMetrics
     tokenizer: Tokenizer | None  # None: a model without one, whose prompts come as token ids
     limits: Limits
     created: int  # when the app was made, in seconds since the epoch (/v1/models' `created`)
 
     @classmethod
-    def build(cls, llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerMetrics) -> ServerState:
-        """The state over `scheduler` running `llm`'s engine (`llm` gives the tokenizer and vocabulary)."""
+    def build(
+        cls,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        backend: Backend,
+        config: ServerConfig,
+        metrics: ServerMetrics,
+    ) -> ServerState:
+        """The state over `backend`, running a model of `vocab_size` tokens read by `tokenizer`."""
         if config.spec_stats not in SPEC_STATS:
             raise ForerunError(
                 f"per-request speculation figures must be one of {', '.join(SPEC_STATS)}, got {config.spec_stats!r}"
             )
-        limits = Limits(config.max_model_len, llm.target.decoder.cfg.vocab_size, config.max_body_bytes)
-        return cls(config, scheduler, metrics, llm.tokenizer, limits, int(time.time()))
+        limits = Limits(config.max_model_len, vocab_size, config.max_body_bytes)
+        return cls(config, backend, metrics, tokenizer, limits, int(time.time()))
 
     def check_access(self, request: HTTPRequest) -> None:
         """BadRequest (401 or 413) unless the request carries the key and declares a body within the limit."""

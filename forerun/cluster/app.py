@@ -1,0 +1,170 @@
+"""`forerun serve --ray`: the Ray Serve application, and the command that starts it.
+
+Three deployments (docs/serving.md draws them):
+- ForerunIngress: `forerun serve`'s HTTP app on Serve's proxy (forerun/cluster/ingress.py), no model;
+- ForerunEngine: N replicas, each one engine (forerun/cluster/replica.py), routed to by prompt
+  affinity (forerun/cluster/router.py), scaled by Ray Serve's autoscaler when --min-replicas and
+  --max-replicas are given;
+- ForerunHub: one replica holding the shared answers and the replicas' metrics (forerun/cluster/hub.py).
+
+`build_app` is the application builder for Ray's own `serve run` / `serve deploy` with a config
+file (its `args` are `forerun serve`'s flags, underscores or dashes); `run_cluster` starts a local
+Ray cluster or joins one (--ray-address), runs the application on --host/--port and waits for
+SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+
+from forerun.base.errors import ForerunError
+
+RAY_INSTALL = "pip install 'ray[serve]==2.60.0'"
+APP_NAME = "forerun"
+
+
+def _serve():
+    """Ray Serve, or a clear error saying how to install it."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        from ray import serve
+    except ImportError as exc:
+        raise ForerunError(f"--ray needs Ray Serve, which is not installed here ({exc}): {RAY_INSTALL}") from None
+    return serve
+
+
+def application(args: argparse.Namespace):
+    """The bound application for `args` (`forerun serve`'s flags, checked)."""
+    serve = _serve()
+    from ray.serve.config import RequestRouterConfig
+
+    from forerun.cluster.hub import Hub
+    from forerun.cluster.ingress import Ingress
+    from forerun.cluster.replica import EngineReplica
+    from forerun.cluster.router import AffinityRouter
+
+    options = {k: v for k, v in vars(args).items() if k != "func"}
+    quiet = {"log_level": "WARNING", "enable_access_log": False}
+    hub = serve.deployment(
+        Hub, name="ForerunHub", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024
+    ).options(logging_config=quiet)
+    routing = {}  # p2c: Ray Serve's own router
+    if args.routing == "affinity":
+        routing["request_router_config"] = RequestRouterConfig(
+            request_router_class=AffinityRouter, request_router_kwargs={"imbalance": args.routing_imbalance}
+        )
+    engine = serve.deployment(EngineReplica, name="ForerunEngine").options(
+        ray_actor_options={"num_cpus": args.replica_cpus},
+        max_ongoing_requests=2 * args.max_num_seqs,  # a lane's worth waiting, the rest routed elsewhere
+        graceful_shutdown_timeout_s=args.shutdown_timeout,
+        logging_config=quiet,
+        **routing,
+        **_scaling(args),
+    )
+    ingress = serve.deployment(serve.ingress()(Ingress), name="ForerunIngress").options(
+        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096, logging_config=quiet
+    )
+    hub_app = hub.bind(args.shared_answers_tokens)
+    return ingress.bind(options, engine.bind(options, hub_app), hub_app)
+
+
+def _scaling(args: argparse.Namespace) -> dict:
+    """A fixed number of replicas, or Ray Serve's autoscaling between --min- and --max-replicas."""
+    if args.min_replicas is None and args.max_replicas is None:
+        return {"num_replicas": args.num_replicas}
+    if args.min_replicas is None or args.max_replicas is None or not 0 <= args.min_replicas <= args.max_replicas:
+        raise ForerunError(
+            "autoscaling needs both --min-replicas and --max-replicas, with 0 <= min <= max; "
+            f"got {args.min_replicas} and {args.max_replicas}"
+        )
+    target = args.target_ongoing_requests or args.max_num_seqs
+    return {
+        "autoscaling_config": {
+            "min_replicas": args.min_replicas,
+            "max_replicas": args.max_replicas,
+            "initial_replicas": max(args.min_replicas, 1),
+            "target_ongoing_requests": target,
+        }
+    }
+
+
+def build_app(config_args: dict):
+    """Ray Serve's application builder: `import_path: forerun.cluster.app:build_app`, with `args`
+    naming `forerun serve`'s flags (`model: ...`, `speculative_method: ...`, `num_replicas: 2`)."""
+    from forerun.commands.serve import check, register
+
+    parser = argparse.ArgumentParser(prog="forerun")
+    register(parser.add_subparsers())
+    argv = ["serve", "--ray"]
+    for key, value in config_args.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value not in (False, None):
+            argv += [flag, str(value)]
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit:  # argparse said what was wrong on stderr
+        raise ForerunError(
+            f"the application's args are not forerun serve's flags: {config_args} (see forerun serve --help)"
+        ) from None
+    check(args)
+    return application(args)
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    """Start (or join) Ray, run the application on --host/--port, serve until SIGTERM or SIGINT."""
+    serve = _serve()
+    import ray
+
+    _check_port_free(args.host, args.port)
+    joined = args.ray_address is not None
+    ray.init(
+        address=args.ray_address,
+        include_dashboard=False,
+        namespace=APP_NAME,
+        logging_level="WARNING",
+        log_to_driver=not joined,
+    )
+    stop = threading.Event()
+    for name in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(name, lambda signum, frame: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(application(args), name=APP_NAME, route_prefix="/", blocking=False)
+        where = ray.get_runtime_context().gcs_address
+        print(
+            f"forerun: serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1 "
+            f"under Ray Serve ({_replicas_said(args)}; Ray cluster at {where})",
+            file=sys.stderr,
+            flush=True,
+        )
+        stop.wait()
+        print("forerun: stopping the application", file=sys.stderr, flush=True)
+    finally:
+        if joined:
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _replicas_said(args: argparse.Namespace) -> str:
+    if args.min_replicas is not None:
+        return f"{args.min_replicas} to {args.max_replicas} replicas, autoscaled"
+    return f"{args.num_replicas} replica{'s' if args.num_replicas != 1 else ''}"
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ForerunError(f"could not serve on {host}:{port} ({exc}); pick another --port") from None
