@@ -1,2 +1,3 @@
-"""Training draft heads on the target's own output: self-distilled data (`data.py`) and the
-training loop with checkpoints and curves (`trainer.py`); `forerun train` ties them together."""
+"""Training draft heads on the target's own output: self-distilled data (`data.py`), corpus text
+(`corpus.py`) labelled with the target's own distribution (`soft_labels.py`), and the training loop
+with checkpoints and curves (`trainer.py`); `forerun train` ties them together."""

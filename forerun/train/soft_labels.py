@@ -1,0 +1,225 @@
+"""Soft labels for draft heads: the target reads corpus chunks and its final hidden state and top-k
+next-token distribution at every position are stored in safetensors shards, resumably.
+
+A head then learns the target's own distribution (a KL to these labels) rather than the corpus's
+next token: what a drafter is judged on is agreeing with the target. One prefill per chunk, no
+generation. Shards (`labels-00000.safetensors`, ...) hold whole chunks:
+
+    tokens    int32 [T]             every chunk's tokens, one after another
+    hidden    bfloat16 [T, hidden]  the target's final hidden state (after the last norm) at each position
+    top_ids   int32 [T, k]          the k likeliest next tokens at each position, likeliest first
+    top_probs float16 [T, k]        their probabilities (softmax at temperature 1 over the full vocabulary)
+    starts    int64 [S + 1]         where each chunk begins (and the end)
+
+Position i's label is the distribution of token i + 1 given tokens[: i + 1]. A manifest
+(`labels.json`) lists the finished shards and how many chunks of the (deterministic) chunk stream
+they cover; a shard is written before the manifest names it, so a rerun resumes at the next chunk.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from forerun.base import files
+from forerun.base.errors import ForerunError
+from forerun.models import linear
+from forerun.models.load import LoadedModel
+
+MANIFEST = "labels.json"
+TOP_K = 20
+SHARD_TOKENS = 1 << 16  # a shard is written once it holds this many positions
+LOGIT_BYTES = 256 << 20  # float32 logits scored at a time: a chunk's full [T, vocab] can be gigabytes
+
+
+@dataclass
+class Labels:
+    hidden: torch.Tensor  # bfloat16 [T, hidden]
+    top_ids: torch.Tensor  # int32 [T, k], likeliest first
+    top_probs: torch.Tensor  # float16 [T, k]
+
+
+@dataclass
+class LabeledChunk:
+    """One chunk as stored (the shard's dtypes; convert per batch when training)."""
+
+    tokens: torch.Tensor  # int32 [T]
+    hidden: torch.Tensor  # bfloat16 [T, hidden]
+    top_ids: torch.Tensor  # int32 [T, k]
+    top_probs: torch.Tensor  # float16 [T, k]
+
+
+@dataclass
+class LabelManifest:
+    target: str
+    top_k: int
+    hidden_size: int
+    vocab_size: int
+    chunks_done: int = 0
+    shards: list[str] = field(default_factory=list)
+    tokens: int = 0  # positions stored
+
+    @classmethod
+    def read(cls, folder: Path) -> LabelManifest | None:
+        path = folder / MANIFEST
+        if not path.is_file():
+            return None
+        try:
+            return cls(**json.loads(path.read_text(encoding="utf-8")))
+        except (ValueError, TypeError) as e:
+            raise ForerunError(f"{path} is not a label manifest ({e}): use a new folder for the labels") from e
+
+    def write(self, folder: Path) -> None:
+        files.write_json(folder / MANIFEST, asdict(self), indent=1)
+
+
+@torch.inference_mode()
+def label_chunk(target: LoadedModel, tokens: list[int], top_k: int) -> Labels:
+    """The target's final hidden state and top-`top_k` next-token distribution at every position
+    of `tokens`, from one prefill."""
+    decoder = target.decoder
+    cfg = decoder.cfg
+    if not tokens:
+        raise ForerunError("cannot label an empty chunk")
+    if len(tokens) > cfg.max_position:
+        raise ForerunError(
+            f"a chunk of {len(tokens)} tokens is longer than {target.name}'s context ({cfg.max_position}): "
+            "use shorter chunks"
+        )
+    if not 1 <= top_k <= cfg.vocab_size:
+        raise ForerunError(f"top-k must be between 1 and the vocabulary size ({cfg.vocab_size}), not {top_k}")
+    with linear.prefill():
+        # The logits of the last row only; every row's are scored below, a block at a time.
+        out = decoder(
+            torch.tensor(tokens, device=decoder.device),
+            torch.arange(len(tokens), device=decoder.device),
+            decoder.new_cache(len(tokens)),
+            last_only=True,
+            output_hidden=True,
+            all_hidden=True,
+        )
+        hidden = out.hidden  # [1, T, hidden], after the final norm: what lm_head reads
+        rows = max(1, LOGIT_BYTES // (4 * cfg.vocab_size))
+        ids, probs = [], []
+        for a in range(0, len(tokens), rows):
+            logits = decoder.lm_head(hidden[:, a : a + rows]).float()[0]  # [rows, vocab]
+            top, idx = logits.topk(top_k, dim=-1)  # [rows, k], descending
+            probs.append((top - logits.logsumexp(-1, keepdim=True)).exp().to(torch.float16).cpu())
+            ids.append(idx.to(torch.int32).cpu())
+    return Labels(hidden[0].to(torch.bfloat16).cpu(), torch.cat(ids), torch.cat(probs))
+
+
+def make_label_shards(
+    target: LoadedModel,
+    chunks: Iterable[list[int]],
+    folder: Path,
+    top_k: int = TOP_K,
+    shard_tokens: int = SHARD_TOKENS,
+    budget_tokens: int | None = None,
+    budget_seconds: float | None = None,
+    progress: bool = True,
+) -> LabelManifest:
+    """Label the chunks not yet covered by `folder`'s manifest and store them in shards.
+
+    `chunks` must be the same stream on every run (`corpus.token_chunks` is deterministic): a rerun
+    skips the first `chunks_done` of it. Labelling stops when the chunks run out, or once
+    `budget_tokens` positions were labelled or `budget_seconds` passed in this call; what is
+    pending is written first either way."""
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = _manifest_for(target, folder, top_k)
+    pending: list[tuple[list[int], Labels]] = []
+    labelled, began = 0, time.monotonic()
+    with tqdm(
+        total=budget_tokens,
+        desc=f"labelling chunks with {target.name}"
+        + (f" (resuming after {manifest.chunks_done})" if manifest.chunks_done else ""),
+        unit="tok",
+        unit_scale=True,
+        file=sys.stderr,
+        disable=not progress,
+    ) as bar:
+        for tokens in itertools.islice(chunks, manifest.chunks_done, None):
+            pending.append((tokens, label_chunk(target, tokens, top_k)))
+            labelled += len(tokens)
+            bar.update(len(tokens))
+            if sum(len(t) for t, _ in pending) >= shard_tokens:
+                _flush(folder, manifest, pending)
+                pending = []
+            if (budget_tokens is not None and labelled >= budget_tokens) or (
+                budget_seconds is not None and time.monotonic() - began >= budget_seconds
+            ):
+                break
+    if pending:
+        _flush(folder, manifest, pending)
+    return manifest
+
+
+def _manifest_for(target: LoadedModel, folder: Path, top_k: int) -> LabelManifest:
+    """The folder's manifest, or a new one; labels of another target or top-k are refused (a head
+    trained on a mix would learn neither)."""
+    cfg = target.decoder.cfg
+    manifest = LabelManifest.read(folder)
+    if manifest is None:
+        return LabelManifest(target.name, top_k, cfg.hidden_size, cfg.vocab_size)
+    if manifest.top_k != top_k or manifest.target != target.name:
+        raise ForerunError(
+            f"{folder} holds labels of {manifest.target} with top-k {manifest.top_k}, not of {target.name} "
+            f"with top-k {top_k}: use a new folder (or the same target and top-k to resume)"
+        )
+    return manifest
+
+
+def _flush(folder: Path, manifest: LabelManifest, pending: list[tuple[list[int], Labels]]) -> None:
+    starts = [0]
+    for tokens, _ in pending:
+        starts.append(starts[-1] + len(tokens))
+    name = f"labels-{len(manifest.shards):05d}.safetensors"
+    tensors = {
+        "tokens": torch.tensor([t for tokens, _ in pending for t in tokens], dtype=torch.int32),
+        "hidden": torch.cat([lab.hidden for _, lab in pending]).contiguous(),
+        "top_ids": torch.cat([lab.top_ids for _, lab in pending]).contiguous(),
+        "top_probs": torch.cat([lab.top_probs for _, lab in pending]).contiguous(),
+        "starts": torch.tensor(starts, dtype=torch.int64),
+    }
+    files.save_tensors(folder / name, tensors)  # before the manifest names it: a crash between redoes it
+    manifest.shards.append(name)
+    manifest.chunks_done += len(pending)
+    manifest.tokens += starts[-1]
+    manifest.write(folder)
+
+
+def read_labels(folder: Path) -> Iterator[LabeledChunk]:
+    """Every stored chunk in order, shard by shard (one shard in memory at a time)."""
+    from safetensors.torch import load_file
+
+    manifest = LabelManifest.read(folder)
+    if manifest is None:
+        raise ForerunError(f"no {MANIFEST} in {folder}: label a corpus into it first")
+    for name in manifest.shards:
+        shard = load_file(str(folder / name))
+        starts = shard["starts"].tolist()
+        for a, b in itertools.pairwise(starts):
+            yield LabeledChunk(
+                shard["tokens"][a:b], shard["hidden"][a:b], shard["top_ids"][a:b], shard["top_probs"][a:b]
+            )
+
+
+def soft_targets(top_ids: torch.Tensor, top_probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The dense float32 distribution [..., vocab] of top-k labels `top_ids`, `top_probs` [..., k].
+
+    The top-k probabilities are renormalized to sum to 1 and every other token gets 0: the tail's
+    mass is dropped rather than spread, because a head is judged on the top of the distribution
+    (whether its guesses are the tokens the target would pick), and a uniform tail would only
+    teach it noise over tokens the target almost never emits."""
+    probs = top_probs.float()
+    probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
+    dense = torch.zeros(*probs.shape[:-1], vocab_size, dtype=torch.float32, device=probs.device)
+    return dense.scatter_(-1, top_ids.long(), probs)
