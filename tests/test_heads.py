@@ -336,19 +336,26 @@ def test_resume_continues_from_the_checkpoint_as_if_never_stopped(target, medusa
             target.decoder.embed_tokens if method == "eagle" else None,
         )
 
-    whole = fresh(tmp_path / "whole")
+    whole, second = whole_and_resumed(fresh, tmp_path)
+    for (name, a), b in zip(whole.head.state_dict().items(), second.head.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def whole_and_resumed(fresh, folder: Path) -> tuple[Trainer, Trainer]:
+    """Two trainers from `fresh(out)`: one run 8 steps straight, one stopped after 4, checkpointed,
+    and resumed to 8 under another random seed (the checkpoint's random state must win)."""
+    whole = fresh(folder / "whole")
     torch.manual_seed(5)
     whole.run(progress=False, max_steps=8)
-    first = fresh(tmp_path / "parts")
+    first = fresh(folder / "parts")
     torch.manual_seed(5)
     first.run(progress=False, max_steps=4)
     first.save_checkpoint()
-    torch.manual_seed(123)  # the checkpoint's random state must win
-    second = fresh(tmp_path / "parts")
+    torch.manual_seed(123)
+    second = fresh(folder / "parts")
     second.run(resume=True, progress=False, max_steps=8)
     assert second.progress.step == 8 and second.history.steps == list(range(1, 9))
-    for (name, a), b in zip(whole.head.state_dict().items(), second.head.state_dict().values()):
-        assert torch.equal(a, b), name
+    return whole, second
 
 
 # --- the command ----------------------------------------------------------------------------------

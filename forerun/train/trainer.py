@@ -1,11 +1,18 @@
-"""Training a draft head on self-distilled shards: losses, the loop, checkpoints and curves.
+"""Training a draft head on self-distilled shards or soft labels: losses, the loop, checkpoints and curves.
 
-Losses, on the answer positions only (where the target wrote the text, so the next token is the
-target's own greedy choice); the prompt is context:
+Hard labels (self-distilled shards, `data.py`), on the answer positions only (where the target
+wrote the text, so the next token is the target's own greedy choice); the prompt is context:
 - Medusa: head i at position t is trained to the token at t+1+i (cross-entropy over the draft
   vocabulary; tokens outside it are skipped).
 - EAGLE (Li et al.): row t reads (embed(x_{t+1}), f_t + noise) and predicts f_{t+1}: smooth-L1 to
   the target's feature, plus 0.1 x the cross-entropy of its projection against x_{t+2}.
+
+Soft labels (`TrainConfig.soft`: label shards of corpus text, `soft_labels.py`), on every position:
+the KL from the target's top-k distribution to the head's over the draft vocabulary, in
+`soft_losses.py`. Medusa head i at position t learns the label stored at position t+i (the target's
+distribution of token t+1+i given the true text up to t+i: labels exist for the next token only);
+EAGLE's row t learns f_{t+1} (smooth-L1) plus 1.0 x the KL of its projection to the label at t+1
+(the distribution of x_{t+2}): the distribution is the point, so it weighs as much as the feature.
 
 A checkpoint (weights, optimizer, position in the data, curves, random state) is written every few
 minutes and at the end of each epoch; `resume` continues from it exactly where it stopped.
@@ -17,6 +24,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,10 +34,13 @@ from torch import nn
 from tqdm import tqdm
 
 from forerun.base import files
+from forerun.base.errors import ForerunError
 from forerun.train.data import Example, count_sequences, read_examples
+from forerun.train.soft_losses import SoftExample, count_chunks, eagle_soft_loss, medusa_soft_loss, read_soft_examples
 
 CHECKPOINT = "checkpoint"
 TOKEN_WEIGHT = 0.1  # EAGLE: the token loss beside the feature regression
+SOFT_TOKEN_WEIGHT = 1.0  # EAGLE on soft labels: the target's distribution is what the head is for
 NOISE = 0.1  # EAGLE: uniform noise on the input features (robustness to its own predictions)
 MAX_SEQUENCE = 1024  # EAGLE: the longest sequence trained at once (the answer end is kept)
 
@@ -42,6 +53,7 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every_s: float = 300.0
     batch_rows: int = 512  # Medusa: positions per optimizer step (EAGLE: one sequence per step)
+    soft: bool = False  # the data is a folder of soft labels (soft_labels.py), not self-distilled shards
 
 
 @dataclass
@@ -54,7 +66,7 @@ class History:
 @dataclass
 class Progress:
     epoch: int = 0
-    sequence: int = 0  # sequences of this epoch already trained
+    sequence: int = 0  # sequences (soft labels: chunks) of this epoch already trained
     step: int = 0  # optimizer steps in all
     seconds: float = 0.0  # training time in all, resumed runs included
 
@@ -73,7 +85,7 @@ class Trainer:
         params = [p for p in head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
         self.history, self.progress = History(), Progress()
-        self.sequences = count_sequences(data)
+        self.sequences = count_chunks(data) if config.soft else count_sequences(data)
 
     # --- the loop ---------------------------------------------------------------------------------
 
@@ -93,15 +105,12 @@ class Trainer:
         try:
             while self.progress.epoch < self.config.epochs:
                 order = self._order(self.progress.epoch)
-                pending: list[Example] = []
-                for index, example in enumerate(read_examples(self.data, order)):
+                pending: list[Example | SoftExample] = []
+                for index, example in enumerate(self._read(order)):
                     if index < self.progress.sequence:
                         continue  # trained before the interruption
                     pending.append(example)
-                    if (
-                        self.config.method == "eagle"
-                        or sum(len(e.tokens) - e.answer for e in pending) >= self.config.batch_rows
-                    ):
+                    if self.config.method == "eagle" or self._rows(pending) >= self.config.batch_rows:
                         started = time.perf_counter()
                         loss, accuracy = self._step(pending)
                         self.progress.seconds += time.perf_counter() - started
@@ -127,6 +136,15 @@ class Trainer:
             bar.close()
         return self.history
 
+    def _read(self, order: list[int]) -> Iterator[Example | SoftExample]:
+        return read_soft_examples(self.data, order) if self.config.soft else read_examples(self.data, order)
+
+    def _rows(self, pending: list) -> int:
+        """Positions that train in `pending` (hard labels: the answers; soft labels: everything)."""
+        if self.config.soft:
+            return sum(len(e.tokens) for e in pending)
+        return sum(len(e.tokens) - e.answer for e in pending)
+
     def _order(self, epoch: int) -> list[int]:
         order = list(range(self.sequences))
         random.Random(self.config.seed * 1000 + epoch).shuffle(order)
@@ -138,10 +156,15 @@ class Trainer:
         self.history.loss.append(loss)
         self.history.accuracy.append(accuracy)
 
-    def _step(self, examples: list[Example]) -> tuple[float, list[float]]:
+    def _step(self, examples: list) -> tuple[float, list[float]]:
         self.head.train()
-        examples = [Example(e.tokens.to(self.device), e.hidden.to(self.device), e.answer) for e in examples]
-        loss, accuracy = (self._medusa_loss if self.config.method == "medusa" else self._eagle_loss)(examples)
+        if self.config.soft:
+            examples = [e.to(self.device) for e in examples]
+            losses = self._medusa_soft_loss if self.config.method == "medusa" else self._eagle_soft_loss
+        else:
+            examples = [Example(e.tokens.to(self.device), e.hidden.to(self.device), e.answer) for e in examples]
+            losses = self._medusa_loss if self.config.method == "medusa" else self._eagle_loss
+        loss, accuracy = losses(examples)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
@@ -201,6 +224,26 @@ class Trainer:
             return torch.zeros((), requires_grad=True, device=self.device), [0.0]
         return total / len(accuracies), [sum(accuracies) / len(accuracies)]
 
+    def _medusa_soft_loss(self, examples: list[SoftExample]) -> tuple[torch.Tensor, list[float]]:
+        out = medusa_soft_loss(self.head, examples, self.column)
+        if out is None:
+            return torch.zeros((), requires_grad=True, device=self.device), [0.0] * self.head.num_heads
+        loss, logits, top1 = out  # top1 [H, R]: the target's top-1 per head's position
+        return loss, _accuracy(logits, top1)
+
+    def _eagle_soft_loss(self, examples: list[SoftExample]) -> tuple[torch.Tensor, list[float]]:
+        total, accuracies = torch.zeros((), device=self.device), []
+        for e in examples:
+            out = eagle_soft_loss(self.head, self.embed, e.head(MAX_SEQUENCE), self.column, NOISE, SOFT_TOKEN_WEIGHT)
+            if out is None:
+                continue
+            loss, logits, top1 = out
+            total = total + loss
+            accuracies.append(_accuracy(logits[None], top1[None])[0])
+        if not accuracies:
+            return torch.zeros((), requires_grad=True, device=self.device), [0.0]
+        return total / len(accuracies), [sum(accuracies) / len(accuracies)]
+
     # --- checkpoints --------------------------------------------------------------------------------
 
     def checkpoint_dir(self) -> Path:
@@ -224,6 +267,7 @@ class Trainer:
             "progress": self.progress.__dict__,
             "history": self.history.__dict__,
             "torch_rng": torch.get_rng_state().tolist(),
+            "labels": "soft" if self.config.soft else "hard",
         }
         files.save_tensors(folder / "weights.safetensors", tensors)
         files.write_json(folder / "state.json", meta)
@@ -237,6 +281,12 @@ class Trainer:
             return False
         tensors = load_file(str(folder / "weights.safetensors"))
         meta = json.loads((folder / "state.json").read_text())
+        labels = "soft" if self.config.soft else "hard"
+        if meta.get("labels", "hard") != labels:
+            raise ForerunError(
+                f"the checkpoint in {folder} was trained on {meta.get('labels', 'hard')} labels, this run trains on "
+                f"{labels} labels: resume it with the same data (--corpus or not), or pick another --out"
+            )
         self.head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
         scalars = meta["optimizer"]
         state = {}
