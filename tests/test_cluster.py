@@ -208,6 +208,8 @@ def test_the_key_and_client_mistakes_are_refused_as_forerun_serve_refuses_them(c
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
     too_long = cluster.complete("x", max_tokens=5000)
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+    health = httpx.get(cluster.url + "/health", timeout=30)  # no key needed
+    assert health.status_code == 200 and health.json() == {"status": "ok", "replicas": 2}
     unknown = httpx.get(cluster.url + "/v1/nothing", headers=AUTH, timeout=30)
     assert unknown.status_code == 404 and "error" in unknown.json()
     assert counter(cluster.metrics(), "forerun:request_rejected_total", "ingress") >= 3
@@ -339,6 +341,24 @@ def test_a_replica_killed_during_traffic_loses_no_request_without_an_error(clust
 
 
 # --- the parts, without a cluster ---------------------------------------------------------------
+
+
+def test_the_hub_names_the_replicas_that_reported_lately(monkeypatch) -> None:
+    import asyncio
+
+    import forerun.cluster.hub as hub_module
+
+    clock = [100.0]
+    monkeypatch.setattr(hub_module.time, "monotonic", lambda: clock[0])
+    hub = hub_module.Hub(max_tokens=10)
+    asyncio.run(hub.report("r1", "text"))
+    clock[0] = 105.0
+    asyncio.run(hub.report("r2", "text"))
+    assert asyncio.run(hub.live(10)) == ["r1", "r2"]
+    clock[0] = 112.0
+    assert asyncio.run(hub.live(10)) == ["r2"]
+    clock[0] = 120.0
+    assert asyncio.run(hub.live(10)) == []
 
 
 def test_shared_answers_keep_the_newest_tokens_and_skip_the_readers_own() -> None:

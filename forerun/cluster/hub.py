@@ -68,6 +68,11 @@ class Hub:
     async def report(self, replica: str, text: str) -> None:
         self.reports[replica] = (time.monotonic(), text)
 
+    async def live(self, within_s: float) -> list[str]:
+        """The replicas that reported within the last `within_s` seconds."""
+        now = time.monotonic()
+        return sorted(r for r, (t, _) in self.reports.items() if now - t < within_s)
+
     async def collected(self) -> dict[str, str]:
         """Every live replica's last metrics text."""
         now = time.monotonic()

@@ -35,6 +35,7 @@ log = logging.getLogger("forerun.cluster.ingress")
 ATTEMPTS = 3  # replicas a job may be tried on before it fails
 CANCEL_POLL = 0.25  # seconds between checks that a job's client is still there
 LOST = (RayActorError, ActorUnavailableError)  # the replica running a job is gone
+LIVE_S = 10.0  # /health: a replica counts as running while its last metrics report is this recent
 
 
 class Ingress:
@@ -71,7 +72,15 @@ class ReplicaBackend(Backend):
             raise
 
     async def health(self) -> tuple[int, dict]:
-        return 200, {"status": "ok"}
+        """200 while some replica reported within LIVE_S seconds (a balancer in front of several
+        ingresses skips one whose replicas are all gone), with how many did."""
+        try:
+            live = await self.hub.live.remote(LIVE_S)
+        except Exception as exc:  # noqa: BLE001 - the hub restarting: say so rather than guess
+            return 503, {"status": "replica state unknown", "detail": f"the hub did not answer: {exc}"}
+        if not live:
+            return 503, {"status": "no replica running", "detail": f"none reported in the last {LIVE_S:g} s"}
+        return 200, {"status": "ok", "replicas": len(live)}
 
     async def metrics(self) -> tuple[bytes, str]:
         reports: dict[str, str] = {}
