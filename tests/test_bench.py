@@ -45,7 +45,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 METHODS = [m for m in valid_methods() if m not in HEAD_METHODS]
 
 
-def bench_args(folders: dict[str, Path], out: Path, *extra: str) -> list[str]:
+def bench_args(folders: dict[str, Path], out: Path, *extra: str, max_tokens: int = MAX_TOKENS) -> list[str]:
     return [
         "bench",
         "--model",
@@ -55,7 +55,7 @@ def bench_args(folders: dict[str, Path], out: Path, *extra: str) -> list[str]:
         "--dataset",
         str(folders["dataset"]),
         "--max-tokens",
-        str(MAX_TOKENS),
+        str(max_tokens),
         "--out",
         str(out),
         "--no-progress",

@@ -34,6 +34,7 @@ from forerun.cli import main
 from forerun.models.source import ModelSource
 from forerun.models.testing import save_hf_folder, tiny_model
 from forerun.models.tokenizer import Tokenizer
+from tests.test_bench import bench_args as common_bench_args
 
 PROMPTS = [{"prompt": "abc abc abc abc", "category": "code"}, {"prompt": "hello hello hello", "category": "chat"}]
 MAX_TOKENS = 6
@@ -135,22 +136,7 @@ def pretend_gguf(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def bench_args(folders: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    return [
-        "bench",
-        "--model",
-        str(folders["target"]),
-        "--dtype",
-        "float32",
-        "--dataset",
-        str(folders["dataset"]),
-        "--max-tokens",
-        str(MAX_TOKENS),
-        "--out",
-        str(out),
-        "--no-progress",
-        "--no-warmup",
-        *extra,
-    ]
+    return common_bench_args(folders, out, "--no-warmup", *extra, max_tokens=MAX_TOKENS)
 
 
 def read_records(out: Path) -> list[dict]:

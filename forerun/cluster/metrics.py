@@ -30,11 +30,8 @@ class IngressMetrics(ServerMetrics):
     def finished(self, request: Request, output: RequestOutput) -> None:
         pass  # counted by the replica that ran it
 
-    def aborted(self) -> None:
-        pass  # a replica's shutdown cut it, and counted it
-
     def failed(self, reason: str = "engine") -> None:
-        if reason == "replica":  # the replica is gone and could not count it
+        if reason == "replica":  # the replica is gone and could not count it; it counted the others
             self.failures.inc()
 
     def merged(self, reports: dict[str, str]) -> tuple[bytes, str]:

@@ -108,7 +108,7 @@ class EngineReplica:
                     done += 1
                     self._count_done(group[index], event)
                 elif isinstance(event, Failed):
-                    self._count_failed(event)
+                    self.engine.metrics.failed(event.reason)
                 yield index, event
                 if isinstance(event, Failed):
                     return
@@ -132,12 +132,6 @@ class EngineReplica:
         self.engine.metrics.finished(request, event.output)
         if self.memory is not None and event.output.token_ids:
             self.hub.publish.remote(self.name, list(event.output.token_ids))
-
-    def _count_failed(self, event: Failed) -> None:
-        if event.reason == "shutdown":
-            self.engine.metrics.aborted()
-        else:
-            self.engine.metrics.failed(event.reason)
 
     def _remember_shared(self) -> None:
         """On the scheduler's loop thread: the other replicas' answers join the drafters' memory."""

@@ -76,10 +76,9 @@ class InFlight:
     def failure(self, event: Failed) -> BadRequest:
         """The error a failed generation ends with (counted): an engine failure, a shutdown's cut, or
         the replica running it lost (a client may send it again)."""
-        if event.reason == "shutdown":
-            self.metrics.aborted()
-            return BadRequest(event.message, None, 503, "server_error", "shutting_down")
         self.metrics.failed(event.reason)
+        if event.reason == "shutdown":
+            return BadRequest(event.message, None, 503, "server_error", "shutting_down")
         if event.reason == "replica":
             return BadRequest(event.message, None, 503, "server_error", "replica_lost")
         return BadRequest(f"generation failed: {event.message}", None, 500, "server_error")

@@ -107,12 +107,13 @@ class ServerMetrics:
         self.e2e.observe(now - request.arrival)
 
     def failed(self, reason: str = "engine") -> None:
-        """A request ended by a failure: "engine" (the engine's), or "replica" (the replica running
-        it was lost: forerun/cluster)."""
-        self.failures.inc()
-
-    def aborted(self) -> None:
-        self.requests.labels(finished_reason="abort").inc()
+        """A request ended by a failure (scheduler.Failed's reason): "shutdown" (cut by a shutdown,
+        counted as vLLM counts an abort), else "engine" or "replica" (the replica running it was
+        lost: forerun/cluster), counted in request_failure."""
+        if reason == "shutdown":
+            self.requests.labels(finished_reason="abort").inc()
+        else:
+            self.failures.inc()
 
     def rejected(self, status: int) -> None:
         self.rejections.labels(status=str(status)).inc()
