@@ -402,7 +402,11 @@ def test_train_command_makes_a_head_that_generate_uses(tmp_path, monkeypatch) ->
     ]
     assert main(args) == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["method"] == "medusa" and config["draft_vocab"] == 64 and config["training"]["sequences"] == 6
+    assert config["method"] == "medusa" and config["draft_vocab"] == 64
+    # The first two prompts (--eval-prompts 2, one category) are answered for measuring only.
+    assert config["training"]["sequences"] == 4 and config["training"]["eval_prompt_ids"] == ["1", "2"]
+    assert config["training"]["prompt_ids"] == ["3", "4", "5", "6"]  # record numbers, from 1
+    assert len(config["training"]["held_out_kept_per_depth"]) == 2  # one per medusa head
     assert (out / "head.safetensors").is_file() and (out / "curves.png").is_file()
     assert main(args) == 2  # a checkpoint is there: --resume or another --out
     assert main(args + ["--resume"]) == 0
@@ -436,7 +440,10 @@ def test_train_command_makes_a_head_that_generate_uses(tmp_path, monkeypatch) ->
     ]
     assert main(eagle) == 0
     assert sorted((out / "data").iterdir()) == shards and not (tmp_path / "eagle" / "data").exists()
-    assert json.loads((tmp_path / "eagle" / "config.json").read_text())["intermediate_size"] == 32
+    eagle_config = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    assert eagle_config["intermediate_size"] == 32
+    assert eagle_config["training"]["unroll"] == 3 and eagle_config["training"]["projection"] == "frozen"
+    assert len(eagle_config["training"]["held_out_kept_per_depth"]) == 5  # the chain's depths
     common = [
         "generate",
         "--model",

@@ -23,6 +23,19 @@ target share them), resumably. `--budget-tokens` caps the positions labelled in 
 distribution at every position (a KL to the labels; see forerun/train/soft_losses.py). With
 `--resume` and a checkpoint in OUT, the labels are kept as they are (the checkpoint's place in the
 data refers to them). A corpus path that does not exist is an error before the model loads.
+
+`--answers N` adds the target's chat-formatted greedy answers to the first N training prompts,
+labelled the same way (prompt and answer, in DIR/answer-labels; a rerun answers only the prompts
+not labelled yet), mixed with the corpus through every epoch; without `--corpus` they are the
+only data.
+
+EAGLE heads train unrolled (`--unroll`, 3 steps: from the second on the head reads its own
+features, as when it drafts), with the projection frozen at the target's LM head rows unless
+`--train-projection`. The first `--eval-prompts` training prompts of every category (taken after
+the held-out ones) are answered by the target and never trained on: the head drafts greedy chains
+on them before training, at each checkpoint and at each epoch's end, and the share kept through
+each depth shows in the progress bar, curves.png and the head's config. `--train-minutes` stops
+training at a time budget.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,6 +62,7 @@ if TYPE_CHECKING:
 
 METHODS = ("medusa", "eagle")
 DEFAULT_LR = {"medusa": 1e-3, "eagle": 3e-4}
+DEFAULT_UNROLL = 3  # eagle: draft steps trained at once
 
 
 def register(sub) -> None:
@@ -108,7 +123,9 @@ def register(sub) -> None:
 
 
 def _register_corpus(p: argparse.ArgumentParser) -> None:
-    corpus = p.add_argument_group("corpus", "learn the target's distribution over text instead of its answers")
+    corpus = p.add_argument_group(
+        "soft labels", "learn the target's distribution over text and over its own answers, instead of its tokens"
+    )
     corpus.add_argument(
         "--corpus",
         nargs="+",
@@ -120,6 +137,40 @@ def _register_corpus(p: argparse.ArgumentParser) -> None:
     corpus.add_argument("--top-k", type=int, default=20, help="next-token probabilities stored per position")
     corpus.add_argument("--budget-tokens", type=int, default=None, help="label at most N positions in all")
     corpus.add_argument("--budget-minutes", type=float, default=None, help="label for at most M minutes in this run")
+    corpus.add_argument(
+        "--answers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also (without --corpus: only) the target's chat-formatted answers to N training prompts, labelled "
+        "like the corpus and mixed with it",
+    )
+    train = p.add_argument_group("training for the test")
+    train.add_argument(
+        "--unroll",
+        type=int,
+        default=None,
+        help="eagle: draft steps trained at once, the head fed its own features after the first (default 3)",
+    )
+    train.add_argument(
+        "--train-projection",
+        action="store_true",
+        help="eagle: train the projection to the draft vocabulary too (default: it stays the target's LM head rows)",
+    )
+    train.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=2,
+        help="prompts per category the target answers for held-out acceptance per depth during training "
+        "(never trained on; 0: none)",
+    )
+    train.add_argument("--eval-tokens", type=int, default=64, help="answer length of each held-out prompt")
+    train.add_argument(
+        "--train-minutes",
+        type=float,
+        default=None,
+        help="stop training after M minutes in all (resumed runs included), whatever --epochs says",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,46 +192,62 @@ def run(args: argparse.Namespace) -> int:
     target = load_model(args.model, args.dtype, quantization=args.quantization)
     if target.tokenizer is None:
         raise ForerunError(f"{args.model} has no tokenizer; training encodes its text with it")
-    if documents is not None:
-        data, record = _corpus_labels(args, target, out, documents, report)
+    prompts = split_prompts(args, target)
+    held_out = _held_out(args, target, out, prompts)
+    if documents is not None or args.answers:
+        data, record = _soft_labels(args, target, out, documents, report, prompts)
     else:
-        data, record = _self_distilled(args, target, out)
+        data, record = _self_distilled(args, target, out, prompts)
+    record["eval_prompt_ids"] = prompts.eval_ids
     config, head = _new_head(args, target)
-    trainer = _trainer(args, head, target, data, out)
+    trainer = _trainer(args, head, target, data, out, held_out)
     history = trainer.run(resume=args.resume, progress=args.progress)
     last = history.accuracy[-20:]
     accuracy = [round(sum(a[i] for a in last) / len(last), 4) for i in range(len(last[0]))] if last else []
     config.training = {**record, **_training_record(args, trainer, accuracy)}
     save_head(out, config, head.cpu())
     if history.steps:
-        plot_history(history, out / "curves.png", f"{args.method} head for {target.name}")
+        plot_history(history, out / "curves.png", f"{args.method} head for {target.name}", args.method)
+    held = f"; held-out chain kept per depth {history.eval_kept[-1]}" if history.eval_kept else ""
     print(
-        f"forerun: {args.method} head in {out} (top-1 per head over the last steps: {accuracy}); use it with "
-        f"--speculative-method {args.method} --speculative-head {out}",
+        f"forerun: {args.method} head in {out} (top-1 per head over the last steps: {accuracy}{held}); use it "
+        f"with --speculative-method {args.method} --speculative-head {out}",
         file=sys.stderr,
     )
     return 0
 
 
-def _self_distilled(args: argparse.Namespace, target: LoadedModel, out: Path) -> tuple[Path, dict]:
+def _held_out(args: argparse.Namespace, target: LoadedModel, out: Path, prompts: Prompts) -> list | None:
+    """The target's answers to the held-out prompts, which the trainer drafts on (cached in OUT)."""
+    if not prompts.eval:
+        return None
+    from forerun.train.held_out import make_held_out
+
+    started = time.perf_counter()
+    sequences = make_held_out(target, prompts.eval, args.eval_tokens, out)
+    print(
+        f"forerun: {len(sequences)} held-out answers for acceptance per depth ({time.perf_counter() - started:.0f} s)",
+        file=sys.stderr,
+    )
+    return sequences
+
+
+def _self_distilled(args: argparse.Namespace, target: LoadedModel, out: Path, prompts: Prompts) -> tuple[Path, dict]:
     """The target answers the training prompts into shards: (their folder, what to record of them)."""
     from forerun.train.data import make_shards
 
-    prompts, used = training_prompts(args, target)
-    if not prompts:
+    if not prompts.train:
         raise ForerunError("no training prompts left (all held out, or longer than --max-prompt-tokens)")
     data = Path(args.data).expanduser() if args.data else out / "data"
     started = time.perf_counter()
-    manifest = make_shards(target, prompts, data, args.max_tokens, progress=args.progress)
+    manifest = make_shards(target, prompts.train, data, args.max_tokens, progress=args.progress)
     print(
         f"forerun: {manifest.prompts_done} answers, {manifest.tokens} positions ({manifest.answer_tokens} written "
         f"by the target) in {data}",
         file=sys.stderr,
     )
     return data, {
-        "prompts": args.prompts,
-        "prompt_ids": used,
-        "hold_out_per_category": args.hold_out if args.prompts == "spec-bench" else None,
+        **_prompt_record(args, prompts.train_ids),
         "sequences": manifest.prompts_done,
         "positions": manifest.tokens,
         "answer_tokens": manifest.answer_tokens,
@@ -189,16 +256,60 @@ def _self_distilled(args: argparse.Namespace, target: LoadedModel, out: Path) ->
     }
 
 
-def _corpus_labels(
-    args: argparse.Namespace, target: LoadedModel, out: Path, documents: Iterator[Document], report: CorpusReport
-) -> tuple[Path, dict]:
-    """The target labels the corpus's chunks into OUT/labels (or DIR/labels with --data DIR):
-    (that folder, what to record of it)."""
-    from forerun.train.corpus import token_chunks
-    from forerun.train.soft_labels import LabelManifest, make_label_shards
+def _prompt_record(args: argparse.Namespace, used: list[str]) -> dict:
+    return {
+        "prompts": args.prompts,
+        "prompt_ids": used,
+        "hold_out_per_category": args.hold_out if args.prompts == "spec-bench" else None,
+    }
+
+
+def _soft_labels(
+    args: argparse.Namespace,
+    target: LoadedModel,
+    out: Path,
+    documents: Iterator[Document] | None,
+    report: CorpusReport,
+    prompts: Prompts,
+) -> tuple[list[Path], dict]:
+    """Label the corpus (DIR/labels) and the target's answers (DIR/answer-labels), DIR being --data
+    or OUT: (the folders to train on, what to record of them)."""
+    root = Path(args.data).expanduser() if args.data else out
+    folders, record = [], {}
+    started = time.perf_counter()
+    if documents is not None:
+        folders.append(root / "labels")
+        record.update(_corpus_labels(args, target, out, folders[-1], documents, report))
+    if args.answers:
+        folders.append(root / "answer-labels")
+        record.update(_answer_labels(args, target, out, folders[-1], prompts))
+    record["data_minutes"] = round((time.perf_counter() - started) / 60, 1)
+    return folders, record
+
+
+def _keep_labels(args: argparse.Namespace, out: Path, folder: Path) -> bool:
+    """Whether a resumed run trains on `folder` as it is: the checkpoint's place in the data refers to it."""
+    from forerun.train.soft_labels import LabelManifest
     from forerun.train.trainer import CHECKPOINT
 
-    labels = (Path(args.data).expanduser() if args.data else out) / "labels"
+    if args.resume and (out / CHECKPOINT).exists() and LabelManifest.read(folder) is not None:
+        print(f"forerun: resuming training on the labels in {folder} as they are", file=sys.stderr)
+        return True
+    return False
+
+
+def _corpus_labels(
+    args: argparse.Namespace,
+    target: LoadedModel,
+    out: Path,
+    labels: Path,
+    documents: Iterator[Document],
+    report: CorpusReport,
+) -> dict:
+    """The target labels the corpus's chunks into `labels`: what to record of them."""
+    from forerun.train.corpus import token_chunks
+    from forerun.train.soft_labels import LabelManifest, make_label_shards
+
     if args.chunk_tokens > target.decoder.cfg.max_position:
         raise ForerunError(
             f"--chunk-tokens {args.chunk_tokens} is longer than {target.name}'s context "
@@ -209,11 +320,8 @@ def _corpus_labels(
         documents, target.tokenizer.encode, args.chunk_tokens, [int(eos)] if eos is not None else None
     )
     manifest = LabelManifest.read(labels)
-    started = time.perf_counter()
     read = False  # whether the corpus was read in this run (the report counts its files then)
-    if args.resume and (out / CHECKPOINT).exists() and manifest is not None:
-        print(f"forerun: resuming training on the labels in {labels} as they are", file=sys.stderr)
-    else:
+    if not _keep_labels(args, out, labels):
         budget = args.budget_tokens - (manifest.tokens if manifest else 0) if args.budget_tokens else None
         if budget is None or budget > 0:
             seconds = args.budget_minutes * 60 if args.budget_minutes is not None else None
@@ -228,14 +336,37 @@ def _corpus_labels(
             "pass more text, or a smaller --chunk-tokens"
         )
     print(f"forerun: {manifest.chunks_done} chunks, {manifest.tokens} labelled positions in {labels}", file=sys.stderr)
-    return labels, {
+    return {
         "corpus": [str(p) for p in args.corpus],
         "corpus_files_read": report.files if read else None,
         "chunk_tokens": args.chunk_tokens,
         "top_k": manifest.top_k,
         "chunks": manifest.chunks_done,
         "positions": manifest.tokens,
-        "data_minutes": round((time.perf_counter() - started) / 60, 1),
+    }
+
+
+def _answer_labels(args: argparse.Namespace, target: LoadedModel, out: Path, labels: Path, prompts: Prompts) -> dict:
+    """The target answers the first --answers training prompts (greedy, chat-formatted) and labels
+    prompt + answer like a corpus chunk, into `labels`: what to record of them."""
+    from forerun.train.data import answer_prompts
+    from forerun.train.soft_labels import LabelManifest, make_label_shards
+
+    todo = prompts.train[: args.answers]
+    if not todo:
+        raise ForerunError("no training prompts left to answer (all held out, or longer than --max-prompt-tokens)")
+    manifest = LabelManifest.read(labels)
+    if not _keep_labels(args, out, labels):
+        done = manifest.chunks_done if manifest else 0
+        answers = (seq.tokens for seq in answer_prompts(target, todo[done:], args.max_tokens))
+        manifest = make_label_shards(target, answers, labels, args.top_k, progress=args.progress, skip_done=False)
+    print(f"forerun: {manifest.chunks_done} answers, {manifest.tokens} labelled positions in {labels}", file=sys.stderr)
+    return {
+        **_prompt_record(args, prompts.train_ids[: manifest.chunks_done]),
+        "answers": manifest.chunks_done,
+        "answer_positions": manifest.tokens,
+        "max_tokens": args.max_tokens,
+        "top_k": manifest.top_k,
     }
 
 
@@ -263,19 +394,26 @@ def _new_head(args: argparse.Namespace, target: LoadedModel) -> tuple[HeadConfig
     return config, head.to(args.device)
 
 
-def _trainer(args: argparse.Namespace, head: torch.nn.Module, target: LoadedModel, data: Path, out: Path) -> Trainer:
+def _trainer(
+    args: argparse.Namespace, head: torch.nn.Module, target: LoadedModel, data, out: Path, held_out: list | None
+) -> Trainer:
     from forerun.train.trainer import TrainConfig, Trainer
 
-    embed = target.decoder.embed_tokens.to(args.device) if args.method == "eagle" else None
+    eagle = args.method == "eagle"
+    embed = target.decoder.embed_tokens.to(args.device) if eagle else None
+    if eagle and not args.train_projection:
+        head.proj.weight.requires_grad_(False)  # the target's LM head rows: the head learns its features
     train_config = TrainConfig(
         args.method,
         args.epochs,
         args.lr or DEFAULT_LR[args.method],
         args.seed,
         args.checkpoint_minutes * 60,
-        soft=args.corpus is not None,
+        soft=not isinstance(data, Path),
+        unroll=(args.unroll or DEFAULT_UNROLL) if eagle else 1,
+        max_seconds=args.train_minutes * 60 if args.train_minutes is not None else None,
     )
-    return Trainer(head, train_config, data, out, embed)
+    return Trainer(head, train_config, data, out, embed, held_out=held_out)
 
 
 def _training_record(args: argparse.Namespace, trainer: Trainer, accuracy: list[float]) -> dict:
@@ -288,6 +426,9 @@ def _training_record(args: argparse.Namespace, trainer: Trainer, accuracy: list[
         "final_top1_per_head": accuracy,
         "quantization": args.quantization,
         "device": args.device,
+        "unroll": trainer.config.unroll,
+        "projection": "trained" if args.train_projection or args.method == "medusa" else "frozen",
+        "held_out_kept_per_depth": trainer.history.eval_kept[-1] if trainer.history.eval_kept else None,
     }
 
 
@@ -301,12 +442,18 @@ def _check(args: argparse.Namespace) -> None:
         raise ForerunError(f"--hold-out must be 0 or more, got {args.hold_out}")
     if args.lr is not None and args.lr <= 0:
         raise ForerunError(f"--lr must be positive, got {args.lr}")
-    for name, least in (("chunk_tokens", 2), ("top_k", 1), ("budget_tokens", 1)):
+    if args.method == "medusa" and (args.unroll is not None or args.train_projection):
+        raise ForerunError("--unroll and --train-projection are for eagle heads (a medusa head drafts from f_t alone)")
+    for name, least in (("eval_prompts", 0), ("eval_tokens", 1)):
+        if getattr(args, name) < least:
+            raise ForerunError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
+    for name, least in (("chunk_tokens", 2), ("top_k", 1), ("budget_tokens", 1), ("answers", 1), ("unroll", 1)):
         value = getattr(args, name)
         if value is not None and value < least:
             raise ForerunError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
-    if args.budget_minutes is not None and args.budget_minutes <= 0:
-        raise ForerunError(f"--budget-minutes must be positive, got {args.budget_minutes}")
+    for name in ("budget_minutes", "train_minutes"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ForerunError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
 
 
 def round_robin(prompts: list) -> list:
@@ -319,9 +466,21 @@ def round_robin(prompts: list) -> list:
     return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
 
 
-def training_prompts(args: argparse.Namespace, target) -> tuple[list[list[int]], list[str]]:
-    """(token ids of the prompts to train on, their ids): spec-bench minus the held-out prompts, or
-    a JSONL file's; chat-formatted when the target has a template; too long ones left out."""
+@dataclass
+class Prompts:
+    """Chat-formatted token ids of the prompts a run uses, and their ids."""
+
+    train: list[list[int]] = field(default_factory=list)
+    train_ids: list[str] = field(default_factory=list)
+    eval: list[list[int]] = field(default_factory=list)  # held-out acceptance during training, never trained on
+    eval_ids: list[str] = field(default_factory=list)
+
+
+def split_prompts(args: argparse.Namespace, target) -> Prompts:
+    """The prompts to train on and to measure on: spec-bench minus the held-out prompts (the first
+    --hold-out of each category, which bench reports on), or a JSONL file's; taken one category at
+    a time in turn, the first --eval-prompts rounds kept for measuring; chat-formatted when the
+    target has a template; too long ones left out."""
     from forerun.base.prompts import load_prompts
 
     prompts = load_prompts(args.prompts)
@@ -333,16 +492,22 @@ def training_prompts(args: argparse.Namespace, target) -> tuple[list[list[int]],
             if seen[p.category] > args.hold_out:
                 kept.append(p)
         prompts = kept
+    evaluated = len({p.category for p in prompts}) * args.eval_prompts
     prompts = round_robin(prompts)
     tok = target.tokenizer
     chat = bool(getattr(tok.hf, "chat_template", None))
-    limit = min(args.max_prompt_tokens, target.decoder.cfg.max_position - args.max_tokens - 1)
-    encoded, used = [], []
-    for p in prompts:
+    limit = min(args.max_prompt_tokens, target.decoder.cfg.max_position - max(args.max_tokens, args.eval_tokens) - 1)
+    split = Prompts()
+    for i, p in enumerate(prompts):
         ids = tok.apply_chat([{"role": "user", "content": p.text}]) if chat else tok.encode(p.text)
-        if 0 < len(ids) <= limit:
-            encoded.append(ids)
-            used.append(p.prompt_id)
-        if args.num_samples is not None and len(encoded) >= args.num_samples:
+        if not 0 < len(ids) <= limit:
+            continue
+        if i < evaluated:
+            split.eval.append(ids)
+            split.eval_ids.append(p.prompt_id)
+            continue
+        split.train.append(ids)
+        split.train_ids.append(p.prompt_id)
+        if args.num_samples is not None and len(split.train) >= args.num_samples:
             break
-    return encoded, used
+    return split

@@ -109,6 +109,42 @@ class EagleHead(nn.Module):
 
         return self._block(self.fc_embed(embeds) + self.fc_feature(features), attend)
 
+    def forward_unrolled(self, embeds: torch.Tensor, features: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """The head drafting `depth` steps from every position of one sequence at once, as it drafts
+        (teacher-forced on the tokens): embeds, features [T, h] (row t: embed(x_{t+1}) and the true f_t)
+        -> `depth` tensors [T, h]. Step j's row s is f̂_{s+1} at depth j of the chain that starts from
+        the true feature at t = s - j + 1: it reads (embed(x_{s+1}), step j-1's f̂_s) (step 1: the true
+        f_s) and sees what the drafter's row sees, the true rows up to t and the chain's own rows of
+        steps 2..j (one each, at t+1..s). Step 1 is `forward_train`. Rows s < j - 1 have no such
+        chain (they start before the text) and hold nothing meaningful.
+
+        This is training for the test the head faces (HASS, EAGLE-3): from the second step on it is
+        fed its own features, and every step's keys are the ones drafting would have."""
+        t = features.shape[0]
+        positions = torch.arange(t, device=features.device)[None]
+        rows = torch.arange(t, device=features.device)[:, None]
+        cols = torch.arange(t, device=features.device)[None, :]
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outs: list[torch.Tensor] = []
+        x_embed = self.fc_embed(embeds)
+        for j in range(1, depth + 1):
+            feed = features if j == 1 else torch.cat([features[:1], outs[-1][:-1]])  # row s: step j-1's f̂_s
+            # Visible keys of step i's rows: step 1 up to the chain's start, then one row per later step.
+            mask = torch.cat([cols <= rows - j + 1] + [cols == rows - j + i for i in range(2, j + 1)], dim=1)
+
+            def attend(x: torch.Tensor, mask: torch.Tensor = mask) -> torch.Tensor:
+                q, k, v = self._qkv(x, positions)
+                keys.append(k)
+                values.append(v)
+                out = F.scaled_dot_product_attention(
+                    q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask[None, None], enable_gqa=True
+                )  # [1, H, T, D]
+                return self.o(out.transpose(1, 2).reshape(1, t, -1))
+
+            outs.append(self._block((x_embed + self.fc_feature(feed))[None], attend)[0])
+        return outs
+
     @torch.inference_mode()
     def forward(
         self,

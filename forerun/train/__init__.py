@@ -1,4 +1,4 @@
 """Training draft heads on the target's own output: self-distilled data (`data.py`), corpus text
 (`corpus.py`) labelled with the target's own distribution (`soft_labels.py`) and learnt by KL
-(`soft_losses.py`), and the training loop with checkpoints and curves (`trainer.py`); `forerun
-train` ties them together."""
+(`soft_losses.py`), and the training loop with checkpoints, curves and the held-out measure per
+depth (`trainer.py`, `held_out.py`); `forerun train` ties them together."""

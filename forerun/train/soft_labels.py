@@ -126,13 +126,15 @@ def make_label_shards(
     budget_tokens: int | None = None,
     budget_seconds: float | None = None,
     progress: bool = True,
+    skip_done: bool = True,
 ) -> LabelManifest:
     """Label the chunks not yet covered by `folder`'s manifest and store them in shards.
 
     `chunks` must be the same stream on every run (`corpus.token_chunks` is deterministic): a rerun
-    skips the first `chunks_done` of it. Labelling stops when the chunks run out, or once
-    `budget_tokens` positions were labelled or `budget_seconds` passed in this call; what is
-    pending is written first either way."""
+    skips the first `chunks_done` of it (with `skip_done` False the caller has: the stream starts
+    after them, as when making a chunk is costly, e.g. the target's answer to a prompt). Labelling
+    stops when the chunks run out, or once `budget_tokens` positions were labelled or
+    `budget_seconds` passed in this call; what is pending is written first either way."""
     folder.mkdir(parents=True, exist_ok=True)
     manifest = _manifest_for(target, folder, top_k)
     pending: list[tuple[list[int], Labels]] = []
@@ -146,7 +148,7 @@ def make_label_shards(
         file=sys.stderr,
         disable=not progress,
     ) as bar:
-        for tokens in itertools.islice(chunks, manifest.chunks_done, None):
+        for tokens in itertools.islice(chunks, manifest.chunks_done if skip_done else 0, None):
             pending.append((tokens, label_chunk(target, tokens, top_k)))
             labelled += len(tokens)
             bar.update(len(tokens))

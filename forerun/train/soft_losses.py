@@ -13,7 +13,8 @@ vocabulary are skipped. Corpus text has no prompt: every position trains.
   learns the label stored at position t+i: the target's distribution of token t+1+i given the true
   text up to t+i (teacher forcing on the tokens between, as the hard-label loss does).
 - EAGLE: row t reads (embed(x_{t+1}), f_t) and predicts f_{t+1}; its projection scores x_{t+2}, whose
-  distribution is the label at position t+1.
+  distribution is the label at position t+1. Unrolled (`unroll` > 1), step j feeds the head its own
+  step j-1 features as drafting does, and row t still learns f_{t+1} and the label at t+1.
 
 Top-1 agreement is measured against the target's top-1 (skipped where that token is outside the
 draft vocabulary, as the hard-label accuracy skips such tokens).
@@ -33,6 +34,8 @@ from forerun.base.errors import ForerunError
 from forerun.train.data import order_within
 from forerun.train.soft_labels import MANIFEST, LabelManifest
 
+DECAY = 0.8  # EAGLE unrolled: each later step's loss weighs this much less (it counts only if the earlier were kept)
+
 
 @dataclass
 class SoftExample:
@@ -46,9 +49,11 @@ class SoftExample:
     def to(self, device: torch.device) -> SoftExample:
         return SoftExample(*(x.to(device) for x in (self.tokens, self.hidden, self.top_ids, self.top_probs)))
 
-    def head(self, length: int) -> SoftExample:
-        """The first `length` positions."""
-        return SoftExample(self.tokens[:length], self.hidden[:length], self.top_ids[:length], self.top_probs[:length])
+    def tail(self, length: int) -> SoftExample:
+        """The last `length` positions (an answer's end is what a head is trained for)."""
+        return SoftExample(
+            self.tokens[-length:], self.hidden[-length:], self.top_ids[-length:], self.top_probs[-length:]
+        )
 
 
 @dataclass
@@ -68,17 +73,32 @@ def _manifest(folder: Path) -> LabelManifest:
     return manifest
 
 
-def count_chunks(folder: Path) -> int:
-    return _manifest(folder).chunks_done
+def _folders(data: Path | list[Path]) -> list[Path]:
+    return [data] if isinstance(data, Path) else list(data)
 
 
-def read_soft_examples(folder: Path, order: list[int] | None = None) -> Iterator[SoftExample]:
-    """Every stored chunk, shard by shard (one shard in memory at a time); `order` permutes the
-    chunks within each shard (a seeded shuffle per epoch), as `data.read_examples` does."""
+def count_chunks(data: Path | list[Path]) -> int:
+    return sum(_manifest(folder).chunks_done for folder in _folders(data))
+
+
+def shard_order(data: Path | list[Path]) -> list[Path]:
+    """Every shard of the label folders, each folder's in order, the folders interleaved in
+    proportion (a corpus and a set of answers mix through every epoch rather than one after the other)."""
+    placed = []
+    for k, folder in enumerate(_folders(data)):
+        names = _manifest(folder).shards
+        placed += [((i + 0.5) / len(names), k, folder / name) for i, name in enumerate(names)]
+    return [path for *_, path in sorted(placed)]
+
+
+def read_soft_examples(data: Path | list[Path], order: list[int] | None = None) -> Iterator[SoftExample]:
+    """Every stored chunk of one label folder or several, shard by shard (one shard in memory at a
+    time, `shard_order`); `order` permutes the chunks within each shard (a seeded shuffle per epoch),
+    as `data.read_examples` does."""
     from safetensors.torch import load_file
 
-    for name in _manifest(folder).shards:
-        shard = load_file(str(folder / name))
+    for path in shard_order(data):
+        shard = load_file(str(path))
         starts = shard["starts"].tolist()
         count = len(starts) - 1
         for i in order_within(order, count) if order is not None else range(count):
@@ -149,20 +169,45 @@ def medusa_soft_loss(
 
 
 def eagle_soft_loss(
-    head: nn.Module, embed: nn.Module, e: SoftExample, column: torch.Tensor, noise: float, token_weight: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(loss, logits [T-1, N], target top-1 columns [T-1]) of one chunk, or None when it is too short.
+    head: nn.Module,
+    embed: nn.Module,
+    e: SoftExample,
+    column: torch.Tensor,
+    noise: float,
+    token_weight: float,
+    unroll: int = 1,
+) -> tuple[torch.Tensor, list[float]] | None:
+    """(loss, top-1 agreement per draft step) of one chunk, or None when it is too short.
 
-    loss = smooth-L1 of f̂_{t+1} to f_{t+1} + token_weight x KL of its projection to the label at t+1."""
+    Step j (`EagleHead.forward_unrolled`; step 1 reads the true features, later steps the head's
+    own) predicts f̂_{s+1} at row s: smooth-L1 to f_{s+1} + token_weight x KL of its projection to
+    the label at s+1; step j's loss weighs DECAY^(j-1), rows s >= j - 1 (those with a chain)."""
     t = len(e.tokens)
-    if t < 2:
+    if t < unroll + 1:
         return None
     with torch.no_grad():
-        embeds = embed(e.tokens[1:]).float()  # [T-1, h], row j: embed(x_{j+1})
-    noisy = e.hidden[:-1] + (torch.rand_like(e.hidden[:-1]) * 2 - 1) * noise  # row j: f_j
-    predicted = head.forward_train(embeds[None], noisy[None])[0]  # [T-1, h]: f̂_{j+1}
-    feature_loss = F.smooth_l1_loss(predicted, e.hidden[1:])
-    logits = head.logits(predicted)  # [T-1, N]: scores x_{j+2}
-    labels = draft_labels(e.top_ids[1:], e.top_probs[1:], column)  # row j: the label at j+1
-    token_loss = kl_loss(logits, labels.columns, labels.probs, labels.valid)
-    return feature_loss + token_weight * token_loss, logits, labels.top1.masked_fill(~labels.valid, -100)
+        embeds = embed(e.tokens[1:]).float()  # [T-1, h], row s: embed(x_{s+1})
+    noisy = e.hidden[:-1] + (torch.rand_like(e.hidden[:-1]) * 2 - 1) * noise  # row s: f_s
+    labels = draft_labels(e.top_ids[1:], e.top_probs[1:], column)  # row s: the label at s+1
+    top1 = labels.top1.masked_fill(~labels.valid, -100)
+    total, weights, agreement = 0.0, 0.0, []
+    for j, predicted in enumerate(head.forward_unrolled(embeds, noisy, unroll), start=1):
+        rows = slice(j - 1, None)
+        feature_loss = F.smooth_l1_loss(predicted[rows], e.hidden[1:][rows])
+        logits = head.logits(predicted[rows])  # scores x_{s+2}
+        token_loss = kl_loss(logits, labels.columns[rows], labels.probs[rows], labels.valid[rows])
+        total = total + DECAY ** (j - 1) * (feature_loss + token_weight * token_loss)
+        weights += DECAY ** (j - 1)
+        agreement += top1_agreement(logits[None], top1[rows][None])
+    return total / weights, agreement
+
+
+def top1_agreement(logits: torch.Tensor, target: torch.Tensor) -> list[float]:
+    """Top-1 agreement per head: logits [H, R, N], target [H, R] (-100 skipped)."""
+    out = []
+    with torch.no_grad():
+        for head_logits, head_target in zip(logits, target):
+            valid = head_target >= 0
+            hits = (head_logits.argmax(-1) == head_target) & valid
+            out.append(float(hits.sum()) / max(int(valid.sum()), 1))
+    return out

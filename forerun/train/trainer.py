@@ -14,6 +14,14 @@ distribution of token t+1+i given the true text up to t+i: labels exist for the 
 EAGLE's row t learns f_{t+1} (smooth-L1) plus 1.0 x the KL of its projection to the label at t+1
 (the distribution of x_{t+2}): the distribution is the point, so it weighs as much as the feature.
 
+EAGLE trains for the test it faces (`TrainConfig.unroll` steps, `EagleHead.forward_unrolled`): from
+the second step on the head reads its own predicted features, as when it drafts, and each row of
+step j learns the same targets as in step 1 (the loss of step j weighs 0.8^(j-1)).
+
+With held-out answers (`held_out.py`), the head drafts on them at the start, at every checkpoint
+and at the end of every epoch: the share of greedy chains kept through each depth, in the progress
+bar, the checkpoint's history and the curves.
+
 A checkpoint (weights, optimizer, position in the data, curves, random state) is written every few
 minutes and at the end of each epoch; `resume` continues from it exactly where it stopped.
 """
@@ -36,7 +44,16 @@ from tqdm import tqdm
 from forerun.base import files
 from forerun.base.errors import ForerunError
 from forerun.train.data import Example, count_sequences, read_examples
-from forerun.train.soft_losses import SoftExample, count_chunks, eagle_soft_loss, medusa_soft_loss, read_soft_examples
+from forerun.train.held_out import Acceptance, HeldOutSequence, chain_acceptance
+from forerun.train.soft_losses import (
+    DECAY,
+    SoftExample,
+    count_chunks,
+    eagle_soft_loss,
+    medusa_soft_loss,
+    read_soft_examples,
+    top1_agreement,
+)
 
 CHECKPOINT = "checkpoint"
 TOKEN_WEIGHT = 0.1  # EAGLE: the token loss beside the feature regression
@@ -53,14 +70,18 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every_s: float = 300.0
     batch_rows: int = 512  # Medusa: positions per optimizer step (EAGLE: one sequence per step)
-    soft: bool = False  # the data is a folder of soft labels (soft_labels.py), not self-distilled shards
+    soft: bool = False  # the data is label folders (soft_labels.py), not self-distilled shards
+    unroll: int = 1  # EAGLE: draft steps trained at once, from the second on fed its own features
+    max_seconds: float | None = None  # stop after the step that passes this much training time in all
 
 
 @dataclass
 class History:
     steps: list[int] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
-    accuracy: list[list[float]] = field(default_factory=list)  # per logged step, top-1 per head (EAGLE: one)
+    accuracy: list[list[float]] = field(default_factory=list)  # per logged step, top-1 per head (EAGLE: per step)
+    eval_steps: list[int] = field(default_factory=list)  # when the held-out answers were drafted on
+    eval_kept: list[list[float]] = field(default_factory=list)  # then: chains kept through each depth
 
 
 @dataclass
@@ -73,10 +94,19 @@ class Progress:
 
 class Trainer:
     def __init__(
-        self, head: nn.Module, config: TrainConfig, data: Path, out: Path, embed: nn.Module | None = None
+        self,
+        head: nn.Module,
+        config: TrainConfig,
+        data: Path | list[Path],
+        out: Path,
+        embed: nn.Module | None = None,
+        held_out: list[HeldOutSequence] | None = None,
     ) -> None:
-        """`embed`: the target's token embedding (EAGLE reads it, never trains it)."""
+        """`data`: a folder of self-distilled shards, or (soft) one or more label folders. `embed`:
+        the target's token embedding (EAGLE reads it, never trains it). `held_out`: answers the head
+        drafts on at every checkpoint (`held_out.py`), for acceptance per depth."""
         self.head, self.config, self.data, self.out, self.embed = head, config, data, out, embed
+        self.held_out = held_out
         self.device = next(head.parameters()).device
         self.vocab = head.vocab  # [N] token ids
         # token id -> column of the draft vocabulary, -100 (skipped) outside it
@@ -92,6 +122,8 @@ class Trainer:
     def run(self, resume: bool = False, progress: bool = True, max_steps: int | None = None) -> History:
         if resume:
             self.load_checkpoint()
+        if not self.history.eval_steps:
+            self._evaluate()  # the untrained head: where the curves start
         last_save = time.monotonic()
         total = self.config.epochs * self.sequences
         bar = tqdm(
@@ -111,30 +143,54 @@ class Trainer:
                         continue  # trained before the interruption
                     pending.append(example)
                     if self.config.method == "eagle" or self._rows(pending) >= self.config.batch_rows:
-                        started = time.perf_counter()
-                        loss, accuracy = self._step(pending)
-                        self.progress.seconds += time.perf_counter() - started
+                        self._train_on(pending, bar)
                         self.progress.sequence = index + 1
-                        self._log(loss, accuracy)
-                        bar.update(len(pending))
-                        bar.set_postfix(loss=f"{loss:.3f}", top1="/".join(f"{a:.2f}" for a in accuracy))
                         pending = []
                         if time.monotonic() - last_save >= self.config.checkpoint_every_s:
+                            self._evaluate()
                             self.save_checkpoint()
                             last_save = time.monotonic()
                         if max_steps is not None and self.progress.step >= max_steps:
                             return self.history
+                        if self._out_of_time():
+                            self._evaluate()
+                            self.save_checkpoint()
+                            return self.history
                 if pending:
-                    loss, accuracy = self._step(pending)
-                    self._log(loss, accuracy)
-                    bar.update(len(pending))
+                    self._train_on(pending, bar)
                 self.progress.epoch += 1
                 self.progress.sequence = 0
+                self._evaluate()
                 self.save_checkpoint()
                 last_save = time.monotonic()
         finally:
             bar.close()
         return self.history
+
+    def _out_of_time(self) -> bool:
+        return self.config.max_seconds is not None and self.progress.seconds >= self.config.max_seconds
+
+    def _train_on(self, pending: list, bar: tqdm) -> None:
+        started = time.perf_counter()
+        loss, accuracy = self._step(pending)
+        self.progress.seconds += time.perf_counter() - started
+        self._log(loss, accuracy)
+        bar.update(len(pending))
+        postfix = {"loss": f"{loss:.3f}", "top1": "/".join(f"{a:.2f}" for a in accuracy)}
+        if self.history.eval_kept:
+            postfix["held-out kept"] = "/".join(f"{k:.2f}" for k in self.history.eval_kept[-1])
+        bar.set_postfix(postfix)
+
+    def _evaluate(self) -> Acceptance | None:
+        """Draft on the held-out answers: the share of chains kept through each depth, logged."""
+        if not self.held_out:
+            return None
+        acceptance = chain_acceptance(self.head, self.config.method, self.held_out, self.column, self.embed)
+        if self.history.eval_steps and self.history.eval_steps[-1] == self.progress.step:
+            return acceptance  # measured at this step already
+        self.history.eval_steps.append(self.progress.step)
+        self.history.eval_kept.append([round(k, 4) for k in acceptance.kept])
+        return acceptance
 
     def _read(self, order: list[int]) -> Iterator[Example | SoftExample]:
         return read_soft_examples(self.data, order) if self.config.soft else read_examples(self.data, order)
@@ -196,7 +252,7 @@ class Trainer:
         logits = self.head(torch.cat(features))  # [H, R, N]
         target = torch.cat(labels, dim=1)  # [H, R]
         loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
-        return loss, _accuracy(logits, target)
+        return loss, top1_agreement(logits, target)
 
     def _eagle_loss(self, examples: list[Example]) -> tuple[torch.Tensor, list[float]]:
         total, accuracies = torch.zeros((), device=self.device), []
@@ -206,43 +262,49 @@ class Trainer:
                 cut = len(tokens) - MAX_SEQUENCE
                 tokens, hidden, answer = tokens[cut:], hidden[cut:], max(answer - cut, 1)
             t = len(tokens)
-            if t < 3:
+            if t < self.config.unroll + 2:
                 continue
             with torch.no_grad():
                 embeds = self.embed(tokens[1:]).float()  # row j: embed(x_{j+1})
             noisy = hidden[:-1] + (torch.rand_like(hidden[:-1]) * 2 - 1) * NOISE  # row j: f_j
-            predicted = self.head.forward_train(embeds[None], noisy[None])[0]  # [T-1, h]: f̂_{j+1}
-            # Rows whose prediction falls in the answer: f̂_{j+1} with j+1 >= answer - 1.
-            rows = torch.arange(max(answer - 2, 0), t - 1, device=self.device)
-            feature_loss = F.smooth_l1_loss(predicted[rows], hidden[rows + 1])
-            logits = self.head.logits(predicted[rows[:-1]])  # scores x_{j+2}
-            target = self._labels(tokens[rows[:-1] + 2])
-            token_loss = F.cross_entropy(logits, target, ignore_index=-100) if (target >= 0).any() else 0.0
-            total = total + feature_loss + TOKEN_WEIGHT * token_loss
-            accuracies.append(_accuracy(logits[None], target[None])[0])
+            loss, weights, agreement = 0.0, 0.0, []
+            for step, predicted in enumerate(self.head.forward_unrolled(embeds, noisy, self.config.unroll), 1):
+                # Rows whose prediction falls in the answer (f̂_{j+1} with j+1 >= answer - 1) and that
+                # have a chain of this many steps.
+                rows = torch.arange(max(answer - 2, step - 1), t - 1, device=self.device)
+                feature_loss = F.smooth_l1_loss(predicted[rows], hidden[rows + 1])
+                logits = self.head.logits(predicted[rows[:-1]])  # scores x_{j+2}
+                target = self._labels(tokens[rows[:-1] + 2])
+                token_loss = F.cross_entropy(logits, target, ignore_index=-100) if (target >= 0).any() else 0.0
+                loss = loss + DECAY ** (step - 1) * (feature_loss + TOKEN_WEIGHT * token_loss)
+                weights += DECAY ** (step - 1)
+                agreement += top1_agreement(logits[None], target[None])
+            total = total + loss / weights
+            accuracies.append(agreement)
         if not accuracies:
-            return torch.zeros((), requires_grad=True, device=self.device), [0.0]
-        return total / len(accuracies), [sum(accuracies) / len(accuracies)]
+            return torch.zeros((), requires_grad=True, device=self.device), [0.0] * self.config.unroll
+        return total / len(accuracies), [sum(a) / len(accuracies) for a in zip(*accuracies)]
 
     def _medusa_soft_loss(self, examples: list[SoftExample]) -> tuple[torch.Tensor, list[float]]:
         out = medusa_soft_loss(self.head, examples, self.column)
         if out is None:
             return torch.zeros((), requires_grad=True, device=self.device), [0.0] * self.head.num_heads
         loss, logits, top1 = out  # top1 [H, R]: the target's top-1 per head's position
-        return loss, _accuracy(logits, top1)
+        return loss, top1_agreement(logits, top1)
 
     def _eagle_soft_loss(self, examples: list[SoftExample]) -> tuple[torch.Tensor, list[float]]:
         total, accuracies = torch.zeros((), device=self.device), []
         for e in examples:
-            out = eagle_soft_loss(self.head, self.embed, e.head(MAX_SEQUENCE), self.column, NOISE, SOFT_TOKEN_WEIGHT)
+            out = eagle_soft_loss(
+                self.head, self.embed, e.tail(MAX_SEQUENCE), self.column, NOISE, SOFT_TOKEN_WEIGHT, self.config.unroll
+            )
             if out is None:
                 continue
-            loss, logits, top1 = out
-            total = total + loss
-            accuracies.append(_accuracy(logits[None], top1[None])[0])
+            total = total + out[0]
+            accuracies.append(out[1])
         if not accuracies:
-            return torch.zeros((), requires_grad=True, device=self.device), [0.0]
-        return total / len(accuracies), [sum(accuracies) / len(accuracies)]
+            return torch.zeros((), requires_grad=True, device=self.device), [0.0] * self.config.unroll
+        return total / len(accuracies), [sum(a) / len(accuracies) for a in zip(*accuracies)]
 
     # --- checkpoints --------------------------------------------------------------------------------
 
@@ -303,44 +365,41 @@ class Trainer:
         return True
 
 
-def _accuracy(logits: torch.Tensor, target: torch.Tensor) -> list[float]:
-    """Top-1 agreement per head: logits [H, R, N], target [H, R] (-100 skipped)."""
-    out = []
-    with torch.no_grad():
-        for head_logits, head_target in zip(logits, target):
-            valid = head_target >= 0
-            hits = (head_logits.argmax(-1) == head_target) & valid
-            out.append(float(hits.sum()) / max(int(valid.sum()), 1))
-    return out
-
-
-def plot_history(history: History, path: Path, title: str) -> None:
-    """Loss and top-1 accuracy per head against optimizer steps, as a PNG."""
+def plot_history(history: History, path: Path, title: str, method: str = "medusa") -> None:
+    """Loss, top-1 agreement per head (EAGLE: per draft step) on the training batches, and the
+    held-out chains kept through each depth, against optimizer steps, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    panels = 3 if history.eval_kept else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
+    left, middle = axes[0], axes[1]
     left.plot(history.steps, history.loss, linewidth=0.8)
     left.set_xlabel("optimizer step")
     left.set_ylabel("loss")
     left.set_title("training loss")
+    name = "step" if method == "eagle" else "head"
     heads = len(history.accuracy[0]) if history.accuracy else 0
     for i in range(heads):
-        right.plot(
-            history.steps,
-            [a[i] for a in history.accuracy],
-            linewidth=0.8,
-            label=f"head {i + 1}" if heads > 1 else "next token",
-        )
-    right.set_xlabel("optimizer step")
-    right.set_ylabel("top-1 accuracy (training batch)")
-    right.set_ylim(0, 1)
-    right.set_title("accuracy")
-    if heads:
-        right.legend(fontsize="small")
+        middle.plot(history.steps, [a[i] for a in history.accuracy], linewidth=0.8, label=f"{name} {i + 1}")
+    _axis(middle, "top-1 agreement (training batch)", "agreement with the target", heads)
+    if history.eval_kept:
+        right = axes[2]
+        for j in range(len(history.eval_kept[0])):
+            right.plot(history.eval_steps, [k[j] for k in history.eval_kept], marker="o", label=f"depth {j + 1}")
+        _axis(right, "chains kept through depth", "held-out answers (greedy chain)", len(history.eval_kept[0]))
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _axis(axis, ylabel: str, title: str, lines: int) -> None:
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel(ylabel)
+    axis.set_ylim(0, 1)
+    axis.set_title(title)
+    if lines:
+        axis.legend(fontsize="small")

@@ -1,0 +1,337 @@
+"""Training for the test a head faces: EAGLE unrolled on its own features, measured per depth on
+held-out answers while it trains, on corpus labels mixed with the target's labelled answers.
+
+- `forward_unrolled` computes, for every position at once, what the drafter computes step by step
+  against its cache (the true rows, then the chain's own rows);
+- the held-out measure (`chain_acceptance`) equals chains drafted one by one and compared with the
+  target's greedy tokens;
+- an unrolled head keeps deep chains on held-out text; the trainer logs the measure at the start,
+  at checkpoints and at the end, and stops at its time budget;
+- label folders mix in proportion; `forerun train --answers` labels the target's answers, resumes
+  without answering a prompt twice, and refuses flags that do not apply.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from forerun.cli import main
+from forerun.heads import build_head, float_weight, save_head
+from forerun.heads.eagle import EagleHead
+from forerun.models.load import LoadedModel
+from forerun.models.testing import save_hf_folder, tiny_model
+from forerun.train.held_out import HeldOutSequence, chain_acceptance, make_held_out
+from forerun.train.soft_labels import make_label_shards
+from forerun.train.soft_losses import count_chunks, read_soft_examples, shard_order
+from forerun.train.trainer import TrainConfig, Trainer
+from tests import test_train_soft as soft
+from tests.test_heads import head_config
+from tests.test_train_soft import TEXT, TOP_K, chunks_of
+
+# test_train_soft's tiny target (it follows a repeated text), its tokenizer and its label folders.
+target, tokenizer, labels = soft.target, soft.tokenizer, soft.labels
+
+
+def column_of(target: LoadedModel) -> torch.Tensor:
+    return torch.arange(target.decoder.cfg.vocab_size)  # every token is a column of itself
+
+
+def fresh_head(target: LoadedModel, method: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    head = build_head(head_config(target, method), target)
+    head.vocab.copy_(torch.arange(target.decoder.cfg.vocab_size))
+    head.init_projection(float_weight(target.decoder.lm_head))
+    return head
+
+
+def perturbed(head: torch.nn.Module) -> torch.nn.Module:
+    """Every weight moved off its initial value (o and down start at zero: the layer would vanish)."""
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return head
+
+
+@pytest.fixture(scope="module")
+def held_out(target, tokenizer, tmp_path_factory) -> list[HeldOutSequence]:
+    """The target's greedy answers to prompts of the repeated text, cut at phases the training
+    chunks also start at (training never sees these answers)."""
+    prompts = [tokenizer.encode((TEXT * 2)[offset:]) for offset in (0, 3, 8)]
+    return make_held_out(target, prompts, 24, tmp_path_factory.mktemp("held"))
+
+
+# --- the unrolled forward is what drafting computes -------------------------------------------------
+
+
+@torch.no_grad()
+def drafted_chain(head: EagleHead, embed, tokens: torch.Tensor, hidden: torch.Tensor, t: int, depth: int) -> list:
+    """The features a drafter predicts from position t, step by step against the head's cache:
+    the true pairs (embed(x_{p+1}), f_p) for p <= t, then one row per depth that sees the true
+    rows, the chain's earlier rows and itself (teacher-forced tokens)."""
+    cache = head.new_cache(t + depth + 1, hidden.device)
+    out = head(embed(tokens[1 : t + 2]).float(), hidden[: t + 1], torch.arange(t + 1), cache)
+    chain, feature, slots = [out[-1]], out[-1], []
+    for j in range(2, depth + 1):
+        base = cache.length
+        visible = torch.zeros(1, base + 1, dtype=torch.bool)
+        visible[0, : t + 1] = True
+        visible[0, slots] = True
+        visible[0, base] = True
+        feature = head(
+            embed(tokens[t + j : t + j + 1]).float(), feature[None], torch.tensor([t + j - 1]), cache, visible
+        )[0]
+        slots.append(base)
+        chain.append(feature)
+    return chain
+
+
+def test_the_unrolled_forward_predicts_what_the_drafter_predicts_at_every_depth(target, labels) -> None:
+    head = perturbed(fresh_head(target, "eagle")).eval()
+    embed = target.decoder.embed_tokens
+    e = next(read_soft_examples(labels["train"]))
+    embeds = embed(e.tokens[1:]).float()
+    with torch.no_grad():
+        outs = head.forward_unrolled(embeds, e.hidden[:-1], 4)
+        torch.testing.assert_close(outs[0], head.forward_train(embeds[None], e.hidden[:-1][None])[0])
+    for t in (0, 5, 17, len(e.tokens) - 6):
+        chain = drafted_chain(head, embed, e.tokens, e.hidden, t, 4)
+        for j, feature in enumerate(chain, start=1):
+            torch.testing.assert_close(outs[j - 1][t + j - 1], feature, rtol=1e-4, atol=1e-4, msg=f"t={t} depth={j}")
+    # Depth 2 really reads the head's own feature: fed the true one instead, it differs.
+    true_fed = head.forward_unrolled(embeds, e.hidden[:-1], 1)[0]
+    assert not torch.allclose(outs[1][1:], true_fed[1:], atol=1e-3)
+
+
+# --- the held-out measure ------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def brute_force_kept(head, method: str, sequences, embed, depth: int) -> list[float]:
+    """Chains drafted one start at a time, each token compared with the target's greedy one."""
+    kept, chains = [0] * depth, 0
+    for s in sequences:
+        for t in range(s.answer - 1, len(s.tokens) - depth):
+            if method == "eagle":
+                features = drafted_chain(head, embed, s.tokens, s.hidden, t, depth)
+                guesses = [int(head.logits(f).argmax()) for f in features]
+            else:
+                guesses = head(s.hidden[t : t + 1]).argmax(-1)[:, 0].tolist()
+            chains += 1
+            for j in range(depth):
+                if guesses[j] != int(s.greedy[t + j + 1]):
+                    break
+                kept[j] += 1
+    return [k / chains for k in kept]
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_held_out_acceptance_counts_chains_as_drafting_them_one_by_one_does(target, held_out, method) -> None:
+    head = perturbed(fresh_head(target, method, seed=3)).eval()
+    embed = target.decoder.embed_tokens
+    measured = chain_acceptance(head, method, held_out, column_of(target), embed)
+    depth = 5 if method == "eagle" else head.num_heads
+    assert measured.kept == pytest.approx(brute_force_kept(head, method, held_out, embed, depth))
+    assert measured.chains == sum(len(s.tokens) - depth - s.answer + 1 for s in held_out)
+    assert measured.kept == sorted(measured.kept, reverse=True)  # a chain kept through j is kept through j-1
+
+
+def test_a_token_outside_the_draft_vocabulary_is_never_kept(target, held_out) -> None:
+    head = perturbed(fresh_head(target, "medusa")).eval()
+    column = column_of(target).clone()
+    column[:] = -100  # no token can be drafted
+    assert chain_acceptance(head, "medusa", held_out, column, None).kept == [0.0, 0.0, 0.0]
+
+
+def test_held_out_answers_are_the_targets_greedy_text_and_are_stored(target, tokenizer, held_out, tmp_path) -> None:
+    from forerun.base.config import SamplingParams
+    from forerun.engine.engine import Engine
+
+    prompt = tokenizer.encode(TEXT * 2)
+    first = held_out[0]
+    answer = Engine(target).generate(prompt, SamplingParams(max_tokens=24)).token_ids
+    assert first.tokens.tolist() == prompt + answer and first.answer == len(prompt)
+    assert first.greedy[first.answer - 1 : -1].tolist() == answer  # the label after p is x_{p+1}
+    again = make_held_out(target, [prompt], 24, tmp_path)
+    reread = make_held_out(target, [prompt], 24, tmp_path)
+    torch.testing.assert_close(again[0].hidden, reread[0].hidden, rtol=0, atol=1e-2)  # stored as bfloat16
+    assert reread[0].tokens.tolist() == again[0].tokens.tolist()
+
+
+# --- training for the test -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def answer_labels(target, tokenizer, tmp_path_factory) -> Path:
+    """The target's labelled answers to other prompts (as `forerun train --answers` makes them):
+    its greedy answers leave the repeated text for a loop of their own, which only answers teach."""
+    from forerun.train.data import answer_prompts
+
+    prompts = [tokenizer.encode((TEXT * 3)[o : o + n]) for o in (0, 2, 5) for n in (14, 17, 21)]
+    folder = tmp_path_factory.mktemp("answers")
+    answers = (s.tokens for s in answer_prompts(target, prompts, 24))
+    make_label_shards(target, answers, folder, top_k=TOP_K, shard_tokens=128, progress=False)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def unrolled(target, labels, answer_labels, held_out, tmp_path_factory) -> Trainer:
+    head = fresh_head(target, "eagle")
+    config = TrainConfig("eagle", epochs=5, lr=1e-3, checkpoint_every_s=1e9, soft=True, unroll=3)
+    out = tmp_path_factory.mktemp("unrolled")
+    data = [labels["train"], answer_labels]
+    trainer = Trainer(head, config, data, out, target.decoder.embed_tokens, held_out=held_out)
+    trainer.run(progress=False)
+    return trainer
+
+
+def test_an_unrolled_head_keeps_deep_chains_on_held_out_answers(unrolled) -> None:
+    before, after = unrolled.history.eval_kept[0], unrolled.history.eval_kept[-1]
+    assert unrolled.history.eval_steps[0] == 0 and unrolled.history.eval_steps[-1] == unrolled.progress.step
+    # Measured before training and at the end of each epoch (a held-out set this small is jumpy).
+    assert len(unrolled.history.eval_steps) == 6 and before == [0.0] * 5
+    assert after[0] > 0.8 and after[2] > 0.5, unrolled.history.eval_kept  # three tokens from its own features
+    assert max(k[2] for k in unrolled.history.eval_kept) > 0.75, unrolled.history.eval_kept
+    assert len(unrolled.history.accuracy[-1]) == 3  # top-1 agreement per unrolled step, in the bar
+
+
+def test_the_curves_show_the_held_out_measure(unrolled, tmp_path) -> None:
+    from forerun.train.trainer import plot_history
+
+    plot_history(unrolled.history, tmp_path / "curves.png", "eagle", "eagle")
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_training_stops_at_its_time_budget_and_measures_there(target, labels, held_out, tmp_path) -> None:
+    config = TrainConfig("eagle", epochs=50, lr=1e-2, checkpoint_every_s=1e9, soft=True, max_seconds=1e-9)
+    trainer = Trainer(fresh_head(target, "eagle"), config, labels["train"], tmp_path, target.decoder.embed_tokens)
+    trainer.held_out = held_out
+    trainer.run(progress=False)
+    assert trainer.progress.step == 1 and trainer.history.eval_steps == [0, 1]
+    assert (tmp_path / "checkpoint" / "state.json").is_file()
+
+
+# --- mixed label folders -------------------------------------------------------------------------
+
+
+def test_label_folders_mix_in_proportion(target, tokenizer, tmp_path) -> None:
+    a, b = tmp_path / "corpus", tmp_path / "answers"
+    make_label_shards(target, chunks_of(tokenizer, 60), a, top_k=TOP_K, shard_tokens=64, progress=False)
+    make_label_shards(target, chunks_of(tokenizer, 20, offset=4), b, top_k=TOP_K, shard_tokens=64, progress=False)
+    order = shard_order([a, b])
+    assert len(order) == len(shard_order(a)) + len(shard_order(b)) and len(shard_order(b)) >= 2
+    from_b = [i for i, path in enumerate(order) if path.parent == b]
+    assert from_b[0] < len(order) // 2 < from_b[-1]  # spread through the epoch, not at its end
+    assert count_chunks([a, b]) == count_chunks(a) + count_chunks(b)
+    assert sum(1 for _ in read_soft_examples([a, b])) == count_chunks([a, b])
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def model_folder(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("FORERUN_HOME", str(tmp_path / "home"))
+    return save_hf_folder(copy.deepcopy(tiny_model(seed=0)), tmp_path / "tiny")
+
+
+def answer_args(folder: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        "--method",
+        "eagle",
+        "--model",
+        str(folder),
+        "--dtype",
+        "float32",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--epochs",
+        "1",
+        "--max-tokens",
+        "10",
+        "--draft-vocab",
+        "64",
+        "--intermediate-size",
+        "32",
+        "--top-k",
+        "4",
+        "--eval-prompts",
+        "1",
+        "--no-progress",
+        *extra,
+    ]
+
+
+def test_train_with_answers_labels_them_and_resumes_without_answering_twice(
+    model_folder, tmp_path, monkeypatch
+) -> None:
+    import forerun.train.data as data_module
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"abc{i} abc{i} abc"}) + "\n" for i in range(6)))
+    answered: list[int] = []
+    real = data_module.answer_prompts
+
+    def counting(target, todo, max_tokens):
+        answered.append(len(todo))
+        return real(target, todo, max_tokens)
+
+    monkeypatch.setattr(data_module, "answer_prompts", counting)
+    shared = tmp_path / "shared"
+    first = tmp_path / "first"
+    assert main(answer_args(model_folder, prompts, first, "--answers", "2", "--data", str(shared))) == 0
+    config = json.loads((first / "config.json").read_text())["training"]
+    assert config["answers"] == 2 and config["prompt_ids"] == ["2", "3"] and config["eval_prompt_ids"] == ["1"]
+    assert config["unroll"] == 3 and len(config["held_out_kept_per_depth"]) == 5
+    assert (shared / "answer-labels" / "labels.json").is_file() and not (shared / "labels").exists()
+    assert answered == [1, 2]  # the held-out prompt, then the two to train on
+    # More answers into the same labels: only the new prompts are answered.
+    second = tmp_path / "second"
+    assert main(answer_args(model_folder, prompts, second, "--answers", "4", "--data", str(shared))) == 0
+    assert answered == [1, 2, 1, 2]
+    assert json.loads((second / "config.json").read_text())["training"]["answers"] == 4
+
+
+def test_train_mixes_a_corpus_with_answers(model_folder, tmp_path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"abc{i} abc{i} abc"}) + "\n" for i in range(4)))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 20)
+    out = tmp_path / "head"
+    args = answer_args(model_folder, prompts, out, "--answers", "3", "--corpus", str(corpus), "--chunk-tokens", "48")
+    assert main(args + ["--train-projection", "--unroll", "2"]) == 0
+    config = json.loads((out / "config.json").read_text())["training"]
+    assert config["chunks"] >= 2 and config["answers"] == 3 and config["projection"] == "trained"
+    assert config["unroll"] == 2 and (out / "labels").is_dir() and (out / "answer-labels").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--method", "medusa", "--unroll", "2"], "for eagle heads"),
+        (["--eval-prompts", "-1"], "--eval-prompts must be at least 0"),
+        (["--answers", "0"], "--answers must be at least 1"),
+        (["--train-minutes", "0"], "--train-minutes must be positive"),
+        (["--unroll", "0"], "--unroll must be at least 1"),
+    ],
+)
+def test_flags_that_cannot_apply_are_refused(tmp_path, capsys, extra, message) -> None:
+    args = answer_args(tmp_path / "model", tmp_path / "prompts.jsonl", tmp_path / "out", *extra)
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_saved_unrolled_head_loads(target, unrolled, tmp_path) -> None:
+    from forerun.heads import load_head
+
+    save_head(tmp_path, head_config(target, "eagle"), unrolled.head)
+    _, head = load_head(tmp_path, target, "eagle")
+    for a, b in zip(head.state_dict().values(), unrolled.head.state_dict().values()):
+        torch.testing.assert_close(a, b)
