@@ -76,7 +76,8 @@ class EagleDrafter(Drafter):
 
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         # A step's expansion rows sit after the true pairs: room for every depth's branch rows.
-        self.cache = self.head.new_cache(max_len + self.nodes * self.branch + 1, self.embed.weight.device)
+        # The head's device: the embedding's `weight` may be a whole quantized table dequantized.
+        self.cache = self.head.new_cache(max_len + self.nodes * self.branch + 1, self.vocab.device)
         self.known, self.num_known, self.fed = [], 0, 0
 
     def features(self, hidden: torch.Tensor) -> None:
