@@ -15,7 +15,7 @@ from forerun.bench import runner
 from forerun.bench.runner import BenchConfig, run_bench, valid_methods
 from forerun.bench.summary import OVERALL, by_task, predicted_length
 from forerun.cli import main
-from forerun.commands.bench import HEAD_METHODS
+from forerun.commands.bench import ANY_HEAD, HEAD_METHODS
 from forerun.models.testing import save_hf_folder, tiny_model
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -42,7 +42,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 # Every method that runs without a trained head (medusa and eagle need one: tests/test_heads.py).
-METHODS = [m for m in valid_methods() if m not in HEAD_METHODS]
+METHODS = [m for m in valid_methods() if m not in (*HEAD_METHODS, ANY_HEAD)]  # heads: tests/test_heads.py
 
 
 def bench_args(folders: dict[str, Path], out: Path, *extra: str, max_tokens: int = MAX_TOKENS) -> list[str]:

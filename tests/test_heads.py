@@ -220,13 +220,30 @@ def test_greedy_output_equals_plain_for_every_tree_shape(
 
 
 def test_greedy_output_equals_plain_on_the_pattern_too(target, medusa_head, eagle_head) -> None:
-    for which, (folder, _) in (("medusa", medusa_head), ("eagle", eagle_head)):
+    cases = [("medusa", medusa_head), ("eagle", eagle_head), ("auto-head", eagle_head), ("auto-head", medusa_head)]
+    for which, (folder, _) in cases:
         for prompt in prompts_of(3, start=40):
             plain = Engine(target).generate(prompt, SamplingParams(max_tokens=25)).token_ids
             out = Engine(target, drafters.create(which, target, {"head": str(folder)}), 4).generate(
                 prompt, SamplingParams(max_tokens=25)
             )
             assert out.token_ids == plain
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_auto_head_drafts_from_the_suffix_on_long_matches_and_from_the_head_elsewhere(
+    target, medusa_head, eagle_head, kind
+) -> None:
+    folder = (eagle_head if kind == "eagle" else medusa_head)[0]
+    drafter = drafters.create("auto-head", target, {"head": str(folder), "long_match": 4})
+    engine = Engine(target, drafter, 4)
+    for prompt in prompts_of(3, start=40):
+        plain = Engine(target).generate(prompt, SamplingParams(max_tokens=40)).token_ids
+        assert engine.generate(prompt, SamplingParams(max_tokens=40)).token_ids == plain
+    # The pattern repeats: long matches go to the suffix drafter, the start of each answer to the head.
+    assert drafter.steps["suffix"] > 0 and drafter.steps[kind] > 0, drafter.steps
+    with pytest.raises(ForerunError, match="needs --speculative-head"):
+        drafters.create("auto-head", target, {})
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +254,7 @@ def sampling_case(target) -> tuple[list[int], torch.Tensor, torch.Tensor]:
 
 # The pattern is sharp; at temperature 1 with top-k 4 over this target the heads are right often
 # but not always, so drafts are kept and rejected.
-@pytest.mark.parametrize("which", ["medusa", "eagle"])
+@pytest.mark.parametrize("which", ["medusa", "eagle", "auto-head"])
 def test_sampled_tokens_follow_the_targets_distribution(target, medusa_head, eagle_head, sampling_case, which) -> None:
     prompt, second, third = sampling_case
     folder = (medusa_head if which == "medusa" else eagle_head)[0]
@@ -250,7 +267,7 @@ def test_sampled_tokens_follow_the_targets_distribution(target, medusa_head, eag
     assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
 
 
-@pytest.mark.parametrize("which", ["medusa", "eagle"])
+@pytest.mark.parametrize("which", ["medusa", "eagle", "auto-head"])
 def test_negative_control_an_always_accepting_rule_fails_with_heads(
     target, medusa_head, eagle_head, sampling_case, monkeypatch, which
 ) -> None:
@@ -498,13 +515,13 @@ def test_train_command_makes_a_head_that_generate_uses(tmp_path, monkeypatch) ->
         "--out",
         str(tmp_path / "bench"),
         "--methods",
-        "medusa,eagle",
+        "medusa,eagle,auto-head",
         "--speculative-head",
         f"{out},{tmp_path / 'eagle'}",
     ]
     assert main(bench) == 0
     records = [json.loads(line) for line in (tmp_path / "bench" / "results.jsonl").read_text().splitlines()]
-    assert {r["method"] for r in records} == {"plain", "medusa", "eagle"}
+    assert {r["method"] for r in records} == {"plain", "medusa", "eagle", "auto-head"}  # auto-head: the EAGLE head
     assert all(r["identical_to_plain"] for r in records)
     assert main(bench[:-1] + [f"{out},{out}"]) == 2  # two medusa heads: which one?
     assert main(bench[:-2]) == 2  # heads named, none given
@@ -512,7 +529,7 @@ def test_train_command_makes_a_head_that_generate_uses(tmp_path, monkeypatch) ->
     only_eagle = bench[:-4] + ["--speculative-head", str(tmp_path / "eagle"), "--out", str(tmp_path / "bench2")]
     assert main(only_eagle) == 0
     methods = {json.loads(line)["method"] for line in (tmp_path / "bench2" / "results.jsonl").read_text().splitlines()}
-    assert "eagle" in methods and "medusa" not in methods
+    assert {"eagle", "auto-head"} <= methods and "medusa" not in methods
 
 
 @pytest.mark.parametrize("which", ["medusa", "eagle"])

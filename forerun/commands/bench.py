@@ -17,7 +17,8 @@ from forerun.commands.common import (
 )
 from forerun.drafters import needs_draft_model
 
-HEAD_METHODS = ("medusa", "eagle")  # methods that read a trained head (--speculative-head)
+HEAD_METHODS = ("medusa", "eagle")  # methods that read a trained head of their kind (--speculative-head)
+ANY_HEAD = "auto-head"  # reads the EAGLE head given, else the Medusa one
 
 
 def _names(text: str) -> list[str]:
@@ -103,13 +104,15 @@ def run(args: argparse.Namespace) -> int:
         methods = ["plain"] + methods  # every speedup is a ratio to plain decoding
     check_methods(methods, args.speculative_model)  # before spec_from_args, for the clearer message
     options = {m: spec_from_args(args, m)[1] for m in methods if m != "plain"}
-    for m in set(methods) & set(HEAD_METHODS):
-        if m not in heads:
+    for m in set(methods) & {*HEAD_METHODS, ANY_HEAD}:
+        head = head_for(m, heads)
+        if head is None:
+            kind = "EAGLE or Medusa" if m == ANY_HEAD else m
             raise ForerunError(
-                f"--methods names {m}, which needs a trained {m} head: pass its folder with "
-                f"--speculative-head (made by `forerun train --method {m}`)"
+                f"--methods names {m}, which needs a trained {kind} head: pass its folder with "
+                f"--speculative-head (made by `forerun train --method {'eagle' if m == ANY_HEAD else m}`)"
             )
-        options[m]["head"] = heads[m]
+        options[m]["head"] = head
     cfg = BenchConfig(
         model=args.model,
         out=Path(args.out),
@@ -153,17 +156,24 @@ def heads_by_kind(folders: str | None) -> dict[str, str]:
     return heads
 
 
+def head_for(method: str, heads: dict[str, str]) -> str | None:
+    """The head folder `method` reads: its own kind's, or for auto-head the EAGLE head, else the Medusa one."""
+    if method == ANY_HEAD:
+        return heads.get("eagle", heads.get("medusa"))
+    return heads.get(method)
+
+
 def default_methods(
     available: list[str], speculative_model: str | None, heads: dict[str, str] | None = None
 ) -> list[str]:
     """plain and every registered drafter that can run with the flags given (draft and auto need a
-    draft model; medusa and eagle a trained head of their kind)."""
+    draft model; medusa and eagle a trained head of their kind, auto-head one of either)."""
     return ["plain"] + [
         m
         for m in available
         if m != "plain"
         and (not needs_draft_model(m) or speculative_model)
-        and (m not in HEAD_METHODS or m in (heads or {}))
+        and (m not in (*HEAD_METHODS, ANY_HEAD) or head_for(m, heads or {}) is not None)
     ]
 
 

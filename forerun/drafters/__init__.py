@@ -80,6 +80,7 @@ def _import_all() -> None:
     # Each module registers itself on import.
     from forerun.drafters import (  # noqa: F401
         auto,
+        auto_head,
         draft_model,
         eagle,
         early_exit,
