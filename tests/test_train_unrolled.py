@@ -160,6 +160,8 @@ def test_held_out_answers_are_the_targets_greedy_text_and_are_stored(target, tok
     reread = make_held_out(target, [prompt], 24, tmp_path)
     torch.testing.assert_close(again[0].hidden, reread[0].hidden, rtol=0, atol=1e-2)  # stored as bfloat16
     assert reread[0].tokens.tolist() == again[0].tokens.tolist()
+    other = tokenizer.encode(TEXT)  # as many prompts, other ones: answered anew, not read back
+    assert make_held_out(target, [other], 24, tmp_path)[0].tokens.tolist()[: len(other)] == other
 
 
 # --- training for the test -----------------------------------------------------------------------

@@ -12,12 +12,13 @@ chain start t (the target has read up to x_{t+1}, its features up to f_t):
 - Medusa: head j at t scores x_{t+j+1} from f_t.
 
 `kept[j-1]` is the share of chains whose first j tokens are all kept (the bench's "kept at position
-j"); a chain of D tokens then gives 1 + Σ kept tokens per target pass. Drafting with a tree keeps
-more than the chain measured here; the trend is what training watches.
+j"); a chain of D tokens then gives 1 + Σ kept tokens per target pass. Drafting with a tree usually
+keeps more than the chain measured here; the trend is what training watches.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,14 +47,6 @@ class Acceptance:
     kept: list[float]  # per depth: the share of chains whose first j tokens are kept
     chains: int
 
-    @property
-    def mean_length(self) -> float:
-        """Tokens per target pass with a chain this deep: the kept ones and the target's own."""
-        return 1.0 + sum(self.kept)
-
-    def line(self) -> str:
-        return "/".join(f"{k:.2f}" for k in self.kept)
-
 
 def make_held_out(
     target: LoadedModel, prompts: list[list[int]], max_tokens: int, folder: Path
@@ -66,7 +59,8 @@ def make_held_out(
     from forerun.train.soft_labels import label_chunk
 
     path = folder / FILE
-    key = {"target": target.name, "prompts": len(prompts), "max_tokens": max_tokens}
+    digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()  # the prompts themselves, not their count
+    key = {"target": target.name, "prompts": len(prompts), "prompts_sha256": digest, "max_tokens": max_tokens}
     if path.is_file() and (folder / (FILE + ".json")).is_file():
         if json.loads((folder / (FILE + ".json")).read_text()) == key:
             stored = load_file(str(path))
