@@ -444,10 +444,16 @@ def _check(args: argparse.Namespace) -> None:
         raise ForerunError(f"--lr must be positive, got {args.lr}")
     if args.method == "medusa" and (args.unroll is not None or args.train_projection):
         raise ForerunError("--unroll and --train-projection are for eagle heads (a medusa head drafts from f_t alone)")
-    for name, least in (("eval_prompts", 0), ("eval_tokens", 1)):
-        if getattr(args, name) < least:
-            raise ForerunError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
-    for name, least in (("chunk_tokens", 2), ("top_k", 1), ("budget_tokens", 1), ("answers", 1), ("unroll", 1)):
+    least_values = (
+        ("chunk_tokens", 2),
+        ("top_k", 1),
+        ("budget_tokens", 1),
+        ("answers", 1),
+        ("unroll", 1),
+        ("eval_prompts", 0),
+        ("eval_tokens", 1),
+    )
+    for name, least in least_values:  # None: not given
         value = getattr(args, name)
         if value is not None and value < least:
             raise ForerunError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")

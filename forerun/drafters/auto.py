@@ -38,8 +38,98 @@ from forerun.policy.draft_model_costs import SECOND_CHOICE
 from forerun.verification.tree import DraftTree
 
 
+class SuffixFirst(Drafter):
+    """The suffix drafter's proposal on a long match, else a second drafter's (`second`, its
+    source named `name`): what `auto` (a draft model) and `auto-head` (a trained head) share.
+    `next_source`, `source` and `steps` name the two sources; the second drafter hears its own
+    verdicts and prices its own tokens only after its own proposals."""
+
+    def __init__(
+        self, target: LoadedModel, second: Drafter, name: str, long_match: int, memory: SuffixMemory | None
+    ) -> None:
+        self.suffix = SuffixDrafter(target, memory=memory)
+        self.second, self.name = second, name
+        self.long_match = long_match
+        self.steps = {"suffix": 0, name: 0}  # proposals made by each, this process
+        self.source = name  # which made the last proposal
+
+    @property
+    def memory(self) -> SuffixMemory:
+        return self.suffix.memory
+
+    def max_rows(self, k: int) -> int:
+        return max(self.suffix.max_rows(k), self.second.max_rows(k))
+
+    def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
+        self.suffix.start(prompt_ids, target_cache, max_len)
+        self.second.start(prompt_ids, target_cache, max_len)
+
+    def set_gate(self, gate: Gate) -> None:
+        self.second.set_gate(gate)
+
+    def set_pass_cost(self, pass_cost: Callable[[int], float]) -> None:
+        self.second.set_pass_cost(pass_cost)
+
+    def second_ready(self, context: list[int], params: SamplingParams) -> bool:
+        """Whether the second drafter would propose now (True unless it says otherwise)."""
+        return True
+
+    def next_source(self, context: list[int], params: SamplingParams) -> str:
+        """Which will propose after `context` (the cost policy keeps their acceptance apart): the
+        suffix drafter on a long match or while the second is not ready."""
+        long = self.suffix.match_length(context) >= self.long_match
+        return "suffix" if long or not self.second_ready(context, params) else self.name
+
+    def costless_source(self, context: list[int], params: SamplingParams) -> str | None:
+        """ "suffix" when a long match makes the coming proposal the suffix drafter's, which costs
+        nothing; None when only the second drafter would propose."""
+        return "suffix" if self.suffix.match_length(context) >= self.long_match else None
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftTree | None:
+        return run_alone(self.propose_steps(context, k, params, generator))
+
+    def propose_steps(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        source: str | None = None,
+    ) -> DraftSteps:
+        """`propose` with the second drafter's forwards yielded (passes.py). `source`: the one the
+        step planned (None: the second drafter unless the suffix drafter has a long match)."""
+        tree, match = self.suffix.propose_with_match(context, k, params, generator)
+        if (tree is None or match < self.long_match) if source is None else source == self.name:
+            drafted = yield from self.second.propose_steps(context, k, params, generator)
+            if drafted is not None:  # None: it declined (a catch-up that does not pay), the suffix's guess stands
+                self.source = self.name
+                self.steps[self.name] += 1
+                return drafted
+        self.source = "suffix"
+        self.steps["suffix"] += 1
+        return tree
+
+    def batch_pass_seconds(self, sequences: int, source: str | None = None) -> float | None:
+        """A pooled draft forward's seconds (the second drafter's) when the coming proposal is the
+        second drafter's; None when it is the suffix drafter's (no forward to pool)."""
+        return self.second.batch_pass_seconds(sequences) if source == self.name else None
+
+    def end(self, output_ids: list[int]) -> None:
+        self.suffix.end(output_ids)
+
+    def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
+        if self.source == self.name:  # the second drafter counts its own verdicts
+            self.second.observe(num_accepted, aux_logits)
+
+    def cost_per_token(self) -> float | None:
+        """The second drafter's token cost after its proposals; None (time the call) after the suffix's."""
+        return self.second.cost_per_token() if self.source == self.name else None
+
+
 @register("auto", needs_draft_model=True, cli_options={**DRAFT_MODEL_CLI, "auto_long_match": "long_match"})
-class AutoDrafter(Drafter):
+class AutoDrafter(SuffixFirst):
     def __init__(
         self,
         target: LoadedModel,
@@ -56,80 +146,11 @@ class AutoDrafter(Drafter):
         """The draft model's settings as DraftModelDrafter takes them; `long_match`: the shortest
         suffix match (tokens) whose continuation is proposed instead of the draft model's;
         `memory`: the suffix drafter's memory of earlier outputs, when shared (SuffixDrafter)."""
-        self.suffix = SuffixDrafter(target, memory=memory)
         self.draft = DraftModelDrafter(
             target, model, dtype, device, quantize, min_confidence, draft_vocab, second_choice
         )
-        self.long_match = long_match
-        self.steps = {"suffix": 0, "draft": 0}  # proposals made by each, this process
-        self.source = "draft"  # which made the last proposal
+        super().__init__(target, self.draft, "draft", long_match, memory)
 
-    @property
-    def memory(self) -> SuffixMemory:
-        return self.suffix.memory
-
-    def max_rows(self, k: int) -> int:
-        return max(self.suffix.max_rows(k), self.draft.max_rows(k))
-
-    def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
-        self.suffix.start(prompt_ids, target_cache, max_len)
-        self.draft.start(prompt_ids, target_cache, max_len)
-
-    def set_gate(self, gate: Gate) -> None:
-        self.draft.set_gate(gate)
-
-    def set_pass_cost(self, pass_cost: Callable[[int], float]) -> None:
-        self.draft.set_pass_cost(pass_cost)
-
-    def next_source(self, context: list[int], params: SamplingParams) -> str:
-        """Which will propose after `context` (the cost policy keeps their acceptance apart): the
-        suffix drafter on a long match or while the draft model's catch-up does not pay yet."""
-        long = self.suffix.match_length(context) >= self.long_match
-        return "suffix" if long or not self.draft.ready(context, params) else "draft"
-
-    def costless_source(self, context: list[int], params: SamplingParams) -> str | None:
-        """ "suffix" when a long match makes the coming proposal the suffix drafter's, which costs
-        nothing; None when only the draft model would propose."""
-        return "suffix" if self.suffix.match_length(context) >= self.long_match else None
-
-    def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> DraftTree | None:
-        return run_alone(self.propose_steps(context, k, params, generator))
-
-    def propose_steps(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        source: str | None = None,
-    ) -> DraftSteps:
-        """`propose` with the draft model's forwards yielded (passes.py). `source`: the one the step
-        planned (None: the draft model unless the suffix drafter has a long match)."""
-        tree, match = self.suffix.propose_with_match(context, k, params, generator)
-        if (tree is None or match < self.long_match) if source is None else source == "draft":
-            drafted = yield from self.draft.propose_steps(context, k, params, generator)
-            if drafted is not None:  # None: its catch-up declined, the suffix's guess stands
-                self.source = "draft"
-                self.steps["draft"] += 1
-                return drafted
-        self.source = "suffix"
-        self.steps["suffix"] += 1
-        return tree
-
-    def batch_pass_seconds(self, sequences: int, source: str | None = None) -> float | None:
-        """A pooled draft forward's seconds (the draft model's) when the coming proposal is the
-        draft model's; None when it is the suffix drafter's (no forward to pool)."""
-        return self.draft.batch_pass_seconds(sequences) if source == "draft" else None
-
-    def end(self, output_ids: list[int]) -> None:
-        self.suffix.end(output_ids)
-
-    def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
-        if self.source == "draft":  # the draft model counts its verdicts (its catch-up gate)
-            self.draft.observe(num_accepted, aux_logits)
-
-    def cost_per_token(self) -> float | None:
-        """The draft model's token cost after its proposals; None (time the call) after the suffix's."""
-        return self.draft.cost_per_token() if self.source == "draft" else None
+    def second_ready(self, context: list[int], params: SamplingParams) -> bool:
+        """Whether the draft model's catch-up pays now (until it does, the suffix drafter proposes)."""
+        return self.draft.ready(context, params)

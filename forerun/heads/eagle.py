@@ -121,9 +121,8 @@ class EagleHead(nn.Module):
         This is training for the test the head faces (HASS, EAGLE-3): from the second step on it is
         fed its own features, and every step's keys are the ones drafting would have."""
         t = features.shape[0]
-        positions = torch.arange(t, device=features.device)[None]
-        rows = torch.arange(t, device=features.device)[:, None]
-        cols = torch.arange(t, device=features.device)[None, :]
+        positions = torch.arange(t, device=features.device)[None]  # [1, T]: also the key columns
+        rows, cols = positions.T, positions
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []

@@ -190,16 +190,21 @@ def eagle_soft_loss(
     noisy = e.hidden[:-1] + (torch.rand_like(e.hidden[:-1]) * 2 - 1) * noise  # row s: f_s
     labels = draft_labels(e.top_ids[1:], e.top_probs[1:], column)  # row s: the label at s+1
     top1 = labels.top1.masked_fill(~labels.valid, -100)
-    total, weights, agreement = 0.0, 0.0, []
+    losses, agreement = [], []
     for j, predicted in enumerate(head.forward_unrolled(embeds, noisy, unroll), start=1):
         rows = slice(j - 1, None)
         feature_loss = F.smooth_l1_loss(predicted[rows], e.hidden[1:][rows])
         logits = head.logits(predicted[rows])  # scores x_{s+2}
         token_loss = kl_loss(logits, labels.columns[rows], labels.probs[rows], labels.valid[rows])
-        total = total + DECAY ** (j - 1) * (feature_loss + token_weight * token_loss)
-        weights += DECAY ** (j - 1)
+        losses.append(feature_loss + token_weight * token_loss)
         agreement += top1_agreement(logits[None], top1[rows][None])
-    return total / weights, agreement
+    return step_weighted(losses), agreement
+
+
+def step_weighted(losses: list[torch.Tensor]) -> torch.Tensor:
+    """The unrolled steps' losses in one: step j weighs DECAY^(j-1), normalised to sum to 1."""
+    weights = [DECAY**j for j in range(len(losses))]
+    return sum(w * loss for w, loss in zip(weights, losses)) / sum(weights)
 
 
 def top1_agreement(logits: torch.Tensor, target: torch.Tensor) -> list[float]:

@@ -44,14 +44,14 @@ from tqdm import tqdm
 from forerun.base import files
 from forerun.base.errors import ForerunError
 from forerun.train.data import Example, count_sequences, read_examples
-from forerun.train.held_out import Acceptance, HeldOutSequence, chain_acceptance
+from forerun.train.held_out import HeldOutSequence, chain_acceptance
 from forerun.train.soft_losses import (
-    DECAY,
     SoftExample,
     count_chunks,
     eagle_soft_loss,
     medusa_soft_loss,
     read_soft_examples,
+    step_weighted,
     top1_agreement,
 )
 
@@ -147,21 +147,18 @@ class Trainer:
                         self.progress.sequence = index + 1
                         pending = []
                         if time.monotonic() - last_save >= self.config.checkpoint_every_s:
-                            self._evaluate()
-                            self.save_checkpoint()
+                            self._measure_and_save()
                             last_save = time.monotonic()
                         if max_steps is not None and self.progress.step >= max_steps:
                             return self.history
                         if self._out_of_time():
-                            self._evaluate()
-                            self.save_checkpoint()
+                            self._measure_and_save()
                             return self.history
                 if pending:
                     self._train_on(pending, bar)
                 self.progress.epoch += 1
                 self.progress.sequence = 0
-                self._evaluate()
-                self.save_checkpoint()
+                self._measure_and_save()
                 last_save = time.monotonic()
         finally:
             bar.close()
@@ -181,16 +178,19 @@ class Trainer:
             postfix["held-out kept"] = "/".join(f"{k:.2f}" for k in self.history.eval_kept[-1])
         bar.set_postfix(postfix)
 
-    def _evaluate(self) -> Acceptance | None:
-        """Draft on the held-out answers: the share of chains kept through each depth, logged."""
-        if not self.held_out:
-            return None
+    def _evaluate(self) -> None:
+        """Draft on the held-out answers: the share of chains kept through each depth, logged
+        (once a step)."""
+        if not self.held_out or (self.history.eval_steps and self.history.eval_steps[-1] == self.progress.step):
+            return
         acceptance = chain_acceptance(self.head, self.config.method, self.held_out, self.column, self.embed)
-        if self.history.eval_steps and self.history.eval_steps[-1] == self.progress.step:
-            return acceptance  # measured at this step already
         self.history.eval_steps.append(self.progress.step)
         self.history.eval_kept.append([round(k, 4) for k in acceptance.kept])
-        return acceptance
+
+    def _measure_and_save(self) -> None:
+        """The held-out measure, then a checkpoint that holds it in its history."""
+        self._evaluate()
+        self.save_checkpoint()
 
     def _read(self, order: list[int]) -> Iterator[Example | SoftExample]:
         return read_soft_examples(self.data, order) if self.config.soft else read_examples(self.data, order)
@@ -267,7 +267,7 @@ class Trainer:
             with torch.no_grad():
                 embeds = self.embed(tokens[1:]).float()  # row j: embed(x_{j+1})
             noisy = hidden[:-1] + (torch.rand_like(hidden[:-1]) * 2 - 1) * NOISE  # row j: f_j
-            loss, weights, agreement = 0.0, 0.0, []
+            losses, agreement = [], []
             for step, predicted in enumerate(self.head.forward_unrolled(embeds, noisy, self.config.unroll), 1):
                 # Rows whose prediction falls in the answer (f̂_{j+1} with j+1 >= answer - 1) and that
                 # have a chain of this many steps.
@@ -276,14 +276,11 @@ class Trainer:
                 logits = self.head.logits(predicted[rows[:-1]])  # scores x_{j+2}
                 target = self._labels(tokens[rows[:-1] + 2])
                 token_loss = F.cross_entropy(logits, target, ignore_index=-100) if (target >= 0).any() else 0.0
-                loss = loss + DECAY ** (step - 1) * (feature_loss + TOKEN_WEIGHT * token_loss)
-                weights += DECAY ** (step - 1)
+                losses.append(feature_loss + TOKEN_WEIGHT * token_loss)
                 agreement += top1_agreement(logits[None], target[None])
-            total = total + loss / weights
+            total = total + step_weighted(losses)
             accuracies.append(agreement)
-        if not accuracies:
-            return torch.zeros((), requires_grad=True, device=self.device), [0.0] * self.config.unroll
-        return total / len(accuracies), [sum(a) / len(accuracies) for a in zip(*accuracies)]
+        return self._mean_over(total, accuracies)
 
     def _medusa_soft_loss(self, examples: list[SoftExample]) -> tuple[torch.Tensor, list[float]]:
         out = medusa_soft_loss(self.head, examples, self.column)
@@ -302,6 +299,10 @@ class Trainer:
                 continue
             total = total + out[0]
             accuracies.append(out[1])
+        return self._mean_over(total, accuracies)
+
+    def _mean_over(self, total: torch.Tensor, accuracies: list[list[float]]) -> tuple[torch.Tensor, list[float]]:
+        """EAGLE: the loss and top-1 agreement per unrolled step, averaged over the sequences that trained."""
         if not accuracies:
             return torch.zeros((), requires_grad=True, device=self.device), [0.0] * self.config.unroll
         return total / len(accuracies), [sum(a) / len(accuracies) for a in zip(*accuracies)]
