@@ -9,7 +9,11 @@
 
 `--data DIR` puts the shards elsewhere, so a Medusa and an EAGLE head of one target share them.
 
-With `--prompts spec-bench`, the first `--hold-out` prompts of every category are never trained on:
+`--code-prompts PATH [PATH ...]` makes coding prompts from the documented public functions and
+methods of the Python files there ("Write a Python function `wrap(text, width)`: <its docstring's
+first paragraph>"), beside the prompts of --prompts when that is given; see forerun/train/code_prompts.py.
+
+With `--prompts spec-bench` (the default), the first `--hold-out` prompts of every category are never trained on:
 `forerun bench --limit-per-category N` reports on the first N, so with N <= hold-out the two never
 overlap. The ids used are written into the head's config.
 
@@ -50,6 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from forerun.base.errors import ForerunError
+from forerun.base.prompts import SPEC_BENCH
 from forerun.models.load import QUANTIZATIONS
 
 if TYPE_CHECKING:
@@ -77,7 +82,19 @@ def register(sub) -> None:
     p.add_argument("--method", required=True, choices=METHODS)
     p.add_argument("--model", required=True, help="the target: embedded name, .gguf file, model folder or hub id")
     p.add_argument("--out", required=True, help="folder for the head, its data, checkpoints and curves")
-    p.add_argument("--prompts", default="spec-bench", help="spec-bench or a JSONL file with 'prompt' or 'turns'")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="spec-bench (the default without --code-prompts) or a JSONL file with 'prompt' or 'turns'",
+    )
+    p.add_argument(
+        "--code-prompts",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="also (without --prompts: only) coding prompts made from the documented public functions and "
+        "methods of the Python files under these folders",
+    )
     p.add_argument(
         "--data",
         default=None,
@@ -258,9 +275,10 @@ def _self_distilled(args: argparse.Namespace, target: LoadedModel, out: Path, pr
 
 def _prompt_record(args: argparse.Namespace, used: list[str]) -> dict:
     return {
-        "prompts": args.prompts,
+        "prompts": _prompt_source(args),
+        "code_prompts": [str(p) for p in args.code_prompts] if args.code_prompts else None,
         "prompt_ids": used,
-        "hold_out_per_category": args.hold_out if args.prompts == "spec-bench" else None,
+        "hold_out_per_category": args.hold_out if _prompt_source(args) == SPEC_BENCH else None,
     }
 
 
@@ -457,6 +475,9 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < least:
             raise ForerunError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+    for path in args.code_prompts or ():
+        if not Path(path).expanduser().exists():
+            raise ForerunError(f"--code-prompts path {path} does not exist: pass folders or files of Python sources")
     for name in ("budget_minutes", "train_minutes"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ForerunError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -482,15 +503,20 @@ class Prompts:
     eval_ids: list[str] = field(default_factory=list)
 
 
-def split_prompts(args: argparse.Namespace, target) -> Prompts:
-    """The prompts to train on and to measure on: spec-bench minus the held-out prompts (the first
-    --hold-out of each category, which bench reports on), or a JSONL file's; taken one category at
-    a time in turn, the first --eval-prompts rounds kept for measuring; chat-formatted when the
-    target has a template; too long ones left out."""
+def _prompt_source(args: argparse.Namespace) -> str | None:
+    """--prompts, or spec-bench when neither it nor --code-prompts is given."""
+    return args.prompts or (None if args.code_prompts else SPEC_BENCH)
+
+
+def _load_prompts(args: argparse.Namespace) -> list:
+    """The prompts of --prompts (spec-bench without its held-out ones) and of --code-prompts."""
     from forerun.base.prompts import load_prompts
 
-    prompts = load_prompts(args.prompts)
-    if args.prompts == "spec-bench":
+    prompts = []
+    source = _prompt_source(args)
+    if source is not None:
+        prompts = load_prompts(source)
+    if source == SPEC_BENCH:
         seen: dict[str, int] = {}
         kept = []
         for p in prompts:
@@ -498,6 +524,23 @@ def split_prompts(args: argparse.Namespace, target) -> Prompts:
             if seen[p.category] > args.hold_out:
                 kept.append(p)
         prompts = kept
+    if args.code_prompts:
+        from forerun.train.code_prompts import code_prompts
+        from forerun.train.corpus import CorpusReport
+
+        report = CorpusReport()
+        made = code_prompts(args.code_prompts, report)
+        print(f"forerun: {len(made)} coding prompts from the code ({report.line()})", file=sys.stderr)
+        prompts += made
+    return prompts
+
+
+def split_prompts(args: argparse.Namespace, target) -> Prompts:
+    """The prompts to train on and to measure on: spec-bench minus the held-out prompts (the first
+    --hold-out of each category, which bench reports on), or a JSONL file's; taken one category at
+    a time in turn, the first --eval-prompts rounds kept for measuring; chat-formatted when the
+    target has a template; too long ones left out."""
+    prompts = _load_prompts(args)
     evaluated = len({p.category for p in prompts}) * args.eval_prompts
     prompts = round_robin(prompts)
     tok = target.tokenizer

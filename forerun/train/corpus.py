@@ -30,6 +30,7 @@ _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 
 # Skip reasons, as they read in the report's line.
 BINARY, TOO_LARGE, UNDECODABLE, EMPTY, UNREADABLE = "binary", "too_large", "undecodable", "empty", "unreadable"
+UNPARSABLE = "unparsable"  # Python that does not parse, where prompts are made from code
 
 
 @dataclass
@@ -67,6 +68,7 @@ class CorpusReport:
             UNDECODABLE: "undecodable",
             EMPTY: "empty",
             UNREADABLE: "unreadable",
+            UNPARSABLE: "unparsable Python",
         }
         parts = [f"{self.skipped[reason]} {label}" for reason, label in labels.items() if self.skipped.get(reason)]
         return text + (f"; skipped {', '.join(parts)}" if parts else "")
