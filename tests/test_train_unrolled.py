@@ -7,7 +7,7 @@ held-out answers while it trains, on corpus labels mixed with the target's label
   target's greedy tokens;
 - an unrolled head keeps deep chains on held-out text; the trainer logs the measure at the start,
   at checkpoints and at the end, and stops at its time budget;
-- label folders mix in proportion; `forerun train --answers` labels the target's answers, resumes
+- label folders mix in proportion, chunk by chunk; `forerun train --answers` labels the target's answers, resumes
   without answering a prompt twice, and refuses flags that do not apply.
 """
 
@@ -26,8 +26,8 @@ from forerun.heads.eagle import EagleHead
 from forerun.models.load import LoadedModel
 from forerun.models.testing import save_hf_folder, tiny_model
 from forerun.train.held_out import HeldOutSequence, chain_acceptance, make_held_out
-from forerun.train.soft_labels import make_label_shards
-from forerun.train.soft_losses import count_chunks, read_soft_examples, shard_order
+from forerun.train.soft_labels import LabelManifest, make_label_shards
+from forerun.train.soft_losses import count_chunks, read_soft_examples
 from forerun.train.trainer import TrainConfig, Trainer
 from tests import test_train_soft as soft
 from tests.test_heads import head_config
@@ -220,16 +220,21 @@ def test_training_stops_at_its_time_budget_and_measures_there(target, labels, he
 # --- mixed label folders -------------------------------------------------------------------------
 
 
-def test_label_folders_mix_in_proportion(target, tokenizer, tmp_path) -> None:
+def test_label_folders_mix_in_proportion_chunk_by_chunk(target, tokenizer, tmp_path) -> None:
     a, b = tmp_path / "corpus", tmp_path / "answers"
     make_label_shards(target, chunks_of(tokenizer, 60), a, top_k=TOP_K, shard_tokens=64, progress=False)
     make_label_shards(target, chunks_of(tokenizer, 20, offset=4), b, top_k=TOP_K, shard_tokens=64, progress=False)
-    order = shard_order([a, b])
-    assert len(order) == len(shard_order(a)) + len(shard_order(b)) and len(shard_order(b)) >= 2
-    from_b = [i for i, path in enumerate(order) if path.parent == b]
-    assert from_b[0] < len(order) // 2 < from_b[-1]  # spread through the epoch, not at its end
-    assert count_chunks([a, b]) == count_chunks(a) + count_chunks(b)
-    assert sum(1 for _ in read_soft_examples([a, b])) == count_chunks([a, b])
+    alone = {folder: list(read_soft_examples(folder)) for folder in (a, b)}
+    assert min(len(LabelManifest.read(folder).shards) for folder in (a, b)) >= 2  # streamed across shards
+    # The i-th of a folder's n chunks belongs at (i + 0.5) / n of the epoch.
+    placed = [((i + 0.5) / len(alone[f]), k, i, e) for k, f in enumerate((a, b)) for i, e in enumerate(alone[f])]
+    expected = [e for *_, e in sorted(placed, key=lambda p: p[:3])]
+    mixed = list(read_soft_examples([a, b]))
+    assert len(mixed) == count_chunks([a, b]) == count_chunks(a) + count_chunks(b) == len(expected)
+    for got, want in zip(mixed, expected):
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.hidden, want.hidden)
+    from_b = [i for i, e in enumerate(expected) if any(e is x for x in alone[b])]
+    assert from_b[0] < 3 and from_b[-1] > len(mixed) - 4  # b runs through the epoch, not in a block
 
 
 # --- the command ---------------------------------------------------------------------------------

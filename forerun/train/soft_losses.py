@@ -22,6 +22,7 @@ draft vocabulary, as the hard-label accuracy skips such tokens).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,24 +82,35 @@ def count_chunks(data: Path | list[Path]) -> int:
     return sum(_manifest(folder).chunks_done for folder in _folders(data))
 
 
-def shard_order(data: Path | list[Path]) -> list[Path]:
-    """Every shard of the label folders, each folder's in order, the folders interleaved in
-    proportion (a corpus and a set of answers mix through every epoch rather than one after the other)."""
-    placed = []
-    for k, folder in enumerate(_folders(data)):
-        names = _manifest(folder).shards
-        placed += [((i + 0.5) / len(names), k, folder / name) for i, name in enumerate(names)]
-    return [path for *_, path in sorted(placed)]
-
-
 def read_soft_examples(data: Path | list[Path], order: list[int] | None = None) -> Iterator[SoftExample]:
-    """Every stored chunk of one label folder or several, shard by shard (one shard in memory at a
-    time, `shard_order`); `order` permutes the chunks within each shard (a seeded shuffle per epoch),
-    as `data.read_examples` does."""
+    """Every stored chunk of one label folder or several. Each folder is read shard by shard (one
+    shard of each in memory at a time), `order` permuting the chunks within each shard (a seeded
+    shuffle per epoch, as `data.read_examples` does); the folders' chunks are interleaved in
+    proportion, chunk by chunk, so a corpus and a set of answers mix evenly through every epoch
+    rather than in blocks of a shard."""
+    folders = _folders(data)
+    streams = [_folder_examples(folder, order) for folder in folders]
+    totals = [max(_manifest(folder).chunks_done, 1) for folder in folders]
+    # The i-th chunk of folder k sits at (i + 0.5) / totals[k] of the epoch; ties go to the first folder.
+    waiting = [(0.5 / total, k) for k, total in enumerate(totals)]
+    heapq.heapify(waiting)
+    taken = [0] * len(folders)
+    while waiting:
+        _, k = heapq.heappop(waiting)
+        example = next(streams[k], None)
+        if example is None:
+            continue
+        yield example
+        taken[k] += 1
+        heapq.heappush(waiting, ((taken[k] + 0.5) / totals[k], k))
+
+
+def _folder_examples(folder: Path, order: list[int] | None) -> Iterator[SoftExample]:
+    """One label folder's chunks, shard by shard in the manifest's order."""
     from safetensors.torch import load_file
 
-    for path in shard_order(data):
-        shard = load_file(str(path))
+    for name in _manifest(folder).shards:
+        shard = load_file(str(folder / name))
         starts = shard["starts"].tolist()
         count = len(starts) - 1
         for i in order_within(order, count) if order is not None else range(count):
