@@ -82,37 +82,13 @@ def register(sub) -> None:
     p.add_argument("--method", required=True, choices=METHODS)
     p.add_argument("--model", required=True, help="the target: embedded name, .gguf file, model folder or hub id")
     p.add_argument("--out", required=True, help="folder for the head, its data, checkpoints and curves")
-    p.add_argument(
-        "--prompts",
-        default=None,
-        help="spec-bench (the default without --code-prompts) or a JSONL file with 'prompt' or 'turns'",
-    )
-    p.add_argument(
-        "--code-prompts",
-        nargs="+",
-        default=None,
-        metavar="PATH",
-        help="also (without --prompts: only) coding prompts made from the documented public functions and "
-        "methods of the Python files under these folders",
-    )
+    _register_prompts(p)
     p.add_argument(
         "--data",
         default=None,
         metavar="DIR",
         help="where the self-distilled shards go (default OUT/data; with --corpus the labels go to DIR/labels, "
         "default OUT/labels); two heads of one target can share them",
-    )
-    p.add_argument(
-        "--hold-out",
-        type=int,
-        default=10,
-        help="spec-bench: the first N prompts of each category are never trained on (bench reports on them)",
-    )
-    p.add_argument(
-        "--num-samples",
-        type=int,
-        default=None,
-        help="train on N prompts, taken from each category in turn (default: all)",
     )
     p.add_argument("--max-tokens", type=int, default=192, help="answer length per prompt")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="prompts longer than this are left out")
@@ -137,6 +113,34 @@ def register(sub) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false")
     _register_corpus(p)
     p.set_defaults(func=run)
+
+
+def _register_prompts(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="spec-bench (the default without --code-prompts) or a JSONL file with 'prompt' or 'turns'",
+    )
+    p.add_argument(
+        "--code-prompts",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="also (without --prompts: only) coding prompts made from the documented public functions and "
+        "methods of the Python files under these folders",
+    )
+    p.add_argument(
+        "--hold-out",
+        type=int,
+        default=10,
+        help="spec-bench: the first N prompts of each category are never trained on (bench reports on them)",
+    )
+    p.add_argument(
+        "--num-samples",
+        type=int,
+        default=None,
+        help="train on N prompts, taken from each category in turn (default: all)",
+    )
 
 
 def _register_corpus(p: argparse.ArgumentParser) -> None:
