@@ -58,6 +58,12 @@ def load_prompts(
     return prompts
 
 
+def in_turn(groups: list[list]) -> list:
+    """The groups' items taken one group at a time in turn (the first of each, then the second of
+    each, ...), so that the first N items cover as many groups as they can."""
+    return [group[i] for i in range(max(map(len, groups), default=0)) for group in groups if i < len(group)]
+
+
 def read_prompts_file(path: str | Path) -> list[dict]:
     """JSONL records with `prompt` (or `turns`, whose first item is used); other fields are kept."""
     path = Path(path)

@@ -278,11 +278,12 @@ def _self_distilled(args: argparse.Namespace, target: LoadedModel, out: Path, pr
 
 
 def _prompt_record(args: argparse.Namespace, used: list[str]) -> dict:
+    source = _prompt_source(args)
     return {
-        "prompts": _prompt_source(args),
+        "prompts": source,
         "code_prompts": [str(p) for p in args.code_prompts] if args.code_prompts else None,
         "prompt_ids": used,
-        "hold_out_per_category": args.hold_out if _prompt_source(args) == SPEC_BENCH else None,
+        "hold_out_per_category": args.hold_out if source == SPEC_BENCH else None,
     }
 
 
@@ -490,11 +491,12 @@ def _check(args: argparse.Namespace) -> None:
 def round_robin(prompts: list) -> list:
     """The prompts taken one category at a time in turn, so that the first N cover every category
     (a file lists its categories one after another)."""
+    from forerun.base.prompts import in_turn
+
     by_category: dict[str, list] = {}
     for p in prompts:
         by_category.setdefault(p.category, []).append(p)
-    queues = list(by_category.values())
-    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+    return in_turn(list(by_category.values()))
 
 
 @dataclass

@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 from forerun.base.errors import ForerunError
-from forerun.base.prompts import Prompt
+from forerun.base.prompts import Prompt, in_turn
 from forerun.train.corpus import UNPARSABLE, CorpusReport, iter_documents
 
 CATEGORY = "coding"
@@ -41,11 +41,10 @@ def code_prompts(paths: list[str | Path], report: CorpusReport | None = None) ->
             per_file.append(found)
     seen: set[str] = set()
     prompts = []
-    for i in range(max(map(len, per_file), default=0)):
-        for found in per_file:
-            if i < len(found) and found[i].text not in seen:
-                seen.add(found[i].text)
-                prompts.append(found[i])
+    for prompt in in_turn(per_file):
+        if prompt.text not in seen:
+            seen.add(prompt.text)
+            prompts.append(prompt)
     if not prompts:
         names = ", ".join(str(p) for p in paths)
         raise ForerunError(
