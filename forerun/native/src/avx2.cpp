@@ -59,6 +59,16 @@ inline void prefetch(const uint8_t* c, int bytes) {
         _mm_prefetch((const char*)c + 1024 + i, _MM_HINT_T0);
     }
 }
+// Part `part` of `parts` of a chunk's requests, spread over the chunk's work: a burst of them at
+// the chunk's start stalls the loads behind it.
+template <int BYTES, int PARTS>
+inline void prefetch_part(const uint8_t* c, int part) {
+    constexpr int LINES = (BYTES + 63) / 64;
+    for (int i = LINES * part / PARTS; i < LINES * (part + 1) / PARTS; ++i) {
+        _mm_prefetch((const char*)c + 16384 + 64 * i, _MM_HINT_T1);
+        _mm_prefetch((const char*)c + 1024 + 64 * i, _MM_HINT_T0);
+    }
+}
 
 struct Out {
     float* y[ROWS];
@@ -99,10 +109,10 @@ void tile_q4k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o
         for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t* c = tile + b * CB;
-            if (h == 0) prefetch(c, CB);
             __m256i isum[R];
             for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
             for (int j = 0; j < 8; ++j) {
+                if (h == 0) prefetch_part<CB, 8>(c, j);
                 __m256i w[8];
                 nibbles(c + q4k::QS + 256 * j, h, w);
                 if (FIVE) add_bit4(c + q4k::QH + 64 * j, h, w);
@@ -140,10 +150,10 @@ void tile_q6k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o
         for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t* c = tile + b * q6k::BYTES;
-            if (h == 0) prefetch(c, q6k::BYTES);
             __m256i isum[R];
             for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
             for (int u = 0; u < 8; ++u) {
+                if (h == 0) prefetch_part<q6k::BYTES, 8>(c, u);
                 __m256i w[8];
                 nibbles(c + q6k::QL + 256 * u, h, w);
                 for (int v = 0; v < 2; ++v) {
@@ -327,6 +337,18 @@ inline __m256 exp8(__m256 x) {
     p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+// dot16_fr (fr_math.h) in two vectors: lanes 0-7 and 8-15, so the tree's first step adds them.
+inline float dot16(const float* a, const float* b, int64_t n) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), hi);
+    }
+    const __m256 t8 = _mm256_add_ps(lo, hi);
+    const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+    const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));    // t4[0] + t4[2], t4[1] + t4[3]
+    return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
 }
 void exp_shift(float* p, int64_t n, float sub) {
     int64_t i = 0;

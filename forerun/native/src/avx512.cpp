@@ -43,8 +43,33 @@ inline __m512i dots(const __m512i* w, const int8_t* x, int g0, int count, __m512
     else return p[0];
 }
 
+// The dots of the even and of the odd k-groups of a unit's 8, each over A / 2 accumulators (A >= 2).
+template <int A>
+inline void halves(const __m512i* w, const int8_t* x, __m512i* even, __m512i* odd) {
+    static_assert(A == 2 || A == 4, "2 or 4 accumulators");
+    __m512i p[A];
+    #pragma GCC unroll 8
+    for (int i = 0; i < A; ++i) p[i] = _mm512_setzero_si512();
+    #pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) p[g % A] = dot(p[g % A], w[g], x + 4 * g);
+    if constexpr (A == 4) {
+        *even = _mm512_add_epi32(p[0], p[2]);
+        *odd = _mm512_add_epi32(p[1], p[3]);
+    } else {
+        *even = p[0];
+        *odd = p[1];
+    }
+}
+
+// Each lane's low 16 bits of `lo` and of `hi` as the int16 pair (lo, hi): one masked byte shuffle
+// that puts bytes 0, 1 of `hi`'s lane in bytes 2, 3 and keeps `lo`'s bytes 0, 1.
+inline __m512i pack16(__m512i lo, __m512i hi) {
+    const __m512i from = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 1, 0, 0, 4, 5, 0, 0, 8, 9, 0, 0, 12, 13));
+    return _mm512_mask_shuffle_epi8(lo, (__mmask64)0xCCCCCCCCCCCCCCCCULL, hi, from);
+}
+
 // Independent accumulators per row: more where fewer rows share the unpacked weights.
-template <int R> constexpr int chains() { return R == 1 ? 4 : R <= 3 ? 2 : 1; }
+template <int R> constexpr int chains() { return R == 1 ? 4 : 2; }
 
 // The 8 k-group vectors of a 32-input unit: low nibbles are groups 0-3, high nibbles 4-7.
 inline void nibbles(const uint8_t* qs, __m512i* w) {
@@ -72,6 +97,13 @@ inline void prefetch(const uint8_t* c, int bytes) {
     #pragma GCC unroll 8
     for (int i = 0; i < bytes; i += 64) _mm_prefetch((const char*)c + FORERUN_PREFETCH + i, _MM_HINT_T1);
 }
+// The part `part` of `parts` of a chunk's prefetches: spread over the chunk's work.
+template <int BYTES, int PARTS>
+inline void prefetch_part(const uint8_t* c, int part) {
+    constexpr int LINES = (BYTES + 63) / 64;
+    for (int i = LINES * part / PARTS; i < LINES * (part + 1) / PARTS; ++i)
+        _mm_prefetch((const char*)c + FORERUN_PREFETCH + 64 * i, _MM_HINT_T1);
+}
 
 struct Out {
     float* y[ROWS];
@@ -92,19 +124,33 @@ void tile_q4k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* c = tile + b * CB;
-        prefetch(c, CB);
         __m512i isum[R];
         #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
         for (int j = 0; j < 8; ++j) {
+            prefetch_part<CB, 8>(c, j);
             __m512i w[8];
             nibbles(c + q4k::QS + 256 * j, w);
             if (FIVE) add_bit4(c + q4k::QH + 64 * j, w);
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + q4k::SC + 16 * j)));
-            #pragma GCC unroll 8
-            for (int r = 0; r < R; ++r) {
-                const __m512i p = dots<chains<R>()>(w, a[r].q + b * QK_K + 32 * j, 0, 8, _mm512_setzero_si512());
-                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(p, sc));
+            if constexpr (FIVE) {
+                #pragma GCC unroll 8
+                for (int r = 0; r < R; ++r) {
+                    const __m512i p = dots<chains<R>()>(w, a[r].q + b * QK_K + 32 * j, 0, 8, _mm512_setzero_si512());
+                    isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(p, sc));
+                }
+            } else {
+                // 4-bit weights: the even and the odd groups' sums each fit in 16 bits (4 groups x 4
+                // x 15 x 127 = 30480), so they go side by side into one lane's int16 pair and one
+                // vpdpwssd applies the scale to both and adds them: no 32-bit multiply.
+                const __m512i scp = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
+                #pragma GCC unroll 8
+                for (int r = 0; r < R; ++r) {
+                    const int8_t* x = a[r].q + b * QK_K + 32 * j;
+                    __m512i even, odd;
+                    halves<chains<R>()>(w, x, &even, &odd);
+                    isum[r] = _mm512_dpwssd_epi32(isum[r], pack16(even, odd), scp);
+                }
             }
         }
         __m512i mn[4];
@@ -135,11 +181,11 @@ void tile_q6k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* c = tile + b * q6k::BYTES;
-        prefetch(c, q6k::BYTES);
         __m512i isum[R];
         #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
         for (int u = 0; u < 8; ++u) {
+            prefetch_part<q6k::BYTES, 8>(c, u);
             __m512i w[8];
             nibbles(c + q6k::QL + 256 * u, w);
             #pragma GCC unroll 8
@@ -296,6 +342,16 @@ inline __m512 exp16(__m512 x) {
     p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+// dot16_fr (fr_math.h) in one vector: lane l is acc[l]; the tree's halves are its halves.
+inline float dot16(const float* a, const float* b, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(acc),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+    const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+    const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));    // t4[0] + t4[2], t4[1] + t4[3]
+    return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
 }
 void exp_shift(float* p, int64_t n, float sub) {
     int64_t i = 0;

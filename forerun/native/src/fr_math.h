@@ -32,4 +32,21 @@ inline float exp_fr(float x) {
 // silu(g) * u = g / (1 + e^-g) * u.
 inline float silu_mul_fr(float g, float u) { return g / (1.0f + exp_fr(-g)) * u; }
 
+// Lanes [0, 16) summed as ((l + l+8) + (l+4 ...)) ...: the same tree on every path.
+inline float tree16(const float* a) {
+    float t8[8], t4[4];
+    for (int l = 0; l < 8; ++l) t8[l] = a[l] + a[l + 8];
+    for (int l = 0; l < 4; ++l) t4[l] = t8[l] + t8[l + 4];
+    return (t4[0] + t4[2]) + (t4[1] + t4[3]);
+}
+
+// sum_i a[i] * b[i], n a multiple of 16: lane l accumulates i = l (mod 16) with fma, in order, and
+// the lanes end in tree16. The reference for each path's dot16 (one vector or two, the same bits).
+inline float dot16_fr(const float* a, const float* b, int64_t n) {
+    float acc[16] = {};
+    for (int64_t i = 0; i < n; i += 16)
+        for (int l = 0; l < 16; ++l) acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
+    return tree16(acc);
+}
+
 }  // namespace forerun

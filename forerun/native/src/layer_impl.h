@@ -7,28 +7,12 @@
 //
 // Include inside an anonymous namespace of namespace forerun, after defining
 //   FR_QUANTIZE(x, m, k, ldx, qb, act) and FR_MATMUL(type, w, k, act, m, tile0, tile1, n, y, ldy, bias)
-// as the path's own functions, and the path's exp_shift(p, n, sub): p[i] = e^(p[i] - sub), and
-// silu_mul(gate, up, n): gate[i] = silu(gate[i]) * up[i], both exp_fr's operations (fr_math.h).
+// as the path's own functions, and the path's exp_shift(p, n, sub): p[i] = e^(p[i] - sub),
+// silu_mul(gate, up, n): gate[i] = silu(gate[i]) * up[i], both exp_fr's operations, and
+// dot16(a, b, n), dot16_fr's (fr_math.h).
 // (The including file includes <math.h>, <omp.h>, <string.h> and kernels.h first, at file scope.)
 
 constexpr int L = 16;   // lanes of every reduction
-
-// Lanes [0, 16) summed as ((l + l+8) + (l+4 ...)) ...: the same tree on every path.
-inline float tree16(const float* a) {
-    float t8[8], t4[4];
-    for (int l = 0; l < 8; ++l) t8[l] = a[l] + a[l + 8];
-    for (int l = 0; l < 4; ++l) t4[l] = t8[l] + t8[l + 4];
-    return (t4[0] + t4[2]) + (t4[1] + t4[3]);
-}
-
-// sum_i a[i] * b[i], n a multiple of 16: lane l accumulates i = l (mod 16) with fma, in order.
-inline float dot16(const float* a, const float* b, int64_t n) {
-    float acc[L] = {};
-    for (int64_t i = 0; i < n; i += L)
-#pragma omp simd
-        for (int l = 0; l < L; ++l) acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
-    return tree16(acc);
-}
 
 inline float sum16(const float* a, int64_t n) {
     float acc[L] = {};
@@ -94,6 +78,50 @@ inline void product(const Product& p, const PassDesc& pass, float* y, int id, in
     }
 }
 
+constexpr int64_t SPAN = 32;   // cache slots whose values are weighed together (16 KB at head_dim 128)
+
+// The slot of a row's j-th visible position.
+inline int64_t slot(const RowDesc& row, int64_t j) { return j < row.prefix ? j : row.extra[j - row.prefix]; }
+
+// Outputs [i0, i0 + 16) of H heads' running sum_j p[h][j] v_j over positions [j0, j1) (fma, j in
+// order), kept in registers over the span and carried in `o` from one span to the next.
+template <int H>
+inline void weigh(const float* p, int64_t stride, const RowDesc& row, const float* values, int64_t j0, int64_t j1,
+                  int64_t d, int64_t i0, float* o) {
+    float acc[H][L];
+    for (int h = 0; h < H; ++h)
+        for (int l = 0; l < L; ++l) acc[h][l] = j0 == 0 ? 0.0f : o[h * d + i0 + l];
+    for (int64_t j = j0; j < j1; ++j) {
+        const float* v = values + slot(row, j) * d + i0;
+        for (int h = 0; h < H; ++h) {
+            const float pj = p[h * stride + j];
+#pragma omp simd
+            for (int l = 0; l < L; ++l) acc[h][l] = fmaf(pj, v[l], acc[h][l]);
+        }
+    }
+    for (int h = 0; h < H; ++h)
+        for (int l = 0; l < L; ++l) o[h * d + i0 + l] = acc[h][l];
+}
+
+// Every head's weighed values over [j0, j1): heads four (or fewer) at a time, 16 outputs at a time,
+// while the next span's values are requested.
+inline void weigh_span(const float* p, int64_t stride, int64_t heads, const RowDesc& row, const float* values,
+                       int64_t j0, int64_t j1, int64_t n, int64_t d, float* out) {
+    for (int64_t j = j1; j < j1 + SPAN && j < n; ++j)
+        for (int64_t i = 0; i < d; i += L) __builtin_prefetch(values + slot(row, j) * d + i);
+    for (int64_t i0 = 0; i0 < d; i0 += L)
+        for (int64_t h = 0; h < heads;) {
+            const float* ph = p + h * stride;
+            float* oh = out + h * d;
+            switch (heads - h) {
+                case 1: weigh<1>(ph, stride, row, values, j0, j1, d, i0, oh); h += 1; break;
+                case 2: weigh<2>(ph, stride, row, values, j0, j1, d, i0, oh); h += 2; break;
+                case 3: weigh<3>(ph, stride, row, values, j0, j1, d, i0, oh); h += 3; break;
+                default: weigh<4>(ph, stride, row, values, j0, j1, d, i0, oh); h += 4; break;
+            }
+        }
+}
+
 // Row r's attention for the query heads sharing key/value head g: out [heads sharing][head_dim].
 inline void attend(const LayerDesc& l, const RowDesc& row, int64_t layer, int64_t g, const float* q, float* out,
                    float* scores) {
@@ -102,24 +130,22 @@ inline void attend(const LayerDesc& l, const RowDesc& row, int64_t layer, int64_
     const float* keys = row.k + layer * row.layer_stride + g * row.slots * d;
     const float* values = row.v + layer * row.layer_stride + g * row.slots * d;
     for (int64_t j = 0; j < n; ++j) {
-        const float* key = keys + (j < row.prefix ? j : row.extra[j - row.prefix]) * d;
+        const float* key = keys + slot(row, j) * d;
         for (int64_t h = 0; h < share_heads; ++h) scores[h * padded + j] = dot16(q + h * d, key, d);
     }
     for (int64_t h = 0; h < share_heads; ++h) {
         float* p = scores + h * padded;
         float peak = -INFINITY;
 #pragma omp simd reduction(max : peak)
-        for (int64_t j = 0; j < n; ++j) peak = fmaxf(peak, p[j]);
+        for (int64_t j = 0; j < n; ++j) peak = p[j] > peak ? p[j] : peak;
         exp_shift(p, n, peak);
         for (int64_t j = n; j < padded; ++j) p[j] = 0.0f;
-        const float total = sum16(p, padded);
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += SPAN)
+        weigh_span(scores, padded, share_heads, row, values, j0, j0 + SPAN < n ? j0 + SPAN : n, n, d, out);
+    for (int64_t h = 0; h < share_heads; ++h) {
+        const float total = sum16(scores + h * padded, padded);
         float* o = out + h * d;
-        for (int64_t i = 0; i < d; ++i) o[i] = 0.0f;
-        for (int64_t j = 0; j < n; ++j) {
-            const float* value = values + (j < row.prefix ? j : row.extra[j - row.prefix]) * d;
-            const float pj = p[j];
-            for (int64_t i = 0; i < d; ++i) o[i] = fmaf(pj, value[i], o[i]);
-        }
         for (int64_t i = 0; i < d; ++i) o[i] = o[i] / total;
     }
 }
@@ -149,8 +175,9 @@ inline void run_layer(const LayerDesc& l, const PassDesc& pass, int64_t layer, f
         memcpy(row.v + at, v, d * sizeof(float));
     }
 #pragma omp barrier
+    share(t * l.kv_heads, id, threads, &u0, &u1);     // units again, a head's rows together (its cache in L2)
     for (int64_t u = u0; u < u1; ++u) {                 // every row's key and value are in place now
-        const int64_t r = u / l.kv_heads, g = u % l.kv_heads;
+        const int64_t r = u % t, g = u / t;
         attend(l, pass.row[r], layer, g, pass.qkv + r * l.qkv.out + g * share_heads * d,
                pass.att + r * q_width + g * share_heads * d, pass.scores + id * pass.scores_stride);
     }

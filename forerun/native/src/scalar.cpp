@@ -144,6 +144,7 @@ void matmul_scalar(int type, const uint8_t* w, int64_t k, const uint8_t* act, in
 }
 
 namespace {
+inline float dot16(const float* a, const float* b, int64_t n) { return dot16_fr(a, b, n); }
 void exp_shift(float* p, int64_t n, float sub) {
     for (int64_t i = 0; i < n; ++i) p[i] = exp_fr(p[i] - sub);
 }
