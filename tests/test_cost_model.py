@@ -317,6 +317,19 @@ def test_pass_costs_are_cached_per_model_and_measured_once(tmp_path, monkeypatch
     assert len(json.loads(files[0].read_text())["seconds"]) == 4
 
 
+def test_a_new_build_of_the_kernels_is_timed_again(tmp_path, monkeypatch) -> None:
+    from tests.test_load import write_gguf
+
+    base = tiny_model(0, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64)
+    model = load_model(
+        str(write_gguf(base, tmp_path / "t.gguf", quant=lambda name: "Q8_0")), with_tokenizer=False, quantization="gguf"
+    )
+    before = pass_costs_module._cost_key(model, 4)
+    assert before is not None and before == pass_costs_module._cost_key(model, 4)
+    monkeypatch.setattr(pass_costs_module.native, "version", lambda: "another build")
+    assert pass_costs_module._cost_key(model, 4) != before
+
+
 def test_a_model_built_in_memory_is_measured_not_cached(tmp_path, monkeypatch, target4) -> None:
     monkeypatch.setenv("FORERUN_HOME", str(tmp_path))
     assert len(cached_pass_costs(target4, rows=3).seconds) == 3

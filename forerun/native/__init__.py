@@ -78,6 +78,17 @@ def available() -> bool:
     return problem() is None
 
 
+@functools.cache
+def version() -> str | None:
+    """The loaded library's identity (a hash of its sources, the compiler and the flags), so that what
+    was measured with one build is not taken for another's; None when the kernels cannot run here."""
+    if not available():
+        return None
+    from forerun.native import build
+
+    return build.library_path().parent.name
+
+
 def library() -> ctypes.CDLL:
     lib, why = _load()
     if lib is None:

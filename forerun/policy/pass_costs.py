@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from forerun import native
 from forerun.base import cpu
 from forerun.base.files import write_json
 from forerun.base.paths import cache_dir
@@ -185,6 +186,8 @@ def _cost_key(model: LoadedModel, rows: int) -> str | None:
         }
         | {f"native layers: {decoder._native_layers() is not None}"}
     )
+    if any(isinstance(m, GGUFLinear) for m in decoder.modules()):
+        kinds.append(f"kernels {native.version()}")  # a faster build times differently
     dtypes = sorted({str(t.dtype) for t in [*decoder.parameters(), *decoder.buffers()]})
     # The CPU's name alone does not tell its kernels apart (one "AMD EPYC" has AVX2 only, another AVX-512).
     parts = [
