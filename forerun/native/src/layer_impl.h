@@ -83,43 +83,66 @@ constexpr int64_t SPAN = 32;   // cache slots whose values are weighed together 
 // The slot of a row's j-th visible position.
 inline int64_t slot(const RowDesc& row, int64_t j) { return j < row.prefix ? j : row.extra[j - row.prefix]; }
 
-// Outputs [i0, i0 + 16) of H heads' running sum_j p[h][j] v_j over positions [j0, j1) (fma, j in
-// order), kept in registers over the span and carried in `o` from one span to the next.
-template <int H>
+// Outputs [i0, i0 + 16 C) of H heads' running sum_j p[h][j] v_j over positions [j0, j1) (fma, j in
+// order), kept in registers over the span and carried in `o` from one span to the next. Each
+// output's sum is a chain of dependent fmas, so H x C of them run side by side to fill the units.
+template <int H, int C>
 inline void weigh(const float* p, int64_t stride, const RowDesc& row, const float* values, int64_t j0, int64_t j1,
                   int64_t d, int64_t i0, float* o) {
-    float acc[H][L];
+    constexpr int W = C * L;
+    float acc[H][W];
     for (int h = 0; h < H; ++h)
-        for (int l = 0; l < L; ++l) acc[h][l] = j0 == 0 ? 0.0f : o[h * d + i0 + l];
+        for (int l = 0; l < W; ++l) acc[h][l] = j0 == 0 ? 0.0f : o[h * d + i0 + l];
     for (int64_t j = j0; j < j1; ++j) {
         const float* v = values + slot(row, j) * d + i0;
         for (int h = 0; h < H; ++h) {
             const float pj = p[h * stride + j];
 #pragma omp simd
-            for (int l = 0; l < L; ++l) acc[h][l] = fmaf(pj, v[l], acc[h][l]);
+            for (int l = 0; l < W; ++l) acc[h][l] = fmaf(pj, v[l], acc[h][l]);
         }
     }
     for (int h = 0; h < H; ++h)
-        for (int l = 0; l < L; ++l) o[h * d + i0 + l] = acc[h][l];
+        for (int l = 0; l < W; ++l) o[h * d + i0 + l] = acc[h][l];
 }
 
-// Every head's weighed values over [j0, j1): heads four (or fewer) at a time, 16 outputs at a time,
-// while the next span's values are requested.
+// H heads' weighed values over [j0, j1), C x 16 outputs at a time: about eight sums side by side.
+template <int H>
+inline void weigh_heads(const float* p, int64_t stride, const RowDesc& row, const float* values, int64_t j0,
+                        int64_t j1, int64_t d, float* o) {
+    constexpr int C = H == 1 ? 8 : H == 2 ? 4 : 2;
+    int64_t i0 = 0;
+    if ((d / L) % C == 0)
+        for (; i0 < d; i0 += C * L) weigh<H, C>(p, stride, row, values, j0, j1, d, i0, o);
+    for (; i0 < d; i0 += L) weigh<H, 1>(p, stride, row, values, j0, j1, d, i0, o);
+}
+
+// Every head's weighed values over [j0, j1): heads four (or fewer) at a time.
 inline void weigh_span(const float* p, int64_t stride, int64_t heads, const RowDesc& row, const float* values,
-                       int64_t j0, int64_t j1, int64_t n, int64_t d, float* out) {
-    for (int64_t j = j1; j < j1 + SPAN && j < n; ++j)
-        for (int64_t i = 0; i < d; i += L) __builtin_prefetch(values + slot(row, j) * d + i);
-    for (int64_t i0 = 0; i0 < d; i0 += L)
-        for (int64_t h = 0; h < heads;) {
-            const float* ph = p + h * stride;
-            float* oh = out + h * d;
-            switch (heads - h) {
-                case 1: weigh<1>(ph, stride, row, values, j0, j1, d, i0, oh); h += 1; break;
-                case 2: weigh<2>(ph, stride, row, values, j0, j1, d, i0, oh); h += 2; break;
-                case 3: weigh<3>(ph, stride, row, values, j0, j1, d, i0, oh); h += 3; break;
-                default: weigh<4>(ph, stride, row, values, j0, j1, d, i0, oh); h += 4; break;
-            }
+                       int64_t j0, int64_t j1, int64_t d, float* out) {
+    for (int64_t h = 0; h < heads;) {
+        const float* ph = p + h * stride;
+        float* oh = out + h * d;
+        switch (heads - h) {
+            case 1: weigh_heads<1>(ph, stride, row, values, j0, j1, d, oh); h += 1; break;
+            case 2: weigh_heads<2>(ph, stride, row, values, j0, j1, d, oh); h += 2; break;
+            case 3: weigh_heads<3>(ph, stride, row, values, j0, j1, d, oh); h += 3; break;
+            default: weigh_heads<4>(ph, stride, row, values, j0, j1, d, oh); h += 4; break;
         }
+    }
+}
+
+// scores[h][j] = q_h . key_j for the heads sharing a key/value head: SPAN keys at a time (they stay
+// in L1), head by head over them. D: the head size, or 0 for `d` at run time.
+template <int D>
+inline void score(const float* __restrict q, int64_t heads, const RowDesc& row, const float* __restrict keys, int64_t n,
+                  int64_t stride, float* __restrict scores, int64_t d = D) {
+    for (int64_t j0 = 0; j0 < n; j0 += SPAN) {
+        const int64_t j1 = j0 + SPAN < n ? j0 + SPAN : n;
+        for (int64_t h = 0; h < heads; ++h) {
+            const float* qh = q + h * d;
+            for (int64_t j = j0; j < j1; ++j) scores[h * stride + j] = dot16(qh, keys + slot(row, j) * d, D ? D : d);
+        }
+    }
 }
 
 // Row r's attention for the query heads sharing key/value head g: out [heads sharing][head_dim].
@@ -129,9 +152,10 @@ inline void attend(const LayerDesc& l, const RowDesc& row, int64_t layer, int64_
     const int64_t padded = (n + L - 1) / L * L;
     const float* keys = row.k + layer * row.layer_stride + g * row.slots * d;
     const float* values = row.v + layer * row.layer_stride + g * row.slots * d;
-    for (int64_t j = 0; j < n; ++j) {
-        const float* key = keys + slot(row, j) * d;
-        for (int64_t h = 0; h < share_heads; ++h) scores[h * padded + j] = dot16(q + h * d, key, d);
+    switch (d) {   // a head size known here keeps a head's query in registers over the keys
+        case 64: score<64>(q, share_heads, row, keys, n, padded, scores); break;
+        case 128: score<128>(q, share_heads, row, keys, n, padded, scores); break;
+        default: score<0>(q, share_heads, row, keys, n, padded, scores, d); break;
     }
     for (int64_t h = 0; h < share_heads; ++h) {
         float* p = scores + h * padded;
@@ -142,7 +166,7 @@ inline void attend(const LayerDesc& l, const RowDesc& row, int64_t layer, int64_
         for (int64_t j = n; j < padded; ++j) p[j] = 0.0f;
     }
     for (int64_t j0 = 0; j0 < n; j0 += SPAN)
-        weigh_span(scores, padded, share_heads, row, values, j0, j0 + SPAN < n ? j0 + SPAN : n, n, d, out);
+        weigh_span(scores, padded, share_heads, row, values, j0, j0 + SPAN < n ? j0 + SPAN : n, d, out);
     for (int64_t h = 0; h < share_heads; ++h) {
         const float total = sum16(scores + h * padded, padded);
         float* o = out + h * d;
