@@ -51,16 +51,10 @@ inline void add_bit4(const uint8_t* qh, int h, __m256i* w) {
         w[g] = _mm256_or_si256(w[g], _mm256_and_si256(bit_bytes(ldu32(qh + 8 * g + 4 * h)), sixteen));
 }
 
-// Requests for the bytes ahead of the chunk being computed: into L2 far ahead, into L1 near
-// (one core's stream is otherwise limited by how far the hardware prefetcher runs ahead).
-inline void prefetch(const uint8_t* c, int bytes) {
-    for (int i = 0; i < bytes; i += 64) {
-        _mm_prefetch((const char*)c + 16384 + i, _MM_HINT_T1);
-        _mm_prefetch((const char*)c + 1024 + i, _MM_HINT_T0);
-    }
-}
-// Part `part` of `parts` of a chunk's requests, spread over the chunk's work: a burst of them at
-// the chunk's start stalls the loads behind it.
+// Requests for the bytes ahead of the chunk being computed: into L2 far ahead, into L1 near (one
+// core's stream is otherwise limited by how far the hardware prefetcher runs ahead). Part `part`
+// of `parts` of them, spread over the chunk's work: a burst at the chunk's start stalls the loads
+// behind it.
 template <int BYTES, int PARTS>
 inline void prefetch_part(const uint8_t* c, int part) {
     constexpr int LINES = (BYTES + 63) / 64;
@@ -211,7 +205,7 @@ void tile_legacy(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out
         for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t* c = tile + b * CB;
-            if (h == 0) prefetch(c, CB);
+            if (h == 0) prefetch_part<CB, 1>(c, 0);
             __m256i w[8], magnitude[8];
             if (TYPE == Q8_0) {
                 for (int g = 0; g < 8; ++g) {

@@ -43,24 +43,6 @@ inline __m512i dots(const __m512i* w, const int8_t* x, int g0, int count, __m512
     else return p[0];
 }
 
-// The dots of the even and of the odd k-groups of a unit's 8, each over A / 2 accumulators (A >= 2).
-template <int A>
-inline void halves(const __m512i* w, const int8_t* x, __m512i* even, __m512i* odd) {
-    static_assert(A == 2 || A == 4, "2 or 4 accumulators");
-    __m512i p[A];
-    #pragma GCC unroll 8
-    for (int i = 0; i < A; ++i) p[i] = _mm512_setzero_si512();
-    #pragma GCC unroll 8
-    for (int g = 0; g < 8; ++g) p[g % A] = dot(p[g % A], w[g], x + 4 * g);
-    if constexpr (A == 4) {
-        *even = _mm512_add_epi32(p[0], p[2]);
-        *odd = _mm512_add_epi32(p[1], p[3]);
-    } else {
-        *even = p[0];
-        *odd = p[1];
-    }
-}
-
 // Each lane's low 16 bits of `lo` and of `hi` as the int16 pair (lo, hi): one masked byte shuffle
 // that puts bytes 0, 1 of `hi`'s lane in bytes 2, 3 and keeps `lo`'s bytes 0, 1.
 inline __m512i pack16(__m512i lo, __m512i hi) {
@@ -69,7 +51,7 @@ inline __m512i pack16(__m512i lo, __m512i hi) {
 }
 
 // Independent accumulators per row: more where fewer rows share the unpacked weights.
-template <int R> constexpr int chains() { return R == 1 ? 4 : 2; }
+template <int R> constexpr int chains() { return R == 1 ? 4 : 2; }   // even: a unit's halves take half each
 
 // The 8 k-group vectors of a 32-input unit: low nibbles are groups 0-3, high nibbles 4-7.
 inline void nibbles(const uint8_t* qs, __m512i* w) {
@@ -93,11 +75,8 @@ inline void add_bit4(const uint8_t* qh, __m512i* w) {
 #ifndef FORERUN_PREFETCH
 #define FORERUN_PREFETCH 16384
 #endif
-inline void prefetch(const uint8_t* c, int bytes) {
-    #pragma GCC unroll 8
-    for (int i = 0; i < bytes; i += 64) _mm_prefetch((const char*)c + FORERUN_PREFETCH + i, _MM_HINT_T1);
-}
-// The part `part` of `parts` of a chunk's prefetches: spread over the chunk's work.
+// Part `part` of `parts` of a chunk's requests, spread over the chunk's work: a burst of them at
+// the chunk's start stalls the loads behind it.
 template <int BYTES, int PARTS>
 inline void prefetch_part(const uint8_t* c, int part) {
     constexpr int LINES = (BYTES + 63) / 64;
@@ -140,16 +119,16 @@ void tile_q4k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o
                     isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(p, sc));
                 }
             } else {
-                // 4-bit weights: the even and the odd groups' sums each fit in 16 bits (4 groups x 4
-                // x 15 x 127 = 30480), so they go side by side into one lane's int16 pair and one
-                // vpdpwssd applies the scale to both and adds them: no 32-bit multiply.
+                // 4-bit weights: the sums of groups 0-3 and of groups 4-7 each fit in 16 bits (4
+                // groups x 4 x 15 x 127 = 30480), so they go side by side into one lane's int16 pair
+                // and one vpdpwssd applies the scale to both and adds them: no 32-bit multiply.
                 const __m512i scp = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
                 #pragma GCC unroll 8
                 for (int r = 0; r < R; ++r) {
                     const int8_t* x = a[r].q + b * QK_K + 32 * j;
-                    __m512i even, odd;
-                    halves<chains<R>()>(w, x, &even, &odd);
-                    isum[r] = _mm512_dpwssd_epi32(isum[r], pack16(even, odd), scp);
+                    const __m512i first = dots<chains<R>() / 2>(w, x, 0, 4, _mm512_setzero_si512());
+                    const __m512i second = dots<chains<R>() / 2>(w, x + 16, 4, 4, _mm512_setzero_si512());
+                    isum[r] = _mm512_dpwssd_epi32(isum[r], pack16(first, second), scp);
                 }
             }
         }
@@ -202,8 +181,8 @@ void tile_q6k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o
             for (int r = 0; r < R; ++r) {
                 const int8_t* x = a[r].q + b * QK_K + 32 * u;
                 const int32_t* s = a[r].sum16 + 16 * b + 2 * u;
-                const __m512i p0 = dots<(chains<R>() > 2 ? chains<R>() / 2 : 1)>(w, x, 0, 4, _mm512_set1_epi32(-32 * s[0]));
-                const __m512i p1 = dots<(chains<R>() > 2 ? chains<R>() / 2 : 1)>(w, x + 16, 4, 4, _mm512_set1_epi32(-32 * s[1]));
+                const __m512i p0 = dots<chains<R>() / 2>(w, x, 0, 4, _mm512_set1_epi32(-32 * s[0]));
+                const __m512i p1 = dots<chains<R>() / 2>(w, x + 16, 4, 4, _mm512_set1_epi32(-32 * s[1]));
                 isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(p0, sc0),
                                                                       _mm512_mullo_epi32(p1, sc1)));
             }
@@ -229,7 +208,7 @@ void tile_legacy(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* c = tile + b * CB;
-        prefetch(c, CB);
+        prefetch_part<CB, 1>(c, 0);
         __m512i w[8];
         if (TYPE == Q8_0) {
             const __m512i flip = _mm512_set1_epi8((char)0x80);   // q + 128 as u8; the offset removes it

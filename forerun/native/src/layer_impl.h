@@ -78,7 +78,7 @@ inline void product(const Product& p, const PassDesc& pass, float* y, int id, in
     }
 }
 
-constexpr int64_t SPAN = 32;   // cache slots whose values are weighed together (16 KB at head_dim 128)
+constexpr int64_t SPAN = 32;   // cache slots scored or weighed together (16 KB at head_dim 128)
 
 // The slot of a row's j-th visible position.
 inline int64_t slot(const RowDesc& row, int64_t j) { return j < row.prefix ? j : row.extra[j - row.prefix]; }
@@ -199,9 +199,8 @@ inline void run_layer(const LayerDesc& l, const PassDesc& pass, int64_t layer, f
         memcpy(row.v + at, v, d * sizeof(float));
     }
 #pragma omp barrier
-    share(t * l.kv_heads, id, threads, &u0, &u1);     // units again, a head's rows together (its cache in L2)
     for (int64_t u = u0; u < u1; ++u) {                 // every row's key and value are in place now
-        const int64_t r = u % t, g = u / t;
+        const int64_t r = u % t, g = u / t;             // a head's rows together: its cache stays in L2
         attend(l, pass.row[r], layer, g, pass.qkv + r * l.qkv.out + g * share_heads * d,
                pass.att + r * q_width + g * share_heads * d, pass.scores + id * pass.scores_stride);
     }
