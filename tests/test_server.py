@@ -576,6 +576,10 @@ class _Recorded:
     def start(self, key, prompt_ids, params, like=None) -> None:
         self.started.append(key)
 
+    @property
+    def prefilling(self) -> list[int]:
+        return self.started
+
     def prefill(self, budget_s):
         from forerun.engine.batch import StepResult
         from forerun.engine.engine import StepOutput
@@ -626,6 +630,61 @@ def test_requests_that_arrive_during_a_prefill_join_before_the_next_step() -> No
     finally:
         scheduler.stop()
     assert scheduler.batch.log == [("add", 0), ("add", 1), ("add", 2), ("step", 3)]
+
+
+class _SlowPrompts(_Recorded):
+    """Each prefill call takes `chunk_s` and brings in one prompt; a step takes `step_s`."""
+
+    def __init__(self, chunk_s: float, step_s: float) -> None:
+        super().__init__(None)
+        self.chunk_s, self.step_s = chunk_s, step_s
+
+    def prefill(self, budget_s):
+        from forerun.engine.batch import StepResult
+        from forerun.engine.engine import StepOutput
+
+        time.sleep(self.chunk_s)
+        key = self.started.pop(0)
+        self.log.append(("add", len(self.lanes)))
+        self.lanes.add(key)
+        return {key: StepResult(StepOutput([1], "a", False))}
+
+    def step(self):
+        time.sleep(self.step_s)
+        return super().step()
+
+
+def test_a_request_with_its_first_token_out_does_not_wait_for_a_whole_burst_of_long_prompts() -> None:
+    """Once a step has been timed, a burst's first prefilled request waits for its second token
+    about the prefill share of a step (a chunk at least), not for every other prompt of the burst."""
+    from forerun.serve.scheduler import Done, Request
+
+    finished = []
+    done = threading.Event()
+
+    def on_event(request, event) -> None:
+        if isinstance(event, Done):
+            finished.append(request.id)
+            if len(finished) == 5:
+                done.set()
+
+    def request() -> Request:
+        return Request([1, 2, 3], SamplingParams(max_tokens=2), on_event)
+
+    batch = _SlowPrompts(chunk_s=0.2, step_s=0.01)
+    scheduler = Scheduler(batch, prefill_share=1.0)
+    scheduler.start()
+    try:
+        scheduler.submit(request())  # the first burst runs whole and times a step
+        while len(finished) < 1:
+            time.sleep(0.01)
+        scheduler.submit_group([request() for _ in range(4)])  # four long prompts at once
+        assert done.wait(10)
+    finally:
+        scheduler.stop()
+    later = batch.log[batch.log.index(("step", 1)) + 1 :]
+    # The first of the four steps after its own prefill and one more chunk: not after all four.
+    assert later[:3] == [("add", 0), ("add", 1), ("step", 2)], later
 
 
 def test_bench_serve_runs_a_set_up_named_twice_as_a_control_beside_it(tmp_path, monkeypatch) -> None:

@@ -6,11 +6,14 @@ away), prefills, then steps every running request in one target pass. With max_s
 run one after another.
 
 Prefills run a chunk of the prompt at a time (chunked prefill, `BatchEngine.prefill`). While no
-request is decoding, without limit: a burst of requests is prefilled, those that arrive during
-these prefills too, and then steps as one batch rather than the first stepping alone while the rest
-wait. While requests decode, prefill gets PREFILL_SHARE seconds per second of steps (a chunk at
-least, a step's worth saved up at most), so a long prompt slows the running requests to about half
-their pace instead of stopping them for its whole prefill.
+request is decoding, a burst of requests is prefilled, those that arrive during these prefills too,
+and then steps as one batch rather than the first stepping alone while the rest wait; but once a
+request of the burst has its first token out, the rest of the burst goes on only while that request
+has waited less than the prefill share of a step (unknown before the first step: the first burst
+runs whole), so a client never waits for a whole queue of long prompts between its first and
+second tokens. While requests decode, prefill gets PREFILL_SHARE seconds per second of steps (a
+chunk at least, a step's worth saved up at most), so a long prompt slows the running requests to
+about half their pace instead of stopping them for its whole prefill.
 
 Events reach the caller through `on_event(request, event)`, called on the loop thread; the server
 hands them to its asyncio loop. An exception inside the engine for one request ends that request
@@ -30,7 +33,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
 import threading
 import time
 import traceback
@@ -84,6 +86,7 @@ class Request:
 # While requests decode, waiting prompts are prefilled for this many seconds per second of steps
 # (at least a chunk at a time): the running requests keep half their pace through a long prompt.
 PREFILL_SHARE = 1.0
+ONE_CHUNK = 1e-9  # a prefill budget that runs one chunk (BatchEngine.prefill runs one at least)
 
 
 class QueueFull(ForerunError):
@@ -131,6 +134,8 @@ class Scheduler:
         self.prefill_share = prefill_share
         self._credit = 0.0  # seconds of prefill the steps have paid for (chunked prefill)
         self._fresh: set[int] = set()  # prefilled since the last step
+        self._fresh_since: float | None = None  # when the first of them had its first token out
+        self._step_s: float | None = None  # the last step's seconds
 
     # --- the caller's side ---------------------------------------------------------------------
 
@@ -284,7 +289,9 @@ class Scheduler:
             # most saved up.
             step = time.perf_counter() - started
             self._credit = min(self._credit + self.prefill_share * step, self.prefill_share * step)
+            self._step_s = step
         self._fresh.clear()
+        self._fresh_since = None
         for rid, result in results.items():
             request = self._running[rid]
             if result.error is not None:
@@ -328,11 +335,12 @@ class Scheduler:
         were admitted (a burst is prefilled, then steps as one batch), else the time saved up from
         the steps (chunked prefill: a long prompt never stalls the running requests for long)."""
         decoding = any(rid not in self._fresh for rid in self.batch.lanes)
-        budget = self._credit if decoding else math.inf
         started = time.perf_counter()
-        results = self.batch.prefill(budget)
         if decoding:
+            results = self.batch.prefill(self._credit)
             self._credit -= time.perf_counter() - started
+        else:
+            results = self._burst()
         for rid, result in results.items():
             request = self._running.get(rid)
             if request is None:
@@ -347,6 +355,21 @@ class Scheduler:
             _emit(request, Delta(first.text, first.token_ids, first.logprobs, first.prompt_logprobs))
             if first.finished:
                 self._end(request, None)
+
+    def _burst(self) -> dict:
+        """Prefill a chunk at a time while no request decodes, until every prompt is in or a request
+        with its first token out has waited the prefill share of the last step (a chunk's time at
+        least: a chunk is not cut)."""
+        results = {}
+        while self.batch.prefilling:
+            if self._fresh_since is not None and self._step_s is not None:
+                if time.perf_counter() - self._fresh_since >= self.prefill_share * self._step_s:
+                    break
+            done = self.batch.prefill(ONE_CHUNK)
+            if self._fresh_since is None and any(r.error is None for r in done.values()):
+                self._fresh_since = time.perf_counter()
+            results.update(done)
+        return results
 
     def _leave_cancelled(self) -> None:
         with self._cond:
