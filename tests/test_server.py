@@ -581,19 +581,23 @@ class _Recorded:
         return self.started
 
     def prefill(self, budget_s):
-        from forerun.engine.batch import StepResult
-        from forerun.engine.engine import StepOutput
-
         results = {}
         for key in self.started:
-            self.log.append(("add", len(self.lanes)))
-            self.lanes.add(key)
+            results[key] = self.bring_in(key)
             if self.during_first_add is not None:
                 arrive, self.during_first_add = self.during_first_add, None
                 arrive()
-            results[key] = StepResult(StepOutput([1], "a", False))
         self.started = []
         return results
+
+    def bring_in(self, key):
+        """`key`'s prefill done: its lane runs from the next step; its first token."""
+        from forerun.engine.batch import StepResult
+        from forerun.engine.engine import StepOutput
+
+        self.log.append(("add", len(self.lanes)))
+        self.lanes.add(key)
+        return StepResult(StepOutput([1], "a", False))
 
     def step(self):
         from forerun.engine.batch import StepResult
@@ -640,14 +644,9 @@ class _SlowPrompts(_Recorded):
         self.chunk_s, self.step_s = chunk_s, step_s
 
     def prefill(self, budget_s):
-        from forerun.engine.batch import StepResult
-        from forerun.engine.engine import StepOutput
-
         time.sleep(self.chunk_s)
         key = self.started.pop(0)
-        self.log.append(("add", len(self.lanes)))
-        self.lanes.add(key)
-        return {key: StepResult(StepOutput([1], "a", False))}
+        return {key: self.bring_in(key)}
 
     def step(self):
         time.sleep(self.step_s)

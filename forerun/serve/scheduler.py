@@ -331,9 +331,9 @@ class Scheduler:
             _emit(request, Failed(f"{type(exc).__name__}: {exc}"))
 
     def _prefill(self) -> None:
-        """Prefill chunks within the budget: without limit while no request has decoded since these
-        were admitted (a burst is prefilled, then steps as one batch), else the time saved up from
-        the steps (chunked prefill: a long prompt never stalls the running requests for long)."""
+        """Prefill chunks within the budget: while no request has decoded since these were admitted,
+        a burst (`_burst`: then steps as one batch), else the time saved up from the steps (chunked
+        prefill: a long prompt never stalls the running requests for long)."""
         decoding = any(rid not in self._fresh for rid in self.batch.lanes)
         started = time.perf_counter()
         if decoding:
@@ -361,15 +361,19 @@ class Scheduler:
         with its first token out has waited the prefill share of the last step (a chunk's time at
         least: a chunk is not cut)."""
         results = {}
-        while self.batch.prefilling:
-            if self._fresh_since is not None and self._step_s is not None:
-                if time.perf_counter() - self._fresh_since >= self.prefill_share * self._step_s:
-                    break
+        while self.batch.prefilling and not self._burst_waited():
             done = self.batch.prefill(ONE_CHUNK)
             if self._fresh_since is None and any(r.error is None for r in done.values()):
                 self._fresh_since = time.perf_counter()
             results.update(done)
         return results
+
+    def _burst_waited(self) -> bool:
+        """Whether a request with its first token out has waited the prefill share of the last step
+        (never before the first step, nor while none has its first token out)."""
+        if self._fresh_since is None or self._step_s is None:
+            return False
+        return time.perf_counter() - self._fresh_since >= self.prefill_share * self._step_s
 
     def _leave_cancelled(self) -> None:
         with self._cond:
