@@ -102,6 +102,44 @@ def test_every_path_gives_the_scalar_references_bits(kind, m, n, blocks, seed, m
             assert torch.equal(product(kind, packed, n, k, x, path, threads), reference), (path, threads)
 
 
+def extreme_blocks(kind: str, n: int, k: int, fill: int, scale: int) -> np.ndarray:
+    """Blocks whose quants are all `fill` (0x00: every weight at its format's lowest level, 0xFF:
+    its highest), the integer sub-scales packed from the byte `scale`, float factors 1.0."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.full((n * k // size, nbytes), fill, dtype=np.uint8)
+    one = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    if kind in ("Q4_K", "Q5_K"):
+        raw[:, 4:16] = scale
+        raw[:, 0:2], raw[:, 2:4] = one, one
+    elif kind == "Q6_K":
+        raw[:, 192:208] = scale
+        raw[:, 208:210] = one
+    else:
+        raw[:, 0:2] = one
+        if kind in ("Q4_1", "Q5_1"):
+            raw[:, 2:4] = one
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_largest_integer_sums_give_the_scalar_references_bits(kind) -> None:
+    # The vector paths add a few dot products in 16-bit halves of a lane before a scale multiplies
+    # them (Q4_K's half units, Q6_K's pairs of k-groups): the extremes of weights, scales and
+    # inputs (every input quantized to +127 or -127) must still fit them.
+    n, k, m = 16, 2 * native.block_inputs(native.TYPES[kind]), 4
+    signs = torch.ones(m, k)
+    signs[1] = -1.0
+    signs[2, ::2] = -1.0
+    signs[3, 1::2] = -1.0
+    for fill in (0x00, 0xFF):
+        for scale in (0x00, 0x7F, 0x80, 0xFF):
+            packed = packed_of(kind, extreme_blocks(kind, n, k, fill, scale), n, k)
+            reference = product(kind, packed, n, k, signs, "scalar")
+            for path in native.paths()[1:]:
+                assert torch.equal(product(kind, packed, n, k, signs, path), reference), (path, fill, scale)
+
+
 @SLOW
 @given(kind=st.sampled_from(TYPES), m=st.integers(2, 17), seed=st.integers(0, 10_000))
 def test_a_rows_result_is_the_same_alone_or_in_any_batch(kind, m, seed) -> None:

@@ -152,9 +152,17 @@ void tile_q4k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o
     for (int r = 0; r < R; ++r) store(o, r, acc[r]);
 }
 
+// Q6_K's 6-bit weights are stored as q + 32 (0..63). A pair of k-groups' dot products started from
+// off8 (-32 times the pair's 8 inputs' sum) is the pair's sum of (q - 32) * x, at most 8 x 32 x 127
+// = 32512 in magnitude: an int16. Two pairs go side by side into one lane's int16 pair and one
+// vpdpwssd applies their sub-block's scale to both: no 32-bit multiply, no offset pass afterwards.
 template <int R>
 void tile_q6k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
     const __m512i top = _mm512_set1_epi8(0x30);
+    // Word indices that give each lane its own scale twice: sub-block 2u (words 0-15), 2u+1 (16-31).
+    const __m512i first = _mm512_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8,
+                                           7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
     __m512 acc[R];
     #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -175,16 +183,18 @@ void tile_q6k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o
                 w[4 * h + 2] = _mm512_or_si512(w[4 * h + 2], _mm512_and_si512(v, top));
                 w[4 * h + 3] = _mm512_or_si512(w[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(v, 2), top));
             }
-            const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + q6k::SC + 32 * u)));
-            const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + q6k::SC + 32 * u + 16)));
+            const __m512i sc = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(c + q6k::SC + 32 * u)));
+            const __m512i sc0 = _mm512_permutexvar_epi16(first, sc), sc1 = _mm512_permutexvar_epi16(second, sc);
             #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
                 const int8_t* x = a[r].q + b * QK_K + 32 * u;
-                const int32_t* s = a[r].sum16 + 16 * b + 2 * u;
-                const __m512i p0 = dots<chains<R>() / 2>(w, x, 0, 4, _mm512_set1_epi32(-32 * s[0]));
-                const __m512i p1 = dots<chains<R>() / 2>(w, x + 16, 4, 4, _mm512_set1_epi32(-32 * s[1]));
-                isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(p0, sc0),
-                                                                      _mm512_mullo_epi32(p1, sc1)));
+                const int32_t* off = a[r].off8 + 32 * b + 4 * u;
+                __m512i pair[4];
+                #pragma GCC unroll 4
+                for (int i = 0; i < 4; ++i)
+                    pair[i] = dots<1>(w, x + 8 * i, 2 * i, 2, _mm512_set1_epi32(off[i]));
+                isum[r] = _mm512_dpwssd_epi32(isum[r], pack16(pair[0], pair[1]), sc0);
+                isum[r] = _mm512_dpwssd_epi32(isum[r], pack16(pair[2], pair[3]), sc1);
             }
         }
         const __m512 d = f16x16(c + q6k::D);

@@ -64,9 +64,11 @@ namespace q5_1 { constexpr int BYTES = 384; }
 
 // --- quantized activations ------------------------------------------------------------------
 // One row of K inputs quantized in blocks of QB (256 for K-quant weights, 32 for the others):
-//   q[K] i8 | d[K / QB] f32 | sum16[K / 16] i32 | sum32[K / 32] i32 | sum32h[K / 32] i16 | sum16h[K / 16] i16
+//   q[K] i8 | d[K / QB] f32 | sum16[K / 16] i32 | sum32[K / 32] i32 | sum32h[K / 32] i16 | sum16h[K / 16] i16 |
+//   off8[K / 8] i32
 // q = round-half-even(x * (127 / amax)), d = amax / 127 per block (0 and all-zero q when amax = 0);
-// sumN are the sums of q over each N inputs (sumNh the same as int16, for 16-bit pair dots).
+// sumN are the sums of q over each N inputs (sumNh the same as int16, for 16-bit pair dots); off8 is
+// -32 times the sum over each 8 inputs (Q6_K's offset, ready to start a dot product's sum).
 struct ActRow {
     const int8_t* q;
     const float* d;
@@ -74,6 +76,7 @@ struct ActRow {
     const int32_t* sum32;
     const int16_t* sum32h;
     const int16_t* sum16h;
+    const int32_t* off8;
 };
 
 // Fills a quantized row's sums from its levels q (the same on every path).

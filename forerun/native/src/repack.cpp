@@ -43,9 +43,9 @@ int chunk_bytes(int type) {
 }
 
 size_t act_row_bytes(int64_t k) {
-    // q, then d per 32 (room for either block size), sum16, sum32, sum32h, sum16h; each part 64-aligned.
+    // q, then d per 32 (room for either block size), sum16, sum32, sum32h, sum16h, off8; each part 64-aligned.
     auto up = [](size_t b) { return (b + 63) / 64 * 64; };
-    return up(k) + up(k / 32 * 4) + up(k / 16 * 4) + up(k / 32 * 4) + up(k / 32 * 2) + up(k / 16 * 2);
+    return up(k) + up(k / 32 * 4) + up(k / 16 * 4) + up(k / 32 * 4) + up(k / 32 * 2) + up(k / 16 * 2) + up(k / 8 * 4);
 }
 
 void act_sums(const int8_t* q, int64_t k, uint8_t* row) {
@@ -62,6 +62,11 @@ void act_sums(const int8_t* q, int64_t k, uint8_t* row) {
         const_cast<int32_t*>(a.sum32)[j] = s16[2 * j] + s16[2 * j + 1];
         const_cast<int16_t*>(a.sum32h)[j] = (int16_t)(s16[2 * j] + s16[2 * j + 1]);
     }
+    for (int64_t j = 0; j < k / 8; ++j) {
+        int32_t s = 0;
+        for (int i = 0; i < 8; ++i) s += q[8 * j + i];
+        const_cast<int32_t*>(a.off8)[j] = -32 * s;
+    }
 }
 
 ActRow act_row(const uint8_t* base, int64_t k, int qb) {
@@ -74,7 +79,8 @@ ActRow act_row(const uint8_t* base, int64_t k, int qb) {
     r.sum16 = reinterpret_cast<const int32_t*>(base + off); off += up(k / 16 * 4);
     r.sum32 = reinterpret_cast<const int32_t*>(base + off); off += up(k / 32 * 4);
     r.sum32h = reinterpret_cast<const int16_t*>(base + off); off += up(k / 32 * 2);
-    r.sum16h = reinterpret_cast<const int16_t*>(base + off);
+    r.sum16h = reinterpret_cast<const int16_t*>(base + off); off += up(k / 16 * 2);
+    r.off8 = reinterpret_cast<const int32_t*>(base + off);
     return r;
 }
 
