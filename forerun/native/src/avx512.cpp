@@ -77,12 +77,13 @@ inline void add_bit4(const uint8_t* qh, __m512i* w) {
 #endif
 // Part `part` of `parts` of a chunk's requests, spread over the chunk's work: a burst of them at
 // the chunk's start stalls the loads behind it.
-template <int BYTES, int PARTS>
-inline void prefetch_part(const uint8_t* c, int part) {
-    constexpr int LINES = (BYTES + 63) / 64;
-    for (int i = LINES * part / PARTS; i < LINES * (part + 1) / PARTS; ++i)
+inline void prefetch_lines(const uint8_t* c, int bytes, int part, int parts) {
+    const int lines = (bytes + 63) / 64;
+    for (int i = lines * part / parts; i < lines * (part + 1) / parts; ++i)
         _mm_prefetch((const char*)c + FORERUN_PREFETCH + 64 * i, _MM_HINT_T1);
 }
+template <int BYTES, int PARTS>
+inline void prefetch_part(const uint8_t* c, int part) { prefetch_lines(c, BYTES, part, PARTS); }
 
 struct Out {
     float* y[ROWS];
@@ -95,166 +96,275 @@ inline void store(const Out& o, int r, __m512 acc) {
     _mm512_mask_storeu_ps(o.y[r], o.valid, acc);
 }
 
+// --- one block at a time ------------------------------------------------------------------
+// Each format's block is a run of units (K-quants: 8 units of 32 inputs; legacy: one unit of 32):
+// `unit_*` unpacks a unit's 8 k-group vectors and its scale vectors from the chunk, `block_*` runs
+// one block for R rows, its units unpacked on the spot (FROM = nullptr) or read from a buffer that
+// `unpack_block` filled once for every row group of a tile (many rows, `tile_rows`).
+constexpr int UNIT = 10;   // vectors a unit keeps in the buffer: 8 k-groups and up to 2 scale vectors
+#define FR_INLINE inline __attribute__((always_inline))
+
+template <int N>
+FR_INLINE void from_buffer(const __m512i* from, __m512i* w) {
+    #pragma GCC unroll 10
+    for (int g = 0; g < N; ++g) w[g] = from[g];
+}
+
+template <bool FIVE>
+FR_INLINE void unit_q4k(const uint8_t* c, int j, __m512i* w) {
+    nibbles(c + q4k::QS + 256 * j, w);
+    if (FIVE) add_bit4(c + q4k::QH + 64 * j, w);
+    const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + q4k::SC + 16 * j)));
+    // Q4_K applies each lane's scale to an int16 pair with one vpdpwssd: the scale twice a lane.
+    w[8] = FIVE ? sc : _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
+}
+
 template <int R, bool FIVE>
-void tile_q4k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
+FR_INLINE void block_q4k(const uint8_t* c, const __m512i* from, int64_t b, const ActRow* a, __m512* acc) {
     constexpr int CB = FIVE ? q5k::BYTES : q4k::BYTES;
-    __m512 acc[R];
+    __m512i isum[R];
     #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* c = tile + b * CB;
-        __m512i isum[R];
-        #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-        for (int j = 0; j < 8; ++j) {
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+        __m512i w[UNIT];
+        if (from) {
+            from_buffer<9>(from + UNIT * j, w);
+        } else {
             prefetch_part<CB, 8>(c, j);
-            __m512i w[8];
-            nibbles(c + q4k::QS + 256 * j, w);
-            if (FIVE) add_bit4(c + q4k::QH + 64 * j, w);
-            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + q4k::SC + 16 * j)));
+            unit_q4k<FIVE>(c, j, w);
+        }
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const int8_t* x = a[r].q + b * QK_K + 32 * j;
             if constexpr (FIVE) {
-                #pragma GCC unroll 8
-                for (int r = 0; r < R; ++r) {
-                    const __m512i p = dots<chains<R>()>(w, a[r].q + b * QK_K + 32 * j, 0, 8, _mm512_setzero_si512());
-                    isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(p, sc));
-                }
+                const __m512i p = dots<chains<R>()>(w, x, 0, 8, _mm512_setzero_si512());
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(p, w[8]));
             } else {
                 // 4-bit weights: the sums of groups 0-3 and of groups 4-7 each fit in 16 bits (4
                 // groups x 4 x 15 x 127 = 30480), so they go side by side into one lane's int16 pair
                 // and one vpdpwssd applies the scale to both and adds them: no 32-bit multiply.
-                const __m512i scp = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));
-                #pragma GCC unroll 8
-                for (int r = 0; r < R; ++r) {
-                    const int8_t* x = a[r].q + b * QK_K + 32 * j;
-                    const __m512i first = dots<chains<R>() / 2>(w, x, 0, 4, _mm512_setzero_si512());
-                    const __m512i second = dots<chains<R>() / 2>(w, x + 16, 4, 4, _mm512_setzero_si512());
-                    isum[r] = _mm512_dpwssd_epi32(isum[r], pack16(first, second), scp);
-                }
+                const __m512i first = dots<chains<R>() / 2>(w, x, 0, 4, _mm512_setzero_si512());
+                const __m512i second = dots<chains<R>() / 2>(w, x + 16, 4, 4, _mm512_setzero_si512());
+                isum[r] = _mm512_dpwssd_epi32(isum[r], pack16(first, second), w[8]);
             }
         }
-        __m512i mn[4];
-        #pragma GCC unroll 8
-        for (int i = 0; i < 4; ++i)
-            mn[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(c + q4k::MN + 32 * i)));
-        const __m512 d = f16x16(c + q4k::D), dmin = f16x16(c + q4k::DMIN);
-        #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-            const int16_t* s = a[r].sum32h + 8 * b;
-            __m512i ms = _mm512_setzero_si512();
-            #pragma GCC unroll 8
-            for (int i = 0; i < 4; ++i) ms = _mm512_dpwssd_epi32(ms, mn[i], _mm512_set1_epi32(ld32(s + 2 * i)));
-            const __m512 dx = _mm512_set1_ps(a[r].d[b]);
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[r]), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(ms), acc[r]);
-        }
     }
+    __m512i mn[4];
     #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) store(o, r, acc[r]);
+    for (int i = 0; i < 4; ++i)
+        mn[i] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(c + q4k::MN + 32 * i)));
+    const __m512 d = f16x16(c + q4k::D), dmin = f16x16(c + q4k::DMIN);
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+        const int16_t* s = a[r].sum32h + 8 * b;
+        __m512i ms = _mm512_setzero_si512();
+        #pragma GCC unroll 8
+        for (int i = 0; i < 4; ++i) ms = _mm512_dpwssd_epi32(ms, mn[i], _mm512_set1_epi32(ld32(s + 2 * i)));
+        const __m512 dx = _mm512_set1_ps(a[r].d[b]);
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(ms), acc[r]);
+    }
 }
 
 // Q6_K's 6-bit weights are stored as q + 32 (0..63). A pair of k-groups' dot products started from
 // off8 (-32 times the pair's 8 inputs' sum) is the pair's sum of (q - 32) * x, at most 8 x 32 x 127
 // = 32512 in magnitude: an int16. Two pairs go side by side into one lane's int16 pair and one
 // vpdpwssd applies their sub-block's scale to both: no 32-bit multiply, no offset pass afterwards.
-template <int R>
-void tile_q6k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
+FR_INLINE void unit_q6k(const uint8_t* c, int u, __m512i* w) {
     const __m512i top = _mm512_set1_epi8(0x30);
     // Word indices that give each lane its own scale twice: sub-block 2u (words 0-15), 2u+1 (16-31).
     const __m512i first = _mm512_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8,
                                            7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
-    __m512 acc[R];
+    nibbles(c + q6k::QL + 256 * u, w);
     #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* c = tile + b * q6k::BYTES;
-        __m512i isum[R];
-        #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
-        for (int u = 0; u < 8; ++u) {
-            prefetch_part<q6k::BYTES, 8>(c, u);
-            __m512i w[8];
-            nibbles(c + q6k::QL + 256 * u, w);
-            #pragma GCC unroll 8
-            for (int h = 0; h < 2; ++h) {
-                const __m512i v = load(c + q6k::QH + 128 * u + 64 * h);
-                w[4 * h + 0] = _mm512_or_si512(w[4 * h + 0], _mm512_and_si512(_mm512_slli_epi16(v, 4), top));
-                w[4 * h + 1] = _mm512_or_si512(w[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(v, 2), top));
-                w[4 * h + 2] = _mm512_or_si512(w[4 * h + 2], _mm512_and_si512(v, top));
-                w[4 * h + 3] = _mm512_or_si512(w[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(v, 2), top));
-            }
-            const __m512i sc = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(c + q6k::SC + 32 * u)));
-            const __m512i sc0 = _mm512_permutexvar_epi16(first, sc), sc1 = _mm512_permutexvar_epi16(second, sc);
-            #pragma GCC unroll 8
-            for (int r = 0; r < R; ++r) {
-                const int8_t* x = a[r].q + b * QK_K + 32 * u;
-                const int32_t* off = a[r].off8 + 32 * b + 4 * u;
-                __m512i pair[4];
-                #pragma GCC unroll 4
-                for (int i = 0; i < 4; ++i)
-                    pair[i] = dots<1>(w, x + 8 * i, 2 * i, 2, _mm512_set1_epi32(off[i]));
-                isum[r] = _mm512_dpwssd_epi32(isum[r], pack16(pair[0], pair[1]), sc0);
-                isum[r] = _mm512_dpwssd_epi32(isum[r], pack16(pair[2], pair[3]), sc1);
-            }
-        }
-        const __m512 d = f16x16(c + q6k::D);
-        #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b])), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+    for (int h = 0; h < 2; ++h) {
+        const __m512i v = load(c + q6k::QH + 128 * u + 64 * h);
+        w[4 * h + 0] = _mm512_or_si512(w[4 * h + 0], _mm512_and_si512(_mm512_slli_epi16(v, 4), top));
+        w[4 * h + 1] = _mm512_or_si512(w[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(v, 2), top));
+        w[4 * h + 2] = _mm512_or_si512(w[4 * h + 2], _mm512_and_si512(v, top));
+        w[4 * h + 3] = _mm512_or_si512(w[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(v, 2), top));
     }
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) store(o, r, acc[r]);
-}
-
-template <int R, int TYPE>
-void tile_legacy(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
-    constexpr bool HAS_M = TYPE == Q4_1 || TYPE == Q5_1, FIVE = TYPE == Q5_0 || TYPE == Q5_1;
-    constexpr int CB = TYPE == Q8_0 ? q8_0::BYTES : TYPE == Q4_0 ? q4_0::BYTES : TYPE == Q5_0 ? q5_0::BYTES
-                     : TYPE == Q4_1 ? q4_1::BYTES : q5_1::BYTES;
-    constexpr int QS = HAS_M ? q4_1::QS : q4_0::QS, QH = HAS_M ? q4_1::QH : q4_0::QH;
-    constexpr int OFFSET = TYPE == Q8_0 ? -128 : TYPE == Q4_0 ? -8 : TYPE == Q5_0 ? -16 : 0;
-    __m512 acc[R];
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* c = tile + b * CB;
-        prefetch_part<CB, 1>(c, 0);
-        __m512i w[8];
-        if (TYPE == Q8_0) {
-            const __m512i flip = _mm512_set1_epi8((char)0x80);   // q + 128 as u8; the offset removes it
-            #pragma GCC unroll 8
-            for (int g = 0; g < 8; ++g) w[g] = _mm512_xor_si512(load(c + q8_0::Q + 64 * g), flip);
-        } else {
-            nibbles(c + QS, w);
-            if (FIVE) add_bit4(c + QH, w);
-        }
-        const __m512 d = f16x16(c);
-        #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-            const int8_t* x = a[r].q + b * QK_0;
-            const __m512i p = dots<chains<R>()>(w, x, 0, 8, _mm512_set1_epi32(OFFSET * a[r].sum32[b]));
-            const __m512 dx = _mm512_set1_ps(a[r].d[b]);
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(p), acc[r]);
-            if (HAS_M)
-                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(f16x16(c + q4_1::M), dx),
-                                         _mm512_set1_ps((float)a[r].sum32[b]), acc[r]);
-        }
-    }
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) store(o, r, acc[r]);
+    const __m512i sc = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(c + q6k::SC + 32 * u)));
+    w[8] = _mm512_permutexvar_epi16(first, sc);
+    w[9] = _mm512_permutexvar_epi16(_mm512_add_epi16(first, _mm512_set1_epi16(16)), sc);
 }
 
 template <int R>
-void tile_any(int type, const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
+FR_INLINE void block_q6k(const uint8_t* c, const __m512i* from, int64_t b, const ActRow* a, __m512* acc) {
+    __m512i isum[R];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int u = 0; u < 8; ++u) {
+        __m512i w[UNIT];
+        if (from) {
+            from_buffer<UNIT>(from + UNIT * u, w);
+        } else {
+            prefetch_part<q6k::BYTES, 8>(c, u);
+            unit_q6k(c, u, w);
+        }
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const int8_t* x = a[r].q + b * QK_K + 32 * u;
+            const int32_t* off = a[r].off8 + 32 * b + 4 * u;
+            __m512i pair[4];
+            #pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) pair[i] = dots<1>(w, x + 8 * i, 2 * i, 2, _mm512_set1_epi32(off[i]));
+            isum[r] = _mm512_dpwssd_epi32(isum[r], pack16(pair[0], pair[1]), w[8]);
+            isum[r] = _mm512_dpwssd_epi32(isum[r], pack16(pair[2], pair[3]), w[9]);
+        }
+    }
+    const __m512 d = f16x16(c + q6k::D);
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b])), _mm512_cvtepi32_ps(isum[r]), acc[r]);
+}
+
+template <int TYPE>
+struct Legacy {
+    static constexpr bool HAS_M = TYPE == Q4_1 || TYPE == Q5_1, FIVE = TYPE == Q5_0 || TYPE == Q5_1;
+    static constexpr int CB = TYPE == Q8_0 ? q8_0::BYTES : TYPE == Q4_0 ? q4_0::BYTES : TYPE == Q5_0 ? q5_0::BYTES
+                            : TYPE == Q4_1 ? q4_1::BYTES : q5_1::BYTES;
+    static constexpr int QS = HAS_M ? q4_1::QS : q4_0::QS, QH = HAS_M ? q4_1::QH : q4_0::QH;
+    static constexpr int OFFSET = TYPE == Q8_0 ? -128 : TYPE == Q4_0 ? -8 : TYPE == Q5_0 ? -16 : 0;
+};
+
+template <int TYPE>
+FR_INLINE void unit_legacy(const uint8_t* c, __m512i* w) {
+    if (TYPE == Q8_0) {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);   // q + 128 as u8; the offset removes it
+        #pragma GCC unroll 8
+        for (int g = 0; g < 8; ++g) w[g] = _mm512_xor_si512(load(c + q8_0::Q + 64 * g), flip);
+    } else {
+        nibbles(c + Legacy<TYPE>::QS, w);
+        if (Legacy<TYPE>::FIVE) add_bit4(c + Legacy<TYPE>::QH, w);
+    }
+}
+
+template <int R, int TYPE>
+FR_INLINE void block_legacy(const uint8_t* c, const __m512i* from, int64_t b, const ActRow* a, __m512* acc) {
+    using L = Legacy<TYPE>;
+    __m512i w[8];
+    if (from) {
+        from_buffer<8>(from, w);
+    } else {
+        prefetch_part<L::CB, 1>(c, 0);
+        unit_legacy<TYPE>(c, w);
+    }
+    const __m512 d = f16x16(c);
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+        const int8_t* x = a[r].q + b * QK_0;
+        const __m512i p = dots<chains<R>()>(w, x, 0, 8, _mm512_set1_epi32(L::OFFSET * a[r].sum32[b]));
+        const __m512 dx = _mm512_set1_ps(a[r].d[b]);
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(p), acc[r]);
+        if (L::HAS_M)
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(f16x16(c + q4_1::M), dx), _mm512_set1_ps((float)a[r].sum32[b]),
+                                     acc[r]);
+    }
+}
+
+template <int TYPE>
+constexpr int chunk_of() {
+    return TYPE == Q4_K ? q4k::BYTES : TYPE == Q5_K ? q5k::BYTES : TYPE == Q6_K ? q6k::BYTES : Legacy<TYPE>::CB;
+}
+
+// One block of TYPE for R rows (FROM: its units unpacked already, or nullptr).
+template <int R, int TYPE>
+FR_INLINE void block_any(const uint8_t* c, const __m512i* from, int64_t b, const ActRow* a, __m512* acc) {
+    if constexpr (TYPE == Q4_K || TYPE == Q5_K) block_q4k<R, TYPE == Q5_K>(c, from, b, a, acc);
+    else if constexpr (TYPE == Q6_K) block_q6k<R>(c, from, b, a, acc);
+    else block_legacy<R, TYPE>(c, from, b, a, acc);
+}
+
+// A K-quant block's units unpacked into `buf` (UNIT vectors a unit).
+template <int TYPE>
+void unpack_block(const uint8_t* c, __m512i* buf) {
+    for (int u = 0; u < 8; ++u) {
+        if constexpr (TYPE == Q6_K) unit_q6k(c, u, buf + UNIT * u);
+        else unit_q4k<TYPE == Q5_K>(c, u, buf + UNIT * u);
+    }
+}
+
+// A tile for up to ROWS rows: every block unpacked on the spot, the accumulators in registers.
+// Kept out of line: inlined into the dispatch's switch, one row's stream runs a third slower.
+template <int R, int TYPE>
+__attribute__((noinline)) void tile(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
+    __m512 acc[R];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) block_any<R, TYPE>(tile + b * chunk_of<TYPE>(), nullptr, b, a, acc);
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) store(o, r, acc[r]);
+}
+
+template <int TYPE>
+void group_block(int rows, const uint8_t* c, const __m512i* buf, int64_t b, const ActRow* a, __m512* acc) {
+    switch (rows) {
+        case 1: block_any<1, TYPE>(c, buf, b, a, acc); break;
+        case 2: block_any<2, TYPE>(c, buf, b, a, acc); break;
+        case 3: block_any<3, TYPE>(c, buf, b, a, acc); break;
+        case 4: block_any<4, TYPE>(c, buf, b, a, acc); break;
+        case 5: block_any<5, TYPE>(c, buf, b, a, acc); break;
+        case 6: block_any<6, TYPE>(c, buf, b, a, acc); break;
+        case 7: block_any<7, TYPE>(c, buf, b, a, acc); break;
+        default: block_any<8, TYPE>(c, buf, b, a, acc); break;
+    }
+}
+
+// Rows beyond one group, up to MANY: each block is unpacked once into a buffer that every group of
+// ROWS rows reads (their accumulators kept in memory between blocks), instead of once a group.
+constexpr int MANY = 64;
+
+template <int TYPE>
+__attribute__((noinline)) void tile_rows(const uint8_t* tile, int64_t blocks, const ActRow* a, int rows,
+                                        const Out* outs) {
+    alignas(64) __m512i buf[8 * UNIT];
+    __m512 acc[MANY];
+    for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* c = tile + b * chunk_of<TYPE>();
+        unpack_block<TYPE>(c, buf);
+        // The requests ahead spread over the groups' work, as the single group spreads them over units.
+        const int groups = (rows + ROWS - 1) / ROWS;
+        for (int g = 0; g < groups; ++g) {
+            prefetch_lines(c, chunk_of<TYPE>(), g, groups);
+            group_block<TYPE>(rows - g * ROWS < ROWS ? rows - g * ROWS : ROWS, c, buf, b, a + g * ROWS, acc + g * ROWS);
+        }
+    }
+    for (int r = 0; r < rows; ++r) store(outs[r / ROWS], r % ROWS, acc[r]);
+}
+
+template <int TYPE>
+void tile_group(int rows, const uint8_t* t, int64_t blocks, const ActRow* a, const Out* outs) {
+    constexpr bool K_QUANT = TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K;
+    if (!K_QUANT && rows > ROWS) {   // a legacy block is one unit: little to share, the groups go alone
+        for (int g = 0; g < rows; g += ROWS)
+            tile_group<TYPE>(rows - g < ROWS ? rows - g : ROWS, t, blocks, a + g, outs + g / ROWS);
+        return;
+    }
+    switch (rows) {
+        case 1: tile<1, TYPE>(t, blocks, a, outs[0]); break;
+        case 2: tile<2, TYPE>(t, blocks, a, outs[0]); break;
+        case 3: tile<3, TYPE>(t, blocks, a, outs[0]); break;
+        case 4: tile<4, TYPE>(t, blocks, a, outs[0]); break;
+        case 5: tile<5, TYPE>(t, blocks, a, outs[0]); break;
+        case 6: tile<6, TYPE>(t, blocks, a, outs[0]); break;
+        case 7: tile<7, TYPE>(t, blocks, a, outs[0]); break;
+        case 8: tile<8, TYPE>(t, blocks, a, outs[0]); break;
+        default: if constexpr (K_QUANT) tile_rows<TYPE>(t, blocks, a, rows, outs); break;
+    }
+}
+
+void tile_any(int type, int rows, const uint8_t* t, int64_t blocks, const ActRow* a, const Out* outs) {
     switch (type) {
-        case Q4_K: tile_q4k<R, false>(tile, blocks, a, o); break;
-        case Q5_K: tile_q4k<R, true>(tile, blocks, a, o); break;
-        case Q6_K: tile_q6k<R>(tile, blocks, a, o); break;
-        case Q8_0: tile_legacy<R, Q8_0>(tile, blocks, a, o); break;
-        case Q4_0: tile_legacy<R, Q4_0>(tile, blocks, a, o); break;
-        case Q5_0: tile_legacy<R, Q5_0>(tile, blocks, a, o); break;
-        case Q4_1: tile_legacy<R, Q4_1>(tile, blocks, a, o); break;
-        case Q5_1: tile_legacy<R, Q5_1>(tile, blocks, a, o); break;
+        case Q4_K: tile_group<Q4_K>(rows, t, blocks, a, outs); break;
+        case Q5_K: tile_group<Q5_K>(rows, t, blocks, a, outs); break;
+        case Q6_K: tile_group<Q6_K>(rows, t, blocks, a, outs); break;
+        case Q8_0: tile_group<Q8_0>(rows, t, blocks, a, outs); break;
+        case Q4_0: tile_group<Q4_0>(rows, t, blocks, a, outs); break;
+        case Q5_0: tile_group<Q5_0>(rows, t, blocks, a, outs); break;
+        case Q4_1: tile_group<Q4_1>(rows, t, blocks, a, outs); break;
+        case Q5_1: tile_group<Q5_1>(rows, t, blocks, a, outs); break;
         default: break;
     }
 }
@@ -294,26 +404,18 @@ void matmul_avx512(int type, const uint8_t* w, int64_t k, const uint8_t* act, in
         const uint8_t* tile = w + (size_t)t * blocks * cb;
         const int64_t col = t * LANES;
         const int64_t valid = n - col < LANES ? n - col : LANES;
-        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
-            const int rows = (int)(m - r0 < ROWS ? m - r0 : ROWS);
-            ActRow a[ROWS];
-            Out o;
-            o.bias = bias ? bias + col : nullptr;
-            o.valid = (__mmask16)((1u << valid) - 1);
+        for (int64_t r0 = 0; r0 < m; r0 += MANY) {
+            const int rows = (int)(m - r0 < MANY ? m - r0 : MANY);
+            ActRow a[MANY];
+            Out outs[MANY / ROWS];
             for (int r = 0; r < rows; ++r) {
+                Out& o = outs[r / ROWS];
+                o.bias = bias ? bias + col : nullptr;
+                o.valid = (__mmask16)((1u << valid) - 1);
                 a[r] = act_row(act + (r0 + r) * stride, k, qb);
-                o.y[r] = y + (r0 + r) * ldy + col;
+                o.y[r % ROWS] = y + (r0 + r) * ldy + col;
             }
-            switch (rows) {
-                case 1: tile_any<1>(type, tile, blocks, a, o); break;
-                case 2: tile_any<2>(type, tile, blocks, a, o); break;
-                case 3: tile_any<3>(type, tile, blocks, a, o); break;
-                case 4: tile_any<4>(type, tile, blocks, a, o); break;
-                case 5: tile_any<5>(type, tile, blocks, a, o); break;
-                case 6: tile_any<6>(type, tile, blocks, a, o); break;
-                case 7: tile_any<7>(type, tile, blocks, a, o); break;
-                default: tile_any<8>(type, tile, blocks, a, o); break;
-            }
+            tile_any(type, rows, tile, blocks, a, outs);
         }
     }
 }
