@@ -610,22 +610,29 @@ class _Recorded:
         self.lanes.discard(key)
 
 
-def test_requests_that_arrive_during_a_prefill_join_before_the_next_step() -> None:
-    """A burst of requests joins one batch: the first does not step alone while the rest wait."""
+def _finishing(count: int):
+    """A maker of requests (three prompt tokens, two new), the ids of those finished, and an event
+    set once `count` have finished."""
     from forerun.serve.scheduler import Done, Request
 
-    finished = []
+    finished: list[int] = []
     done = threading.Event()
 
     def on_event(request, event) -> None:
         if isinstance(event, Done):
             finished.append(request.id)
-            if len(finished) == 3:
+            if len(finished) == count:
                 done.set()
 
     def request() -> Request:
         return Request([1, 2, 3], SamplingParams(max_tokens=2), on_event)
 
+    return request, finished, done
+
+
+def test_requests_that_arrive_during_a_prefill_join_before_the_next_step() -> None:
+    """A burst of requests joins one batch: the first does not step alone while the rest wait."""
+    request, _, done = _finishing(3)
     scheduler = Scheduler(_Recorded(lambda: [scheduler.submit(request()) for _ in range(2)]))
     scheduler.start()
     try:
@@ -656,20 +663,7 @@ class _SlowPrompts(_Recorded):
 def test_a_request_with_its_first_token_out_does_not_wait_for_a_whole_burst_of_long_prompts() -> None:
     """Once a step has been timed, a burst's first prefilled request waits for its second token
     about the prefill share of a step (a chunk at least), not for every other prompt of the burst."""
-    from forerun.serve.scheduler import Done, Request
-
-    finished = []
-    done = threading.Event()
-
-    def on_event(request, event) -> None:
-        if isinstance(event, Done):
-            finished.append(request.id)
-            if len(finished) == 5:
-                done.set()
-
-    def request() -> Request:
-        return Request([1, 2, 3], SamplingParams(max_tokens=2), on_event)
-
+    request, finished, done = _finishing(5)
     batch = _SlowPrompts(chunk_s=0.2, step_s=0.01)
     scheduler = Scheduler(batch, prefill_share=1.0)
     scheduler.start()

@@ -6,6 +6,8 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include <vector>
+
 #include <math.h>
 #include <omp.h>
 
@@ -400,22 +402,21 @@ void matmul_avx512(int type, const uint8_t* w, int64_t k, const uint8_t* act, in
     const int qb = block_inputs(type), cb = chunk_bytes(type);
     const int64_t blocks = k / qb;
     const size_t stride = act_row_bytes(k);
+    std::vector<ActRow> a(m);   // every tile reads the same rows
+    for (int64_t r = 0; r < m; ++r) a[r] = act_row(act + r * stride, k, qb);
     for (int64_t t = tile0; t < tile1; ++t) {
         const uint8_t* tile = w + (size_t)t * blocks * cb;
         const int64_t col = t * LANES;
         const int64_t valid = n - col < LANES ? n - col : LANES;
         for (int64_t r0 = 0; r0 < m; r0 += MANY) {
             const int rows = (int)(m - r0 < MANY ? m - r0 : MANY);
-            ActRow a[MANY];
             Out outs[MANY / ROWS];
-            for (int r = 0; r < rows; ++r) {
-                Out& o = outs[r / ROWS];
-                o.bias = bias ? bias + col : nullptr;
-                o.valid = (__mmask16)((1u << valid) - 1);
-                a[r] = act_row(act + (r0 + r) * stride, k, qb);
-                o.y[r % ROWS] = y + (r0 + r) * ldy + col;
+            for (int g = 0; g * ROWS < rows; ++g) {
+                outs[g].bias = bias ? bias + col : nullptr;
+                outs[g].valid = (__mmask16)((1u << valid) - 1);
             }
-            tile_any(type, rows, tile, blocks, a, outs);
+            for (int r = 0; r < rows; ++r) outs[r / ROWS].y[r % ROWS] = y + (r0 + r) * ldy + col;
+            tile_any(type, rows, tile, blocks, a.data() + r0, outs);
         }
     }
 }

@@ -42,45 +42,58 @@ int chunk_bytes(int type) {
     }
 }
 
+namespace {
+// Bytes of a quantized row's parts, in order (kernels.h): q, d per 32 (room for either block
+// size), sum16, sum32, sum32h, sum16h, off8; each part 64-aligned.
+constexpr int PARTS = 7;
+void act_parts(int64_t k, size_t* bytes) {
+    const size_t raw[PARTS] = {(size_t)k, (size_t)k / 32 * 4, (size_t)k / 16 * 4, (size_t)k / 32 * 4,
+                               (size_t)k / 32 * 2, (size_t)k / 16 * 2, (size_t)k / 8 * 4};
+    for (int i = 0; i < PARTS; ++i) bytes[i] = (raw[i] + 63) / 64 * 64;
+}
+}  // namespace
+
 size_t act_row_bytes(int64_t k) {
-    // q, then d per 32 (room for either block size), sum16, sum32, sum32h, sum16h, off8; each part 64-aligned.
-    auto up = [](size_t b) { return (b + 63) / 64 * 64; };
-    return up(k) + up(k / 32 * 4) + up(k / 16 * 4) + up(k / 32 * 4) + up(k / 32 * 2) + up(k / 16 * 2) + up(k / 8 * 4);
+    size_t bytes[PARTS], total = 0;
+    act_parts(k, bytes);
+    for (int i = 0; i < PARTS; ++i) total += bytes[i];
+    return total;
 }
 
 void act_sums(const int8_t* q, int64_t k, uint8_t* row) {
     const ActRow a = act_row(row, k, 0);
     int32_t* s16 = const_cast<int32_t*>(a.sum16);
     int16_t* s16h = const_cast<int16_t*>(a.sum16h);
+    int32_t* o8 = const_cast<int32_t*>(a.off8);
     for (int64_t j = 0; j < k / 16; ++j) {
-        int32_t s = 0;
-        for (int i = 0; i < 16; ++i) s += q[16 * j + i];
-        s16[j] = s;
-        s16h[j] = (int16_t)s;
+        int32_t lo = 0, hi = 0;
+        for (int i = 0; i < 8; ++i) lo += q[16 * j + i], hi += q[16 * j + 8 + i];
+        o8[2 * j] = -32 * lo;
+        o8[2 * j + 1] = -32 * hi;
+        s16[j] = lo + hi;
+        s16h[j] = (int16_t)(lo + hi);
     }
     for (int64_t j = 0; j < k / 32; ++j) {
         const_cast<int32_t*>(a.sum32)[j] = s16[2 * j] + s16[2 * j + 1];
         const_cast<int16_t*>(a.sum32h)[j] = (int16_t)(s16[2 * j] + s16[2 * j + 1]);
     }
-    for (int64_t j = 0; j < k / 8; ++j) {
-        int32_t s = 0;
-        for (int i = 0; i < 8; ++i) s += q[8 * j + i];
-        const_cast<int32_t*>(a.off8)[j] = -32 * s;
-    }
 }
 
 ActRow act_row(const uint8_t* base, int64_t k, int qb) {
     (void)qb;
-    auto up = [](size_t b) { return (b + 63) / 64 * 64; };
+    size_t bytes[PARTS];
+    act_parts(k, bytes);
+    const uint8_t* p[PARTS];
+    p[0] = base;
+    for (int i = 1; i < PARTS; ++i) p[i] = p[i - 1] + bytes[i - 1];
     ActRow r;
-    size_t off = 0;
-    r.q = reinterpret_cast<const int8_t*>(base + off); off += up(k);
-    r.d = reinterpret_cast<const float*>(base + off); off += up(k / 32 * 4);
-    r.sum16 = reinterpret_cast<const int32_t*>(base + off); off += up(k / 16 * 4);
-    r.sum32 = reinterpret_cast<const int32_t*>(base + off); off += up(k / 32 * 4);
-    r.sum32h = reinterpret_cast<const int16_t*>(base + off); off += up(k / 32 * 2);
-    r.sum16h = reinterpret_cast<const int16_t*>(base + off); off += up(k / 16 * 2);
-    r.off8 = reinterpret_cast<const int32_t*>(base + off);
+    r.q = reinterpret_cast<const int8_t*>(p[0]);
+    r.d = reinterpret_cast<const float*>(p[1]);
+    r.sum16 = reinterpret_cast<const int32_t*>(p[2]);
+    r.sum32 = reinterpret_cast<const int32_t*>(p[3]);
+    r.sum32h = reinterpret_cast<const int16_t*>(p[4]);
+    r.sum16h = reinterpret_cast<const int16_t*>(p[5]);
+    r.off8 = reinterpret_cast<const int32_t*>(p[6]);
     return r;
 }
 
