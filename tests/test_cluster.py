@@ -342,8 +342,14 @@ def test_a_replica_killed_during_traffic_loses_no_request_without_an_error(clust
     fresh = cluster.wait_replicas(1, exclude=replicas)
     newcomer = fresh.pop()
     current = (replicas - {victim}) | {newcomer}
-    response = cluster.complete("after", key=key_for(newcomer, current), max_tokens=4)
-    assert response.status_code == 200 and response.headers["x-forerun-replica"] == newcomer
+    deadline = time.monotonic() + 60  # the ingress learns of the newcomer a moment after Serve lists it
+    while True:
+        response = cluster.complete("after", key=key_for(newcomer, current), max_tokens=4)
+        assert response.status_code == 200
+        if response.headers["x-forerun-replica"] == newcomer:
+            break
+        assert time.monotonic() < deadline, "the new replica never joined the routing"
+        time.sleep(0.5)
 
 
 # --- the parts, without a cluster ---------------------------------------------------------------

@@ -202,19 +202,71 @@ def test_every_verified_row_equals_plain_decoding_bit_for_bit(
 
 
 def test_the_native_layers_compute_what_the_pytorch_path_does(model, monkeypatch) -> None:
-    # The first decoded row reads the same cache on both paths and comes out within float rounding;
-    # later rows read keys that differ in the last bits, which can move a few activations across an
-    # int8 level: both paths then stay as close to the file's weights in float as each other.
+    # A row decoded on each path over the same cache comes out within float rounding; a prompt
+    # prefilled on each path leaves keys that differ in the last bits, which can move a few
+    # activations across an int8 level: both paths then stay as close to the file's weights in
+    # float as each other.
     reference = load_model(str(model.source.path), dtype="float32", with_tokenizer=False).decoder
     decoder = model.decoder
     ids = list(range(5, 45))
+    prepared = decoder._native_layers()
     fast = plain_rows(decoder, ids[:30], ids[30:])
     monkeypatch.setattr(decoder, "_native", None)
     slow = plain_rows(decoder, ids[:30], ids[30:])
     exact = plain_rows(reference, ids[:30], ids[30:])
-    assert (fast[0] - slow[0]).norm() / slow[0].norm() < 1e-5
     for rows in (fast, slow):
         assert (rows - exact).norm() / exact.norm() < 0.03
+    cache = decoder.new_cache(31)
+    decoder(torch.tensor(ids[:30]), torch.arange(30), cache)  # the PyTorch path's prefill
+    first = {}
+    for name, native_layers in (("pytorch", None), ("native", prepared)):
+        monkeypatch.setattr(decoder, "_native", native_layers)
+        layout = attention.RowLayout.chain(30, 1)
+        first[name] = decoder(torch.tensor(ids[30:31]), torch.tensor([30]), cache, layout=layout).logits[0, 0]
+        cache.truncate(30)
+    assert (first["native"] - first["pytorch"]).norm() / first["pytorch"].norm() < 1e-5
+
+
+def counting_layers(decoder, monkeypatch) -> list[int]:
+    """The layer indices the decoder's native layers are called for, appended as they run."""
+    prepared = decoder._native_layers()
+    calls: list[int] = []
+    lib = prepared.lib
+
+    class Counting:
+        def fr_layer(self, path, layer_at, pass_at, index, out, threads):
+            calls.append(index)
+            return lib.fr_layer(path, layer_at, pass_at, index, out, threads)
+
+    monkeypatch.setattr(prepared, "lib", Counting())
+    return calls
+
+
+def test_a_prompt_is_prefilled_through_the_native_layers_the_same_in_any_chunks(model, monkeypatch) -> None:
+    decoder = model.decoder
+    calls = counting_layers(decoder, monkeypatch)
+    ids = torch.arange(3, 80)
+    whole = decoder.new_cache(90)
+    last = decoder(ids, torch.arange(77), whole, last_only=True).logits[0, 0]
+    assert calls == list(range(decoder.cfg.num_layers))  # one native call a layer, not PyTorch's ops
+    for cut in (1, 16, 50):
+        chunked = decoder.new_cache(90)
+        decoder(ids[:cut], torch.arange(cut), chunked)
+        rest = decoder(ids[cut:], torch.arange(cut, 77), chunked, last_only=True).logits[0, 0]
+        assert torch.equal(rest, last), f"cut at {cut}"
+        assert torch.equal(chunked.k[:, :, :, :77], whole.k[:, :, :, :77]), f"cut at {cut}"
+        assert torch.equal(chunked.v[:, :, :, :77], whole.v[:, :, :, :77]), f"cut at {cut}"
+
+
+def test_a_masked_or_batched_forward_keeps_the_pytorch_path(model, monkeypatch) -> None:
+    decoder = model.decoder
+    calls = counting_layers(decoder, monkeypatch)
+    cache = decoder.new_cache(20)
+    causal = torch.ones(10, 10, dtype=torch.bool).tril()
+    decoder(torch.arange(3, 13), torch.arange(10), cache, causal)  # an explicit mask
+    batched = decoder.new_cache(20, batch=2)
+    decoder(torch.arange(3, 23).view(2, 10), torch.arange(10), batched)  # two sequences in one cache
+    assert calls == []
 
 
 def test_every_path_computes_a_whole_forward_to_the_same_bits(model, monkeypatch) -> None:

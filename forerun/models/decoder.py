@@ -261,30 +261,30 @@ class Decoder(nn.Module):
         """Run the new tokens against the cache and append their keys and values to it.
 
         tokens, positions: [B, T] (or [T]). attention_mask: bool, True where a new token may attend,
-        [T, S] or [B, T, S] with S = cache.length + T; None means causal. `layout` (one sequence)
-        instead computes every row exactly as it would come out alone (decoding, verification).
-        `layers` runs a subset of layers (self-speculation); the cache entries of skipped layers are
-        left untouched. `head` scores with another head than lm_head (a draft's reduced vocabulary).
-        `segments` (with `cache` None and tokens [T]) runs the rows of several sequences in one
-        forward, each segment's rows on its own cache and layout: every row comes out as it would
-        in a forward of its sequence alone (continuous batching); with `last_only`, each segment's
-        last row is scored (a batch's draft forwards). `all_hidden` with `last_only` and
-        `output_hidden`: the hidden state of every row, the logits of the last (a draft head reads
-        the whole prompt's features).
-        """
+        [T, S] or [B, T, S] with S = cache.length + T; None means causal (through the native layers
+        as a chain where they run). `layout` (one sequence) instead computes every row exactly as it
+        would come out alone (decoding, verification). `layers` runs a subset of layers (self-
+        speculation); skipped layers' cache entries are left untouched. `head` scores with another
+        head than lm_head (a draft's reduced vocabulary). `segments` (with `cache` None and tokens
+        [T]) runs several sequences' rows in one forward, each segment's on its own cache and layout:
+        every row comes out as in a forward of its sequence alone (continuous batching); with
+        `last_only`, each segment's last row is scored (a batch's draft forwards). `all_hidden` with
+        `last_only` and `output_hidden`: every row's hidden state, the last's logits (a draft head
+        reads the whole prompt's features)."""
         if tokens.dim() == 1:
             tokens = tokens[None]
         if positions.dim() == 1:
             positions = positions[None].expand(tokens.shape[0], -1)
         t = tokens.shape[1]
-        dtype = self.dtype
-        cos, sin = self._rope.tables(positions, dtype)  # [B, T, 1, D]
+        cos, sin = self._rope.tables(positions, self.dtype)  # [B, T, 1, D]
         if segments is not None:
             layout = segments  # the blocks pass it on to attention
+        elif layout is None and attention_mask is None:
+            layout = self._native_chain(cache, tokens)
         mask, causal = (
             (None, False) if layout is not None else self._mask(attention_mask, cache.length, t, tokens.device)
         )
-        x = self.embed_tokens(tokens).to(dtype)  # [B, T, hidden]
+        x = self.embed_tokens(tokens).to(self.dtype)  # [B, T, hidden]
         order = range(self.cfg.num_layers) if layers is None else layers
         x, layer_hidden = self._layers(x, cos, sin, cache, mask, causal, layout, segments, order, hidden_layer)
         for seg in segments if segments is not None else ():
@@ -316,6 +316,16 @@ class Decoder(nn.Module):
             if i == hidden_layer:
                 layer_hidden = x
         return x, layer_hidden
+
+    def _native_chain(self, cache: KVCache | None, tokens: torch.Tensor) -> RowLayout | None:
+        """A causal forward (a prompt's prefill) as a chain of rows where the native layers run
+        (one sequence on a float32 cache of its own, with room for the rows): through them, one
+        call a layer instead of PyTorch's ops. None: the causal mask's path."""
+        if cache is None or tokens.shape[0] != 1 or cache.k.shape[1] != 1 or cache.k.dtype != torch.float32:
+            return None
+        if cache.length + tokens.shape[1] > cache.max_len or self._native_layers() is None:
+            return None
+        return RowLayout.chain(cache.length, tokens.shape[1])
 
     def _native_layers(self):
         """The layers' native descriptions (`native_layer.prepare`), made at the first row-exact
