@@ -27,18 +27,19 @@ def quantized():
     return model
 
 
-def test_a_prompt_yields_between_its_chunks_and_ends_as_begin_does(quantized) -> None:
+def test_a_prompt_yields_its_chunks_in_turn_and_ends_as_begin_does(quantized) -> None:
     engine = Engine(quantized)
     steps = engine.begin_steps(LONG, SamplingParams(max_tokens=4))
-    yields = 0
-    while True:
-        try:
-            next(steps)
-            yields += 1
-        except StopIteration as stop:
-            run, first = stop.value
-            break
-    assert yields == len(LONG) // PREFILL_CHUNK  # one between each two chunks
+    starts = []
+    try:
+        chunk = next(steps)
+        while True:
+            starts.append(chunk.start)
+            assert chunk.cache.length == chunk.start and chunk.left == len(LONG) - chunk.start
+            chunk = steps.send(chunk.alone(quantized.decoder))
+    except StopIteration as stop:
+        run, first = stop.value
+    assert starts == list(range(0, len(LONG), PREFILL_CHUNK))  # PREFILL_CHUNK rows a forward alone
     assert run.cache.length == len(LONG)
     _, alone = Engine(quantized).begin(LONG, SamplingParams(max_tokens=4))
     assert first.token_ids == alone.token_ids

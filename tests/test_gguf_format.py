@@ -15,8 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from forerun import drafters, native
+from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
+from forerun.engine.batch import BatchEngine
 from forerun.engine.engine import Engine
 from forerun.models import attention, formats, native_layer
 from forerun.models.gguf_format import GGUFEmbedding, GGUFLinear
@@ -353,3 +355,48 @@ def test_greedy_speculation_with_a_gguf_draft_model_equals_plain(pair, prompt, m
     spec = Engine(target, drafters.create(method, target, options), 3).generate(prompt, params)
     assert spec.token_ids == plain
     assert 0 < spec.metrics.num_accepted_tokens < spec.metrics.num_draft_tokens
+
+
+CARRIED = [
+    (list(range(5, 13)), SamplingParams(max_tokens=30)),
+    ([3 + i % 90 for i in range(130)], SamplingParams(max_tokens=6)),
+    ([7, 8, 9] * 30, SamplingParams(temperature=1.0, top_k=5, max_tokens=6, seed=4)),
+    ([98 - i % 60 for i in range(70)], SamplingParams(max_tokens=5)),
+]
+
+
+def carry_all(batch: BatchEngine, requests, share: float) -> tuple[dict[int, list[int]], list[int]]:
+    """Run `requests`: the first added whole, the rest started (their prompts chunked) and stepped
+    in with `share`; each request's tokens, and the prompt rows each step carried."""
+    tokens: dict[int, list[int]] = {0: batch.add(0, *requests[0]).token_ids}
+    for key, (prompt, params) in enumerate(requests[1:], 1):
+        batch.start(key, prompt, params)
+    carried = []
+    while batch.lanes or batch.prefilling:
+        results = batch.step(share) if any(not lane.run.seq.finished for lane in batch.lanes.values()) else {}
+        carried.append(batch.carried_rows)
+        if not results:
+            results = batch.prefill(1.0)
+        for key, result in results.items():
+            assert result.error is None, result.error
+            tokens.setdefault(key, []).extend(result.output.token_ids)
+        for key in [k for k, lane in batch.lanes.items() if lane.run.seq.finished]:
+            batch.remove(key)
+    return tokens, carried
+
+
+def test_prompts_carried_in_the_steps_come_out_as_alone(k_file: Path, home: Path) -> None:
+    model = load_model(str(k_file), with_tokenizer=False, quantization="gguf")
+    alone = [Engine(model).generate(prompt, params).token_ids for prompt, params in CARRIED]
+    llm = LLM(model, speculative_method="ngram", num_speculative_tokens=3)
+    tokens, carried = carry_all(BatchEngine(llm.new_engine, 4), CARRIED, share=1.0)
+    assert [tokens[key] for key in range(len(CARRIED))] == alone
+    assert sum(carried) >= 100 and max(carried) < 64  # the prompts came in through the steps, a few rows a pass
+
+
+def test_a_target_whose_prefill_is_no_chain_of_exact_rows_carries_nothing(k_file: Path, home: Path) -> None:
+    model = load_model(str(k_file), with_tokenizer=False, quantization="w8a8")
+    assert not model.decoder.chain_prefill
+    alone = [Engine(model).generate(prompt, params).token_ids for prompt, params in CARRIED]
+    tokens, carried = carry_all(BatchEngine(LLM(model).new_engine, 4), CARRIED, share=1.0)
+    assert [tokens[key] for key in range(len(CARRIED))] == alone and not any(carried)

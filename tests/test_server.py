@@ -563,6 +563,7 @@ class _Recorded:
     inside the first prefill (requests arriving meanwhile)."""
 
     max_seqs = 4
+    carried_rows = 0
 
     def __init__(self, during_first_add) -> None:
         self.log: list[tuple[str, int]] = []
@@ -599,7 +600,7 @@ class _Recorded:
         self.lanes.add(key)
         return StepResult(StepOutput([1], "a", False))
 
-    def step(self):
+    def step(self, prefill_share=0.0):
         from forerun.engine.batch import StepResult
         from forerun.engine.engine import StepOutput
 
@@ -655,9 +656,49 @@ class _SlowPrompts(_Recorded):
         key = self.started.pop(0)
         return {key: self.bring_in(key)}
 
-    def step(self):
+    def step(self, prefill_share=0.0):
         time.sleep(self.step_s)
         return super().step()
+
+
+class _Carrying(_SlowPrompts):
+    """A batch whose steps carry the waiting prompts' rows: each step brings in one waiting prompt
+    (as a step whose pass carried its last rows); prefill calls are logged with their budget."""
+
+    def prefill(self, budget_s):
+        self.log.append(("prefill", budget_s > 0))
+        return super().prefill(budget_s) if budget_s > 0 and self.started else {}
+
+    def step(self, prefill_share=0.0):
+        results = super().step(prefill_share)
+        self.carried_rows = 0
+        if self.lanes and self.started and prefill_share > 0:
+            self.carried_rows = 3
+            key = self.started.pop(0)
+            results[key] = self.bring_in(key)
+        return results
+
+
+def test_while_steps_carry_prompt_rows_no_chunk_runs_alone_between_them() -> None:
+    request, finished, done = _finishing(4)
+    batch = _Carrying(chunk_s=0.01, step_s=0.01)
+    scheduler = Scheduler(batch, prefill_share=1.0)
+    scheduler.start()
+    try:
+        scheduler.submit(request())
+        while len(finished) < 1:
+            time.sleep(0.01)
+        batch.lanes.add(-1)  # a request that keeps decoding: every later prompt comes in while one does
+        scheduler.submit_group([request() for _ in range(3)])
+        assert done.wait(10)
+    finally:
+        scheduler.stop()
+    later = batch.log[batch.log.index(("step", 1)) + 1 :]
+    # The time saved up by the last step before the prompts came buys a chunk alone; from the first
+    # step that carries prompt rows on, none runs alone and the rest come in through the steps.
+    carrying = later[later.index(("step", 2)) + 1 :]
+    assert ("prefill", True) not in carrying, later
+    assert sum(entry[0] == "add" for entry in carrying) == 2, later
 
 
 def test_a_request_with_its_first_token_out_does_not_wait_for_a_whole_burst_of_long_prompts() -> None:

@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.drafters.passes import run_passes
-from forerun.engine.engine import Choice, Engine, Plan, RequestOutput, Running, StepOutput
+from forerun.engine.engine import Choice, ChunkDone, Engine, Plan, PromptChunk, RequestOutput, Running, StepOutput
 from forerun.policy.batch_rates import Rates
 from forerun.policy.draft_length import batch_draft_length
-from forerun.verification.verify import Verification, VerifyJob, verify, verify_many
+from forerun.policy.pass_costs import PassCosts, cached_pass_costs
+from forerun.verification.verify import PromptRows, Verification, VerifyJob, verify, verify_many
 
 
 @dataclass
@@ -44,11 +45,12 @@ class Prefill:
     """A request whose prompt is being prefilled a chunk at a time (`BatchEngine.start`)."""
 
     engine: Engine
-    steps: Generator[None, None, tuple[Running, StepOutput]]
+    steps: Generator[PromptChunk, ChunkDone, tuple[Running, StepOutput]]
     prompt_ids: list[int]
     params: SamplingParams
     # Requests of the same prompt that start from this one's prefill once it is done (n samples).
     followers: list[tuple[Hashable, SamplingParams]] = field(default_factory=list)
+    chunk: PromptChunk | None = None  # the prompt's next rows (None: its set-up has not run yet)
 
 
 @dataclass
@@ -74,11 +76,17 @@ class BatchEngine:
         self.last_k: int | None = None  # the draft length the last step allowed (None: no drafter)
         # Per batch size class (1, 2-3, 4-7, 8-15, ...: the size's bit length), measured rates.
         self.rates: collections.defaultdict[int, Rates] = collections.defaultdict(Rates)
+        self._costs: PassCosts | None = None  # the target's pass costs, once a step carries a prompt's rows
+        self.carried_rows = 0  # prompt rows the last step's pass carried
 
     def prepare(self) -> None:
-        """Build every lane now (a server at start), not when the batch first grows to it."""
+        """Build every lane now (a server at start), not when the batch first grows to it; and where
+        steps may carry prompt rows, have the target's pass costs at hand (timed now if never)."""
         while len(self.idle) + len(self.lanes) < self.max_seqs:
             self.idle.append(self._new())
+        target = self.idle[0].target if self.idle else None
+        if target is not None and target.decoder.chain_prefill and self._costs is None:
+            self._costs = cached_pass_costs(target)
 
     @property
     def full(self) -> bool:
@@ -144,19 +152,32 @@ class BatchEngine:
         while self.prefilling and budget_s > 0 and (not chunks or time.perf_counter() - started < budget_s):
             chunks += 1
             key, job = next(iter(self.prefilling.items()))
-            try:
-                next(job.steps)  # one chunk
-            except StopIteration as stop:
-                run, first = stop.value
-                del self.prefilling[key]
-                self.lanes[key] = Lane(job.engine, run)
-                results[key] = StepResult(first)
-                for follower, params in job.followers:
-                    results[follower] = self._follow(follower, job.prompt_ids, params, key)
-            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
-                self._drop_prefill(key)
-                results[key] = StepResult(None, exc)
+            if self._next_chunk(key, job, results):
+                self._feed(key, job, job.chunk.alone(job.engine.target.decoder), results)
         return results
+
+    def _next_chunk(self, key: Hashable, job: Prefill, results: dict[Hashable, StepResult]) -> bool:
+        """Whether `job` has a chunk to run (its set-up run first: a prefill shared with another
+        request's ends there, into `results`)."""
+        if job.chunk is None:
+            self._feed(key, job, None, results)
+        return key in self.prefilling
+
+    def _feed(self, key: Hashable, job: Prefill, done: ChunkDone | None, results: dict[Hashable, StepResult]) -> None:
+        """Hand `job` its chunk's forward (None: start it); once its prompt is through, the request
+        joins the lanes (its followers too) with its first step in `results`, or its error."""
+        try:
+            job.chunk = next(job.steps) if done is None else job.steps.send(done)
+        except StopIteration as stop:
+            run, first = stop.value
+            del self.prefilling[key]
+            self.lanes[key] = Lane(job.engine, run)
+            results[key] = StepResult(first)
+            for follower, params in job.followers:
+                results[follower] = self._follow(follower, job.prompt_ids, params, key)
+        except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+            self._drop_prefill(key)
+            results[key] = StepResult(None, exc)
 
     def _queue_prefill(self, key: Hashable, prompt_ids: list[int], params: SamplingParams) -> None:
         engine = self._engine()
@@ -193,8 +214,11 @@ class BatchEngine:
         self.idle.append(lane.engine)
         return lane.engine.end(lane.run)
 
-    def step(self) -> dict[Hashable, StepResult]:
-        """One step of every running request; finished ones stay until `remove`d."""
+    def step(self, prefill_share: float = 0.0) -> dict[Hashable, StepResult]:
+        """One step of every running request; finished ones stay until `remove`d. With
+        `prefill_share` above 0 the step's pass also carries the oldest waiting prompt's next rows,
+        as many as cost about that share of the pass's own time (`_carry`); a prompt that gets
+        through has its first step in the results."""
         lanes = [(key, lane) for key, lane in self.lanes.items() if not lane.run.seq.finished]
         if not lanes:
             return {}
@@ -216,8 +240,10 @@ class BatchEngine:
         cap = self._k_cap([(lane, chosen[key]) for key, lane in lanes]) if len(lanes) > 1 else None
         drafting = not plain and (cap is None or cap > 0)
         planned = self._plan(lanes, cap, chosen, results)
-        together = len(planned) > 1  # one pass for several lanes: no lane's step is timed alone
-        for (key, lane, plan), ver in zip(planned, self._verify(planned)):
+        carried = self._carry(planned, prefill_share, results)
+        self.carried_rows = len(carried[2].tokens) if carried is not None else 0
+        together = len(planned) > 1 or carried is not None  # no lane's step is timed alone
+        for (key, lane, plan), ver in zip(planned, self._verify(planned, carried)):
             if isinstance(ver, Exception):
                 results[key] = StepResult(None, ver)
                 continue
@@ -228,7 +254,10 @@ class BatchEngine:
                 results[key] = StepResult(None, exc)
         ks = [plan.k for _, _, plan in planned if plan.k is not None]
         self.last_k = max(ks) if ks else None
-        if cap is not None:
+        if carried is not None and carried[2].logits is not None:
+            key, job, prompt = carried
+            self._feed(key, job, ChunkDone(len(prompt.tokens), prompt.logits), results)
+        elif cap is not None:  # a step that carried a prompt's rows measures more than the batch's rate
             emitted = sum(len(r.output.token_ids) for r in results.values() if r.output is not None)
             seconds = max(time.perf_counter() - started, 1e-9)
             bucket.record(drafting, emitted / seconds, seconds)
@@ -301,10 +330,46 @@ class BatchEngine:
         draft_pass = pooled[0][0].batch_pass_seconds(len(pooled), pooled[0][1]) if pooled else 0.0
         return batch_draft_length(figures, pass_cost, k_max, plain_lanes=plain, draft_pass=draft_pass)
 
-    def _verify(self, planned: list[tuple[Hashable, Lane, Plan]]) -> list[Verification | Exception]:
+    def _carry(
+        self, planned: list[tuple[Hashable, Lane, Plan]], share: float, results: dict[Hashable, StepResult]
+    ) -> tuple[Hashable, Prefill, PromptRows] | None:
+        """The oldest waiting prompt's next rows for this step's pass: as many as add at most `share`
+        of the pass's own time by the target's measured pass costs (`cached_pass_costs`). None where
+        the target's prefill is not a chain of exact rows (`Decoder.chain_prefill`: its chunks run
+        alone, PREFILL_CHUNK rows each, so their bounds stay the prompt's alone) or the prompt keeps
+        every row's hidden state."""
+        if share <= 0 or not planned or not self.prefilling:
+            return None
+        key, job = next(iter(self.prefilling.items()))
+        target = job.engine.target
+        if not target.decoder.chain_prefill or not self._next_chunk(key, job, results) or job.chunk.keep:
+            return None
+        if self._costs is None:
+            self._costs = cached_pass_costs(target)
+        rows = sum(1 + (len(plan.tree.tokens) + len(plan.tree.aux_tokens) if plan.tree else 0) for *_, plan in planned)
+        own, chunk, n = self._costs(rows), job.chunk, 0
+        while n < chunk.left and self._costs(rows + n + 1) - own <= share * own:
+            n += 1
+        return (key, job, PromptRows(chunk.ids[chunk.start : chunk.start + n], chunk.cache)) if n else None
+
+    def _verify(
+        self,
+        planned: list[tuple[Hashable, Lane, Plan]],
+        carried: tuple[Hashable, Prefill, PromptRows] | None = None,
+    ) -> list[Verification | Exception]:
         def job(lane: Lane, plan: Plan) -> VerifyJob:
             return VerifyJob(lane.run.cache, plan.root, plan.tree, lane.run.seq.params)
 
+        if carried is not None:
+            prompt, target = carried[2], planned[0][1].engine.target.decoder
+            caches = [prompt.cache] + [lane.run.cache for _, lane, _ in planned]
+            before = [cache.length for cache in caches]
+            try:
+                return list(verify_many(target, [job(lane, plan) for _, lane, plan in planned], prompt))
+            except Exception:  # noqa: BLE001 - the prompt's rows run alone later; the lanes as below
+                prompt.logits = None
+                for cache, length in zip(caches, before):
+                    cache.truncate(min(length, cache.length))
         if len(planned) == 1:
             _, lane, plan = planned[0]
             try:

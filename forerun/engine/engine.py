@@ -26,8 +26,48 @@ from forerun.verification.verify import Verification, verify
 
 # Prompt tokens per prefill forward. A batch steps its running requests between a long prompt's
 # chunks (chunked prefill), and the bounds are fixed by the prompt alone, so the prefill is the same
-# computation in every batch.
+# computation in every batch. (Where the target's rows are exact whatever rows run beside them, the
+# native layers, a batch may also carry a prompt's rows in its steps, any number at a time.)
 PREFILL_CHUNK = 64
+
+
+@dataclass
+class PromptChunk:
+    """The next rows of a prompt being prefilled: `Engine.begin_steps` yields one and takes back
+    the `ChunkDone` of a forward over rows [start, start + n) of `ids` on `cache`."""
+
+    ids: torch.Tensor  # the whole prompt [T]
+    start: int  # rows already in the cache
+    cache: KVCache
+    keep: bool  # every row's hidden state is wanted (features for a drafter, prompt log probabilities)
+
+    @property
+    def left(self) -> int:
+        return len(self.ids) - self.start
+
+    def alone(self, decoder, most: int = PREFILL_CHUNK) -> ChunkDone:
+        """Up to `most` rows in a forward of their own."""
+        stop = self.start + min(most, self.left)
+        with linear.prefill():  # entered per chunk: a step between chunks is no prefill
+            out = decoder(
+                self.ids[self.start : stop],
+                torch.arange(self.start, stop, device=decoder.device),
+                self.cache,
+                last_only=True,
+                output_hidden=self.keep,
+                all_hidden=True,
+            )
+        return ChunkDone(stop - self.start, out.logits[0], out.hidden[0] if self.keep else None)
+
+
+@dataclass
+class ChunkDone:
+    """What a forward over a prompt's next `rows` rows gave: the last row's raw logits [1, vocab],
+    every row's final hidden state [rows, hidden] when the chunk keeps them."""
+
+    rows: int
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -162,17 +202,19 @@ class Engine:
         a drafter follows one request at a time); this one then copies its cache and samples from
         its last logits with its own generator, instead of a prefill."""
         steps = self.begin_steps(prompt_ids, params, like)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as stop:
-                return stop.value
+        try:
+            chunk = next(steps)
+            while True:
+                chunk = steps.send(chunk.alone(self.target.decoder))
+        except StopIteration as stop:
+            return stop.value
 
     def begin_steps(
         self, prompt_ids: list[int], params: SamplingParams, like: Running | None = None
-    ) -> Generator[None, None, tuple[Running, StepOutput]]:
-        """`begin` one prefill forward at a time: yields between the prompt's chunks (a batch steps
-        its running requests there, chunked prefill); returns what `begin` does."""
+    ) -> Generator[PromptChunk, ChunkDone, tuple[Running, StepOutput]]:
+        """`begin` a chunk at a time: yields each next chunk of the prompt and takes back what its
+        forward gave (a batch steps its running requests between chunks, or carries the chunk's
+        rows in a step: chunked prefill); returns what `begin` does."""
         max_len = self.check_fits(prompt_ids, params)
         if like is not None:
             _check_shareable(like, prompt_ids)
@@ -209,34 +251,24 @@ class Engine:
         out.prompt_logprobs = run.prompt_logprobs
         return run, out
 
-    def _prefill(self, run: Running) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor | None]]:
-        """The whole prompt through the target, PREFILL_CHUNK tokens a forward (yielding between
-        them): the last position's raw logits [1, vocab], and every position's final hidden state
-        [T, hidden] when the drafter reads them. The chunks' bounds depend on the prompt alone, so
-        a prompt's cache comes out the same whether its chunks run back to back or between other
-        requests' steps."""
+    def _prefill(self, run: Running) -> Generator[PromptChunk, ChunkDone, tuple[torch.Tensor, torch.Tensor | None]]:
+        """The whole prompt through the target, a chunk at a time (each yielded, its forward's
+        result sent back): the last position's raw logits [1, vocab], and every position's final
+        hidden state [T, hidden] when the drafter reads them. Run alone, a chunk is PREFILL_CHUNK
+        rows, bounds that depend on the prompt alone, so a prompt's cache comes out the same
+        whether its chunks run back to back or between other requests' steps."""
         decoder, prompt, params = self.target.decoder, run.seq.prompt_ids, run.seq.params
         ids = torch.tensor(prompt, device=decoder.device)
         scored = params.prompt_logprobs is not None
         keep = self.reads_features or scored
-        hiddens = []
+        hiddens, start, logits = [], 0, None
         # Sampling needs the last position's logits alone. The prompt's log probabilities score the
         # other rows' hidden states apart, a slice at a time: the last row comes out as without them.
-        for start in range(0, len(prompt), PREFILL_CHUNK):
-            if start:
-                yield
-            stop = min(start + PREFILL_CHUNK, len(prompt))
-            with linear.prefill():  # entered per chunk: a step between chunks is no prefill
-                out = decoder(
-                    ids[start:stop],
-                    torch.arange(start, stop, device=decoder.device),
-                    run.cache,
-                    last_only=True,
-                    output_hidden=keep,
-                    all_hidden=True,
-                )
+        while start < len(prompt):
+            done = yield PromptChunk(ids, start, run.cache, keep)
+            start, logits = start + done.rows, done.logits
             if keep:
-                hiddens.append(out.hidden[0])  # [chunk, hidden]
+                hiddens.append(done.hidden)  # [rows, hidden]
         hidden = torch.cat(hiddens) if keep else None  # [T, hidden]
         if scored:
 
@@ -245,7 +277,7 @@ class Engine:
                     return decoder.lm_head(hidden[None, a:b])[0].float()  # [b - a, vocab]
 
             run.prompt_logprobs = prompt_logprobs(score, prompt, params.prompt_logprobs)
-        return out.logits[0], hidden if self.reads_features else None
+        return logits, hidden if self.reads_features else None
 
     def _can_share(self, like: Running, params: SamplingParams) -> bool:
         """Whether this engine's request may start from `like`'s prefill. A drafter that reads the

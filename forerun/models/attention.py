@@ -121,12 +121,14 @@ class RowLayout:
 @dataclass
 class Segment:
     """One sequence's rows in a forward over several sequences (continuous batching): rows
-    [start, stop) of the forward, attending over that sequence's own cache as `layout` says."""
+    [start, stop) of the forward, attending over that sequence's own cache as `layout` says.
+    `last_only`: only its last row is scored (a prompt's chunk carried in a step)."""
 
     start: int
     stop: int
     cache: KVCache
     layout: RowLayout
+    last_only: bool = False
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: RowLayout) -> torch.Tensor:

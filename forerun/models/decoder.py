@@ -42,6 +42,18 @@ class DecoderConfig:
     tie_embeddings: bool  # LM head shares the embedding matrix
 
 
+def _scored_rows(segments: list[Segment] | None, last_only: bool) -> list[int] | slice | None:
+    """The rows whose logits a forward returns (None: all). last_only: the last row (of each
+    segment's rows, several sequences); else a segment marked last_only gives its last row alone."""
+    if segments is None:
+        return slice(-1, None) if last_only else None
+    if last_only:
+        return [seg.stop - 1 for seg in segments]
+    if not any(seg.last_only for seg in segments):
+        return None
+    return [r for seg in segments for r in ([seg.stop - 1] if seg.last_only else range(seg.start, seg.stop))]
+
+
 @dataclass
 class DecoderOutput:
     logits: torch.Tensor  # [B, T, vocab] (T = 1 when last_only)
@@ -291,8 +303,7 @@ class Decoder(nn.Module):
             seg.cache.advance(seg.stop - seg.start)
         if cache is not None:
             cache.advance(t)
-        # last_only: the logits of the last row (of each segment's rows, several sequences).
-        last = ([seg.stop - 1 for seg in segments] if segments is not None else slice(-1, None)) if last_only else None
+        last = _scored_rows(segments, last_only)
         if last is not None and not (output_hidden and all_hidden):
             x, last = x[:, last], None
         x = self.norm(x)
@@ -316,6 +327,12 @@ class Decoder(nn.Module):
             if i == hidden_layer:
                 layer_hidden = x
         return x, layer_hidden
+
+    @property
+    def chain_prefill(self) -> bool:
+        """Whether a prompt's prefill runs as a chain of exact rows (the native layers): its rows
+        come out the same in any chunks, alone or in a forward beside other sequences' rows."""
+        return self._native_layers() is not None
 
     def _native_chain(self, cache: KVCache | None, tokens: torch.Tensor) -> RowLayout | None:
         """A causal forward (a prompt's prefill) as a chain of rows where the native layers run

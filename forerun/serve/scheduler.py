@@ -283,22 +283,27 @@ class Scheduler:
     def _step(self) -> None:
         """One step of every running request; each gets its Delta, and Done or Failed when it ends."""
         started = time.perf_counter()
-        results = self.batch.step()
+        # Where the target allows, the step's pass carries a waiting prompt's next rows itself, as
+        # many as cost the prefill share of its own time; the chunks run alone then wait.
+        results = self.batch.step(self.prefill_share)
         if results:
             # Prefill may take as much time as the steps did (PREFILL_SHARE of it), a step's worth at
             # most saved up.
             step = time.perf_counter() - started
-            self._credit = min(self._credit + self.prefill_share * step, self.prefill_share * step)
+            share = 0.0 if self.batch.carried_rows else self.prefill_share
+            self._credit = min(self._credit + share * step, share * step)
             self._step_s = step
         self._fresh.clear()
         self._fresh_since = None
         for rid, result in results.items():
-            request = self._running[rid]
+            request = self._running.get(rid)
+            if request is None:  # a carried prompt's request cancelled meanwhile
+                continue
             if result.error is not None:
                 self._end(request, Failed(f"{type(result.error).__name__}: {result.error}"))
                 continue
             out = result.output
-            _emit(request, Delta(out.text, out.token_ids, out.logprobs))
+            _emit(request, Delta(out.text, out.token_ids, out.logprobs, out.prompt_logprobs))
             if result.output.finished:
                 self._end(request, None)
 

@@ -59,9 +59,21 @@ class VerifyJob:
     params: SamplingParams
 
 
-def verify_many(target: Decoder, jobs: list[VerifyJob]) -> list[Verification]:
+@dataclass
+class PromptRows:
+    """A prompt's next rows carried in a verification pass (chunked prefill): `tokens` at slots and
+    positions cache.length, ... of its own cache; the pass sets `logits`, its last row's [1, vocab]."""
+
+    tokens: torch.Tensor  # [n]
+    cache: KVCache
+    logits: torch.Tensor | None = None
+
+
+def verify_many(target: Decoder, jobs: list[VerifyJob], prompt: PromptRows | None = None) -> list[Verification]:
     """`verify` for several sequences in one target forward (continuous batching): each job's rows
-    run on its own cache and come out exactly as in a `verify` of that job alone."""
+    run on its own cache and come out exactly as in a `verify` of that job alone. `prompt`'s rows
+    go last, as a chain on their cache, only the last one scored (the caller makes sure the
+    target's rows are exact whatever runs beside them, as in its native layers)."""
     tokens: list[int] = []
     positions: list[torch.Tensor] = []
     segments: list[Segment] = []
@@ -72,6 +84,11 @@ def verify_many(target: Decoder, jobs: list[VerifyJob]) -> list[Verification]:
         segments.append(Segment(len(tokens), len(tokens) + len(rows), job.cache, row_layout(tree, start)))
         tokens += rows
         positions.append(tree.positions(start))
+    if prompt is not None:
+        n, start = len(prompt.tokens), prompt.cache.length
+        segments.append(Segment(len(tokens), len(tokens) + n, prompt.cache, RowLayout.chain(start, n), True))
+        tokens += prompt.tokens.tolist()
+        positions.append(torch.arange(start, start + n))
     device = target.device
     out = target(
         torch.tensor(tokens, device=device),
@@ -81,6 +98,8 @@ def verify_many(target: Decoder, jobs: list[VerifyJob]) -> list[Verification]:
         output_hidden=True,
     )
     logits, hidden = out.logits[0], out.hidden[0]  # [R, vocab], [R, hidden]
+    if prompt is not None:
+        prompt.logits = logits[-1:]
     # Greedy sequences' one-hot rows in one go: one argmax and one fill over the pass, not one per
     # sequence (each row the same either way; at 32 sequences a few ms of a step).
     greedy = [job.params for job in jobs if job.params.greedy]
