@@ -347,8 +347,9 @@ class BatchEngine:
         if self._costs is None:
             self._costs = cached_pass_costs(target)
         rows = sum(1 + (len(plan.tree.tokens) + len(plan.tree.aux_tokens) if plan.tree else 0) for *_, plan in planned)
-        own, chunk, n = self._costs(rows), job.chunk, 0
-        while n < chunk.left and self._costs(rows + n + 1) - own <= share * own:
+        cost, chunk, n = self._costs.offline, job.chunk, 0
+        own = cost(rows)
+        while n < chunk.left and cost(rows + n + 1) - own <= share * own:
             n += 1
         return (key, job, PromptRows(chunk.ids[chunk.start : chunk.start + n], chunk.cache)) if n else None
 
