@@ -36,7 +36,10 @@ def test_a_prompt_yields_its_chunks_in_turn_and_ends_as_begin_does(quantized) ->
         while True:
             starts.append(chunk.start)
             assert chunk.cache.length == chunk.start and chunk.left == len(LONG) - chunk.start
-            chunk = steps.send(chunk.alone(quantized.decoder))
+            done = chunk.alone(quantized.decoder)
+            # Only the last chunk is scored: the ones before it need no LM head.
+            assert done.logits.shape[-1] == (0 if chunk.left > PREFILL_CHUNK else quantized.decoder.cfg.vocab_size)
+            chunk = steps.send(done)
     except StopIteration as stop:
         run, first = stop.value
     assert starts == list(range(0, len(LONG), PREFILL_CHUNK))  # PREFILL_CHUNK rows a forward alone

@@ -7,6 +7,7 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
@@ -29,6 +30,17 @@ from forerun.verification.verify import Verification, verify
 # computation in every batch. (Where the target's rows are exact whatever rows run beside them, the
 # native layers, a batch may also carry a prompt's rows in its steps, any number at a time.)
 PREFILL_CHUNK = 64
+
+
+class _Unscored(nn.Module):
+    """A head that scores nothing: a prompt's chunks before its last need no logits (the LM head
+    of one row reads all its weights, a few percent of a chunk's time)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], 0)
+
+
+UNSCORED = _Unscored()
 
 
 @dataclass
@@ -56,14 +68,16 @@ class PromptChunk:
                 last_only=True,
                 output_hidden=self.keep,
                 all_hidden=True,
+                head=None if stop == len(self.ids) else UNSCORED,
             )
         return ChunkDone(stop - self.start, out.logits[0], out.hidden[0] if self.keep else None)
 
 
 @dataclass
 class ChunkDone:
-    """What a forward over a prompt's next `rows` rows gave: the last row's raw logits [1, vocab],
-    every row's final hidden state [rows, hidden] when the chunk keeps them."""
+    """What a forward over a prompt's next `rows` rows gave: the last row's raw logits [1, vocab]
+    ([1, 0] before the prompt's last chunk), every row's final hidden state [rows, hidden] when the
+    chunk keeps them."""
 
     rows: int
     logits: torch.Tensor
