@@ -84,9 +84,8 @@ class BatchEngine:
         steps may carry prompt rows, have the target's pass costs at hand (timed now if never)."""
         while len(self.idle) + len(self.lanes) < self.max_seqs:
             self.idle.append(self._new())
-        target = self.idle[0].target if self.idle else None
-        if target is not None and target.decoder.chain_prefill and self._costs is None:
-            self._costs = cached_pass_costs(target)
+        if self.idle and self.idle[0].target.decoder.chain_prefill:
+            self._pass_costs(self.idle[0].target)
 
     @property
     def full(self) -> bool:
@@ -344,14 +343,18 @@ class BatchEngine:
         target = job.engine.target
         if not target.decoder.chain_prefill or not self._next_chunk(key, job, results) or job.chunk.keep:
             return None
-        if self._costs is None:
-            self._costs = cached_pass_costs(target)
         rows = sum(1 + (len(plan.tree.tokens) + len(plan.tree.aux_tokens) if plan.tree else 0) for *_, plan in planned)
-        cost, chunk, n = self._costs.offline, job.chunk, 0
+        cost, chunk, n = self._pass_costs(target).offline, job.chunk, 0
         own = cost(rows)
         while n < chunk.left and cost(rows + n + 1) - own <= share * own:
             n += 1
         return (key, job, PromptRows(chunk.ids[chunk.start : chunk.start + n], chunk.cache)) if n else None
+
+    def _pass_costs(self, target) -> PassCosts:
+        """The target's measured pass costs, read (or timed) once."""
+        if self._costs is None:
+            self._costs = cached_pass_costs(target)
+        return self._costs
 
     def _verify(
         self,

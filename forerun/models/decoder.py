@@ -340,7 +340,7 @@ class Decoder(nn.Module):
         call a layer instead of PyTorch's ops. None: the causal mask's path."""
         if cache is None or tokens.shape[0] != 1 or cache.k.shape[1] != 1 or cache.k.dtype != torch.float32:
             return None
-        if cache.length + tokens.shape[1] > cache.max_len or self._native_layers() is None:
+        if cache.length + tokens.shape[1] > cache.max_len or not self.chain_prefill:
             return None
         return RowLayout.chain(cache.length, tokens.shape[1])
 
