@@ -24,6 +24,7 @@ from forerun.models import attention, formats, native_layer
 from forerun.models.gguf_format import GGUFEmbedding, GGUFLinear
 from forerun.models.load import load_model
 from forerun.models.testing import save_hf_folder, tiny_model
+from forerun.policy.pass_costs import PassCosts
 from forerun.verification.tree import DraftTree
 from forerun.verification.verify import VerifyJob, row_layout, verify, verify_many
 from tests.conftest import perturbed
@@ -392,6 +393,23 @@ def test_prompts_carried_in_the_steps_come_out_as_alone(k_file: Path, home: Path
     tokens, carried = carry_all(BatchEngine(llm.new_engine, 4), CARRIED, share=1.0)
     assert [tokens[key] for key in range(len(CARRIED))] == alone
     assert sum(carried) >= 100 and max(carried) < 64  # the prompts came in through the steps, a few rows a pass
+
+
+def test_the_rows_a_step_carries_add_its_share_of_one_row_passes_whatever_its_lanes(k_file: Path, home: Path) -> None:
+    """A batch of few lanes (its prompts hold it back) carries as many prompt rows as a wide one: the
+    rows may add `share` one-row passes' time to the step, not a share of the lanes' own pass."""
+    model = load_model(str(k_file), with_tokenizer=False, quantization="gguf")
+    for lanes in (1, 3):
+        batch = BatchEngine(LLM(model).new_engine, 4)
+        batch._costs = PassCosts([8.0 + r for r in range(1, 17)])  # c(r) = 8 + r, a one-row pass 9
+        for key in range(lanes):
+            batch.add(key, [5 + key, 6, 7], SamplingParams(max_tokens=10))
+        batch.start(lanes, [3 + i % 90 for i in range(130)], SamplingParams(max_tokens=2))
+        carried = []
+        for share in (1.0, 0.5):
+            batch.step(share)
+            carried.append(batch.carried_rows)
+        assert carried == [9, 4]
 
 
 def test_a_target_whose_prefill_is_no_chain_of_exact_rows_carries_nothing(k_file: Path, home: Path) -> None:

@@ -74,8 +74,9 @@ def register(sub) -> None:
         type=float,
         default=None,
         metavar="S",
-        help="while requests decode, seconds of prompt prefill per second of their steps (default 1: "
-        "a long prompt slows them to about half pace; inf: each prompt whole before the next step)",
+        help="while requests decode, how much a waiting prompt's prefill may slow them: prompt rows "
+        "costing S one-row passes carried in each step (gguf), else S seconds of prefill per second of "
+        "steps (default 1.5; inf: each prompt whole before the next step)",
     )
     g.add_argument(
         "--header-timeout",

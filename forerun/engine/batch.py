@@ -216,7 +216,7 @@ class BatchEngine:
     def step(self, prefill_share: float = 0.0) -> dict[Hashable, StepResult]:
         """One step of every running request; finished ones stay until `remove`d. With
         `prefill_share` above 0 the step's pass also carries the oldest waiting prompt's next rows,
-        as many as cost about that share of the pass's own time (`_carry`); a prompt that gets
+        as many as add about that many one-row passes' time to it (`_carry`); a prompt that gets
         through has its first step in the results."""
         lanes = [(key, lane) for key, lane in self.lanes.items() if not lane.run.seq.finished]
         if not lanes:
@@ -333,7 +333,9 @@ class BatchEngine:
         self, planned: list[tuple[Hashable, Lane, Plan]], share: float, results: dict[Hashable, StepResult]
     ) -> tuple[Hashable, Prefill, PromptRows] | None:
         """The oldest waiting prompt's next rows for this step's pass: as many as add at most `share`
-        of the pass's own time by the target's measured pass costs (`cached_pass_costs`). None where
+        one-row passes' time to it by the target's measured pass costs (`cached_pass_costs`), so the
+        decoding requests' time per token grows by at most `share` times its one-request figure, and
+        a batch of few lanes (prompts holding it back) carries as many rows as a full one. None where
         the target's prefill is not a chain of exact rows (`Decoder.chain_prefill`: its chunks run
         alone, PREFILL_CHUNK rows each, so their bounds stay the prompt's alone) or the prompt keeps
         every row's hidden state."""
@@ -345,8 +347,8 @@ class BatchEngine:
             return None
         rows = sum(1 + (len(plan.tree.tokens) + len(plan.tree.aux_tokens) if plan.tree else 0) for *_, plan in planned)
         cost, chunk, n = self._pass_costs(target).offline, job.chunk, 0
-        own = cost(rows)
-        while n < chunk.left and cost(rows + n + 1) - own <= share * own:
+        own, allowed = cost(rows), share * cost(1)
+        while n < chunk.left and cost(rows + n + 1) - own <= allowed:
             n += 1
         return (key, job, PromptRows(chunk.ids[chunk.start : chunk.start + n], chunk.cache)) if n else None
 

@@ -11,9 +11,11 @@ and then steps as one batch rather than the first stepping alone while the rest 
 request of the burst has its first token out, the rest of the burst goes on only while that request
 has waited less than the prefill share of a step (unknown before the first step: the first burst
 runs whole), so a client never waits for a whole queue of long prompts between its first and
-second tokens. While requests decode, prefill gets PREFILL_SHARE seconds per second of steps (a
-chunk at least, a step's worth saved up at most), so a long prompt slows the running requests to
-about half their pace instead of stopping them for its whole prefill.
+second tokens. While requests decode, a step's pass carries a waiting prompt's next rows, as many
+as add PREFILL_SHARE one-row passes' time (where the target's prefill is a chain of exact rows:
+`BatchEngine.step`); elsewhere prefill gets PREFILL_SHARE seconds per second of steps as chunks
+alone (a chunk at least, a step's worth saved up at most). Either way a long prompt slows the
+running requests instead of stopping them for its whole prefill.
 
 Events reach the caller through `on_event(request, event)`, called on the loop thread; the server
 hands them to its asyncio loop. An exception inside the engine for one request ends that request
@@ -83,9 +85,11 @@ class Request:
         self.cancelled.set()
 
 
-# While requests decode, waiting prompts are prefilled for this many seconds per second of steps
-# (at least a chunk at a time): the running requests keep half their pace through a long prompt.
-PREFILL_SHARE = 1.0
+# While requests decode, a step's pass carries prompt rows costing this many one-row passes (the
+# running requests' time per token grows by at most 1.5 times its one-request figure, well within
+# 3 times under noise), or, where rows cannot be carried, prompts are prefilled for this many
+# seconds per second of steps (at least a chunk at a time).
+PREFILL_SHARE = 1.5
 ONE_CHUNK = 1e-9  # a prefill budget that runs one chunk (BatchEngine.prefill runs one at least)
 
 
@@ -111,8 +115,9 @@ class Scheduler:
         chores: Callable[[], None] | None = None,
     ) -> None:
         """`max_waiting`: requests allowed to wait beyond the running ones; `on_start` is called on
-        the loop thread when a request starts running (metrics); `prefill_share`: seconds of
-        prefill per second of steps while requests are decoding; `chores`: called on the loop
+        the loop thread when a request starts running (metrics); `prefill_share`: while requests
+        decode, one-row passes of prompt rows a step carries, or seconds of prefill alone per second
+        of steps where rows cannot be carried; `chores`: called on the loop
         thread before each round's admissions start (a replica adds other replicas' answers to its
         drafters' memory there, where nothing else touches it)."""
         self.batch = batch
@@ -284,11 +289,11 @@ class Scheduler:
         """One step of every running request; each gets its Delta, and Done or Failed when it ends."""
         started = time.perf_counter()
         # Where the target allows, the step's pass carries a waiting prompt's next rows itself, as
-        # many as cost the prefill share of its own time; the chunks run alone then wait.
+        # many as cost the prefill share in one-row passes; the chunks run alone then wait.
         results = self.batch.step(self.prefill_share)
         if results:
-            # Prefill may take as much time as the steps did (PREFILL_SHARE of it), a step's worth at
-            # most saved up.
+            # Chunks alone may take the prefill share of the steps' time, a step's worth at most saved
+            # up (none after a step that carried prompt rows itself).
             step = time.perf_counter() - started
             share = 0.0 if self.batch.carried_rows else self.prefill_share
             self._credit = min(self._credit + share * step, share * step)
