@@ -11,6 +11,7 @@ from forerun.base.config import SamplingParams, SpeculativeConfig
 from forerun.base.errors import ForerunError
 from forerun.engine.engine import Engine, RequestOutput
 from forerun.engine.metrics import SpecMetrics
+from forerun.engine.prefix_cache import PREFIX_CACHE_MB, PrefixCache
 from forerun.models import formats
 from forerun.models.load import LoadedModel, load_model
 from forerun.policy.draft_length import DraftLengthPolicy
@@ -67,6 +68,8 @@ class LLM:
     keyword arguments in `speculative_options` go to the drafter alone. num_speculative_tokens is
     the most a step drafts: with speculative_k_policy "adaptive" each step drafts the length that
     pays best (0 when drafts keep failing; policy/draft_length.py), with "fixed" always that many.
+    prefix_cache_mb bounds the prompt rows kept for later prompts that start the same (0: none kept;
+    engine/prefix_cache.py).
     """
 
     def __init__(
@@ -80,7 +83,10 @@ class LLM:
         device: str = "cpu",
         quantization: str | None = None,
         speculative_k_policy: str = "adaptive",
+        prefix_cache_mb: float = PREFIX_CACHE_MB,
     ) -> None:
+        if not prefix_cache_mb >= 0:
+            raise ForerunError(f"prefix_cache_mb must be 0 (none) or more, got {prefix_cache_mb}")
         if isinstance(model, LoadedModel):
             self.target = model
             if quantization is not None:
@@ -107,6 +113,7 @@ class LLM:
         # batched sequence) shares the weights.
         self.spec = dataclasses.replace(spec, options=_with_draft_loaded(options, dtype, device))
         self.drafter_memory: object | None = None  # what the drafters remember, shared by every engine's
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
         self.engine = self.new_engine()
 
     def new_engine(self) -> Engine:
@@ -124,7 +131,7 @@ class LLM:
         policy = None
         if drafter is not None and spec.k_policy == "adaptive":
             policy = DraftLengthPolicy(cached_pass_costs(self.target), spec.num_speculative_tokens)
-        return Engine(self.target, drafter, spec.num_speculative_tokens, policy)
+        return Engine(self.target, drafter, spec.num_speculative_tokens, policy, self.prefix_cache)
 
     @property
     def tokenizer(self):

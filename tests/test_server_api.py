@@ -67,7 +67,12 @@ def test_n_samples_with_a_seed_are_each_the_sample_of_its_own_seed(plain) -> Non
     generated = sum(
         len(alone(plain.llm, "abc", max_tokens=16, temperature=1.0, seed=11 + i).token_ids) for i in range(3)
     )
-    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": generated, "total_tokens": 3 + generated}
+    assert out["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": generated,
+        "total_tokens": 3 + generated,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert post(plain, body)["choices"] == out["choices"]  # and reproduce
     chunks = stream(plain, body)
     streamed = [

@@ -18,14 +18,16 @@ if TYPE_CHECKING:
     from forerun.bench.serve_load import LevelResult
     from forerun.bench.serve_servers import Process
 
-SETUPS = ("off", "fixed", "auto", "off-whole")
+SETUPS = ("off", "fixed", "auto", "off-whole", "off-uncached")
 # Each set-up: its speculation policy (None: off) and `forerun serve` flags of its own. off-whole
-# prefills each prompt whole before the next step (no chunked prefill): the control for it.
+# prefills each prompt whole before the next step (no chunked prefill), off-uncached keeps no
+# earlier prompt's rows (no prefix cache): the controls for them.
 _SETUP_SERVE = {
     "off": (None, []),
     "fixed": ("fixed", []),
     "auto": ("adaptive", []),
     "off-whole": (None, ["--prefill-share", "inf"]),
+    "off-uncached": (None, ["--prefix-cache-mb", "0"]),
 }
 
 
@@ -57,8 +59,8 @@ def register(sub) -> None:
         "--setups",
         default="off,fixed,auto",
         help=f"comma-separated, of {', '.join(SETUPS)} (off-whole: off with each prompt prefilled whole, "
-        "no chunked prefill); one named again runs as a second server of its own "
-        "(off,auto,off: an off-against-off control, the noise between two identical servers); "
+        "no chunked prefill; off-uncached: off with no prefix cache); one named again runs as a second "
+        "server of its own (off,auto,off: an off-against-off control, the noise between two identical servers); "
         "@rayN[xT] runs a set-up as N replicas of T threads under Ray Serve (T: the CPUs over N), "
         "and @rayN[xT]-p2c with Ray's power of two choices and a memory per replica (auto@ray2, auto@ray2-p2c)",
     )

@@ -8,6 +8,7 @@ import json
 from forerun import drafters
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
+from forerun.engine.prefix_cache import PREFIX_CACHE_MB
 from forerun.models.load import QUANTIZATIONS
 
 
@@ -28,6 +29,16 @@ def add_model_args(p: argparse.ArgumentParser, quantization: str | None = None) 
         "and w8a8 keep a row's result bit-identical alone or batched"
         + (f"; none: the weights in --dtype (default: {quantization})" if quantization else ""),
     )
+    if quantization is not None:  # the commands that answer requests
+        p.add_argument(
+            "--prefix-cache-mb",
+            type=float,
+            default=PREFIX_CACHE_MB,
+            metavar="MB",
+            help="prompt rows kept for later prompts that start the same (a chat template's system turn, "
+            f"earlier turns): a prompt's prefill starts after the longest such prefix (default {PREFIX_CACHE_MB}; "
+            "0: none; used with gguf, where a row comes out the same in any chunks)",
+        )
 
 
 def quantization_arg(value: str | None) -> str | None:

@@ -41,6 +41,7 @@ def build_llm(args: argparse.Namespace, method: str | None = None) -> LLM:
         device=args.device,
         quantization=quantization_arg(args.quantization),
         speculative_k_policy=args.speculative_k_policy,
+        prefix_cache_mb=args.prefix_cache_mb,
     )
 
 

@@ -14,6 +14,7 @@ from forerun.base.errors import ForerunError
 from forerun.drafters.base import Drafter
 from forerun.drafters.passes import DraftPass, DraftSteps, run_alone
 from forerun.engine.metrics import SpecMetrics
+from forerun.engine.prefix_cache import PrefixCache
 from forerun.engine.sequence import Sequence
 from forerun.models import linear
 from forerun.models.kv_cache import KVCache
@@ -104,6 +105,7 @@ class RequestOutput:
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     logprobs: list[TokenLogprob] | None = None  # each of token_ids' (params.logprobs)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # each prompt token's, entry 0 None
+    num_cached_tokens: int = 0  # prompt tokens whose rows came from the prefix cache
 
     @property
     def tokens_per_s(self) -> float:
@@ -125,6 +127,7 @@ class Running:
     prefill_logits: torch.Tensor | None = None
     logprobs: list[TokenLogprob] | None = None  # every emitted token's, when asked
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_tokens: int = 0  # prompt rows restored from the prefix cache
 
     def step_output(self, emitted: list[int]) -> StepOutput:
         """What a step that appended `emitted` hands out: the tokens, their text and log probabilities."""
@@ -165,8 +168,12 @@ class Engine:
         drafter: Drafter | None = None,
         num_speculative_tokens: int = 0,
         policy: DraftLengthPolicy | None = None,
+        prefixes: PrefixCache | None = None,
     ) -> None:
+        """`prefixes`: prompt rows kept from earlier prefills (shared by an LLM's engines), used where
+        the target's prefill is a chain of exact rows."""
         self.target = target
+        self.prefixes = prefixes
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
         self.policy = policy if drafter is not None and self.k > 0 else None
@@ -275,7 +282,12 @@ class Engine:
         ids = torch.tensor(prompt, device=decoder.device)
         scored = params.prompt_logprobs is not None
         keep = self.reads_features or scored
-        hiddens, start, logits = [], 0, None
+        # A prompt's rows come out the same in any chunks on the native chain: the rows of a prefix
+        # prefilled before are those its prefill would compute (not where every row's hidden state
+        # is wanted: those are not kept).
+        prefixes = self.prefixes if self.prefixes is not None and not keep and _exact_rows(decoder, run.cache) else None
+        start = run.cached_tokens = prefixes.restore(prompt, run.cache) if prefixes is not None else 0
+        hiddens, logits = [], None
         # Sampling needs the last position's logits alone. The prompt's log probabilities score the
         # other rows' hidden states apart, a slice at a time: the last row comes out as without them.
         while start < len(prompt):
@@ -283,6 +295,8 @@ class Engine:
             start, logits = start + done.rows, done.logits
             if keep:
                 hiddens.append(done.hidden)  # [rows, hidden]
+        if prefixes is not None:
+            prefixes.store(prompt, run.cache)
         hidden = torch.cat(hiddens) if keep else None  # [T, hidden]
         if scored:
 
@@ -320,6 +334,7 @@ class Engine:
             run.metrics,
             run.logprobs,
             run.prompt_logprobs,
+            run.cached_tokens,
         )
 
     def step(self, run: Running) -> list[int]:
@@ -474,6 +489,12 @@ def _check_shareable(like: Running, prompt_ids: list[int]) -> None:
             "the request named to share its prefill has already stepped (its cache holds "
             "more than the prompt): start every request of one prompt before the next step"
         )
+
+
+def _exact_rows(decoder, cache: KVCache) -> bool:
+    """Whether a prompt's prefill into `cache` runs as a chain of exact rows (`Decoder._native_chain`
+    takes a float32 cache of one sequence)."""
+    return decoder.chain_prefill and cache.k.dtype == torch.float32 and cache.k.shape[1] == 1
 
 
 def _share_prefill(run: Running, like: Running) -> torch.Tensor:

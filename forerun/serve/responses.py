@@ -136,7 +136,13 @@ class Reply:
     def usage(self, choices: list[Choice]) -> dict:
         n = sum(len(c.token_ids) for c in choices)
         prompt = len(self.prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+        cached = choices[0].output.num_cached_tokens if choices and choices[0].output is not None else 0
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": n,
+            "total_tokens": prompt + n,
+            "prompt_tokens_details": {"cached_tokens": cached},  # OpenAI's field: rows from the prefix cache
+        }
 
     def _top(
         self, obj: str, choices: list[dict], usage: dict | None = None, stats: list[dict | None] | None = None
