@@ -366,6 +366,9 @@ CARRIED = [
 ]
 
 
+ROW_COSTS = PassCosts([8.0 + r for r in range(1, 17)])  # c(r) = 8 + r: a one-row pass 9, each row 1 more
+
+
 def carry_all(batch: BatchEngine, requests, share: float) -> tuple[dict[int, list[int]], list[int]]:
     """Run `requests`: the first added whole, the rest started (their prompts chunked) and stepped
     in with `share`; each request's tokens, and the prompt rows each step carried."""
@@ -390,9 +393,29 @@ def test_prompts_carried_in_the_steps_come_out_as_alone(k_file: Path, home: Path
     model = load_model(str(k_file), with_tokenizer=False, quantization="gguf")
     alone = [Engine(model).generate(prompt, params).token_ids for prompt, params in CARRIED]
     llm = LLM(model, speculative_method="ngram", num_speculative_tokens=3)
-    tokens, carried = carry_all(BatchEngine(llm.new_engine, 4), CARRIED, share=1.0)
+    batch = BatchEngine(llm.new_engine, 4)
+    batch._costs = ROW_COSTS
+    tokens, carried = carry_all(batch, CARRIED, share=1.0)
     assert [tokens[key] for key in range(len(CARRIED))] == alone
-    assert sum(carried) >= 100 and max(carried) < 64  # the prompts came in through the steps, a few rows a pass
+    assert sum(carried) >= 90 and max(carried) == 9  # ten steps and more carried prompt rows, nine at most
+
+
+def test_a_step_carries_the_next_prompts_rows_once_the_oldest_is_through(k_file: Path, home: Path) -> None:
+    model = load_model(str(k_file), with_tokenizer=False, quantization="gguf")
+    requests = [
+        ([5, 6, 7], SamplingParams(max_tokens=12)),
+        ([10 + i for i in range(5)], SamplingParams(max_tokens=4)),
+        ([20 + i for i in range(5)], SamplingParams(temperature=1.0, top_k=5, max_tokens=4, seed=2)),
+        ([30 + i for i in range(30)], SamplingParams(max_tokens=4)),
+    ]
+    alone = [Engine(model).generate(prompt, params).token_ids for prompt, params in requests]
+    batch = BatchEngine(LLM(model).new_engine, 4)
+    batch._costs = ROW_COSTS
+    tokens, carried = carry_all(batch, requests, share=1.0)
+    assert [tokens[key] for key in range(len(requests))] == alone
+    # Nine rows a step: the first prompt's five and the second's first four, then the second's last
+    # and the third's first eight; one prompt a step would carry 5, then 1.
+    assert carried[:4] == [9, 9, 9, 9]
 
 
 def test_the_rows_a_step_carries_add_its_share_of_one_row_passes_whatever_its_lanes(k_file: Path, home: Path) -> None:
@@ -401,7 +424,7 @@ def test_the_rows_a_step_carries_add_its_share_of_one_row_passes_whatever_its_la
     model = load_model(str(k_file), with_tokenizer=False, quantization="gguf")
     for lanes in (1, 3):
         batch = BatchEngine(LLM(model).new_engine, 4)
-        batch._costs = PassCosts([8.0 + r for r in range(1, 17)])  # c(r) = 8 + r, a one-row pass 9
+        batch._costs = ROW_COSTS
         for key in range(lanes):
             batch.add(key, [5 + key, 6, 7], SamplingParams(max_tokens=10))
         batch.start(lanes, [3 + i % 90 for i in range(130)], SamplingParams(max_tokens=2))

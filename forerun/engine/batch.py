@@ -215,9 +215,9 @@ class BatchEngine:
 
     def step(self, prefill_share: float = 0.0) -> dict[Hashable, StepResult]:
         """One step of every running request; finished ones stay until `remove`d. With
-        `prefill_share` above 0 the step's pass also carries the oldest waiting prompt's next rows,
-        as many as add about that many one-row passes' time to it (`_carry`); a prompt that gets
-        through has its first step in the results."""
+        `prefill_share` above 0 the step's pass also carries the waiting prompts' next rows, oldest
+        first, as many as add about that many one-row passes' time to it (`_carry`); a prompt that
+        gets through has its first step in the results."""
         lanes = [(key, lane) for key, lane in self.lanes.items() if not lane.run.seq.finished]
         if not lanes:
             return {}
@@ -240,8 +240,8 @@ class BatchEngine:
         drafting = not plain and (cap is None or cap > 0)
         planned = self._plan(lanes, cap, chosen, results)
         carried = self._carry(planned, prefill_share, results)
-        self.carried_rows = len(carried[2].tokens) if carried is not None else 0
-        together = len(planned) > 1 or carried is not None  # no lane's step is timed alone
+        self.carried_rows = sum(len(prompt.tokens) for *_, prompt in carried)
+        together = len(planned) > 1 or bool(carried)  # no lane's step is timed alone
         for (key, lane, plan), ver in zip(planned, self._verify(planned, carried)):
             if isinstance(ver, Exception):
                 results[key] = StepResult(None, ver)
@@ -253,10 +253,10 @@ class BatchEngine:
                 results[key] = StepResult(None, exc)
         ks = [plan.k for _, _, plan in planned if plan.k is not None]
         self.last_k = max(ks) if ks else None
-        if carried is not None and carried[2].logits is not None:
-            key, job, prompt = carried
-            self._feed(key, job, ChunkDone(len(prompt.tokens), prompt.logits), results)
-        elif cap is not None:  # a step that carried a prompt's rows measures more than the batch's rate
+        for key, job, prompt in carried:
+            if prompt.logits is not None:
+                self._feed(key, job, ChunkDone(len(prompt.tokens), prompt.logits), results)
+        if not carried and cap is not None:  # a step that carried prompt rows measures more than the batch's rate
             emitted = sum(len(r.output.token_ids) for r in results.values() if r.output is not None)
             seconds = max(time.perf_counter() - started, 1e-9)
             bucket.record(drafting, emitted / seconds, seconds)
@@ -331,26 +331,38 @@ class BatchEngine:
 
     def _carry(
         self, planned: list[tuple[Hashable, Lane, Plan]], share: float, results: dict[Hashable, StepResult]
-    ) -> tuple[Hashable, Prefill, PromptRows] | None:
-        """The oldest waiting prompt's next rows for this step's pass: as many as add at most `share`
-        one-row passes' time to it by the target's measured pass costs (`cached_pass_costs`), so the
-        decoding requests' time per token grows by at most `share` times its one-request figure, and
-        a batch of few lanes (prompts holding it back) carries as many rows as a full one. None where
-        the target's prefill is not a chain of exact rows (`Decoder.chain_prefill`: its chunks run
-        alone, PREFILL_CHUNK rows each, so their bounds stay the prompt's alone) or the prompt keeps
-        every row's hidden state."""
+    ) -> list[tuple[Hashable, Prefill, PromptRows]]:
+        """The waiting prompts' next rows for this step's pass, oldest first (a prompt's rest, then
+        the next prompt's): as many as add at most `share` one-row passes' time to it by the
+        target's measured pass costs (`cached_pass_costs`), so the decoding requests' time per
+        token grows by at most `share` times its one-request figure, and a batch of few lanes
+        (prompts holding it back) carries as many rows as a full one. None where the target's
+        prefill is not a chain of exact rows (`Decoder.chain_prefill`: its chunks run alone,
+        PREFILL_CHUNK rows each, so their bounds stay the prompt's alone), and none from a prompt
+        that keeps every row's hidden state on (its chunks run alone first)."""
+        carried: list[tuple[Hashable, Prefill, PromptRows]] = []
         if share <= 0 or not planned or not self.prefilling:
-            return None
-        key, job = next(iter(self.prefilling.items()))
-        target = job.engine.target
-        if not target.decoder.chain_prefill or not self._next_chunk(key, job, results) or job.chunk.keep:
-            return None
-        rows = sum(1 + (len(plan.tree.tokens) + len(plan.tree.aux_tokens) if plan.tree else 0) for *_, plan in planned)
-        cost, chunk, n = self._pass_costs(target).offline, job.chunk, 0
-        own, allowed = cost(rows), share * cost(1)
-        while n < chunk.left and cost(rows + n + 1) - own <= allowed:
-            n += 1
-        return (key, job, PromptRows(chunk.ids[chunk.start : chunk.start + n], chunk.cache)) if n else None
+            return carried
+        lanes = sum(1 + (len(plan.tree.tokens) + len(plan.tree.aux_tokens) if plan.tree else 0) for *_, plan in planned)
+        rows = lanes  # the pass's rows so far
+        for key, job in list(self.prefilling.items()):
+            target = job.engine.target
+            if not target.decoder.chain_prefill:
+                break
+            if not self._next_chunk(key, job, results):  # its prefill was another's: it is through
+                continue
+            if job.chunk.keep:
+                break
+            cost, chunk, n = self._pass_costs(target).offline, job.chunk, 0
+            own, allowed = cost(lanes), share * cost(1)
+            while n < chunk.left and cost(rows + n + 1) - own <= allowed:
+                n += 1
+            if n:
+                carried.append((key, job, PromptRows(chunk.ids[chunk.start : chunk.start + n], chunk.cache)))
+                rows += n
+            if n < chunk.left:  # the budget is spent
+                break
+        return carried
 
     def _pass_costs(self, target) -> PassCosts:
         """The target's measured pass costs, read (or timed) once."""
@@ -361,19 +373,20 @@ class BatchEngine:
     def _verify(
         self,
         planned: list[tuple[Hashable, Lane, Plan]],
-        carried: tuple[Hashable, Prefill, PromptRows] | None = None,
+        carried: list[tuple[Hashable, Prefill, PromptRows]] | None = None,
     ) -> list[Verification | Exception]:
         def job(lane: Lane, plan: Plan) -> VerifyJob:
             return VerifyJob(lane.run.cache, plan.root, plan.tree, lane.run.seq.params)
 
-        if carried is not None:
-            prompt, target = carried[2], planned[0][1].engine.target.decoder
-            caches = [prompt.cache] + [lane.run.cache for _, lane, _ in planned]
+        if carried:
+            prompts, target = [prompt for *_, prompt in carried], planned[0][1].engine.target.decoder
+            caches = [prompt.cache for prompt in prompts] + [lane.run.cache for _, lane, _ in planned]
             before = [cache.length for cache in caches]
             try:
-                return list(verify_many(target, [job(lane, plan) for _, lane, plan in planned], prompt))
-            except Exception:  # noqa: BLE001 - the prompt's rows run alone later; the lanes as below
-                prompt.logits = None
+                return list(verify_many(target, [job(lane, plan) for _, lane, plan in planned], prompts))
+            except Exception:  # noqa: BLE001 - the prompts' rows run alone later; the lanes as below
+                for prompt in prompts:
+                    prompt.logits = None
                 for cache, length in zip(caches, before):
                     cache.truncate(min(length, cache.length))
         if len(planned) == 1:

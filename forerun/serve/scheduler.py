@@ -11,7 +11,7 @@ and then steps as one batch rather than the first stepping alone while the rest 
 request of the burst has its first token out, the rest of the burst goes on only while that request
 has waited less than the prefill share of a step (unknown before the first step: the first burst
 runs whole), so a client never waits for a whole queue of long prompts between its first and
-second tokens. While requests decode, a step's pass carries a waiting prompt's next rows, as many
+second tokens. While requests decode, a step's pass carries the waiting prompts' next rows, as many
 as add PREFILL_SHARE one-row passes' time (where the target's prefill is a chain of exact rows:
 `BatchEngine.step`); elsewhere prefill gets PREFILL_SHARE seconds per second of steps as chunks
 alone (a chunk at least, a step's worth saved up at most). Either way a long prompt slows the
@@ -288,7 +288,7 @@ class Scheduler:
     def _step(self) -> None:
         """One step of every running request; each gets its Delta, and Done or Failed when it ends."""
         started = time.perf_counter()
-        # Where the target allows, the step's pass carries a waiting prompt's next rows itself, as
+        # Where the target allows, the step's pass carries the waiting prompts' next rows itself, as
         # many as cost the prefill share in one-row passes; the chunks run alone then wait.
         results = self.batch.step(self.prefill_share)
         if results:

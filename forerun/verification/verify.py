@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,11 +70,11 @@ class PromptRows:
     logits: torch.Tensor | None = None
 
 
-def verify_many(target: Decoder, jobs: list[VerifyJob], prompt: PromptRows | None = None) -> list[Verification]:
+def verify_many(target: Decoder, jobs: list[VerifyJob], prompts: Sequence[PromptRows] = ()) -> list[Verification]:
     """`verify` for several sequences in one target forward (continuous batching): each job's rows
-    run on its own cache and come out exactly as in a `verify` of that job alone. `prompt`'s rows
-    go last, as a chain on their cache, only the last one scored (the caller makes sure the
-    target's rows are exact whatever runs beside them, as in its native layers)."""
+    run on its own cache and come out exactly as in a `verify` of that job alone. Each of `prompts`
+    goes after them, its rows a chain on its own cache, only its last one scored (the caller makes
+    sure the target's rows are exact whatever runs beside them, as in its native layers)."""
     tokens: list[int] = []
     positions: list[torch.Tensor] = []
     segments: list[Segment] = []
@@ -84,7 +85,7 @@ def verify_many(target: Decoder, jobs: list[VerifyJob], prompt: PromptRows | Non
         segments.append(Segment(len(tokens), len(tokens) + len(rows), job.cache, row_layout(tree, start)))
         tokens += rows
         positions.append(tree.positions(start))
-    if prompt is not None:
+    for prompt in prompts:
         n, start = len(prompt.tokens), prompt.cache.length
         segments.append(Segment(len(tokens), len(tokens) + n, prompt.cache, RowLayout.chain(start, n), True))
         tokens += prompt.tokens.tolist()
@@ -98,8 +99,8 @@ def verify_many(target: Decoder, jobs: list[VerifyJob], prompt: PromptRows | Non
         output_hidden=True,
     )
     logits, hidden = out.logits[0], out.hidden[0]  # [R, vocab], [R, hidden]
-    if prompt is not None:
-        prompt.logits = logits[-1:]
+    for i, prompt in enumerate(prompts):  # the last rows: one a prompt
+        prompt.logits = logits[len(logits) - len(prompts) + i :][:1]
     # Greedy sequences' one-hot rows in one go: one argmax and one fill over the pass, not one per
     # sequence (each row the same either way; at 32 sequences a few ms of a step).
     greedy = [job.params for job in jobs if job.params.greedy]
