@@ -12,6 +12,7 @@ from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import MT_BENCH, SPEC_BENCH_FILE, load_prompts
 from forerun.bench import runner
+from forerun.bench.contenders import build_forerun_contenders
 from forerun.bench.runner import BenchConfig, run_bench, valid_methods
 from forerun.bench.summary import OVERALL, by_task, predicted_length
 from forerun.cli import main
@@ -444,3 +445,10 @@ def test_summary_takes_median_speedup_and_pools_acceptance() -> None:
     for r in records[3:]:
         r["options"] = {"k_policy": "adaptive"}
     assert "ngram K≤2" in {r.label for r in by_task(records, ["t"])[OVERALL]}
+
+
+def test_every_bench_run_pays_its_whole_prefill() -> None:
+    """The warm-up's prompt is the first one measured: no contender keeps prompt rows between runs."""
+    contenders = build_forerun_contenders(tiny_model(seed=3), ["ngram"], [2], {"ngram": {}})
+    assert [c.method for c in contenders] == ["plain", "ngram"]
+    assert all(c.llm.prefix_cache is None for c in contenders)

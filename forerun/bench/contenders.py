@@ -83,6 +83,9 @@ class ForerunContender:
             speculative_options=options if speculative else None,
             num_speculative_tokens=k if speculative else 5,
             speculative_k_policy=k_policy,
+            # Every run pays its whole prefill: the warm-up's prompt is the first one measured, and a
+            # run compares methods, not what an earlier run left in a prefix cache.
+            prefix_cache_mb=0,
         )
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> Measurement:
