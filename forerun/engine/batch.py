@@ -343,18 +343,19 @@ class BatchEngine:
         carried: list[tuple[Hashable, Prefill, PromptRows]] = []
         if share <= 0 or not planned or not self.prefilling:
             return carried
+        target = planned[0][1].engine.target  # every lane's and prompt's: the batch's one target
+        if not target.decoder.chain_prefill:
+            return carried
+        cost = self._pass_costs(target).offline
         lanes = sum(1 + (len(plan.tree.tokens) + len(plan.tree.aux_tokens) if plan.tree else 0) for *_, plan in planned)
+        own, allowed = cost(lanes), share * cost(1)
         rows = lanes  # the pass's rows so far
         for key, job in list(self.prefilling.items()):
-            target = job.engine.target
-            if not target.decoder.chain_prefill:
-                break
             if not self._next_chunk(key, job, results):  # its prefill was another's: it is through
                 continue
             if job.chunk.keep:
                 break
-            cost, chunk, n = self._pass_costs(target).offline, job.chunk, 0
-            own, allowed = cost(lanes), share * cost(1)
+            chunk, n = job.chunk, 0
             while n < chunk.left and cost(rows + n + 1) - own <= allowed:
                 n += 1
             if n:

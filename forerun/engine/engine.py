@@ -285,7 +285,7 @@ class Engine:
         # A prompt's rows come out the same in any chunks on the native chain: the rows of a prefix
         # prefilled before are those its prefill would compute (not where every row's hidden state
         # is wanted: those are not kept).
-        prefixes = self.prefixes if self.prefixes is not None and not keep and _exact_rows(decoder, run.cache) else None
+        prefixes = self.prefixes if self.prefixes is not None and not keep and decoder.chains_into(run.cache) else None
         start = run.cached_tokens = prefixes.restore(prompt, run.cache) if prefixes is not None else 0
         hiddens, logits = [], None
         # Sampling needs the last position's logits alone. The prompt's log probabilities score the
@@ -489,12 +489,6 @@ def _check_shareable(like: Running, prompt_ids: list[int]) -> None:
             "the request named to share its prefill has already stepped (its cache holds "
             "more than the prompt): start every request of one prompt before the next step"
         )
-
-
-def _exact_rows(decoder, cache: KVCache) -> bool:
-    """Whether a prompt's prefill into `cache` runs as a chain of exact rows (`Decoder._native_chain`
-    takes a float32 cache of one sequence)."""
-    return decoder.chain_prefill and cache.k.dtype == torch.float32 and cache.k.shape[1] == 1
 
 
 def _share_prefill(run: Running, like: Running) -> torch.Tensor:

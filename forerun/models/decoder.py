@@ -334,15 +334,18 @@ class Decoder(nn.Module):
         come out the same in any chunks, alone or in a forward beside other sequences' rows."""
         return self._native_layers() is not None
 
+    def chains_into(self, cache: KVCache) -> bool:
+        """Whether a prefill into `cache` runs as a chain of exact rows: the native layers, on a
+        float32 cache of one sequence."""
+        return cache.k.shape[1] == 1 and cache.k.dtype == torch.float32 and self.chain_prefill
+
     def _native_chain(self, cache: KVCache | None, tokens: torch.Tensor) -> RowLayout | None:
         """A causal forward (a prompt's prefill) as a chain of rows where the native layers run
-        (one sequence on a float32 cache of its own, with room for the rows): through them, one
-        call a layer instead of PyTorch's ops. None: the causal mask's path."""
-        if cache is None or tokens.shape[0] != 1 or cache.k.shape[1] != 1 or cache.k.dtype != torch.float32:
+        (`chains_into`, one sequence with room for the rows): through them, one call a layer
+        instead of PyTorch's ops. None: the causal mask's path."""
+        if cache is None or tokens.shape[0] != 1 or cache.length + tokens.shape[1] > cache.max_len:
             return None
-        if cache.length + tokens.shape[1] > cache.max_len or not self.chain_prefill:
-            return None
-        return RowLayout.chain(cache.length, tokens.shape[1])
+        return RowLayout.chain(cache.length, tokens.shape[1]) if self.chains_into(cache) else None
 
     def _native_layers(self):
         """The layers' native descriptions (`native_layer.prepare`), made at the first row-exact
