@@ -11,9 +11,9 @@ from forerun.base.config import SamplingParams, SpeculativeConfig
 from forerun.base.errors import ForerunError
 from forerun.engine.engine import Engine, RequestOutput
 from forerun.engine.metrics import SpecMetrics
-from forerun.engine.prefix_cache import PREFIX_CACHE_MB, PrefixCache
 from forerun.models import formats
 from forerun.models.load import LoadedModel, load_model
+from forerun.models.prefix_cache import PREFIX_CACHE_MB, PrefixCache, token_bytes
 from forerun.policy.draft_length import DraftLengthPolicy
 from forerun.policy.pass_costs import cached_pass_costs
 from forerun.verification.logprobs import TokenLogprob
@@ -69,7 +69,7 @@ class LLM:
     the most a step drafts: with speculative_k_policy "adaptive" each step drafts the length that
     pays best (0 when drafts keep failing; policy/draft_length.py), with "fixed" always that many.
     prefix_cache_mb bounds the prompt rows kept for later prompts that start the same (0: none kept;
-    engine/prefix_cache.py).
+    models/prefix_cache.py).
     """
 
     def __init__(
@@ -114,6 +114,7 @@ class LLM:
         self.spec = dataclasses.replace(spec, options=_with_draft_loaded(options, dtype, device))
         self.drafter_memory: object | None = None  # what the drafters remember, shared by every engine's
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
+        self.draft_prefix_cache: PrefixCache | None = None  # a draft model's own, shared by every engine's drafter
         self.engine = self.new_engine()
 
     def new_engine(self) -> Engine:
@@ -128,6 +129,9 @@ class LLM:
             # Earlier outputs remembered once for all engines: a server's lane drafts from what any
             # earlier request answered (suffix.py).
             self.drafter_memory = memory if memory is not None else drafter.memory
+            if self.prefix_cache is not None:  # a draft model keeps as many prompt tokens as the target
+                tokens = self.prefix_cache.max_bytes // token_bytes(self.target.decoder)
+                self.draft_prefix_cache = drafter.keep_prefixes(self.draft_prefix_cache, tokens)
         policy = None
         if drafter is not None and spec.k_policy == "adaptive":
             policy = DraftLengthPolicy(cached_pass_costs(self.target), spec.num_speculative_tokens)

@@ -1,4 +1,4 @@
-"""The prefix cache (engine/prefix_cache.py): a prompt that starts as an earlier one starts its
+"""The prefix cache (models/prefix_cache.py): a prompt that starts as an earlier one starts its
 prefill after their common blocks, its rows and output bit for bit as without the cache."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.engine.batch import BatchEngine
 from forerun.engine.engine import Engine
-from forerun.engine.prefix_cache import BLOCK, PrefixCache
 from forerun.models.load import load_model
+from forerun.models.prefix_cache import BLOCK, PrefixCache
 from forerun.models.testing import tiny_model
+from tests.conftest import perturbed
 from tests.test_gguf_format import K_SIZES, k_quant_mix
 from tests.test_load import write_gguf
 from tests.test_server import KEY, NAME, Served, _metric
@@ -158,3 +159,64 @@ def test_the_server_reports_the_cached_tokens_in_the_usage_and_in_metrics(k_file
         assert _metric(text, "forerun:prefix_cache_queries_total") == sum(u["prompt_tokens"] for u in usage)
     finally:
         served.stop()
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory: pytest.TempPathFactory):
+    """A gguf draft that agrees with the target often: the target's weights with noise."""
+    folder = tmp_path_factory.mktemp("prefix_cache_draft")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FORERUN_HOME", str(folder / "home"))
+        noisy = perturbed(tiny_model(seed=7, num_layers=3, **K_SIZES), 0.2)
+        path = write_gguf(noisy, folder / "draft.gguf", quant=k_quant_mix)
+    return load_model(str(path), with_tokenizer=False, quantization="gguf")
+
+
+def with_draft(model, draft, **options) -> LLM:
+    # A fixed draft length: no cost policy, so every proposal pays its catch-up (the prompt's rows).
+    return LLM(
+        model,
+        speculative_model=draft,
+        speculative_method="draft",
+        num_speculative_tokens=3,
+        speculative_k_policy="fixed",
+        **options,
+    )
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded"])
+def test_a_draft_model_restores_its_prompt_rows_and_every_output_is_as_without(model, draft, params) -> None:
+    uncached = with_draft(model, draft, prefix_cache_mb=0)
+    alone = [uncached.new_engine().generate(p, params) for p in (FIRST, SECOND, SECOND)]
+    assert uncached.draft_prefix_cache is None and uncached.engine.drafter.prefixes is None
+    llm = with_draft(model, draft)
+    cached = [llm.new_engine().generate(p, params) for p in (FIRST, SECOND, SECOND)]
+    assert [o.token_ids for o in cached] == [o.token_ids for o in alone]
+    if params.greedy:
+        plain = [Engine(model).generate(p, params).token_ids for p in (FIRST, SECOND, SECOND)]
+        assert [o.token_ids for o in alone] == plain
+    assert sum(o.metrics.num_draft_tokens for o in cached) > 0
+    # The draft's cache, shared by the LLM's drafters, restored the head, then SECOND's whole blocks.
+    prefixes = llm.draft_prefix_cache
+    assert prefixes is not None and all(llm.new_engine().drafter.prefixes is prefixes for _ in range(2))
+    assert prefixes.hits == 3 * BLOCK + (len(SECOND) - 1) // BLOCK * BLOCK
+
+
+def test_a_draft_models_restored_rows_are_the_rows_its_catch_up_computes(model, draft) -> None:
+    def draft_rows(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        engine = llm.new_engine()
+        engine.generate(prompt, SamplingParams(max_tokens=4))
+        cache = engine.drafter.cache
+        n = len(prompt)
+        return cache.k[:, :, :, :n].clone(), cache.v[:, :, :, :n].clone()
+
+    k, v = draft_rows(with_draft(model, draft, prefix_cache_mb=0), SECOND)
+    llm = with_draft(model, draft)
+    draft_rows(llm, FIRST)
+    k2, v2 = draft_rows(llm, SECOND)
+    assert llm.draft_prefix_cache.hits == 3 * BLOCK
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    # The comparison sees a wrong row: a prompt whose second block differs has other rows there.
+    other = HEAD[:BLOCK] + [98] + HEAD[BLOCK + 1 :] + SECOND[len(HEAD) :]
+    k3, _ = draft_rows(with_draft(model, draft, prefix_cache_mb=0), other)
+    assert not torch.equal(k3[:, :, :, : 3 * BLOCK], k[:, :, :, : 3 * BLOCK])

@@ -8,8 +8,8 @@ import json
 from forerun import drafters
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
-from forerun.engine.prefix_cache import PREFIX_CACHE_MB
 from forerun.models.load import QUANTIZATIONS
+from forerun.models.prefix_cache import PREFIX_CACHE_MB
 
 
 def add_model_args(p: argparse.ArgumentParser, quantization: str | None = None) -> None:

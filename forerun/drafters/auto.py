@@ -33,6 +33,7 @@ from forerun.drafters.passes import DraftSteps, run_alone
 from forerun.drafters.suffix import SuffixDrafter, SuffixMemory
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
+from forerun.models.prefix_cache import PrefixCache
 from forerun.policy.catch_up import Gate
 from forerun.policy.draft_model_costs import SECOND_CHOICE
 from forerun.verification.tree import DraftTree
@@ -69,6 +70,9 @@ class SuffixFirst(Drafter):
 
     def set_pass_cost(self, pass_cost: Callable[[int], float]) -> None:
         self.second.set_pass_cost(pass_cost)
+
+    def keep_prefixes(self, prefixes: PrefixCache | None, tokens: int) -> PrefixCache | None:
+        return self.second.keep_prefixes(prefixes, tokens)
 
     def second_ready(self, context: list[int], params: SamplingParams) -> bool:
         """Whether the second drafter would propose now (True unless it says otherwise)."""

@@ -16,6 +16,7 @@ import torch
 from forerun.base.config import SamplingParams
 from forerun.drafters.passes import DraftSteps
 from forerun.models.kv_cache import KVCache
+from forerun.models.prefix_cache import PrefixCache
 from forerun.policy.catch_up import Gate
 from forerun.verification.tree import DraftTree
 
@@ -79,6 +80,13 @@ class Drafter(ABC):
 
     def set_pass_cost(self, pass_cost: Callable[[int], float]) -> None:
         """c(rows), the target's measured pass cost, for a drafter that sizes its own drafts by it."""
+        return None
+
+    def keep_prefixes(self, prefixes: PrefixCache | None, tokens: int) -> PrefixCache | None:
+        """For a drafter that prefills prompts of its own (a draft model): keep its prompt rows for
+        later prompts that start the same (models/prefix_cache.py), as the target does, in `prefixes`
+        (another lane's drafter's) or, when None, in a cache of its own for `tokens` tokens' rows.
+        Returns the cache it uses, for the next lane's drafter (None: it prefills nothing)."""
         return None
 
     def next_source(self, context: list[int], params: SamplingParams) -> str | None:

@@ -19,6 +19,11 @@ coding prompts the 0.5B's second choice is the 1.5B's token in ~60 % of the plac
 not), and a leaf costs no draft forward: on a CPU with fast rows leaves raise the tokens per target
 pass by ~16 % and the decode rate by ~5 %.
 
+With `keep_prefixes` (an LLM with a prefix cache asks it), a prompt's leading blocks that an earlier
+prompt's catch-up computed are restored into the draft's cache instead of read again
+(models/prefix_cache.py), where its rows come out the same in any chunks: a conversation's next
+turn, a shared system prompt. An LLM's drafters (one a lane) share one such cache.
+
 The cost figures and the rules that use them are the policy's (policy/draft_model_costs.py); what
 every drafter over one draft model shares is in draft_setup.py.
 """
@@ -39,6 +44,7 @@ from forerun.drafters.vocabulary import full_vocabulary
 from forerun.models import formats
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel, load_model
+from forerun.models.prefix_cache import PrefixCache, token_bytes
 from forerun.policy.catch_up import CATCH_UP_UNASKED, Gate
 from forerun.policy.draft_model_costs import SECOND_CHOICE, DraftModelCosts, pooled_prior, time_draft_passes
 from forerun.policy.pass_costs import PassCosts
@@ -82,6 +88,8 @@ class DraftModelDrafter(Drafter):
         self.cache: KVCache | None = None
         self.max_len = 0  # slots this request's cache needs
         self.prompt_len = 0  # the request's prompt tokens (what the context holds beyond them is output)
+        self.prefixes: PrefixCache | None = None  # see keep_prefixes
+        self.stored = False  # this request's prompt rows went to the prefix cache
         self.fed: list[int] = []  # tokens whose keys/values sit in self.cache, in order
         self.costs = DraftModelCosts()
         self.gate: Gate | None = None  # see set_gate
@@ -103,6 +111,7 @@ class DraftModelDrafter(Drafter):
             self.cache = None
         self.prompt_len = len(prompt_ids)
         self.fed = []
+        self.stored = False
         self.admitted = False
         if not self.drafted and self.setup.timed is not None:
             self.costs.age(self.setup.timed[1])
@@ -142,6 +151,7 @@ class DraftModelDrafter(Drafter):
             logits = yield step  # [1, N]
             self._time_pass(step)
             self.fed += pending
+            self._store()
             confidence = logits.softmax(-1)[0]  # [N]
             if params.greedy:
                 choice = self._greedy_choice(confidence, kept_chance, len(tokens), leaves)
@@ -161,12 +171,38 @@ class DraftModelDrafter(Drafter):
 
     def _roll_back(self, context: list[int]) -> list[int]:
         """Drop what the context no longer agrees with (rejected drafts); the tokens to read next."""
-        if self.cache is None:
-            self.cache = self.model.decoder.new_cache(self.max_len)
+        self._restore(context)
         keep = min(_common_prefix(self.fed, context), len(context) - 1)
         self.cache.truncate(keep)
         self.fed = self.fed[:keep]
         return context[keep:]
+
+    def _prefixes(self) -> PrefixCache | None:
+        """The shared prefix cache where this cache's rows are exact (`Decoder.chains_into`), else None."""
+        prefixes = self.prefixes
+        return prefixes if prefixes is not None and self.model.decoder.chains_into(self.cache) else None
+
+    def _restore(self, context: list[int]) -> None:
+        """Make the cache at need; into an empty one, the prompt's leading blocks an earlier catch-up kept."""
+        if self.cache is None:
+            self.cache = self.model.decoder.new_cache(self.max_len)
+        prefixes = self._prefixes()
+        if prefixes is not None and not self.fed and self.cache.length == 0:
+            self.fed = context[: prefixes.restore(context[: self.prompt_len], self.cache)]
+
+    def _store(self) -> None:
+        """Keep the prompt's rows once the cache holds them all (once a request)."""
+        prefixes = self._prefixes()
+        if prefixes is not None and not self.stored and len(self.fed) >= self.prompt_len:
+            prefixes.store(self.fed[: self.prompt_len], self.cache)
+            self.stored = True
+
+    def keep_prefixes(self, prefixes: PrefixCache | None, tokens: int) -> PrefixCache | None:
+        """The draft model's prompt rows kept in `prefixes`, or in a new cache for `tokens` of them."""
+        if prefixes is None and tokens > 0:
+            prefixes = PrefixCache(tokens * token_bytes(self.model.decoder))
+        self.prefixes = prefixes
+        return prefixes
 
     def _greedy_choice(
         self, confidence: torch.Tensor, kept_chance: float, drafted: int, leaves: list[tuple[int, int]]
@@ -202,6 +238,8 @@ class DraftModelDrafter(Drafter):
         """Whether a proposal after `context` would draft: its catch-up is paid without asking, or
         the gate pays for it now (asked here once per step; the proposal that follows does not ask
         again)."""
+        if self.gate is not None:
+            self._restore(context)  # a restored prefix is no catch-up
         skipped = len(context) - 1 - min(_common_prefix(self.fed, context), len(context) - 1)
         if self.gate is None or skipped <= CATCH_UP_UNASKED or self.admitted:
             return True  # admitted before and not proposed since (the step went plain): still paid for

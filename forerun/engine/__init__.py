@@ -1,3 +1,2 @@
 """The engine: one request's step loop (`engine.py`), many requests stepped together (`batch.py`),
-earlier prompts' rows (`prefix_cache.py`), their outputs (`sequence.py`) and speculation counters
-(`metrics.py`)."""
+their outputs (`sequence.py`) and speculation counters (`metrics.py`)."""

@@ -14,11 +14,11 @@ from forerun.base.errors import ForerunError
 from forerun.drafters.base import Drafter
 from forerun.drafters.passes import DraftPass, DraftSteps, run_alone
 from forerun.engine.metrics import SpecMetrics
-from forerun.engine.prefix_cache import PrefixCache
 from forerun.engine.sequence import Sequence
 from forerun.models import linear
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
+from forerun.models.prefix_cache import PrefixCache
 from forerun.policy.draft_length import DraftLengthPolicy
 from forerun.verification.accept import accept
 from forerun.verification.logprobs import TokenLogprob, prompt_logprobs, token_logprobs

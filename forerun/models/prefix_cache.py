@@ -6,7 +6,8 @@ stands for tokens), least recently used evicted first once the blocks pass their
 
 Only where a prompt's rows come out the same in any chunks (`Decoder.chain_prefill`) does an
 engine use it: a row restored is then bit for bit the row its prefill would compute, so output does
-not depend on what ran before. See docs/architecture.md, Prefix cache.
+not depend on what ran before. A draft model keeps a cache of its own, as many tokens as the
+target's holds (drafters/draft_model.py). See docs/architecture.md, Prefix cache.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ class _Block:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+
+def token_bytes(decoder) -> int:
+    """Bytes one prompt token's rows take in a prefix cache of `decoder`'s (keys and values, every layer)."""
+    cfg = decoder.cfg
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=decoder.dtype).element_size()
 
 
 class PrefixCache:
