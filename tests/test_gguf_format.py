@@ -8,6 +8,7 @@ file would be. Row independence is checked as bit equality, never closeness.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -441,3 +442,25 @@ def test_a_target_whose_prefill_is_no_chain_of_exact_rows_carries_nothing(k_file
     alone = [Engine(model).generate(prompt, params).token_ids for prompt, params in CARRIED]
     tokens, carried = carry_all(BatchEngine(LLM(model).new_engine, 4), CARRIED, share=1.0)
     assert [tokens[key] for key in range(len(CARRIED))] == alone and not any(carried)
+
+
+def test_steps_that_carry_prompt_rows_still_measure_the_batchs_rates(k_file: Path, home: Path) -> None:
+    """While prompts wait (most steps of a full server) the batch still learns whether drafting
+    pays: a carrying step records its rate on the lanes' time, the carried rows' cost taken off."""
+    model = load_model(str(k_file), with_tokenizer=False, quantization="gguf")
+    batch = BatchEngine(LLM(model, speculative_method="ngram", num_speculative_tokens=3).new_engine, 4)
+    batch._costs = ROW_COSTS
+    for key in range(2):
+        batch.add(key, [5 + key, 6, 7], SamplingParams(max_tokens=10))
+    batch.start(2, [3 + i % 90 for i in range(130)], SamplingParams(max_tokens=2))
+    bucket = batch.rates[(2).bit_length()]
+    batch.step(1.0)
+    assert batch.carried_rows > 0
+    assert (bucket.drafting, bucket.plain) != (None, None)
+    # The carried rows' share by the pass costs: c(2 + 9) - c(2) = 9 of a 20 s step; at least a tenth.
+    planned = [(key, lane, SimpleNamespace(tree=None)) for key, lane in batch.lanes.items()]
+    batch.carried_rows = 9
+    assert batch._lanes_seconds(20.0, planned) == 11.0
+    assert batch._lanes_seconds(5.0, planned) == 0.5
+    batch.carried_rows = 0
+    assert batch._lanes_seconds(5.0, planned) == 5.0

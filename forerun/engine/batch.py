@@ -256,11 +256,22 @@ class BatchEngine:
         for key, job, prompt in carried:
             if prompt.logits is not None:
                 self._feed(key, job, ChunkDone(len(prompt.tokens), prompt.logits), results)
-        if not carried and cap is not None:  # a step that carried prompt rows measures more than the batch's rate
+        if cap is not None:
             emitted = sum(len(r.output.token_ids) for r in results.values() if r.output is not None)
-            seconds = max(time.perf_counter() - started, 1e-9)
+            seconds = self._lanes_seconds(time.perf_counter() - started, planned)
             bucket.record(drafting, emitted / seconds, seconds)
         return results
+
+    def _lanes_seconds(self, seconds: float, planned: list[tuple[Hashable, Lane, Plan]]) -> float:
+        """A step's `seconds` less what the prompt rows it carried added to its pass by the target's
+        measured costs (their prefill's time, not the lanes'), so that the batch's rates with and
+        without drafting are measured on every step, also while prompts wait (which, at a full
+        server, is most steps). A tenth of the step at least, whatever the estimate."""
+        if not self.carried_rows or not planned:
+            return max(seconds, 1e-9)
+        cost = self._pass_costs(planned[0][1].engine.target).offline
+        lanes = _lane_rows(planned)
+        return max(seconds - (cost(lanes + self.carried_rows) - cost(lanes)), 0.1 * seconds, 1e-9)
 
     @staticmethod
     def _choose(
@@ -347,7 +358,7 @@ class BatchEngine:
         if not target.decoder.chain_prefill:
             return carried
         cost = self._pass_costs(target).offline
-        lanes = sum(1 + (len(plan.tree.tokens) + len(plan.tree.aux_tokens) if plan.tree else 0) for *_, plan in planned)
+        lanes = _lane_rows(planned)
         own, allowed = cost(lanes), share * cost(1)
         rows = lanes  # the pass's rows so far
         for key, job in list(self.prefilling.items()):
@@ -409,3 +420,8 @@ class BatchEngine:
                 except Exception as exc:  # noqa: BLE001
                     outcomes.append(exc)
             return outcomes
+
+
+def _lane_rows(planned: list[tuple[Hashable, Lane, Plan]]) -> int:
+    """The rows the lanes' plans put in a step's pass: each lane's root and its draft's nodes."""
+    return sum(1 + (len(plan.tree.tokens) + len(plan.tree.aux_tokens) if plan.tree else 0) for *_, plan in planned)
