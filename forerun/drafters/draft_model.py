@@ -186,16 +186,18 @@ class DraftModelDrafter(Drafter):
         """Make the cache at need; into an empty one, the prompt's leading blocks an earlier catch-up kept."""
         if self.cache is None:
             self.cache = self.model.decoder.new_cache(self.max_len)
-        prefixes = self._prefixes()
-        if prefixes is not None and not self.fed and self.cache.length == 0:
+        prefixes = self._prefixes() if self.cache.length == 0 else None
+        if prefixes is not None:
             self.fed = context[: prefixes.restore(context[: self.prompt_len], self.cache)]
 
     def _store(self) -> None:
         """Keep the prompt's rows once the cache holds them all (once a request)."""
+        if self.stored or len(self.fed) < self.prompt_len:
+            return
         prefixes = self._prefixes()
-        if prefixes is not None and not self.stored and len(self.fed) >= self.prompt_len:
+        if prefixes is not None:
             prefixes.store(self.fed[: self.prompt_len], self.cache)
-            self.stored = True
+        self.stored = True
 
     def keep_prefixes(self, prefixes: PrefixCache | None, tokens: int) -> PrefixCache | None:
         """The draft model's prompt rows kept in `prefixes`, or in a new cache for `tokens` of them."""
@@ -238,10 +240,11 @@ class DraftModelDrafter(Drafter):
         """Whether a proposal after `context` would draft: its catch-up is paid without asking, or
         the gate pays for it now (asked here once per step; the proposal that follows does not ask
         again)."""
-        if self.gate is not None:
-            self._restore(context)  # a restored prefix is no catch-up
+        if self.gate is None:
+            return True
+        self._restore(context)  # a restored prefix is no catch-up
         skipped = len(context) - 1 - min(_common_prefix(self.fed, context), len(context) - 1)
-        if self.gate is None or skipped <= CATCH_UP_UNASKED or self.admitted:
+        if skipped <= CATCH_UP_UNASKED or self.admitted:
             return True  # admitted before and not proposed since (the step went plain): still paid for
         self.admitted = self._pays(skipped, context, params)
         return self.admitted
