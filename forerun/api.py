@@ -68,6 +68,8 @@ class LLM:
     keyword arguments in `speculative_options` go to the drafter alone. num_speculative_tokens is
     the most a step drafts: with speculative_k_policy "adaptive" each step drafts the length that
     pays best (0 when drafts keep failing; policy/draft_length.py), with "fixed" always that many.
+    A draft model takes `quantization` too unless speculative_options["quantize"] names its own
+    ("auto" picks per model: for a GGUF draft, `q4_0`).
     prefix_cache_mb bounds the prompt rows kept for later prompts that start the same (0: none kept;
     models/prefix_cache.py).
     """
@@ -106,6 +108,9 @@ class LLM:
             options.setdefault("model", speculative_model)
             options.setdefault("dtype", dtype)
             options.setdefault("device", device)
+            if quantization is not None and not isinstance(speculative_model, LoadedModel):
+                # A draft named by path takes the target's format ("auto": the choice for a draft).
+                options.setdefault("quantize", quantization)
         spec = SpeculativeConfig(speculative_method, num_speculative_tokens, options, speculative_k_policy)
         if speculative_method is not None and num_speculative_tokens > self.target.decoder.cfg.max_position:
             raise ForerunError(f"num_speculative_tokens {num_speculative_tokens} is beyond the model's context")
@@ -197,5 +202,6 @@ def _with_draft_loaded(options: dict, dtype: str, device: str) -> dict:
         options.get("dtype", dtype),
         options.get("device", device),
         quantization=options.get("quantize"),
+        draft=True,
     )
     return loaded

@@ -299,6 +299,36 @@ def test_a_quantized_draft_is_loaded_quantized_once_and_recorded(
     assert all(r["identical_to_plain"] for r in drafts)
 
 
+def test_a_method_named_with_a_draft_format_runs_beside_the_method_on_every_prompt(
+    folders: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loads = []
+    load = runner.load_model
+    monkeypatch.setattr(runner, "load_model", lambda *a, **kw: loads.append(kw.get("quantization")) or load(*a, **kw))
+    extra = ("--methods", "plain,draft,draft:int8", "--speculative-model", str(folders["draft"]))
+    extra += ("--num-speculative-tokens", "2", "--speculative-k-policy", "fixed", "--no-warmup")
+    assert main(bench_args(folders, tmp_path, *extra)) == 0
+    assert loads == [None, None, "int8"]  # the target, then the draft once in each format
+    records = read_records(tmp_path)
+    by_method = {m: [r for r in records if r["method"] == m] for m in ("plain", "draft", "draft:int8")}
+    assert len({len(rs) for rs in by_method.values()}) == 1 and by_method["plain"]  # every prompt, each of them
+    assert all("quantize" not in r["options"] for r in by_method["draft"])
+    assert all(r["options"]["quantize"] == "int8" and r["spec"]["num_drafts"] for r in by_method["draft:int8"])
+    assert all(r["identical_to_plain"] for r in records)
+    assert "| draft:int8 K=2 |" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("method", ["draft:q9", "ngram:int8"])
+def test_a_draft_format_on_a_method_without_a_draft_or_unknown_is_refused(
+    capsys, folders: dict[str, Path], tmp_path: Path, method: str
+) -> None:
+    extra = ("--methods", f"plain,{method}", "--speculative-model", str(folders["draft"]))
+    assert main(bench_args(folders, tmp_path, *extra)) == 2
+    err = capsys.readouterr().err
+    assert f"method {method!r}: METHOD:FORMAT names a draft model's format" in err and "q4_0" in err
+    assert not (tmp_path / "results.jsonl").exists()
+
+
 def test_resuming_with_other_settings_names_what_differs(folders: dict[str, Path], tmp_path: Path) -> None:
     run_bench(small_config(folders, tmp_path, methods=["plain"]))
     with pytest.raises(ForerunError, match=r"max_tokens: 8 there, 4 now"):

@@ -49,6 +49,17 @@ class PeerSetup:
     notes: list[str] = field(default_factory=list)  # why a peer is missing, for the report
 
 
+def drafter_of(method: str) -> str:
+    """The drafter a bench method runs: `auto:gguf` is `auto` with its draft model in `gguf`, run
+    beside `auto` (the draft in --speculative-quantization) on every prompt."""
+    return method.split(":", 1)[0]
+
+
+def draft_format_of(method: str) -> str | None:
+    """The draft model's format a `METHOD:FORMAT` method names (None: --speculative-quantization's)."""
+    return method.split(":", 1)[1] if ":" in method else None
+
+
 class Contender(Protocol):
     method: str  # "plain", a drafter name, or a peer's name such as "hf-assisted"
     engine: str  # "forerun", "transformers" or "llama.cpp"
@@ -72,14 +83,14 @@ class ForerunContender:
     ) -> None:
         """`recorded`: the options as results.jsonl should hold them, when they differ from those handed
         on; `k_policy`: adaptive (K is the most a step drafts) or fixed, recorded with them."""
-        self.method, self.k = method, k
+        self.method, self.k = method, k  # the method as named: `auto:gguf` runs `auto`
         speculative = method != PLAIN
         self.options = recordable(
             {**(options if recorded is None else recorded), **({"k_policy": k_policy} if speculative else {})}
         )
         self.llm = LLM(
             target,
-            speculative_method=method if speculative else None,
+            speculative_method=drafter_of(method) if speculative else None,
             speculative_options=options if speculative else None,
             num_speculative_tokens=k if speculative else 5,
             speculative_k_policy=k_policy,

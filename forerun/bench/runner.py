@@ -29,6 +29,8 @@ from forerun.bench.contenders import (
     Contender,
     Measurement,
     build_forerun_contenders,
+    draft_format_of,
+    drafter_of,
 )
 from forerun.bench.llamacpp import peer as llama_peer
 from forerun.bench.plots import draw_all
@@ -36,7 +38,7 @@ from forerun.bench.report import ReportContext, write_report
 from forerun.bench.store import ResultStore
 from forerun.bench.summary import by_task
 from forerun.bench.transformers_peer import HF_METHODS, PEERS, transformers_contenders
-from forerun.models.load import LoadedModel, load_model
+from forerun.models.load import QUANTIZATIONS, LoadedModel, load_model
 
 WARMUP_TOKENS = 16
 LLAMA_CONTEXT_SLACK = 16  # llama-server's context beyond prompt + max tokens
@@ -86,10 +88,16 @@ def valid_methods() -> list[str]:
 def check_methods(methods: list[str], speculative_model: str | None) -> None:
     valid = valid_methods()
     for method in methods:
-        if method not in valid:
+        if drafter_of(method) not in valid:
             raise ForerunError(f"unknown method {method!r}; valid methods: {', '.join(valid)}")
-    for method in drafters.draft_model_methods():
-        if method in methods and not speculative_model:
+        needs_draft = drafters.needs_draft_model(drafter_of(method))
+        fmt = draft_format_of(method)
+        if fmt is not None and (not needs_draft or fmt not in QUANTIZATIONS):
+            raise ForerunError(
+                f"method {method!r}: METHOD:FORMAT names a draft model's format ({', '.join(QUANTIZATIONS)}) "
+                f"for a method that runs one ({', '.join(drafters.draft_model_methods())})"
+            )
+        if needs_draft and not speculative_model:
             raise ForerunError(f"method {method} needs a draft model: add --speculative-model")
 
 
@@ -197,13 +205,15 @@ def _contenders(cfg: BenchConfig, target: LoadedModel, notes: list[str], context
     options = {m: dict(o) for m, o in cfg.method_options.items()}
     recorded = {m: dict(o) for m, o in options.items()}
     loaded: dict = {}  # the draft model, loaded once for every method that runs it
-    for method in (m for m in drafters.draft_model_methods() if m in cfg.methods):
+    for method in (m for m in cfg.methods if drafters.needs_draft_model(drafter_of(m))):
         draft_opts = options.setdefault(method, {})
         # Loaded once, already in its format (a cached quantized copy when there is one); the
         # drafter must not quantize it again, but the record keeps the setting.
         quantize = draft_opts.pop("quantize", None)
         if quantize not in loaded:
-            loaded[quantize] = load_model(cfg.speculative_model, cfg.dtype, cfg.device, quantization=quantize)
+            loaded[quantize] = load_model(
+                cfg.speculative_model, cfg.dtype, cfg.device, quantization=quantize, draft=True
+            )
         draft_opts["model"] = loaded[quantize]
         draft_opts.setdefault("dtype", cfg.dtype)
         draft_opts.setdefault("device", cfg.device)

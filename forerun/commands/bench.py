@@ -46,7 +46,8 @@ def register(sub) -> None:
         type=_names,
         default=None,
         help="comma-separated: plain and registered drafters (draft, ngram, early-exit, lookahead); "
-        "default: all that can run",
+        "METHOD:FORMAT runs a draft-model method with its draft in FORMAT beside the same method in "
+        "--speculative-quantization (e.g. auto,auto:gguf); default: all that can run",
     )
     g.add_argument(
         "--dataset",
@@ -88,6 +89,15 @@ def register(sub) -> None:
     p.set_defaults(func=run, bench_parser=p)
 
 
+def _method_options(args: argparse.Namespace, method: str) -> dict:
+    """A method's options from the flags; `METHOD:FORMAT` with its draft model in FORMAT."""
+    from forerun.bench.contenders import draft_format_of, drafter_of
+
+    options = spec_from_args(args, drafter_of(method))[1]
+    fmt = draft_format_of(method)
+    return options if fmt is None else {**options, "quantize": fmt}
+
+
 def run(args: argparse.Namespace) -> int:
     from forerun.bench.runner import (
         BenchConfig,
@@ -103,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if "plain" not in methods:
         methods = ["plain"] + methods  # every speedup is a ratio to plain decoding
     check_methods(methods, args.speculative_model)  # before spec_from_args, for the clearer message
-    options = {m: spec_from_args(args, m)[1] for m in methods if m != "plain"}
+    options = {m: _method_options(args, m) for m in methods if m != "plain"}
     for m in set(methods) & {*HEAD_METHODS, ANY_HEAD}:
         head = head_for(m, heads)
         if head is None:

@@ -82,8 +82,9 @@ def _add_draft_model_args(g: argparse._ArgumentGroup, quantization: str | None) 
         "--speculative-quantization",
         default=quantization,
         choices=list(QUANTIZATIONS) + (["none"] if quantization is not None else []),
-        help="the draft model's numeric format (cheaper drafts; output stays exact): gguf, w8a8, int8 "
-        "or auto" + (f"; none: the weights in --dtype (default: {quantization})" if quantization else ""),
+        help="the draft model's numeric format (cheaper drafts; output stays exact): q4_0, gguf, w8a8, "
+        "int8 or auto (q4_0 for a GGUF draft)"
+        + (f"; none: the weights in --dtype (default: {quantization})" if quantization else ""),
     )
     g.add_argument(
         "--draft-min-confidence",

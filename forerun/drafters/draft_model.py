@@ -323,7 +323,7 @@ def _draft_model(
         if quantize:
             formats.quantize_(model.decoder, quantize)
     else:
-        model = load_model(model, dtype, device or str(target.decoder.device), quantization=quantize)
+        model = load_model(model, dtype, device or str(target.decoder.device), quantization=quantize, draft=True)
     if _num_weights(model.decoder) > _num_weights(target.decoder):
         warnings.warn(
             f"draft {model.name} is larger than target {target.name}: "

@@ -6,6 +6,11 @@ blocks and integer dot products inside a block, so a row's result is bit-identic
 batch. q/k/v and gate/up run as one product each (one activation quantization, one call per part,
 whatever their block types). A tensor in a type the kernels do not read is dequantized and computed
 as a w8a8 product (row-exact too), and the loader says which.
+
+The `q4_0` format (`Reblocked`) is the same with every product tensor the file stores in more bits a
+weight than Q4_0's 4.5 (Q5_0, Q6_K, Q8_0, F16, ...) re-blocked into Q4_0 once, and kept in the model's
+cache folder: a draft model's token then reads about a fifth fewer bytes (the 0.5B draft's Q5_0 and
+Q6_K products), and its weights change only how often its guesses are kept, never the output.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ from __future__ import annotations
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
 from forerun import native
+from forerun.base import files
 
 
 @dataclass
@@ -220,12 +227,13 @@ def raw_rows(data: np.ndarray, rows: int) -> torch.Tensor:
 # --- a whole decoder from a GGUF file -------------------------------------------------------------
 
 
-def load_decoder(reader, cfg):
+def load_decoder(reader, cfg, reblocked: Reblocked | None = None):
     """A `Decoder` whose products, embedding and LM head read `reader`'s tensors as stored (the file
-    stays memory-mapped; only the tile layout the kernels read is a copy, made here in seconds)."""
+    stays memory-mapped; only the tile layout the kernels read is a copy, made here in seconds), or
+    with `reblocked`, its wider products' tensors as Q4_0 blocks."""
     from forerun.models.decoder import Decoder
 
-    source = _Tensors(reader, cfg)
+    source = _Tensors(reader, cfg, reblocked)
     with torch.device("meta"):
         decoder = Decoder(cfg)
     for i, block in enumerate(decoder.layers):
@@ -251,14 +259,79 @@ def load_decoder(reader, cfg):
             f"--quantization gguf: {len(names)} tensors are in block types the native kernels do not read "
             f"and run as w8a8 products instead: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
         )
+    if reblocked is not None:
+        reblocked.save()
     return decoder.eval()
+
+
+# --- the `q4_0` format: wider tensors re-blocked into 4-bit blocks ------------------------------------
+
+REBLOCK_TYPE = "Q4_0"
+
+
+def bits_per_weight(tensor_type) -> float:
+    """Bits a weight of a GGUF tensor type takes (Q4_0: 4.5, Q6_K: 6.5625, F16: 16)."""
+    import gguf
+
+    inputs, size = gguf.GGML_QUANT_SIZES[tensor_type]
+    return 8 * size / inputs
+
+
+class Reblocked:
+    """A GGUF file's product tensors stored in more bits a weight than Q4_0, as Q4_0 blocks (gguf-py's
+    quantizer over the dequantized weights): made on the first load and kept in `store` (a safetensors
+    file of uint8 rows, by tensor name), read from it afterwards."""
+
+    def __init__(self, store: Path) -> None:
+        from safetensors.torch import load_file
+
+        self.store = store
+        self.blocks: dict[str, torch.Tensor] = {}
+        if store.is_file():
+            try:
+                self.blocks = load_file(str(store))
+            except Exception as exc:  # a damaged store is made again, never trusted
+                say(f"q4_0: {store} cannot be read ({exc}); re-blocking again")
+        self.made: list[str] = []  # tensors re-blocked in this load (not found in the store)
+
+    @staticmethod
+    def wants(t) -> bool:
+        """Whether tensor `t` is re-blocked: more bits a weight than Q4_0, inputs in whole blocks."""
+        import gguf
+
+        narrow = bits_per_weight(gguf.GGMLQuantizationType[REBLOCK_TYPE])
+        return bits_per_weight(t.tensor_type) > narrow and int(t.shape[0]) % 32 == 0
+
+    def rows(self, name: str, t) -> torch.Tensor:
+        """Tensor `t`'s rows as Q4_0 blocks, uint8 [rows, row bytes], in the file's row order."""
+        import gguf
+
+        k, n = int(t.shape[0]), int(t.shape[1])
+        raw = self.blocks.get(name)
+        if raw is None or tuple(raw.shape) != (n, k // 32 * 18) or raw.dtype != torch.uint8:
+            blocks = gguf.quants.quantize(_dequantized(t).reshape(n, k), gguf.GGMLQuantizationType[REBLOCK_TYPE])
+            raw = torch.from_numpy(np.ascontiguousarray(blocks)).view(torch.uint8).reshape(n, -1)
+            self.blocks[name] = raw
+            self.made.append(f"{name} ({t.tensor_type.name})")
+        return raw
+
+    def save(self) -> None:
+        """Keep what this load re-blocked, and say so."""
+        if not self.made:
+            return
+        files.save_tensors(self.store, self.blocks)
+        say(
+            f"q4_0: {len(self.made)} tensors re-blocked into {REBLOCK_TYPE} (once; kept in "
+            f"{self.store.parent}): {', '.join(self.made[:3])}{' ...' if len(self.made) > 3 else ''}"
+        )
 
 
 class _Tensors:
     """A GGUF file's tensors as the pieces of a decoder: products, vectors, the embedding."""
 
-    def __init__(self, reader, cfg) -> None:
+    def __init__(self, reader, cfg, reblocked: Reblocked | None = None) -> None:
         self.tensors = {t.name: t for t in reader.tensors}
+        self.reblocked = reblocked
         # llama.cpp interleaves llama/mistral q and k rows for its rope; ours pairs i with i + D/2.
         self.permute = (
             {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if cfg.architecture in ("llama", "mistral") else {}
@@ -278,8 +351,12 @@ class _Tensors:
         t = self.tensors[name]
         k, n, type_id = int(t.shape[0]), int(t.shape[1]), int(t.tensor_type)
         order = self._order(name, n)
-        if native.supports(type_id):
+        raw = None
+        if self.reblocked is not None and self.reblocked.wants(t):
+            type_id, raw = native.TYPES[REBLOCK_TYPE], self.reblocked.rows(name, t)
+        elif native.supports(type_id):
             raw = raw_rows(t.data, n)
+        if raw is not None:
             raw = raw if order is None else raw[torch.from_numpy(order)].contiguous()
             return Part(type_id, n, native.repack(type_id, raw.view(-1), n, k), raw), None, k
         self.fell_back.append(f"{name} ({t.tensor_type.name})")

@@ -26,6 +26,7 @@ from forerun.models.tokenizer_files import load_tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 QUANTIZATIONS = (*formats.FORMATS, formats.AUTO)
+REBLOCKED = "blocks-q4_0.safetensors"  # a GGUF's re-blocked tensors (`q4_0`), in its cache folder
 
 
 @dataclass
@@ -69,26 +70,29 @@ def load_model(
     device: str | None = "cpu",
     with_tokenizer: bool = True,
     quantization: str | None = None,
+    draft: bool = False,
 ) -> LoadedModel:
     """`quantization` (see forerun/models/formats.py) stores every product in that format; for a
     GGUF source the quantized weights are cached beside the converted ones, so only the first such
-    load pays for it."""
+    load pays for it. `draft`: the model drafts for another (its "auto" format may differ)."""
     start = time.perf_counter()
     if quantization not in (None, formats.AUTO):
         formats.get(quantization)  # an unknown name fails before any work
     source = resolve(spec)
     torch_dtype, torch_device = parse_dtype(dtype), resolve_device(device)
-    quantization = formats.resolve(quantization, torch_device, source.kind)
+    quantization = formats.resolve(quantization, torch_device, source.kind, draft)
     if quantization is not None:
         formats.check_device(quantization, torch_device)
-    if quantization == formats.GGUF and source.kind != "gguf":
+    if quantization in formats.NATIVE and source.kind != "gguf":
         raise ForerunError(
-            f"--quantization gguf computes a GGUF file's own blocks, and {spec} is a model folder; "
+            f"--quantization {quantization} computes a GGUF file's blocks, and {spec} is a model folder; "
             "use w8a8 (or auto) for it"
         )
-    if source.kind == "gguf" and quantization == formats.GGUF:
+    if source.kind == "gguf" and quantization in formats.NATIVE:
         converted = convert_gguf(source.path, torch_dtype, with_tokenizer, convert=False)
-        decoder, tok_dir = build_gguf_decoder(source.path, converted.config, torch_device), converted.tokenizer
+        reblock = converted.weights.parent / REBLOCKED if quantization == formats.Q4_0 else None
+        decoder = build_gguf_decoder(source.path, converted.config, torch_device, reblock)
+        tok_dir = converted.tokenizer
     elif source.kind == "gguf":
         converted = convert_gguf(source.path, torch_dtype, with_tokenizer)
         decoder = cached_decoder(converted.config, converted.weights, quantization, torch_device)
