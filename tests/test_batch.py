@@ -248,6 +248,30 @@ def test_the_batch_caps_each_lanes_draft_length_by_the_load(quantized) -> None:
     assert many.last_k == 0  # 40 sequences fill every row: plain steps
 
 
+def test_a_lanes_catch_up_is_priced_for_the_lanes_that_wait_on_it(quantized, w8a8_draft) -> None:
+    asked = []
+
+    class Recording(DraftLengthPolicy):
+        def pays_catch_up(self, seconds, draft_cost=None, alpha=None, remaining=None) -> bool:
+            asked.append(self.waiting)
+            return super().pays_catch_up(seconds, draft_cost, alpha, remaining)
+
+    costs = PassCosts([flat_then_linear(r) for r in range(1, 17)])
+
+    def new_engine() -> Engine:
+        drafter = drafters.create("draft", quantized, {"model": w8a8_draft})
+        return Engine(quantized, drafter, 3, Recording(costs, 3))
+
+    prompt = list(range(5, 45))  # the draft model's catch-up is longer than it pays unasked
+    for lanes in (1, 3):
+        asked.clear()
+        batch = BatchEngine(new_engine, lanes)
+        for key in range(lanes):
+            batch.add(key, prompt, SamplingParams(max_tokens=4))
+        batch.step()
+        assert asked and set(asked) == {lanes - 1}  # each lane's gate counts the others
+
+
 def test_a_batch_drafts_only_while_drafting_measures_faster() -> None:
     from forerun.policy.batch_rates import EXPLORE_EVERY, Rates
 

@@ -197,6 +197,20 @@ def test_a_catch_up_is_paid_once_what_drafting_would_have_saved_reaches_its_cost
     assert policy.catch_up.forgone == 0.0  # a new request starts from nothing
 
 
+def test_a_catch_up_in_a_batch_costs_every_lane_that_waits_on_it() -> None:
+    def first_paid(waiting: int) -> int:
+        policy = DraftLengthPolicy(FLAT, k_max=4)
+        policy.start()
+        for _ in range(20):
+            policy.record_drafted(4, 4, False)
+        policy.waiting = waiting
+        cost = 5.4 * policy.saving(draft_cost=0.01)  # five and some steps' saving, for one lane
+        return next(i for i in range(1, 100) if policy.pays_catch_up(cost, 0.01))
+
+    assert first_paid(0) == 7  # alone: once six steps' saving is forgone
+    assert first_paid(3) == 23  # three more lanes wait on it: four times the seconds to win back
+
+
 def test_a_catch_up_the_tokens_left_cannot_win_back_is_never_paid() -> None:
     policy = DraftLengthPolicy(FLAT, k_max=4)
     policy.start()

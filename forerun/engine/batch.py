@@ -233,7 +233,11 @@ class BatchEngine:
             len(lanes) > 1 and all(lane.engine.policy is not None for _, lane in lanes) and not bucket.choose_drafting()
         )
         # Each lane first settles what it alone would draft (and from which source); the batch
-        # then caps everyone's length by what the load makes pay.
+        # then caps everyone's length by what the load makes pay. A draft model's catch-up in one
+        # lane holds up the others' step: its gate prices it for all of them.
+        for _, lane in lanes:
+            if lane.engine.policy is not None:
+                lane.engine.policy.waiting = len(lanes) - 1
         chosen = self._choose(lanes, plain, results)
         lanes = [(key, lane) for key, lane in lanes if key in chosen]
         cap = self._k_cap([(lane, chosen[key]) for key, lane in lanes]) if len(lanes) > 1 else None

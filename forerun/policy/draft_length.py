@@ -125,6 +125,9 @@ class DraftLengthPolicy:
     # The source the policy last heard of (chosen, or proposing): a catch-up is priced with its rows
     # per token, as the source whose drafts the steps around the catch-up are made of.
     latest_source: str | None = None
+    # Other sequences whose step waits on this one's (a batch's other running lanes, set by the batch
+    # each step): a catch-up's seconds are theirs too, while what it saves is this sequence's alone.
+    waiting: int = 0
 
     def start(self) -> None:
         """A new request: each source's estimate starts from its history."""
@@ -132,7 +135,7 @@ class DraftLengthPolicy:
             seen = figures.history.kept + figures.history.rejected
             weight = min(1.0, REQUEST_PRIOR / seen) if seen > 0 else 1.0
             figures.current = DecayedCounts(figures.history.kept * weight, figures.history.rejected * weight)
-        self.plain_steps, self.probe_wait, self.catch_up = 0, PROBE_WAIT[0], CatchUp()
+        self.plain_steps, self.probe_wait, self.catch_up, self.waiting = 0, PROBE_WAIT[0], CatchUp(), 0
 
     def figures(self, source: str | None = None) -> SourceFigures:
         """`source`'s figures to read (a fresh prior when it has none yet, not stored)."""
@@ -182,11 +185,12 @@ class DraftLengthPolicy:
     ) -> bool:
         """The catch-up gate (catch_up.py, a policy.catch_up.Gate): whether to pay a drafter's one-off
         `seconds` now, its tokens then costing `draft_cost` each and kept at rate `alpha`, with
-        `remaining` tokens the request may still emit. Always under a fixed K."""
+        `remaining` tokens the request may still emit; in a batch it costs every waiting sequence
+        those seconds too. Always under a fixed K."""
         if self.fixed or seconds <= 0:
             return True
         saving = self.saving(draft_cost, alpha, self.latest_source)
-        return self.catch_up.pays(seconds, saving, remaining, self.pass_cost)
+        return self.catch_up.pays(seconds * (1 + self.waiting), saving, remaining, self.pass_cost)
 
     def record_proposal(self, seconds: float, asked: int, rows: int | None, source: str | None = None) -> None:
         """A proposal from `source` of `asked` tokens took `seconds` and added `rows` verifier rows
