@@ -124,12 +124,13 @@ def choose_auto(
     kind = torch.device(device).type
     if kind != "cpu":
         return None, f"on {kind} the weights stay in their dtype"
-    if source_kind == "gguf" and native.available() and draft:
-        return Q4_0, (
-            f"a draft model's GGUF file on a CPU the native kernels run ({native.path()} path): its tensors "
-            "wider than 4.5 bits a weight re-blocked into Q4_0, fewer bytes a draft token; drafts change only the speed"
-        )
     if source_kind == "gguf" and native.available():
+        if draft:
+            return Q4_0, (
+                f"a draft model's GGUF file on a CPU the native kernels run ({native.path()} path): its tensors "
+                "wider than 4.5 bits a weight re-blocked into Q4_0, fewer bytes a draft token; drafts change only "
+                "the speed"
+            )
         return GGUF, (
             f"a GGUF file on a CPU the native kernels run ({native.path()} path): its own blocks, "
             "the fewest bytes a pass reads, rows bit-identical alone or batched"
@@ -186,8 +187,7 @@ def check_device(name: str, device: torch.device | str) -> None:
     fmt = get(name)
     if not _runs(name, device):
         usable = [f.name for f in FORMATS.values() if _runs(f.name, device)]
-        needs = {"w8a8": " with fbgemm", GGUF: " with forerun's native kernels", Q4_0: " with forerun's native kernels"}
-        needs = needs.get(name, "")
+        needs = " with fbgemm" if name == "w8a8" else " with forerun's native kernels" if name in NATIVE else ""
         raise ForerunError(
             f"--quantization {name} does not run on {kind} (it needs "
             f"{' or '.join(fmt.devices)}{needs}); on {kind} use "

@@ -271,10 +271,17 @@ REBLOCK_TYPE = "Q4_0"
 
 def bits_per_weight(tensor_type) -> float:
     """Bits a weight of a GGUF tensor type takes (Q4_0: 4.5, Q6_K: 6.5625, F16: 16)."""
+    inputs, size = _block_size(tensor_type)
+    return 8 * size / inputs
+
+
+def _block_size(tensor_type) -> tuple[int, int]:
+    """(inputs, bytes) of one block of a GGUF tensor type (a name or gguf-py's type)."""
     import gguf
 
-    inputs, size = gguf.GGML_QUANT_SIZES[tensor_type]
-    return 8 * size / inputs
+    if isinstance(tensor_type, str):
+        tensor_type = gguf.GGMLQuantizationType[tensor_type]
+    return gguf.GGML_QUANT_SIZES[tensor_type]
 
 
 class Reblocked:
@@ -297,18 +304,17 @@ class Reblocked:
     @staticmethod
     def wants(t) -> bool:
         """Whether tensor `t` is re-blocked: more bits a weight than Q4_0, inputs in whole blocks."""
-        import gguf
-
-        narrow = bits_per_weight(gguf.GGMLQuantizationType[REBLOCK_TYPE])
-        return bits_per_weight(t.tensor_type) > narrow and int(t.shape[0]) % 32 == 0
+        inputs, _ = _block_size(REBLOCK_TYPE)
+        return bits_per_weight(t.tensor_type) > bits_per_weight(REBLOCK_TYPE) and int(t.shape[0]) % inputs == 0
 
     def rows(self, name: str, t) -> torch.Tensor:
         """Tensor `t`'s rows as Q4_0 blocks, uint8 [rows, row bytes], in the file's row order."""
         import gguf
 
         k, n = int(t.shape[0]), int(t.shape[1])
+        inputs, size = _block_size(REBLOCK_TYPE)
         raw = self.blocks.get(name)
-        if raw is None or tuple(raw.shape) != (n, k // 32 * 18) or raw.dtype != torch.uint8:
+        if raw is None or tuple(raw.shape) != (n, k // inputs * size) or raw.dtype != torch.uint8:
             blocks = gguf.quants.quantize(_dequantized(t).reshape(n, k), gguf.GGMLQuantizationType[REBLOCK_TYPE])
             raw = torch.from_numpy(np.ascontiguousarray(blocks)).view(torch.uint8).reshape(n, -1)
             self.blocks[name] = raw
