@@ -1,8 +1,10 @@
 // The AVX2 path (Zen 2/3, Haswell and later without AVX-512 VNNI): a tile's 16 outputs in two
 // halves of 8 ymm lanes. u8 x s8 products are summed in pairs into int16 (vpmaddubsw) and, as far as
 // no sum can pass 32767, several groups' pairs are added in int16 before one vpmaddwd turns them
-// into int32 and applies the sub-block's scale in the same instruction. The float operations per
-// lane are exactly the scalar reference's (kernels.h).
+// into int32 and applies the sub-block's scale in the same instruction. A tile runs up to eight rows
+// against each unpacked weight vector; the K-quants unpack half a unit's groups at a time (`quad`),
+// so four weight vectors and eight rows' sums fit the sixteen ymm registers. Integer sums are exact
+// in any order; the float operations per lane are exactly the scalar reference's (kernels.h).
 #if defined(__x86_64__)
 #include <immintrin.h>
 #include <string.h>
@@ -17,7 +19,7 @@ namespace forerun {
 
 namespace {
 
-constexpr int ROWS = 4;
+constexpr int ROWS = 8;
 constexpr int HALF = 8;   // lanes a ymm holds
 
 inline int32_t ld32(const void* p) { int32_t v; memcpy(&v, p, 4); return v; }
@@ -43,6 +45,21 @@ inline __m256i bit_bytes(uint32_t bits) {
     const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuffle);
     return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+}
+
+// Groups 4 * part .. 4 * part + 3 of half h of a 32-input unit (part 0: the low nibbles).
+inline void quad(const uint8_t* qs, int h, int part, __m256i* w) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int v = 0; v < 4; ++v) {
+        const __m256i p = load(qs + 64 * v + 32 * h);
+        w[v] = _mm256_and_si256(part ? _mm256_srli_epi16(p, 4) : p, low);
+    }
+}
+
+inline void add_bit4_quad(const uint8_t* qh, int h, int part, __m256i* w) {
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    for (int g = 0; g < 4; ++g)
+        w[g] = _mm256_or_si256(w[g], _mm256_and_si256(bit_bytes(ldu32(qh + 8 * (4 * part + g) + 4 * h)), sixteen));
 }
 
 inline void add_bit4(const uint8_t* qh, int h, __m256i* w) {
@@ -97,7 +114,6 @@ inline __m256i scale_pairs(__m256i sc32) {
 template <int R, bool FIVE>
 void tile_q4k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
     constexpr int CB = FIVE ? q5k::BYTES : q4k::BYTES;
-    constexpr int RUN = FIVE ? 4 : 8;                 // groups whose pairs fit in int16 together
     for (int h = 0; h < 2; ++h) {
         __m256 acc[R];
         for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -107,15 +123,19 @@ void tile_q4k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o
             for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
             for (int j = 0; j < 8; ++j) {
                 if (h == 0) prefetch_part<CB, 8>(c, j);
-                __m256i w[8];
-                nibbles(c + q4k::QS + 256 * j, h, w);
-                if (FIVE) add_bit4(c + q4k::QH + 64 * j, h, w);
                 const __m256i sc = scale_pairs(
                     _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(c + q4k::SC + 16 * j + HALF * h))));
-                for (int r = 0; r < R; ++r) {
-                    const int8_t* x = a[r].q + b * QK_K + 32 * j;
-                    for (int g = 0; g < 8; g += RUN)
-                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs(w, x + 4 * g, g, RUN), sc));
+                // The low nibbles' four groups for every row, then the high nibbles': four weight
+                // vectors live instead of eight, so the rows' sums stay in registers.
+                for (int part = 0; part < 2; ++part) {
+                    __m256i w[4];
+                    quad(c + q4k::QS + 256 * j, h, part, w);
+                    if (FIVE) add_bit4_quad(c + q4k::QH + 64 * j, h, part, w);
+                    for (int r = 0; r < R; ++r) {
+                        const int8_t* x = a[r].q + b * QK_K + 32 * j + 16 * part;
+                        // Four groups' pairs in int16: 5-bit weights reach 4 * 2 * 31 * 127 < 32768.
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs(w, x, 0, 4), sc));
+                    }
                 }
             }
             __m256i mn[4];
@@ -148,26 +168,24 @@ void tile_q6k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o
             for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
             for (int u = 0; u < 8; ++u) {
                 if (h == 0) prefetch_part<q6k::BYTES, 8>(c, u);
-                __m256i w[8];
-                nibbles(c + q6k::QL + 256 * u, h, w);
-                for (int v = 0; v < 2; ++v) {
-                    const __m256i bits = load(c + q6k::QH + 128 * u + 64 * v + 32 * h);
-                    w[4 * v + 0] = _mm256_or_si256(w[4 * v + 0], _mm256_and_si256(_mm256_slli_epi16(bits, 4), top));
-                    w[4 * v + 1] = _mm256_or_si256(w[4 * v + 1], _mm256_and_si256(_mm256_slli_epi16(bits, 2), top));
-                    w[4 * v + 2] = _mm256_or_si256(w[4 * v + 2], _mm256_and_si256(bits, top));
-                    w[4 * v + 3] = _mm256_or_si256(w[4 * v + 3], _mm256_and_si256(_mm256_srli_epi16(bits, 2), top));
-                }
-                const __m256i sc0 = scale_pairs(
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + q6k::SC + 32 * u + HALF * h))));
-                const __m256i sc1 = scale_pairs(
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + q6k::SC + 32 * u + 16 + HALF * h))));
-                for (int r = 0; r < R; ++r) {
-                    const int8_t* x = a[r].q + b * QK_K + 32 * u;
-                    __m256i p = _mm256_madd_epi16(pairs(w, x, 0, 2), sc0);
-                    p = _mm256_add_epi32(p, _mm256_madd_epi16(pairs(w, x + 8, 2, 2), sc0));
-                    p = _mm256_add_epi32(p, _mm256_madd_epi16(pairs(w, x + 16, 4, 2), sc1));
-                    p = _mm256_add_epi32(p, _mm256_madd_epi16(pairs(w, x + 24, 6, 2), sc1));
-                    isum[r] = _mm256_add_epi32(isum[r], p);
+                // Groups 0-3 (the low nibbles, the first 16 inputs, scale sc0) for every row, then
+                // groups 4-7 (the high nibbles, sc1): four weight vectors live instead of eight.
+                for (int part = 0; part < 2; ++part) {
+                    __m256i w[4];
+                    quad(c + q6k::QL + 256 * u, h, part, w);
+                    const __m256i bits = load(c + q6k::QH + 128 * u + 64 * part + 32 * h);
+                    w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(bits, 4), top));
+                    w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(bits, 2), top));
+                    w[2] = _mm256_or_si256(w[2], _mm256_and_si256(bits, top));
+                    w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_srli_epi16(bits, 2), top));
+                    const __m256i sc = scale_pairs(_mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64((const __m128i*)(c + q6k::SC + 32 * u + 16 * part + HALF * h))));
+                    for (int r = 0; r < R; ++r) {
+                        const int8_t* x = a[r].q + b * QK_K + 32 * u + 16 * part;
+                        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(pairs(w, x, 0, 2), sc),
+                                                           _mm256_madd_epi16(pairs(w, x + 8, 2, 2), sc));
+                        isum[r] = _mm256_add_epi32(isum[r], p);
+                    }
                 }
             }
             // The weights were stored as q + 32: take 32 * sum_j sc_j * (sum of x over sub-block j).
@@ -313,7 +331,11 @@ void matmul_avx2(int type, const uint8_t* w, int64_t k, const uint8_t* act, int6
                 case 1: tile_any<1>(type, tile, blocks, a, o); break;
                 case 2: tile_any<2>(type, tile, blocks, a, o); break;
                 case 3: tile_any<3>(type, tile, blocks, a, o); break;
-                default: tile_any<4>(type, tile, blocks, a, o); break;
+                case 4: tile_any<4>(type, tile, blocks, a, o); break;
+                case 5: tile_any<5>(type, tile, blocks, a, o); break;
+                case 6: tile_any<6>(type, tile, blocks, a, o); break;
+                case 7: tile_any<7>(type, tile, blocks, a, o); break;
+                default: tile_any<8>(type, tile, blocks, a, o); break;
             }
         }
     }
