@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import socket
+import statistics
 import threading
 import time
 
@@ -414,14 +416,31 @@ def test_requests_differ_in_length_the_same_way_on_every_server() -> None:
 def test_bench_serve_sends_prompts_again_or_with_distinct_never_twice() -> None:
     from forerun.bench.serve_load import level_prompts
 
-    prompts = list(range(10))
-    assert level_prompts(prompts, [3, 12]) == [[0, 1, 2], prompts + [0, 1]]
+    prompts = [[k] * (1 + k) for k in range(10)]
+    assert level_prompts(prompts, [3, 12]) == [prompts[:3], prompts + prompts[:2]]
     levels = level_prompts(prompts, [2, 3, 4], distinct=True)
-    sent = [p for level in levels for p in level]
+    sent = [p[0] for level in levels for p in level]
     assert [len(level) for level in levels] == [2, 3, 4] and len(set(sent)) == 9
     assert sent != sorted(sent) and levels == level_prompts(prompts, [2, 3, 4], distinct=True)
     with pytest.raises(ForerunError, match="--distinct sends 11 different prompts .* dataset has 10"):
         level_prompts(prompts, [5, 6], distinct=True)
+
+
+def test_bench_serve_deals_every_level_prompts_as_long_on_average() -> None:
+    """With --distinct, levels that differ in size get the same mean prompt length, though a few
+    prompts are far longer than the rest (Spec-Bench's summaries and retrieval contexts)."""
+    from forerun.bench.serve_load import level_prompts
+
+    draw = random.Random(3)
+    lengths = [1 + int(draw.lognormvariate(4, 1)) for _ in range(200)]  # median 55, a tenth over 200
+    prompts = [[i] * n for i, n in enumerate(lengths)]
+    for counts in ([4, 16, 64], [4, 16], [16, 64], [8, 32]):
+        levels = level_prompts(prompts, counts, distinct=True)
+        means = [statistics.mean(len(p) for p in level) for level in levels]
+        assert [len(level) for level in levels] == counts
+        assert len({p[0] for level in levels for p in level}) == sum(counts)
+        assert max(means) / min(means) < 1.03, (counts, means)
+        assert all(max(map(len, level)) > 4 * statistics.median(lengths) for level in levels if len(level) >= 16)
 
 
 def test_bench_serve_alternates_which_set_up_runs_first() -> None:

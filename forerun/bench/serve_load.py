@@ -110,9 +110,10 @@ def request_lengths(count: int, max_tokens: int, spread: float, seed: int = 0) -
 
 def level_prompts(prompts: list, counts: list[int], distinct: bool = False, seed: int = 0) -> list[list]:
     """The prompts each level sends (`counts[i]` for level i): the list over and over from its start
-    at every level; with `distinct`, no prompt twice in the whole run (the list shuffled with `seed`,
-    so every level gets a mix of task kinds, then dealt out in turn), so a drafter that remembers
-    earlier answers finds none of them asked again."""
+    at every level; with `distinct`, no prompt twice in the whole run, so a drafter that remembers
+    earlier answers finds none of them asked again, and every level dealt the same traffic
+    (`_even_deal`), so that levels differ in how many requests are in flight and not in how long
+    their prompts are. Each level's prompts go out in an order shuffled with `seed`."""
     if not distinct:
         return [list(itertools.islice(itertools.cycle(prompts), n)) for n in counts]
     if sum(counts) > len(prompts):
@@ -121,10 +122,52 @@ def level_prompts(prompts: list, counts: list[int], distinct: bool = False, seed
             f"but the dataset has {len(prompts)}; use fewer levels or requests per level, "
             "or more categories"
         )
-    order = list(prompts)
-    random.Random(seed).shuffle(order)
-    starts = list(itertools.accumulate(counts, initial=0))
-    return [order[start : start + n] for start, n in zip(starts, counts)]
+    draw = random.Random(seed)
+    levels = _even_deal([len(p) for p in prompts], counts, draw)
+    for level in levels:
+        draw.shuffle(level)
+    return [[prompts[i] for i in level] for level in levels]
+
+
+def _even_deal(lengths: list[int], counts: list[int], draw: random.Random) -> list[list[int]]:
+    """Indices into `lengths` (prompt lengths), `counts[i]` for level i: a sample spread evenly over
+    the prompts' lengths (so over the task kinds, whose lengths differ), dealt shortest first each
+    to the level furthest behind its share, so every level's prompts span the range of lengths;
+    then prompts swapped between levels while that brings their mean lengths nearer the sample's.
+    Spreading alone leaves a level of a few requests short: a few prompts (summaries, retrieval
+    contexts) are several times the median, and only one level can have each."""
+    order = sorted(draw.sample(range(len(lengths)), len(lengths)), key=lambda i: lengths[i])  # ties drawn
+    taken = sum(counts)
+    sample = [order[(2 * t + 1) * len(order) // (2 * taken)] for t in range(taken)]
+    levels: list[list[int]] = [[] for _ in counts]
+    for t, i in enumerate(sample):
+        open_ = [lv for lv, n in enumerate(counts) if len(levels[lv]) < n]
+        levels[max(open_, key=lambda lv: counts[lv] * (t + 1) / taken - len(levels[lv]))].append(i)
+    mean = sum(lengths[i] for i in sample) / taken
+    off = [sum(lengths[i] for i in level) - n * mean for level, n in zip(levels, counts)]  # tokens over
+    for _ in range(taken * taken):  # each swap lowers the sum of squares: it ends well before
+        best = _best_swap(levels, off, lengths)
+        if best is None:
+            break
+        p, a, q, b = best
+        levels[p][a], levels[q][b] = levels[q][b], levels[p][a]
+        moved = lengths[levels[q][b]] - lengths[levels[p][a]]
+        off[p], off[q] = off[p] - moved, off[q] + moved
+    return levels
+
+
+def _best_swap(levels: list[list[int]], off: list[float], lengths: list[int]) -> tuple[int, int, int, int] | None:
+    """(level p, place a, level q, place b): the swap of two prompts that most lowers the sum of
+    the levels' squared `off` (tokens over their share); None when none lowers it."""
+    best, gain = None, 1e-9
+    for p, q in itertools.combinations(range(len(levels)), 2):
+        for a, i in enumerate(levels[p]):
+            for b, j in enumerate(levels[q]):
+                moved = lengths[i] - lengths[j]  # p gives i, takes j
+                change = (off[p] - moved) ** 2 + (off[q] + moved) ** 2 - off[p] ** 2 - off[q] ** 2
+                if -change > gain:
+                    best, gain = (p, a, q, b), -change
+    return best
 
 
 def running_order(setups: list, level: int) -> list:

@@ -85,8 +85,9 @@ def register(sub) -> None:
     p.add_argument(
         "--distinct",
         action="store_true",
-        help="send no prompt twice in the run (shuffled, then dealt out across the levels), so no "
-        "request repeats an earlier one; needs --requests-per-level x the sum of the levels prompts",
+        help="send no prompt twice in the run, so no request repeats an earlier one, and deal every "
+        "level the same traffic (as long prompts on average, spread over the task kinds); "
+        "needs --requests-per-level x the sum of the levels prompts",
     )
     p.add_argument("--out", required=True, help="folder for results.json, report.md and server logs")
     p.set_defaults(func=run)
