@@ -210,6 +210,8 @@ def test_per_request_figures_have_vllm_s_shape_and_add_up_to_the_metrics(target_
             assert sum(f["acceptance_histogram"].values()) == f["num_spec_steps"] == len(f["per_step_drafted"])
             assert sum(int(j) * c for j, c in f["acceptance_histogram"].items()) == f["num_accepted_draft_tokens"]
             assert sum(f["per_step_accepted"]) == f["num_accepted_draft_tokens"]
+            assert sum(f["accepted_per_position"]) == f["num_accepted_draft_tokens"]
+            assert f["accepted_per_position"] == sorted(f["accepted_per_position"], reverse=True)
             assert sum(f["per_step_drafted"]) == f["num_draft_tokens"]
             assert f["mean_acceptance_length"] == pytest.approx(
                 1 + f["num_accepted_draft_tokens"] / f["num_spec_steps"]
@@ -221,6 +223,10 @@ def test_per_request_figures_have_vllm_s_shape_and_add_up_to_the_metrics(target_
         accepted = sum(f["num_accepted_draft_tokens"] for f in figures)
         assert _metric(text, "forerun:spec_decode_num_draft_tokens_total") == drafted
         assert _metric(text, "forerun:spec_decode_num_accepted_tokens_total") == accepted
+        for position in range(3):
+            kept = sum(f["accepted_per_position"][position] for f in figures)
+            name = "forerun:spec_decode_num_accepted_tokens_per_pos_total"
+            assert _metric(text, name, f'position="{position + 1}"') == kept
         assert accepted > 0
         assert _metric(text, "forerun:spec_decode_draft_acceptance_rate") == pytest.approx(accepted / drafted)
         assert 0 < _metric(text, "forerun:spec_decode_efficiency") <= 1

@@ -210,8 +210,15 @@ def echo_text(checked: Checked, prompt_ids: list[int], tokenizer) -> str:
 
 
 def error_body(exc: BadRequest) -> dict:
-    """OpenAI's error shape: a response's body, or a stream's last event."""
-    return {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}}
+    """OpenAI's error shape: a response's body, or a stream's last event. Text the client sent back
+    to it (a field's name) may hold a lone surrogate, which UTF-8 cannot carry: it goes escaped."""
+    return {
+        "error": {"message": _sendable(exc.message), "type": exc.kind, "param": _sendable(exc.param), "code": exc.code}
+    }
+
+
+def _sendable(text: str | None) -> str | None:
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def refused(exc: BadRequest) -> JSONResponse:
@@ -252,6 +259,7 @@ def spec_stats(m: SpecMetrics, detailed: bool) -> dict | None:
         "num_accepted_draft_tokens": accepted,
         "num_draft_tokens": m.num_draft_tokens,
         "num_spec_tokens": m.num_speculative_tokens,
+        "accepted_per_position": list(m.accepted_per_position),  # [K] drafts kept at positions 1..K
     }
     if detailed:
         figures["per_step_accepted"] = [kept for _, kept in m.steps]
