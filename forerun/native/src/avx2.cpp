@@ -317,8 +317,11 @@ void matmul_avx2(int type, const uint8_t* w, int64_t k, const uint8_t* act, int6
     for (int64_t t = tile0; t < tile1; ++t) {
         const uint8_t* tile = w + (size_t)t * blocks * cb;
         const int64_t col = t * LANES;
-        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
-            const int rows = (int)(m - r0 < ROWS ? m - r0 : ROWS);
+        // Q8_0 keeps its weights and their magnitudes (sixteen vectors) beside the rows: four rows
+        // at a time measure faster there than eight.
+        const int64_t group = type == Q8_0 ? 4 : ROWS;
+        for (int64_t r0 = 0; r0 < m; r0 += group) {
+            const int rows = (int)(m - r0 < group ? m - r0 : group);
             ActRow a[ROWS];
             Out o;
             o.bias = bias ? bias + col : nullptr;
