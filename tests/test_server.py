@@ -457,7 +457,9 @@ def test_the_serve_report_sets_each_run_beside_off_of_its_own_round(tmp_path) ->
     from forerun.bench.serve_load import LevelResult, write_report
 
     def level(setup, c, tokens, errors=()):
-        return LevelResult(setup, c, 4, 1.0, tokens, 0.1, 0.2, 0.01, 0.02, len(errors), [], list(errors))
+        return LevelResult(
+            setup, c, 4, 1.0, tokens, 0.1, 0.2, 0.01, 0.02, len(errors), [], list(errors), prompt_tokens=1202
+        )
 
     counted = level("auto", 16, 99)
     counted.draft_tokens, counted.accepted_tokens = 120, 90
@@ -472,7 +474,7 @@ def test_the_serve_report_sets_each_run_beside_off_of_its_own_round(tmp_path) ->
         "# header",
     )
     report = (tmp_path / "report.md").read_text()
-    assert "| auto | 16 | 4 | 99.0 | 0.99× |" in report and "| auto | 16 | 4 | 55.0 | 1.10× |" in report
+    assert "| auto | 16 | 4 | 300 | 99.0 | 0.99× |" in report and "| auto | 16 | 4 | 300 | 55.0 | 1.10× |" in report
     assert "| 120 / 90 | 0 |" in report and "| – | 1 |" in report
     assert "- auto at 16: APIConnectionError: Connection error." in report
     assert json.loads((tmp_path / "results.json").read_text())[3]["errors"] == ["APIConnectionError: Connection error."]

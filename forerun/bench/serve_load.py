@@ -58,6 +58,7 @@ class LevelResult:
     errors: list[str] = field(default_factory=list)  # what the failed requests raised, each kind once
     draft_tokens: int | None = None  # the server's counters over the level (forerun's /metrics; None: not read)
     accepted_tokens: int | None = None
+    prompt_tokens: int = 0  # the level's prompts, token ids sent: its traffic beside the other levels'
 
     @property
     def tokens_per_s(self) -> float:
@@ -224,6 +225,7 @@ async def run_level(
         failures,
         [asdict(t) for t in timings],
         errors,
+        prompt_tokens=sum(len(p) for p in prompts),
     )
 
 
@@ -238,9 +240,9 @@ def write_report(out: Path, levels: list[LevelResult], header: str) -> None:
     lines = [
         header,
         "",
-        "| set-up | concurrency | requests | output tok/s | × off | TTFT p50 / p90 ms | "
+        "| set-up | concurrency | requests | prompt tokens a request | output tok/s | × off | TTFT p50 / p90 ms | "
         "time per output token p50 / p90 ms | drafted / kept tokens | failed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def ms(value: float | None) -> str:
@@ -250,7 +252,8 @@ def write_report(out: Path, levels: list[LevelResult], header: str) -> None:
         ratio = f"{r.tokens_per_s / off[key]:.2f}×" if off.get(key) else "–"
         drafted = "–" if r.draft_tokens is None else f"{r.draft_tokens} / {r.accepted_tokens}"
         lines.append(
-            f"| {r.setup} | {r.concurrency} | {r.requests} | {r.tokens_per_s:.1f} | {ratio} | "
+            f"| {r.setup} | {r.concurrency} | {r.requests} | {r.prompt_tokens / r.requests:.0f} | "
+            f"{r.tokens_per_s:.1f} | {ratio} | "
             f"{ms(r.ttft_p50_s)} / {ms(r.ttft_p90_s)} | {ms(r.tpot_p50_s)} / {ms(r.tpot_p90_s)} | "
             f"{drafted} | {r.failures} |"
         )
