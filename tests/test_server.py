@@ -408,6 +408,9 @@ def test_requests_differ_in_length_the_same_way_on_every_server() -> None:
     assert lengths == request_lengths(200, 64, 0.5, seed=8)
     assert min(lengths) >= 32 and max(lengths) <= 64 and len(set(lengths)) > 10
     assert request_lengths(5, 64, 0.0) == [64] * 5
+    # Levels of 16 and of 64 requests ask for as many tokens a request on average.
+    assert abs(statistics.mean(request_lengths(16, 64, 0.5, seed=4)) - statistics.mean(lengths)) < 0.5
+    assert abs(statistics.mean(request_lengths(64, 64, 0.5, seed=16)) - statistics.mean(lengths)) < 0.5
     assert min(request_lengths(50, 3, 0.9)) >= 1
     with pytest.raises(ForerunError, match="--length-spread"):
         request_lengths(5, 64, 1.0)
@@ -432,7 +435,7 @@ def test_bench_serve_deals_every_level_prompts_as_long_on_average() -> None:
     from forerun.bench.serve_load import level_prompts
 
     draw = random.Random(3)
-    lengths = [1 + int(draw.lognormvariate(4, 1)) for _ in range(200)]  # median 55, a tenth over 200
+    lengths = [1 + int(draw.lognormvariate(4, 1)) for _ in range(200)]  # median 59, an eighth over 200
     prompts = [[i] * n for i, n in enumerate(lengths)]
     for counts in ([4, 16, 64], [4, 16], [16, 64], [8, 32]):
         levels = level_prompts(prompts, counts, distinct=True)
@@ -458,7 +461,7 @@ def test_the_serve_report_sets_each_run_beside_off_of_its_own_round(tmp_path) ->
 
     def level(setup, c, tokens, errors=()):
         return LevelResult(
-            setup, c, 4, 1.0, tokens, 0.1, 0.2, 0.01, 0.02, len(errors), [], list(errors), prompt_tokens=1202
+            setup, c, 4, 1.0, tokens, 0.1, 0.2, 0.01, 0.02, len(errors), [], list(errors), prompt_tokens=1200
         )
 
     counted = level("auto", 16, 99)

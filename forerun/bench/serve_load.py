@@ -102,19 +102,24 @@ def shortest(max_tokens: int, spread: float) -> int:
 
 
 def request_lengths(count: int, max_tokens: int, spread: float, seed: int = 0) -> list[int]:
-    """Max tokens for `count` requests: drawn evenly from [(1 - spread) * max_tokens, max_tokens]
-    (at least 1), the same list for the same arguments (every server gets the same requests)."""
+    """Max tokens for `count` requests: spread evenly over [(1 - spread) * max_tokens, max_tokens]
+    (at least 1) and shuffled with `seed`, the same list for the same arguments (every server gets
+    the same requests). Evenly, not drawn at random: every level then asks for as many tokens a
+    request on average, whatever its size (random draws gave a level of 16 requests 46 a request
+    and one of 64 requests 49, at 32-64)."""
     low = shortest(max_tokens, spread)
-    draw = random.Random(seed)
-    return [draw.randint(low, max_tokens) for _ in range(count)]
+    span = max_tokens - low + 1
+    lengths = [low + (2 * i + 1) * span // (2 * count) for i in range(count)]
+    random.Random(seed).shuffle(lengths)
+    return lengths
 
 
 def level_prompts(prompts: list, counts: list[int], distinct: bool = False, seed: int = 0) -> list[list]:
     """The prompts each level sends (`counts[i]` for level i): the list over and over from its start
     at every level; with `distinct`, no prompt twice in the whole run, so a drafter that remembers
-    earlier answers finds none of them asked again, and every level dealt the same traffic
-    (`_even_deal`), so that levels differ in how many requests are in flight and not in how long
-    their prompts are. Each level's prompts go out in an order shuffled with `seed`."""
+    earlier answers finds none of them asked again, each level's prompts in an order shuffled with
+    `seed`, and every level dealt prompts as long on average as it can be (`_even_deal`), so that
+    levels differ in how many requests are in flight rather than in how long their prompts are."""
     if not distinct:
         return [list(itertools.islice(itertools.cycle(prompts), n)) for n in counts]
     if sum(counts) > len(prompts):
@@ -132,40 +137,44 @@ def level_prompts(prompts: list, counts: list[int], distinct: bool = False, seed
 
 def _even_deal(lengths: list[int], counts: list[int], draw: random.Random) -> list[list[int]]:
     """Indices into `lengths` (prompt lengths), `counts[i]` for level i: a sample spread evenly over
-    the prompts' lengths (so over the task kinds, whose lengths differ), dealt shortest first each
-    to the level furthest behind its share, so every level's prompts span the range of lengths;
-    then prompts swapped between levels while that brings their mean lengths nearer the sample's.
+    the prompts' lengths (and so, roughly, over task kinds, whose lengths differ), dealt shortest
+    first each to the level furthest behind its share of the places; then prompts swapped between
+    levels while a swap lowers the sum over levels of (tokens - count x the sample's mean length)^2.
     Spreading alone leaves a level of a few requests short: a few prompts (summaries, retrieval
-    contexts) are several times the median, and only one level can have each."""
-    order = sorted(draw.sample(range(len(lengths)), len(lengths)), key=lambda i: lengths[i])  # ties drawn
+    contexts) are several times the median, and only one level can have each. Levels of a handful
+    of requests may still differ (one long prompt can be more than a level's whole share): the
+    report gives each level's prompt tokens a request."""
     taken = sum(counts)
+    if taken == 0:
+        return [[] for _ in counts]
+    order = sorted(draw.sample(range(len(lengths)), len(lengths)), key=lambda i: lengths[i])  # ties drawn
     sample = [order[(2 * t + 1) * len(order) // (2 * taken)] for t in range(taken)]
     levels: list[list[int]] = [[] for _ in counts]
     for t, i in enumerate(sample):
         open_ = [lv for lv, n in enumerate(counts) if len(levels[lv]) < n]
         levels[max(open_, key=lambda lv: counts[lv] * (t + 1) / taken - len(levels[lv]))].append(i)
     mean = sum(lengths[i] for i in sample) / taken
-    off = [sum(lengths[i] for i in level) - n * mean for level, n in zip(levels, counts)]  # tokens over
+    excess = [sum(lengths[i] for i in level) - n * mean for level, n in zip(levels, counts)]  # tokens over
     for _ in range(taken * taken):  # each swap lowers the sum of squares: it ends well before
-        best = _best_swap(levels, off, lengths)
+        best = _best_swap(levels, excess, lengths)
         if best is None:
             break
         p, a, q, b = best
         levels[p][a], levels[q][b] = levels[q][b], levels[p][a]
         moved = lengths[levels[q][b]] - lengths[levels[p][a]]
-        off[p], off[q] = off[p] - moved, off[q] + moved
+        excess[p], excess[q] = excess[p] - moved, excess[q] + moved
     return levels
 
 
-def _best_swap(levels: list[list[int]], off: list[float], lengths: list[int]) -> tuple[int, int, int, int] | None:
+def _best_swap(levels: list[list[int]], excess: list[float], lengths: list[int]) -> tuple[int, int, int, int] | None:
     """(level p, place a, level q, place b): the swap of two prompts that most lowers the sum of
-    the levels' squared `off` (tokens over their share); None when none lowers it."""
+    the levels' squared `excess` (tokens over their share); None when none lowers it."""
     best, gain = None, 1e-9
     for p, q in itertools.combinations(range(len(levels)), 2):
         for a, i in enumerate(levels[p]):
             for b, j in enumerate(levels[q]):
                 moved = lengths[i] - lengths[j]  # p gives i, takes j
-                change = (off[p] - moved) ** 2 + (off[q] + moved) ** 2 - off[p] ** 2 - off[q] ** 2
+                change = (excess[p] - moved) ** 2 + (excess[q] + moved) ** 2 - excess[p] ** 2 - excess[q] ** 2
                 if -change > gain:
                     best, gain = (p, a, q, b), -change
     return best

@@ -76,8 +76,8 @@ def register(sub) -> None:
         "--length-spread",
         type=float,
         default=0.5,
-        help="each request's max tokens is drawn from [(1 - this) x --max-tokens, --max-tokens], the "
-        "same draws for every server (0: every request --max-tokens long)",
+        help="requests' max tokens are spread evenly over [(1 - this) x --max-tokens, --max-tokens] in a "
+        "shuffled order, the same for every server (0: every request --max-tokens long)",
     )
     p.add_argument("--peers", default="", help="llama.cpp: llama-server with one slot per request in flight")
     p.add_argument("--dataset", default="spec-bench")
@@ -86,7 +86,7 @@ def register(sub) -> None:
         "--distinct",
         action="store_true",
         help="send no prompt twice in the run, so no request repeats an earlier one, and deal every "
-        "level the same traffic (as long prompts on average, spread over the task kinds); "
+        "level prompts as long on average as it can (an even sample over their lengths); "
         "needs --requests-per-level x the sum of the levels prompts",
     )
     p.add_argument("--out", required=True, help="folder for results.json, report.md and server logs")

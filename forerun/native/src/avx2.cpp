@@ -2,9 +2,10 @@
 // halves of 8 ymm lanes. u8 x s8 products are summed in pairs into int16 (vpmaddubsw) and, as far as
 // no sum can pass 32767, several groups' pairs are added in int16 before one vpmaddwd turns them
 // into int32 and applies the sub-block's scale in the same instruction. A tile runs up to eight rows
-// against each unpacked weight vector; the K-quants unpack half a unit's groups at a time (`quad`),
-// so four weight vectors and eight rows' sums fit the sixteen ymm registers. Integer sums are exact
-// in any order; the float operations per lane are exactly the scalar reference's (kernels.h).
+// (Q8_0: four) against each unpacked weight vector; the K-quants unpack half a unit's groups at a
+// time (`quad`), so four weight vectors and eight rows' sums fit the sixteen ymm registers. Integer
+// sums are exact in any order; the float operations per lane are exactly the scalar reference's
+// (kernels.h).
 #if defined(__x86_64__)
 #include <immintrin.h>
 #include <string.h>
