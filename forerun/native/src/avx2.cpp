@@ -29,16 +29,6 @@ inline __m256i load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i
 inline __m256 f16x8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 inline __m256i ones16() { return _mm256_set1_epi16(1); }
 
-// Half h of a 32-input unit's 8 k-group vectors.
-inline void nibbles(const uint8_t* qs, int h, __m256i* w) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int v = 0; v < 4; ++v) {
-        const __m256i p = load(qs + 64 * v + 32 * h);
-        w[v] = _mm256_and_si256(p, low);
-        w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
-    }
-}
-
 // 32 bits -> 32 bytes, 0xFF where the bit is set.
 inline __m256i bit_bytes(uint32_t bits) {
     const __m256i shuffle = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
@@ -57,16 +47,19 @@ inline void quad(const uint8_t* qs, int h, int part, __m256i* w) {
     }
 }
 
+// The fifth bit of those groups' weights (Q5_K, Q5_0, Q5_1), from the unit's 32-bit masks.
 inline void add_bit4_quad(const uint8_t* qh, int h, int part, __m256i* w) {
     const __m256i sixteen = _mm256_set1_epi8(16);
     for (int g = 0; g < 4; ++g)
         w[g] = _mm256_or_si256(w[g], _mm256_and_si256(bit_bytes(ldu32(qh + 8 * (4 * part + g) + 4 * h)), sixteen));
 }
 
-inline void add_bit4(const uint8_t* qh, int h, __m256i* w) {
-    const __m256i sixteen = _mm256_set1_epi8(16);
-    for (int g = 0; g < 8; ++g)
-        w[g] = _mm256_or_si256(w[g], _mm256_and_si256(bit_bytes(ldu32(qh + 8 * g + 4 * h)), sixteen));
+// Half h of a 32-input unit's 8 k-group vectors (and with `qh` their fifth bits): both quads.
+inline void nibbles(const uint8_t* qs, int h, __m256i* w, const uint8_t* qh = nullptr) {
+    for (int part = 0; part < 2; ++part) {
+        quad(qs, h, part, w + 4 * part);
+        if (qh) add_bit4_quad(qh, h, part, w + 4 * part);
+    }
 }
 
 // Requests for the bytes ahead of the chunk being computed: into L2 far ahead, into L1 near (one
@@ -232,8 +225,7 @@ void tile_legacy(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out
                     magnitude[g] = _mm256_abs_epi8(w[g]);
                 }
             } else {
-                nibbles(c + QS, h, w);
-                if (FIVE) add_bit4(c + QH, h, w);
+                nibbles(c + QS, h, w, FIVE ? c + QH : nullptr);
             }
             const __m256 d = f16x8(c + 16 * h);
             for (int r = 0; r < R; ++r) {
