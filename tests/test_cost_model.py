@@ -345,6 +345,27 @@ def test_a_new_build_of_the_kernels_is_timed_again(tmp_path, monkeypatch) -> Non
     assert pass_costs_module._cost_key(model, 4) != before
 
 
+@pytest.mark.skipif(not pass_costs_module.native.available(), reason="native kernels unavailable")
+def test_another_cpu_generation_or_kernel_path_is_timed_again(tmp_path, monkeypatch) -> None:
+    # One name ("AMD EPYC") has booted as an AVX2-only CPU, a half-width and a full-width AVX-512 one.
+    from forerun.base import cpu
+    from tests.test_cpu import ZEN5
+    from tests.test_load import write_gguf
+
+    base = tiny_model(0, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64)
+    model = load_model(
+        str(write_gguf(base, tmp_path / "t.gguf", quant=lambda name: "Q8_0")), with_tokenizer=False, quantization="gguf"
+    )
+    monkeypatch.setattr(cpu, "_cpuinfo", lambda: cpu.parse_cpuinfo(ZEN5))
+    zen5 = pass_costs_module._cost_key(model, 4)
+    monkeypatch.setattr(cpu, "_cpuinfo", lambda: cpu.parse_cpuinfo(ZEN5.replace("family\t: 26", "family\t: 25")))
+    assert pass_costs_module._cost_key(model, 4) != zen5
+    monkeypatch.setattr(cpu, "_cpuinfo", lambda: cpu.parse_cpuinfo(ZEN5))
+    assert pass_costs_module._cost_key(model, 4) == zen5
+    monkeypatch.setattr(pass_costs_module.native, "path", lambda: "scalar")  # FORERUN_KERNEL_PATH=scalar
+    assert pass_costs_module._cost_key(model, 4) != zen5
+
+
 def test_a_model_built_in_memory_is_measured_not_cached(tmp_path, monkeypatch, target4) -> None:
     monkeypatch.setenv("FORERUN_HOME", str(tmp_path))
     assert len(cached_pass_costs(target4, rows=3).seconds) == 3

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -277,6 +278,29 @@ def test_hf_folder_loads_with_tokenizer_and_matches(home: Path, tmp_path: Path) 
     assert tok.decode(tok.encode(text)) == text
     assert {tok.hf.convert_tokens_to_ids("<|im_end|>"), tok.hf.convert_tokens_to_ids("<|endoftext|>")} <= tok.stop_ids
     assert _cache_files(home) == []  # a folder is already in a fast format: nothing converted
+
+
+def test_a_models_tokenizer_alone_reads_no_weights(home: Path, tmp_path: Path, monkeypatch) -> None:
+    from forerun.models import load as load_module
+    from forerun.models.load import load_tokenizer_of
+    from forerun.models.testing import tiny_tokenizer_folder
+
+    folder = save_hf_folder(tiny_model(seed=9), tmp_path / "tiny-hf")
+    text = "def f(a, b):\n    return a b"
+    whole = load_model(str(folder), dtype="float32").tokenizer
+    assert load_tokenizer_of(str(folder)).encode(text) == whole.encode(text)
+    assert _cache_files(home) == []
+    # A GGUF file: its tokenizer folder is written, its weights are not dequantized (a client of a
+    # server that holds the model, as bench-serve is, keeps no bf16 copy).
+    path = write_gguf(tiny_model(seed=1), tmp_path / "t.gguf")
+    asked, tok_dir = [], tiny_tokenizer_folder(tmp_path / "tok")
+
+    def convert(source, dtype, with_tokenizer, convert=True):
+        asked.append((with_tokenizer, convert))
+        return SimpleNamespace(tokenizer=tok_dir)
+
+    monkeypatch.setattr(load_module, "convert_gguf", convert)
+    assert load_tokenizer_of(str(path)).encode(text) and asked == [(True, False)]
 
 
 def test_hf_folder_with_tied_embeddings_shares_the_matrix(home: Path, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from forerun.base import cpu
 from forerun.bench import machine
 from forerun.cli import main
 from forerun.commands.profile import KINDS, kind_of, profile_pass
@@ -106,6 +107,7 @@ def test_the_command_prints_one_line_per_row_count(folder: Path, capsys, monkeyp
     )
     out = capsys.readouterr().out
     assert "| rows | pass | native layers | products |" in out
+    assert out.startswith(f"CPU: {cpu.describe()}; forerun kernels: ")  # the figures say what they ran on
     assert [
         line.split("|")[1].strip()
         for line in out.splitlines()

@@ -19,6 +19,7 @@ import pytest
 import uvicorn
 
 from forerun.api import LLM
+from forerun.base import cpu
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.engine.batch import BatchEngine
@@ -552,6 +553,7 @@ def test_bench_serve_runs_every_set_up_at_each_level_and_writes_its_report(tmp_p
     assert sum(r["draft_tokens"] for r in levels if r["setup"] == "fixed") > 0
     report = (out / "report.md").read_text()
     assert "| auto | 2 | 2 |" in report and "× off" in report
+    assert f"CPU: {cpu.describe()}; forerun kernels: " in report
 
 
 def test_the_engine_loop_runs_on_the_calling_thread_until_told_to_end(target_tok) -> None:

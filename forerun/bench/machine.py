@@ -1,4 +1,5 @@
-"""What machine a bench ran on: a few lines for the top of report.md, and its read bandwidth."""
+"""What machine a bench ran on: a few lines for the top of report.md (one line for a report without a table),
+and its read bandwidth."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from forerun.base import cpu
 
 def describe(dtype: str, device: str, quantization: str | None, with_transformers: bool) -> dict[str, str]:
     info = {
-        "CPU": cpu.name(),
+        "CPU": cpu.describe(),
+        "kernels": kernels(),
         "threads": f"{torch.get_num_threads()} torch threads, {os.cpu_count()} logical cores",
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -26,6 +28,18 @@ def describe(dtype: str, device: str, quantization: str | None, with_transformer
     info["dtype"] = dtype + (f", target weights {quantization}" if quantization else "")
     info["OS"] = f"{platform.system()} {platform.release()}"
     return info
+
+
+def kernels() -> str:
+    """The path forerun's native kernels take on this CPU ("avx512 path"), or why they cannot run here."""
+    from forerun import native
+
+    return f"{native.path()} path" if native.available() else f"not available ({native.problem()})"
+
+
+def cpu_line() -> str:
+    """One line naming what a benchmark ran on, for reports without a machine table."""
+    return f"CPU: {cpu.describe()}; forerun kernels: {kernels()}"
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:

@@ -103,15 +103,13 @@ class _Server:
 def run(args: argparse.Namespace) -> int:
     from forerun.base.prompts import load_prompts
     from forerun.bench.serve_load import level_prompts, shortest
-    from forerun.models.load import load_model
+    from forerun.models.load import load_tokenizer_of
 
     setups = _check(args)
     shortest(args.max_tokens, args.length_spread)  # a spread out of range: a clear error now
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_model(args.model, with_tokenizer=True).tokenizer
-    if tokenizer is None:
-        raise ForerunError(f"{args.model} has no tokenizer; bench-serve sends chat prompts")
+    tokenizer = load_tokenizer_of(args.model)  # the servers hold the model; this side only counts tokens
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
     prompts = [
         tokenizer.apply_chat([{"role": "user", "content": p.text}]) for p in load_prompts(args.dataset, categories)
@@ -245,10 +243,12 @@ def _run_level(server: _Server, model: str, sent: list, c: int, lengths: list[in
 
 
 def _header(args: argparse.Namespace) -> str:
+    from forerun.bench.machine import cpu_line
+
     shown = " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench-serve"] else "bench-serve"
     return (
         f"# forerun bench-serve\n\nMade with `forerun {shown}` on "
-        f"{datetime.now(UTC):%Y-%m-%d}. Greedy, max tokens {_lengths(args)}, "
+        f"{datetime.now(UTC):%Y-%m-%d}. {cpu_line()}. Greedy, max tokens {_lengths(args)}, "
         f"{args.requests_per_level} x c requests per level, at most c in flight"
         f"{', no prompt sent twice' if args.distinct else ''}; streamed completions "
         "with prompt token ids (the chat template applied). The set-ups run one after another at each level, "

@@ -149,10 +149,12 @@ def run(args: argparse.Namespace) -> int:
     title = (
         f"{model.name}, {args.quantization or args.dtype}, {torch.get_num_threads()} threads, context {args.context}"
     )
+    from forerun.bench.machine import cpu_line, read_bandwidth
+
+    print(cpu_line())
+    print()
     print(render(results, title))
     if args.bound:
-        from forerun.bench.machine import read_bandwidth
-
         print()
         print(render_bound(results, read_bandwidth()))
     return 0

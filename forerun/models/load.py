@@ -1,4 +1,5 @@
-"""Turn a model name or path into a ready decoder and tokenizer: `load_model`, and the LoadedModel it returns.
+"""Turn a model name or path into a ready decoder and tokenizer: `load_model`, and the LoadedModel it returns
+(`load_tokenizer_of`: the tokenizer alone).
 
 Accepted everywhere a model is named: an embedded name, a `.gguf` file, a Hugging Face model
 folder (config.json, *.safetensors, tokenizer files), or a hub id when a network is there
@@ -104,3 +105,18 @@ def load_model(
             formats.quantize_(decoder, quantization)
     tokenizer = load_tokenizer(tok_dir, source) if with_tokenizer else None
     return LoadedModel(source.name, decoder, tokenizer, source, time.perf_counter() - start)
+
+
+def load_tokenizer_of(spec: str) -> Tokenizer:
+    """The tokenizer of the model `spec` names (as load_model takes it), without reading its weights:
+    for a client of a server that holds the model (no bf16 copy converted and kept for a tokenizer)."""
+    source = resolve(spec)
+    tok_dir = (
+        convert_gguf(source.path, torch.bfloat16, True, convert=False).tokenizer
+        if source.kind == "gguf"
+        else source.path
+    )
+    tokenizer = load_tokenizer(tok_dir, source)
+    if tokenizer is None:
+        raise ForerunError(f"{spec} has no tokenizer")
+    return tokenizer
