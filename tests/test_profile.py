@@ -63,6 +63,21 @@ def test_the_bound_times_the_products_alone_and_counts_each_weight_once(folder: 
     assert profile_pass(decoder, rows=2, context=10, steps=2, top=4).products_alone_ms is None
 
 
+def test_the_cpu_line_survives_a_kernel_path_this_cpu_lacks(monkeypatch) -> None:
+    from forerun import native
+    from forerun.base.errors import ForerunError
+
+    if not native.available():
+        assert machine.kernels().startswith("not available (") and "\n" not in machine.kernels()
+        return
+
+    def refused() -> str:
+        raise ForerunError("FORERUN_KERNEL_PATH='avx9': this CPU runs scalar")
+
+    monkeypatch.setattr(native, "path", refused)  # asked for by the user, found only once the work is done
+    assert machine.cpu_line().endswith("forerun kernels: not usable (FORERUN_KERNEL_PATH='avx9': this CPU runs scalar)")
+
+
 def test_read_bandwidth_is_a_plausible_rate() -> None:
     assert 1e7 < machine.read_bandwidth(1 << 22, repeats=2) < 1e13  # bytes/s
 

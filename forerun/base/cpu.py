@@ -49,7 +49,7 @@ def has_amx() -> bool:
 
 def vector_units() -> str:
     """The vector units the numeric paths choose by, in words ("AVX-512 with VNNI and bf16, no AMX");
-    "" where the flags cannot be read or the CPU is not x86."""
+    "" where the CPU has neither AVX2 nor AVX-512 among its flags (older x86, ARM, flags unreadable)."""
     have = flags()
     if "avx512f" in have:
         extras = [label for flag, label in (("avx512_vnni", "VNNI"), ("avx512_bf16", "bf16")) if flag in have]

@@ -10,6 +10,7 @@ import time
 import torch
 
 from forerun.base import cpu
+from forerun.base.errors import ForerunError
 
 
 def describe(dtype: str, device: str, quantization: str | None, with_transformers: bool) -> dict[str, str]:
@@ -34,7 +35,12 @@ def kernels() -> str:
     """The path forerun's native kernels take on this CPU ("avx512 path"), or why they cannot run here."""
     from forerun import native
 
-    return f"{native.path()} path" if native.available() else f"not available ({native.problem()})"
+    if not native.available():
+        return f"not available ({(native.problem() or '').splitlines()[0]})"
+    try:
+        return f"{native.path()} path"
+    except ForerunError as exc:  # FORERUN_KERNEL_PATH names a path this CPU lacks: a report still gets written
+        return f"not usable ({exc})"
 
 
 def cpu_line() -> str:

@@ -131,6 +131,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from forerun.bench.machine import cpu_line, read_bandwidth
     from forerun.models.load import load_model
 
     try:
@@ -149,8 +150,6 @@ def run(args: argparse.Namespace) -> int:
     title = (
         f"{model.name}, {args.quantization or args.dtype}, {torch.get_num_threads()} threads, context {args.context}"
     )
-    from forerun.bench.machine import cpu_line, read_bandwidth
-
     print(cpu_line())
     print()
     print(render(results, title))

@@ -108,15 +108,12 @@ def load_model(
 
 
 def load_tokenizer_of(spec: str) -> Tokenizer:
-    """The tokenizer of the model `spec` names (as load_model takes it), without reading its weights:
-    for a client of a server that holds the model (no bf16 copy converted and kept for a tokenizer)."""
+    """The tokenizer of the model `spec` names (as load_model takes it), without reading or converting
+    its weights: for a client of a server that holds the model (no bf16 copy kept for a tokenizer)."""
     source = resolve(spec)
     tok_dir = (
         convert_gguf(source.path, torch.bfloat16, True, convert=False).tokenizer
         if source.kind == "gguf"
         else source.path
     )
-    tokenizer = load_tokenizer(tok_dir, source)
-    if tokenizer is None:
-        raise ForerunError(f"{spec} has no tokenizer")
-    return tokenizer
+    return load_tokenizer(tok_dir, source)

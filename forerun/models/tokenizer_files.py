@@ -24,7 +24,7 @@ def convert_gguf_tokenizer(path: Path, tok_dir: Path) -> None:
     files.write_atomically(tok_dir, lambda tmp: tok.save_pretrained(str(tmp)))
 
 
-def load_tokenizer(tok_dir: Path, source: ModelSource) -> Tokenizer | None:
+def load_tokenizer(tok_dir: Path, source: ModelSource) -> Tokenizer:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     # A folder whose tokenizer_config names the generic class means "exactly this tokenizer.json".

@@ -187,7 +187,7 @@ def _cost_key(model: LoadedModel, rows: int) -> str | None:
         | {f"native layers: {decoder._native_layers() is not None}"}
     )
     if any(isinstance(m, GGUFLinear) for m in decoder.modules()):
-        kinds.append(f"kernels {native.version()} {native.path()}")  # a faster build or path times differently
+        kinds.append(f"kernels {native.version()}")  # a faster build times differently
     dtypes = sorted({str(t.dtype) for t in [*decoder.parameters(), *decoder.buffers()]})
     # The CPU's name alone does not tell its generations apart (one "AMD EPYC" has AVX2 only, another
     # AVX-512 at half width, another at full width): its numbers and vector units are in the key too.
