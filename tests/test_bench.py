@@ -477,6 +477,67 @@ def test_summary_takes_median_speedup_and_pools_acceptance() -> None:
     assert "ngram K≤2" in {r.label for r in by_task(records, ["t"])[OVERALL]}
 
 
+def test_a_prompt_run_in_rounds_counts_once_at_its_median() -> None:
+    """Each round's ratio is to that round's base; a prompt's rounds give their median, then the
+    median over prompts. The llama.cpp base of the other round would give other figures."""
+
+    def rec(prompt: str, method: str, round_: int, decode: float, speedup: float, identical: bool = True) -> dict:
+        return {
+            "prompt_id": prompt,
+            "task": "t",
+            "method": method,
+            "engine": "llama.cpp" if method == "llama-plain" else "forerun",
+            "k": 0 if method in ("plain", "llama-plain") else 2,
+            "round": round_,
+            "num_generated_tokens": 11,
+            "elapsed_s": 1.0,
+            "first_token_s": 0.1 * (round_ + 1),
+            "decode_tokens_per_s": decode,
+            "speedup_vs_plain": speedup,
+            "identical_to_plain": identical,
+        }
+
+    records = [
+        # prompt 1: llama.cpp at 10, then 20 tokens/s; ngram at 20, 20, 60: ratios 2, 1, 3 -> median 2
+        rec("1", "llama-plain", 0, 10.0, 1.0),
+        rec("1", "llama-plain", 1, 20.0, 1.0),
+        rec("1", "llama-plain", 2, 20.0, 1.0),
+        rec("1", "ngram", 0, 20.0, 1.2),
+        rec("1", "ngram", 1, 20.0, 1.4),
+        rec("1", "ngram", 2, 60.0, 9.0, identical=False),
+        # prompt 2, one round: ratio 4
+        rec("2", "llama-plain", 0, 10.0, 1.0),
+        rec("2", "ngram", 0, 40.0, 2.0),
+    ]
+    ngram = next(r for r in by_task(records, ["t"])[OVERALL] if r.method == "ngram")
+    assert ngram.prompts == 2
+    assert ngram.vs_llama_plain == pytest.approx(3.0)  # median of prompt 1's 2 and prompt 2's 4
+    assert ngram.speedup == pytest.approx((1.4 + 2.0) / 2)  # prompt 1's median of 1.2, 1.4, 9.0
+    assert ngram.identical == pytest.approx(0.5)  # prompt 1 differed in one round
+    assert ngram.ttft_ms == pytest.approx(1000 * (0.2 + 0.1) / 2)
+
+
+def test_rounds_repeat_every_contender_on_a_prompt_before_the_next(folders: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "rounds"
+    run_bench(small_config(folders, out, rounds=2))
+    order = [(r["prompt_id"], r["method"], r["round"]) for r in read_records(out)]
+    assert order[:4] == [("1", "plain", 0), ("1", "draft", 0), ("1", "plain", 1), ("1", "draft", 1)]
+    assert len(order) == len(set(order)) == 2 * 2 * len(PROMPTS)
+    draft = [r for r in read_records(out) if r["method"] == "draft"]
+    plain = {(r["prompt_id"], r["round"]): r for r in read_records(out) if r["method"] == "plain"}
+    for r in draft:  # each round's speedup is to that round's plain run
+        mine = plain[r["prompt_id"], r["round"]]
+        assert r["speedup_vs_plain"] == pytest.approx(r["tokens_per_s"] / mine["tokens_per_s"], rel=1e-3)
+    report = (out / "report.md").read_text()
+    assert "- rounds: 2: every run on a prompt repeated back to back; per-prompt medians" in report
+    draft_row = next(line for line in section(report, "## Overall").splitlines() if line.startswith("| draft |"))
+    assert draft_row.endswith(f"| {len(PROMPTS)} |")  # prompts, not runs
+    # One more round resumes the folder: only the new round's runs are made.
+    assert run_bench(small_config(folders, out, rounds=3)).ran == 2 * len(PROMPTS)
+    with pytest.raises(ForerunError, match="--rounds must be at least 1"):
+        run_bench(small_config(folders, tmp_path / "none", rounds=0))
+
+
 def test_every_bench_run_pays_its_whole_prefill() -> None:
     """The warm-up's prompt is the first one measured: no contender keeps prompt rows between runs."""
     contenders = build_forerun_contenders(tiny_model(seed=3), ["ngram"], [2], {"ngram": {}})

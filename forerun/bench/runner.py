@@ -3,7 +3,9 @@
 Per prompt the order is forerun plain, then each method at each K, then the peers (transformers,
 then llama.cpp, whose servers are started once and stopped on every way out); so slow drift in
 the machine (thermal, other load) touches every method alike, and each method's speedup is a ratio
-to a plain run made moments before on the same prompt.
+to a plain run made moments before on the same prompt. With `rounds` above one, that sequence runs
+that many times on a prompt before the next (`round` in each record), each round's ratios taken
+to its own plain runs; the report gives each prompt the median of its rounds.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class BenchConfig:
     chat: bool = True  # wrap prompts in the chat template when there is one
     warmup: bool = True
     progress: bool = True  # a tqdm bar on stderr
+    rounds: int = 1  # every contender's run on a prompt, this many times over (medians per prompt)
     command: str = "forerun bench"  # shown at the top of report.md
 
 
@@ -108,6 +111,8 @@ def check_config(cfg: BenchConfig) -> None:
             raise ForerunError(f"unknown peer {peer!r}; valid peers: {', '.join(PEERS)}")
     if not cfg.ks or any(k < 1 for k in cfg.ks):
         raise ForerunError(f"every K must be at least 1, got {cfg.ks}")
+    if cfg.rounds < 1:
+        raise ForerunError(f"--rounds must be at least 1, got {cfg.rounds}")
 
 
 def run_bench(cfg: BenchConfig) -> BenchResult:
@@ -127,15 +132,19 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
         for c in contenders:
             store.check_options(c.method, c.k, c.options)
         pending = [
-            (case, c) for case in cases for c in contenders if not store.has(case.prompt.prompt_id, c.method, c.k)
+            (case, c, n)
+            for case in cases
+            for n in range(cfg.rounds)
+            for c in contenders
+            if not store.has(case.prompt.prompt_id, c.method, c.k, n)
         ]
         try:
             if pending and cfg.warmup:
                 _warm_up(contenders, pending[0][0].ids, cfg.sampling)
             with tqdm(total=len(pending), desc="bench", unit="run", disable=not cfg.progress, file=sys.stderr) as bar:
-                for case, c in pending:
+                for case, c, n in pending:
                     bar.set_postfix_str(f"{case.prompt.task} {c.method}" + (f" K={c.k}" if c.k else ""))
-                    store.append(_measure(case, c, _params_for(case.prompt, cfg.sampling), store))
+                    store.append(_measure(case, c, _params_for(case.prompt, cfg.sampling), store, n))
                     ran += 1
                     bar.update()
         except KeyboardInterrupt:
@@ -279,9 +288,9 @@ def _params_for(prompt: Prompt, sampling: SamplingParams) -> SamplingParams:
     return replace(sampling, seed=(sampling.seed or 0) + zlib.crc32(prompt.prompt_id.encode()))
 
 
-def _measure(case: Case, c: Contender, params: SamplingParams, store: ResultStore) -> dict:
+def _measure(case: Case, c: Contender, params: SamplingParams, store: ResultStore, round_: int = 0) -> dict:
     m: Measurement = c.run(case.ids, params)
-    plain = store.get(case.prompt.prompt_id, PLAIN, 0)
+    plain = store.get(case.prompt.prompt_id, PLAIN, 0, round_)
     decode = m.decode_tokens_per_s
     is_plain = c.method == PLAIN
     speedup = 1.0 if is_plain else (m.tokens_per_s / plain["tokens_per_s"] if plain and plain["tokens_per_s"] else None)
@@ -293,6 +302,7 @@ def _measure(case: Case, c: Contender, params: SamplingParams, store: ResultStor
         "method": c.method,
         "engine": c.engine,
         "k": c.k,
+        "round": round_,
         "options": c.options,
         "num_prompt_tokens": len(case.ids),
         "num_generated_tokens": len(m.token_ids),
@@ -318,7 +328,11 @@ def write_outputs(
     """report.md, the plots and run.json, from this command's records only."""
     wanted_prompts = {case.prompt.prompt_id for case in cases}
     wanted = {(c.method, c.k) for c in contenders}
-    records = [r for r in store.records if r["prompt_id"] in wanted_prompts and (r["method"], r["k"]) in wanted]
+    records = [
+        r
+        for r in store.records
+        if r["prompt_id"] in wanted_prompts and (r["method"], r["k"]) in wanted and r.get("round", 0) < cfg.rounds
+    ]
     tasks = task_order([case.prompt for case in cases])
     plots = draw_all(cfg.out, by_task(records, tasks)) if records else {}
     with_transformers = any(p == "transformers" or p in HF_METHODS for p in cfg.peers)
@@ -344,11 +358,13 @@ def _settings_lines(cfg: BenchConfig, cases: list[Case]) -> list[tuple[str, str]
     sampling = (
         "greedy (temperature 0)" if s.greedy else f"temperature {s.temperature}, top-p {s.top_p}, top-k {s.top_k}"
     )
+    rounds = [("rounds", f"{cfg.rounds}: every run on a prompt repeated back to back; per-prompt medians")]
     return [
         ("model", cfg.model),
         ("draft model", cfg.speculative_model or "none"),
         ("dataset", f"{cfg.dataset}: {len(cases)} prompts (" + ", ".join(f"{t} {n}" for t, n in counts.items()) + ")"),
         ("sampling", f"{sampling}, max tokens {s.max_tokens}" + (", EOS ignored" if s.ignore_eos else "")),
         ("K", ", ".join(map(str, cfg.ks))),
+        *(rounds if cfg.rounds > 1 else []),
         ("chat template", "yes" if cfg.chat else "no"),
     ]

@@ -1,4 +1,4 @@
-"""results.jsonl: one line per prompt x method x K, appended as each run ends, read back to resume.
+"""results.jsonl: one line per prompt x method x K x round, appended as each run ends, read back to resume.
 
 A run interrupted mid-line leaves a torn last line; it is dropped on the next start. Every line
 carries the settings that shape the numbers, so a resumed run refuses to mix in different ones.
@@ -12,11 +12,11 @@ from pathlib import Path
 from forerun.base import files
 from forerun.base.errors import ForerunError
 
-Key = tuple[str, str, int]  # (prompt_id, method, k)
+Key = tuple[str, str, int, int]  # (prompt_id, method, k, round)
 
 
 def record_key(record: dict) -> Key:
-    return str(record["prompt_id"]), str(record["method"]), int(record["k"])
+    return str(record["prompt_id"]), str(record["method"]), int(record["k"]), int(record.get("round", 0))
 
 
 class ResultStore:
@@ -26,11 +26,11 @@ class ResultStore:
         self.records: list[dict] = self._load()
         self._by_key: dict[Key, dict] = {record_key(r): r for r in self.records}
 
-    def has(self, prompt_id: str, method: str, k: int) -> bool:
-        return (prompt_id, method, k) in self._by_key
+    def has(self, prompt_id: str, method: str, k: int, round_: int = 0) -> bool:
+        return (prompt_id, method, k, round_) in self._by_key
 
-    def get(self, prompt_id: str, method: str, k: int) -> dict | None:
-        return self._by_key.get((prompt_id, method, k))
+    def get(self, prompt_id: str, method: str, k: int, round_: int = 0) -> dict | None:
+        return self._by_key.get((prompt_id, method, k, round_))
 
     def append(self, record: dict) -> None:
         with self.path.open("a") as f:

@@ -2,8 +2,9 @@
 
 Speedup is the median over prompts of each prompt's ratio tokens/s(method) / tokens/s(plain), both
 measured back to back on that prompt; "× llama.cpp plain" is the same for decode rates, with
-llama.cpp's plain run as the base. Acceptance counters are pooled over prompts (sums, then ratios),
-so long outputs weigh more than short ones, as in Spec-Bench.
+llama.cpp's plain run as the base. A prompt run in several rounds (`forerun bench --rounds`) counts
+once: the median of its rounds' ratios, each round's to that round's base. Acceptance counters are
+pooled over prompts (sums, then ratios), so long outputs weigh more than short ones, as in Spec-Bench.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class Row:
     method: str
     engine: str  # "forerun", "transformers" or "llama.cpp"
     k: int  # 0 for plain decoding
-    prompts: int
+    prompts: int  # distinct prompts (a prompt run in several rounds counts once)
     speedup: float | None  # median per-prompt ratio to forerun plain
     tokens_per_s: float  # all generated tokens / all generation time
     decode_tokens_per_s: float | None  # tokens after the first / time after the first, pooled
@@ -52,7 +53,7 @@ def contender_order(records: list[dict]) -> list[tuple[str, int]]:
 
 def summarize(records: list[dict]) -> list[Row]:
     """One row per (method, K) present in `records`, in contender order."""
-    base = {r["prompt_id"]: _decode(r) for r in records if r["method"] == LLAMA_PLAIN and r["k"] == 0}
+    base = {_run_of(r): _decode(r) for r in records if r["method"] == LLAMA_PLAIN and r["k"] == 0}
     rows = []
     for method, k in contender_order(records):
         group = [r for r in records if r["method"] == method and r["k"] == k]
@@ -67,36 +68,52 @@ def by_task(records: list[dict], tasks: list[str]) -> dict[str, list[Row]]:
     return {task: rows for task, rows in table.items() if rows}
 
 
-def _row(method: str, k: int, group: list[dict], llama_plain: dict[str, float | None]) -> Row:
-    speedups = [r["speedup_vs_plain"] for r in group if r.get("speedup_vs_plain") is not None]
+def _row(method: str, k: int, group: list[dict], llama_plain: dict[tuple[str, int], float | None]) -> Row:
     tokens = sum(r["num_generated_tokens"] for r in group)
     seconds = sum(r["elapsed_s"] for r in group)
-    identical = [bool(r["identical_to_plain"]) for r in group if r.get("identical_to_plain") is not None]
+    identical: dict[str, bool] = {}  # a prompt's output equals plain's in every round
+    for r in group:
+        if r.get("identical_to_plain") is not None:
+            identical[r["prompt_id"]] = identical.get(r["prompt_id"], True) and bool(r["identical_to_plain"])
     ratios = [
-        _decode(r) / llama_plain[r["prompt_id"]]
+        (r["prompt_id"], _decode(r) / llama_plain[_run_of(r)])
         for r in group
-        if _decode(r) is not None and llama_plain.get(r["prompt_id"])
+        if _decode(r) is not None and llama_plain.get(_run_of(r))
     ]
     row = Row(
         method=method,
         engine=group[0].get("engine", "forerun"),
         k=k,
-        prompts=len(group),
-        speedup=statistics.median(speedups) if speedups else None,
+        prompts=len({r["prompt_id"] for r in group}),
+        speedup=_median_of_prompts([(r["prompt_id"], r.get("speedup_vs_plain")) for r in group]),
         tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
         decode_tokens_per_s=_pooled_decode(group),
-        ttft_ms=1000 * statistics.median(r["first_token_s"] for r in group),
+        ttft_ms=1000 * (_median_of_prompts([(r["prompt_id"], r["first_token_s"]) for r in group]) or 0.0),
         mean_accepted_length=None,
         predicted_length=None,
         acceptance_rate=None,
-        identical=sum(identical) / len(identical) if identical else None,
-        vs_llama_plain=statistics.median(ratios) if ratios else None,
+        identical=sum(identical.values()) / len(identical) if identical else None,
+        vs_llama_plain=_median_of_prompts(ratios),
         adaptive=group[0].get("options", {}).get("k_policy") == "adaptive",
     )
     specs = [r["spec"] for r in group if r.get("spec")]
     if specs:
         _add_acceptance(row, specs)
     return row
+
+
+def _run_of(record: dict) -> tuple[str, int]:
+    """The prompt and round a record ran in: the runs whose figures are set side by side."""
+    return record["prompt_id"], int(record.get("round", 0))
+
+
+def _median_of_prompts(values: list[tuple[str, float | None]]) -> float | None:
+    """The median over prompts of each prompt's median over its rounds (None values left out)."""
+    by_prompt: dict[str, list[float]] = {}
+    for prompt_id, value in values:
+        if value is not None:
+            by_prompt.setdefault(prompt_id, []).append(value)
+    return statistics.median(statistics.median(v) for v in by_prompt.values()) if by_prompt else None
 
 
 def _decode(record: dict) -> float | None:

@@ -75,6 +75,13 @@ def register(sub) -> None:
         "hf-plain, hf-assisted, hf-prompt-lookup; llama.cpp (built on first use, ~10 minutes, "
         "or ahead with `make peers`) or some of llama-plain, llama-draft, llama-ngram",
     )
+    g.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every contender on a prompt this many times over, back to back, before the next prompt; "
+        "the report takes each prompt's median (llama-bench's -r; a larger --rounds resumes a run's folder)",
+    )
     g.add_argument("--out", default="bench-out", help="folder for results.jsonl, report.md and plots")
     g.add_argument(
         "--no-chat",
@@ -142,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         chat=args.chat,
         warmup=args.warmup,
         progress=args.progress,
+        rounds=args.rounds,
         command=command_line(args),
     )
     result = run_bench(cfg)
