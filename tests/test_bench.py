@@ -538,6 +538,34 @@ def test_rounds_repeat_every_contender_on_a_prompt_before_the_next(folders: dict
         run_bench(small_config(folders, tmp_path / "none", rounds=0))
 
 
+def test_no_round_drafts_from_an_earlier_rounds_answer(folders: dict[str, Path], tmp_path: Path) -> None:
+    """The suffix memory keeps earlier answers: a repeated prompt would be drafted from its own. Each
+    round starts from what the first started from, so greedy rounds draft alike; the next prompt
+    still finds the first prompt's answer in the memory, as in a one-round run."""
+    out = tmp_path / "memory"
+    config = small_config(folders, out, methods=["plain", "suffix"], k_policy="fixed", rounds=3)
+    run_bench(config)
+    suffix = [r for r in read_records(out) if r["method"] == "suffix"]
+    for prompt in {r["prompt_id"] for r in suffix}:
+        drafts = [
+            (r["spec"]["num_draft_tokens"], r["spec"]["num_accepted_tokens"], r["output_token_ids"])
+            for r in sorted(suffix, key=lambda r: r["round"])
+            if r["prompt_id"] == prompt
+        ]
+        assert len(drafts) == 3 and drafts[0] == drafts[1] == drafts[2]
+    one_round = tmp_path / "one-round"
+    run_bench(small_config(folders, one_round, methods=["plain", "suffix"], k_policy="fixed"))
+
+    def counters(records: list[dict]) -> dict[str, tuple]:
+        return {
+            r["prompt_id"]: (r["spec"]["num_draft_tokens"], r["spec"]["num_accepted_tokens"], r["output_token_ids"])
+            for r in records
+            if r["method"] == "suffix" and r.get("round", 0) == 0
+        }
+
+    assert counters(suffix) == counters(read_records(one_round))
+
+
 def test_every_bench_run_pays_its_whole_prefill() -> None:
     """The warm-up's prompt is the first one measured: no contender keeps prompt rows between runs."""
     contenders = build_forerun_contenders(tiny_model(seed=3), ["ngram"], [2], {"ngram": {}})

@@ -3,6 +3,8 @@
 A contender is one (method, K) configuration with its models already loaded; `run` generates for
 one prompt and returns what was measured. The peers (transformers_peer.py for transformers, llamacpp/peer.py
 for llama.cpp) have the same shape; one that holds a process has `close()`, called when the bench ends.
+One whose runs remember earlier ones (forerun's suffix memory) has `remembered()` and `recall(state)`,
+so that a prompt's repeated rounds all start from what its first round started from.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Protocol
 
 from forerun.api import LLM
 from forerun.base.config import SamplingParams
+from forerun.drafters.suffix import SuffixMemory
 from forerun.models.load import LoadedModel
 
 PLAIN = "plain"
@@ -98,6 +101,17 @@ class ForerunContender:
             # run compares methods, not what an earlier run left in a prefix cache.
             prefix_cache_mb=0,
         )
+
+    def remembered(self) -> list[list[int]] | None:
+        """The earlier outputs the drafters draft from (None: they remember none)."""
+        memory = self.llm.drafter_memory
+        return memory.outputs_held() if isinstance(memory, SuffixMemory) else None
+
+    def recall(self, state: list[list[int]] | None) -> None:
+        """Remember what `remembered` returned, and nothing since."""
+        memory = self.llm.drafter_memory
+        if isinstance(memory, SuffixMemory) and state is not None:
+            memory.restore(state)
 
     def run(self, prompt_ids: list[int], params: SamplingParams) -> Measurement:
         result = self.llm.generate([prompt_ids], params)[0]

@@ -142,11 +142,14 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
             if pending and cfg.warmup:
                 _warm_up(contenders, pending[0][0].ids, cfg.sampling)
             with tqdm(total=len(pending), desc="bench", unit="run", disable=not cfg.progress, file=sys.stderr) as bar:
+                memory = _RoundMemory(contenders)
                 for case, c, n in pending:
                     bar.set_postfix_str(f"{case.prompt.task} {c.method}" + (f" K={c.k}" if c.k else ""))
+                    memory.before(case, c, n)
                     store.append(_measure(case, c, _params_for(case.prompt, cfg.sampling), store, n))
                     ran += 1
                     bar.update()
+                memory.finish()
         except KeyboardInterrupt:
             notes.append(f"interrupted after {ran} of {len(pending)} runs; the same command resumes where it stopped")
             write_outputs(cfg, store, cases, contenders, notes)
@@ -155,6 +158,35 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
         _close(contenders)  # llama-server processes stop on every way out
     records = write_outputs(cfg, store, cases, contenders, notes)
     return BenchResult(cfg.out, records, ran, notes)
+
+
+class _RoundMemory:
+    """What the contenders remember across runs (forerun's suffix memory), kept as a one-round bench
+    would have it: each later round of a prompt starts from what its first round started from (not
+    from its own earlier answer), and the next prompt finds what the first round left."""
+
+    def __init__(self, contenders: list[Contender]) -> None:
+        self.keeping = [c for c in contenders if hasattr(c, "remembered")]
+        self.prompt: str | None = None
+        self.start: dict[int, object] = {}  # id(contender) -> what it remembered before round 0
+        self.after_first: dict[int, object] = {}  # ... after round 0
+
+    def before(self, case: Case, c: Contender, round_: int) -> None:
+        if case.prompt.prompt_id != self.prompt:
+            self.finish()
+            self.prompt, self.after_first = case.prompt.prompt_id, {}
+            self.start = {id(k): k.remembered() for k in self.keeping}
+        if round_ > 0 and id(c) in self.start:
+            if id(c) not in self.after_first:
+                self.after_first[id(c)] = c.remembered()
+            c.recall(self.start[id(c)])
+
+    def finish(self) -> None:
+        """The prompt's rounds are over: each contender remembers what its first round left."""
+        for k in self.keeping:
+            if id(k) in self.after_first:
+                k.recall(self.after_first[id(k)])
+        self.after_first = {}
 
 
 def settings_of(cfg: BenchConfig) -> dict:

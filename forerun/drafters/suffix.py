@@ -115,6 +115,19 @@ class SuffixMemory:
         else:
             self._index(self.outputs[-1])
 
+    def outputs_held(self) -> list[list[int]]:
+        """The outputs remembered now (a copy), for `restore`."""
+        return [list(output) for output in self.outputs]
+
+    def restore(self, outputs: list[list[int]]) -> None:
+        """Remember exactly `outputs` again, in place (the drafters that share this memory keep it):
+        a bench repeating a prompt lets no round draft from an earlier round's answer."""
+        self.outputs = [list(output) for output in outputs]
+        self.size = sum(len(output) for output in self.outputs)
+        self.trie = SuffixTrie(self.depth)
+        for text in self.outputs:
+            self._index(text)
+
     def _index(self, text: list[int]) -> None:
         self.trie.begin_text()
         for t in text:
