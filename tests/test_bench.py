@@ -566,6 +566,22 @@ def test_no_round_drafts_from_an_earlier_rounds_answer(folders: dict[str, Path],
     assert counters(suffix) == counters(read_records(one_round))
 
 
+def test_the_warm_up_leaves_nothing_in_the_suffix_memory(folders: dict[str, Path], tmp_path: Path) -> None:
+    """The warm-up runs the first prompt: remembered, its answer would draft that prompt's measured run."""
+    warm, cold = tmp_path / "warm", tmp_path / "cold"
+    run_bench(small_config(folders, warm, methods=["plain", "suffix"], k_policy="fixed", warmup=True))
+    run_bench(small_config(folders, cold, methods=["plain", "suffix"], k_policy="fixed"))
+
+    def counters(out: Path) -> list[tuple]:
+        return [
+            (r["prompt_id"], r["spec"]["num_draft_tokens"], r["spec"]["num_accepted_tokens"])
+            for r in read_records(out)
+            if r["method"] == "suffix"
+        ]
+
+    assert counters(warm) == counters(cold)
+
+
 def test_every_bench_run_pays_its_whole_prefill() -> None:
     """The warm-up's prompt is the first one measured: no contender keeps prompt rows between runs."""
     contenders = build_forerun_contenders(tiny_model(seed=3), ["ngram"], [2], {"ngram": {}})

@@ -124,7 +124,7 @@ def _explanations(records: list[dict]) -> list[str]:
         "draft ms per token: the drafter's time proposing (shadow proposals included) over the tokens it "
         "drafted, pooled over prompts.",
         "α: accepted draft tokens / drafted tokens. identical to plain: share of prompts whose output "
-        "tokens equal forerun plain's (expected 100% for greedy decoding; sampled runs agree only in "
+        "tokens equal forerun plain's, in every round (expected 100% for greedy decoding; sampled runs agree only in "
         "distribution).",
     ]
     if any(r.get("engine") == "transformers" for r in records):

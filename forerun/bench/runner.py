@@ -132,24 +132,30 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
         for c in contenders:
             store.check_options(c.method, c.k, c.options)
         pending = [
-            (case, c, n)
+            (case, c, round_)
             for case in cases
-            for n in range(cfg.rounds)
+            for round_ in range(cfg.rounds)
             for c in contenders
-            if not store.has(case.prompt.prompt_id, c.method, c.k, n)
+            if not store.has(case.prompt.prompt_id, c.method, c.k, round_)
         ]
+        earlier = len(cases) * len(contenders) * cfg.rounds - len(pending)
+        if pending and earlier and any(hasattr(c, "remembered") for c in contenders):
+            notes.append(
+                f"{earlier} runs came from an earlier start of this command: the suffix memory of the runs made "
+                "now holds only the answers of this start's runs"
+            )
         try:
             if pending and cfg.warmup:
                 _warm_up(contenders, pending[0][0].ids, cfg.sampling)
             with tqdm(total=len(pending), desc="bench", unit="run", disable=not cfg.progress, file=sys.stderr) as bar:
-                memory = _RoundMemory(contenders)
-                for case, c, n in pending:
+                memory = _RoundMemory(contenders) if cfg.rounds > 1 else None
+                for case, c, round_ in pending:
                     bar.set_postfix_str(f"{case.prompt.task} {c.method}" + (f" K={c.k}" if c.k else ""))
-                    memory.before(case, c, n)
-                    store.append(_measure(case, c, _params_for(case.prompt, cfg.sampling), store, n))
+                    if memory is not None:
+                        memory.before(case, c, round_)
+                    store.append(_measure(case, c, _params_for(case.prompt, cfg.sampling), store, round_))
                     ran += 1
                     bar.update()
-                memory.finish()
         except KeyboardInterrupt:
             notes.append(f"interrupted after {ran} of {len(pending)} runs; the same command resumes where it stopped")
             write_outputs(cfg, store, cases, contenders, notes)
@@ -162,31 +168,22 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
 
 class _RoundMemory:
     """What the contenders remember across runs (forerun's suffix memory), kept as a one-round bench
-    would have it: each later round of a prompt starts from what its first round started from (not
-    from its own earlier answer), and the next prompt finds what the first round left."""
+    would have it: a prompt's later rounds start from what its first round started from, not from
+    its own earlier answer. (Every round gives the same answer, greedy or seeded per prompt, so the
+    memory after the last round is what the first left.)"""
 
     def __init__(self, contenders: list[Contender]) -> None:
         self.keeping = [c for c in contenders if hasattr(c, "remembered")]
         self.prompt: str | None = None
-        self.start: dict[int, object] = {}  # id(contender) -> what it remembered before round 0
-        self.after_first: dict[int, object] = {}  # ... after round 0
+        self.start: dict[int, list[list[int]] | None] = {}  # id(contender) -> what it remembered before
 
     def before(self, case: Case, c: Contender, round_: int) -> None:
+        """Called before each run: on a prompt's first run note every memory, on a later round restore it."""
         if case.prompt.prompt_id != self.prompt:
-            self.finish()
-            self.prompt, self.after_first = case.prompt.prompt_id, {}
+            self.prompt = case.prompt.prompt_id
             self.start = {id(k): k.remembered() for k in self.keeping}
         if round_ > 0 and id(c) in self.start:
-            if id(c) not in self.after_first:
-                self.after_first[id(c)] = c.remembered()
             c.recall(self.start[id(c)])
-
-    def finish(self) -> None:
-        """The prompt's rounds are over: each contender remembers what its first round left."""
-        for k in self.keeping:
-            if id(k) in self.after_first:
-                k.recall(self.after_first[id(k)])
-        self.after_first = {}
 
 
 def settings_of(cfg: BenchConfig) -> dict:
@@ -308,9 +305,14 @@ def _close(contenders: list[Contender]) -> None:
 
 
 def _warm_up(contenders: list[Contender], ids: list[int], sampling: SamplingParams) -> None:
+    """One short run of each contender on the first prompt; what a contender remembers of it is
+    forgotten again (the first prompt's measured run would draft from its own warm-up answer)."""
     params = replace(sampling, max_tokens=min(WARMUP_TOKENS, sampling.max_tokens))
     for c in contenders:
+        before = c.remembered() if hasattr(c, "remembered") else None
         c.run(ids, params)
+        if before is not None:
+            c.recall(before)
 
 
 def _params_for(prompt: Prompt, sampling: SamplingParams) -> SamplingParams:

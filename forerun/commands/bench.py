@@ -32,6 +32,26 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, got {text!r}") from None
 
 
+def _add_run_args(g) -> None:
+    """How the runs are made and where they go."""
+    g.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every contender on a prompt this many times over, back to back, before the next prompt; "
+        "the report takes each prompt's median (llama-bench's -r; a larger --rounds resumes a run's folder)",
+    )
+    g.add_argument("--out", default="bench-out", help="folder for results.jsonl, report.md and plots")
+    g.add_argument(
+        "--no-chat",
+        dest="chat",
+        action="store_false",
+        help="give prompts as plain text, not wrapped in the chat template",
+    )
+    g.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up runs")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "bench",
@@ -75,22 +95,7 @@ def register(sub) -> None:
         "hf-plain, hf-assisted, hf-prompt-lookup; llama.cpp (built on first use, ~10 minutes, "
         "or ahead with `make peers`) or some of llama-plain, llama-draft, llama-ngram",
     )
-    g.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="run every contender on a prompt this many times over, back to back, before the next prompt; "
-        "the report takes each prompt's median (llama-bench's -r; a larger --rounds resumes a run's folder)",
-    )
-    g.add_argument("--out", default="bench-out", help="folder for results.jsonl, report.md and plots")
-    g.add_argument(
-        "--no-chat",
-        dest="chat",
-        action="store_false",
-        help="give prompts as plain text, not wrapped in the chat template",
-    )
-    g.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up runs")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    _add_run_args(g)
     add_sampling_args(p)
     add_spec_args(p)
     p.set_defaults(func=run, bench_parser=p)

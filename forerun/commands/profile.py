@@ -133,7 +133,7 @@ def register(sub) -> None:
         "--bound",
         action="store_true",
         help="also time the pass's products alone and set the pass against this machine's "
-        "read-bandwidth bound (measures the bandwidth: a few seconds, 1 GiB of memory)",
+        "read-bandwidth bound (a plain read of 256 MiB after each timed pass: a few seconds)",
     )
     p.set_defaults(func=run)
 
@@ -357,6 +357,8 @@ def render_bound(results: list[Breakdown]) -> str:
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for b in results:
+        if b.bandwidth <= 0 or b.weight_bytes <= 0 or b.products_alone_ms is None:
+            raise ValueError(f"the {b.rows}-row pass was profiled without bound=True")
         bound_ms = b.weight_bytes / b.bandwidth * 1000
         lines.append(
             f"| {b.rows} | {b.weight_bytes / 1e9:.3f} GB | {b.bandwidth / 1e9:.1f} GB/s | {bound_ms:.1f} | "
