@@ -566,6 +566,17 @@ def test_no_round_drafts_from_an_earlier_rounds_answer(folders: dict[str, Path],
     assert counters(suffix) == counters(read_records(one_round))
 
 
+def test_records_written_before_rounds_existed_are_round_zero(folders: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "old"
+    run_bench(small_config(folders, out))
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    for record in lines:
+        del record["round"]  # as results.jsonl files of earlier versions hold them
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert run_bench(small_config(folders, out)).ran == 0  # resumed: nothing run again
+    assert run_bench(small_config(folders, out, rounds=2)).ran == len(lines)  # round 1 only
+
+
 def test_the_warm_up_leaves_nothing_in_the_suffix_memory(folders: dict[str, Path], tmp_path: Path) -> None:
     """The warm-up runs the first prompt: remembered, its answer would draft that prompt's measured run."""
     warm, cold = tmp_path / "warm", tmp_path / "cold"
