@@ -80,13 +80,15 @@ def test_the_cpu_line_survives_a_kernel_path_this_cpu_lacks(monkeypatch) -> None
 
 def test_read_bandwidth_is_a_plausible_rate() -> None:
     assert 1e7 < machine.read_bandwidth(1 << 22, repeats=2) < 1e13  # bytes/s
+    buffer = machine.read_buffer(1 << 22)
+    assert 1e7 < machine.read_bandwidth(1 << 30, repeats=1, buffer=buffer) < 1e13  # the buffer's bytes count
 
 
 def test_the_command_sets_passes_against_the_bound(folder: Path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("FORERUN_HOME", str(folder.parent / "home"))
     reads = iter([2e9, 1e9])  # the fastest read beside the passes is the bound's
 
-    monkeypatch.setattr(machine, "read_bandwidth", lambda nbytes, repeats: next(reads, 0.5e9))
+    monkeypatch.setattr(machine, "read_bandwidth", lambda nbytes, repeats, buffer: next(reads, 0.5e9))
     assert (
         main(
             [

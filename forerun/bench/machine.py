@@ -48,11 +48,19 @@ def cpu_line() -> str:
     return f"CPU: {cpu.describe()}; forerun kernels: {kernels()}"
 
 
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+def read_buffer(nbytes: int) -> torch.Tensor:
+    """Memory for `read_bandwidth` to read: int8 ones, as float32 0x01010101 (small, not subnormal)."""
+    return torch.ones(nbytes, dtype=torch.int8)
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, buffer: torch.Tensor | None = None) -> float:
     """Bytes per second this machine reads from memory with torch's threads: the best of `repeats`
     passes of two reductions (an int8 max and a float32 sum) over `nbytes`, far more than any cache.
-    The best is taken because a weight product can do no better than the fastest plain read."""
-    buffer = torch.ones(nbytes, dtype=torch.int8)  # as float32, 0x01010101: small, not subnormal
+    The best is taken because a weight product can do no better than the fastest plain read.
+    `buffer` (from `read_buffer`): memory to read, made once by a caller that reads many times."""
+    if buffer is None:
+        buffer = read_buffer(nbytes)
+    nbytes = buffer.numel()
     reads = (lambda: buffer.amax(), lambda: buffer.view(torch.float32).sum())
     best = float("inf")
     for read in reads:
