@@ -139,7 +139,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
             if not store.has(case.prompt.prompt_id, c.method, c.k, round_)
         ]
         earlier = len(cases) * len(contenders) * cfg.rounds - len(pending)
-        if pending and earlier and any(hasattr(c, "remembered") for c in contenders):
+        if pending and earlier and any(_remembers(c) for c in contenders):
             notes.append(
                 f"{earlier} runs came from an earlier start of this command: the suffix memory of the runs made "
                 "now holds only the answers of this start's runs"
@@ -166,6 +166,11 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     return BenchResult(cfg.out, records, ran, notes)
 
 
+def _remembers(c: Contender) -> bool:
+    """Whether a contender's runs remember earlier ones (forerun's suffix memory: contenders.py)."""
+    return hasattr(c, "remembered")
+
+
 class _RoundMemory:
     """What the contenders remember across runs (forerun's suffix memory), kept as a one-round bench
     would have it: a prompt's later rounds start from what its first round started from, not from
@@ -173,7 +178,7 @@ class _RoundMemory:
     memory after the last round is what the first left.)"""
 
     def __init__(self, contenders: list[Contender]) -> None:
-        self.keeping = [c for c in contenders if hasattr(c, "remembered")]
+        self.keeping = [c for c in contenders if _remembers(c)]
         self.prompt: str | None = None
         self.start: dict[int, list[list[int]] | None] = {}  # id(contender) -> what it remembered before
 
@@ -309,7 +314,7 @@ def _warm_up(contenders: list[Contender], ids: list[int], sampling: SamplingPara
     forgotten again (the first prompt's measured run would draft from its own warm-up answer)."""
     params = replace(sampling, max_tokens=min(WARMUP_TOKENS, sampling.max_tokens))
     for c in contenders:
-        before = c.remembered() if hasattr(c, "remembered") else None
+        before = c.remembered() if _remembers(c) else None
         c.run(ids, params)
         if before is not None:
             c.recall(before)
