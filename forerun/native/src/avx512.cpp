@@ -20,12 +20,20 @@ namespace {
 
 constexpr int ROWS = 8;   // rows per group: each group reuses the tile's unpacked weights
 
-inline int32_t ld32(const void* p) { int32_t v; memcpy(&v, p, 4); return v; }
 inline uint64_t ld64(const void* p) { uint64_t v; memcpy(&v, p, 8); return v; }
 inline __m512i load(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline __m512 f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+// acc + the dot products of w with the 4 bytes (dot) or 2 int16 (dot16) at p in every lane: one
+// instruction whose memory operand is broadcast ({1to16}). GCC does not fold _mm512_set1_epi32 of a
+// load into these, and the separate vpbroadcastd measured 4 % slower over eight rows (Zen 4).
+using i32_alias = int32_t __attribute__((may_alias));
 inline __m512i dot(__m512i acc, __m512i w, const int8_t* x) {
-    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(ld32(x)));
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const i32_alias*)x));
+    return acc;
+}
+inline __m512i dot16(__m512i acc, __m512i w, const int16_t* p) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const i32_alias*)p));
+    return acc;
 }
 
 // init + the dots of k-groups [g0, g0 + count) against x (4 bytes a group), summed over A
@@ -161,7 +169,7 @@ FR_INLINE void block_q4k(const uint8_t* c, const __m512i* from, int64_t b, const
         const int16_t* s = a[r].sum32h + 8 * b;
         __m512i ms = _mm512_setzero_si512();
         #pragma GCC unroll 8
-        for (int i = 0; i < 4; ++i) ms = _mm512_dpwssd_epi32(ms, mn[i], _mm512_set1_epi32(ld32(s + 2 * i)));
+        for (int i = 0; i < 4; ++i) ms = dot16(ms, mn[i], s + 2 * i);
         const __m512 dx = _mm512_set1_ps(a[r].d[b]);
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum[r]), acc[r]);
         acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(ms), acc[r]);
