@@ -329,6 +329,33 @@ def test_a_draft_format_on_a_method_without_a_draft_or_unknown_is_refused(
     assert not (tmp_path / "results.jsonl").exists()
 
 
+def test_a_method_named_with_an_option_runs_its_drafter_with_that_option_set(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    extra = ("--methods", "plain,draft,draft:second_choice=0", "--speculative-model", str(folders["draft"]))
+    extra += ("--num-speculative-tokens", "2", "--speculative-k-policy", "fixed", "--no-warmup")
+    assert main(bench_args(folders, tmp_path, *extra)) == 0
+    records = read_records(tmp_path)
+    by_method = {m: [r for r in records if r["method"] == m] for m in ("plain", "draft", "draft:second_choice=0")}
+    assert len({len(rs) for rs in by_method.values()}) == 1 and by_method["plain"]
+    assert all("second_choice" not in r["options"] for r in by_method["draft"])
+    assert all(r["options"]["second_choice"] == 0 for r in by_method["draft:second_choice=0"])
+    assert all(r["identical_to_plain"] for r in records)
+
+
+@pytest.mark.parametrize("method", ["draft:colour=2", "ngram:branch=1"])
+def test_an_option_the_drafter_lacks_is_refused_with_the_ones_it_has(
+    capsys, folders: dict[str, Path], tmp_path: Path, method: str
+) -> None:
+    extra = ("--methods", f"plain,{method}", "--speculative-model", str(folders["draft"]))
+    assert main(bench_args(folders, tmp_path, *extra)) == 2
+    err = capsys.readouterr().err
+    assert f"method {method!r}: METHOD:OPTION=VALUE names one of" in err
+    assert ("branch, draft_vocab" in err) == method.startswith("draft")
+    assert ("ngram_max, ngram_min" in err) == method.startswith("ngram")
+    assert not (tmp_path / "results.jsonl").exists()
+
+
 def test_resuming_with_other_settings_names_what_differs(folders: dict[str, Path], tmp_path: Path) -> None:
     run_bench(small_config(folders, tmp_path, methods=["plain"]))
     with pytest.raises(ForerunError, match=r"max_tokens: 8 there, 4 now"):

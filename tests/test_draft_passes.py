@@ -165,3 +165,28 @@ def test_shared_draft_forwards_let_a_batch_draft_where_one_after_another_would_n
     shared = [(0.8, 0.0, 1.0)] * 4
     assert batch_draft_length(shared, flat, 4, draft_pass=0.05) >= 2
     assert batch_draft_length(shared, flat, 4, draft_pass=0.5) == 0  # a dear shared forward: none
+
+
+@SLOW
+@given(data=st.data())
+def test_a_branch_rides_along_exactly_and_leaves_only_the_chain_in_the_cache(draft, data) -> None:
+    # A branch forks from the cache at `fork`: its rows must come out as the branch's own path fed
+    # after the first `fork` tokens, the chain's as the chain alone, alone or beside another pass.
+    decoder = draft.decoder
+    prefix = data.draw(st.lists(st.integers(0, 98), min_size=2, max_size=60))
+    tokens = data.draw(st.lists(st.integers(0, 98), min_size=1, max_size=3))
+    branch = data.draw(st.lists(st.integers(0, 98), min_size=1, max_size=4))
+    fork = data.draw(st.integers(1, len(prefix)))
+    chain_alone = DraftPass(decoder, filled_cache(decoder, prefix, len(tokens)), tokens, len(prefix))
+    want_chain = forward([chain_alone])[0]
+    forked = filled_cache(decoder, prefix, len(branch))
+    forked.truncate(fork)
+    want_branch = forward([DraftPass(decoder, forked, branch, fork)])[0]
+    for beside in ([], [DraftPass(decoder, filled_cache(decoder, [3, 4], 1), [5], 2)]):
+        cache = filled_cache(decoder, prefix, len(tokens) + len(branch))
+        p = DraftPass(decoder, cache, tokens, len(prefix), branch=branch, fork=fork)
+        got = forward(beside + [p])[-1]  # [2, N]
+        assert torch.equal(got[0:1], want_chain) and torch.equal(got[1:2], want_branch), f"{len(beside)} beside"
+        assert cache.length == chain_alone.cache.length == len(prefix) + len(tokens)
+        assert torch.equal(cache.k[:, :, :, : cache.length], chain_alone.cache.k[:, :, :, : cache.length])
+        assert p.rows == len(tokens) + len(branch) + (1 if beside else 0)

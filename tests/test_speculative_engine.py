@@ -15,6 +15,7 @@ from forerun.models.load import LoadedModel
 from forerun.models.testing import tiny_model
 from forerun.models.tokenizer import Tokenizer
 from forerun.policy.draft_length import DecayedCounts
+from forerun.policy.draft_model_costs import BRANCH
 from forerun.policy.pass_costs import PassCosts
 
 PROMPT = [5, 6, 7, 8, 40, 41]
@@ -38,11 +39,11 @@ def spec(target: LoadedModel, draft: LoadedModel, k: int, second_choice: float =
 
 
 def check_metrics(out: RequestOutput, k: int, leaves: bool = False) -> None:
-    """`leaves`: the drafts also carry up to k second-choice leaves."""
+    """`leaves`: the drafts also carry up to k second-choice leaves and BRANCH tokens after one."""
     m = out.metrics
     assert m.num_speculative_tokens == k
     assert m.num_emitted_tokens == len(out.token_ids)
-    assert m.num_accepted_tokens <= m.num_draft_tokens <= m.num_drafts * k * (2 if leaves else 1)
+    assert m.num_accepted_tokens <= m.num_draft_tokens <= m.num_drafts * (2 * k + BRANCH if leaves else k)
     if m.num_draft_tokens:
         assert m.acceptance_rate == pytest.approx(m.num_accepted_tokens / m.num_draft_tokens)
     assert m.mean_accepted_length == pytest.approx(m.num_emitted_tokens / m.num_target_forwards)
@@ -87,6 +88,26 @@ def test_a_second_choice_leaf_is_proposed_only_where_its_row_pays(target, drafts
     tree = drafter.propose(PROMPT, 4, SamplingParams(), None)
     # A row as dear as a whole pass never pays for a leaf the target keeps less than always.
     assert (not tree.is_chain) == leaves
+
+
+def test_a_branch_continues_the_first_leaf_with_the_drafts_own_greedy_tokens(target, drafts) -> None:
+    def proposal(context: list[int], k: int, **options):
+        drafter = DraftModelDrafter(target, drafts["noisy"], **options)
+        drafter.start(PROMPT, None, 64)
+        return drafter.propose(context, k, SamplingParams(), None)
+
+    # Without the target's costs every leaf pays: a leaf at every depth, the first beside token 0.
+    leaves = proposal(PROMPT, 4, second_choice=0.0, branch=0)
+    tree = proposal(PROMPT, 4, second_choice=0.0, branch=2)
+    n = len(leaves.tokens)
+    assert leaves.parents[:5] == [-1, 0, 1, 2, -1] and n == 8
+    assert tree.tokens[:n] == leaves.tokens and tree.parents[:n] == leaves.parents  # the rest unchanged
+    assert tree.parents[n:] == [4, n]  # two tokens below the first leaf (node 4)
+    # They are what the draft model writes greedily after the leaf.
+    assert tree.tokens[n:] == proposal(PROMPT + [leaves.tokens[4]], 2, second_choice=2.0).tokens
+    assert proposal(PROMPT, 4, second_choice=2.0, branch=2).is_chain  # no leaf, no branch
+    with pytest.raises(ValueError, match="draft branch"):
+        proposal(PROMPT, 4, branch=-1)
 
 
 def test_a_draft_model_shut_out_by_a_stalled_pass_gets_its_timed_cost_back_by_degrees(target, drafts) -> None:

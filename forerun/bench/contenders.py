@@ -59,8 +59,26 @@ def drafter_of(method: str) -> str:
 
 
 def draft_format_of(method: str) -> str | None:
-    """The draft model's format a `METHOD:FORMAT` method names (None: --speculative-quantization's)."""
-    return method.split(":", 1)[1] if ":" in method else None
+    """The draft model's format a `METHOD:FORMAT` method names (None: --speculative-quantization's,
+    or the method is `METHOD:OPTION=VALUE`)."""
+    variant = method.split(":", 1)[1] if ":" in method else None
+    return None if variant is None or "=" in variant else variant
+
+
+def option_of(method: str) -> tuple[str, int | float | str] | None:
+    """The drafter option a `METHOD:OPTION=VALUE` method sets (`auto:branch=0`: `auto` with its
+    `branch` option 0, run beside `auto` as the flags set it); the value as a number where it reads
+    as one. None: the method sets none."""
+    variant = method.split(":", 1)[1] if ":" in method else ""
+    if "=" not in variant:
+        return None
+    key, value = variant.split("=", 1)
+    for kind in (int, float):
+        try:
+            return key, kind(value)
+        except ValueError:
+            pass
+    return key, value
 
 
 class Contender(Protocol):

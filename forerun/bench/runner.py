@@ -33,6 +33,7 @@ from forerun.bench.contenders import (
     build_forerun_contenders,
     draft_format_of,
     drafter_of,
+    option_of,
 )
 from forerun.bench.llamacpp import peer as llama_peer
 from forerun.bench.plots import draw_all
@@ -99,6 +100,12 @@ def check_methods(methods: list[str], speculative_model: str | None) -> None:
             raise ForerunError(
                 f"method {method!r}: METHOD:FORMAT names a draft model's format ({', '.join(QUANTIZATIONS)}) "
                 f"for a method that runs one ({', '.join(drafters.draft_model_methods())})"
+            )
+        option, known = option_of(method), drafters.cli_options(drafter_of(method)).values()
+        if option is not None and option[0] not in known:
+            raise ForerunError(
+                f"method {method!r}: METHOD:OPTION=VALUE names one of {drafter_of(method)}'s options "
+                f"({', '.join(sorted(known)) or 'it has none'})"
             )
         if needs_draft and not speculative_model:
             raise ForerunError(f"method {method} needs a draft model: add --speculative-model")

@@ -67,7 +67,8 @@ def register(sub) -> None:
         default=None,
         help="comma-separated: plain and registered drafters (draft, ngram, early-exit, lookahead); "
         "METHOD:FORMAT runs a draft-model method with its draft in FORMAT beside the same method in "
-        "--speculative-quantization (e.g. auto,auto:gguf); default: all that can run",
+        "--speculative-quantization (e.g. auto,auto:gguf), METHOD:OPTION=VALUE with one of its drafter's "
+        "options set (e.g. auto,auto:branch=0); default: all that can run",
     )
     g.add_argument(
         "--dataset",
@@ -102,11 +103,14 @@ def register(sub) -> None:
 
 
 def _method_options(args: argparse.Namespace, method: str) -> dict:
-    """A method's options from the flags; `METHOD:FORMAT` with its draft model in FORMAT."""
-    from forerun.bench.contenders import draft_format_of, drafter_of
+    """A method's options from the flags; `METHOD:FORMAT` with its draft model in FORMAT,
+    `METHOD:OPTION=VALUE` with that option of its drafter set."""
+    from forerun.bench.contenders import draft_format_of, drafter_of, option_of
 
     options = spec_from_args(args, drafter_of(method))[1]
-    fmt = draft_format_of(method)
+    fmt, option = draft_format_of(method), option_of(method)
+    if option is not None:
+        options = {**options, option[0]: option[1]}
     return options if fmt is None else {**options, "quantize": fmt}
 
 

@@ -101,6 +101,14 @@ def _add_draft_model_args(g: argparse._ArgumentGroup, quantization: str | None) 
         "probability of its path is at least P and its row pays (default 0.05; above 1: never)",
     )
     g.add_argument(
+        "--draft-branch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="greedy: the draft model continues its first second-choice leaf by up to N tokens, in "
+        "the chain's own forwards, where each one's row pays (default 2; 0: leaves only)",
+    )
+    g.add_argument(
         "--draft-vocab",
         type=int,
         default=None,

@@ -35,7 +35,7 @@ from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
 from forerun.models.prefix_cache import PrefixCache
 from forerun.policy.catch_up import Gate
-from forerun.policy.draft_model_costs import SECOND_CHOICE
+from forerun.policy.draft_model_costs import BRANCH, SECOND_CHOICE
 from forerun.verification.tree import DraftTree
 
 
@@ -146,12 +146,13 @@ class AutoDrafter(SuffixFirst):
         long_match: int = 8,
         second_choice: float = SECOND_CHOICE,
         memory: SuffixMemory | None = None,
+        branch: int = BRANCH,
     ) -> None:
         """The draft model's settings as DraftModelDrafter takes them; `long_match`: the shortest
         suffix match (tokens) whose continuation is proposed instead of the draft model's;
         `memory`: the suffix drafter's memory of earlier outputs, when shared (SuffixDrafter)."""
         self.draft = DraftModelDrafter(
-            target, model, dtype, device, quantize, min_confidence, draft_vocab, second_choice
+            target, model, dtype, device, quantize, min_confidence, draft_vocab, second_choice, branch
         )
         super().__init__(target, self.draft, "draft", long_match, memory)
 

@@ -46,7 +46,7 @@ from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel, load_model
 from forerun.models.prefix_cache import PrefixCache, token_bytes
 from forerun.policy.catch_up import CATCH_UP_UNASKED, Gate
-from forerun.policy.draft_model_costs import SECOND_CHOICE, DraftModelCosts, pooled_prior, time_draft_passes
+from forerun.policy.draft_model_costs import BRANCH, SECOND_CHOICE, DraftModelCosts, pooled_prior, time_draft_passes
 from forerun.policy.pass_costs import PassCosts
 from forerun.verification.sampling import probabilities, sample
 from forerun.verification.tree import DraftTree
@@ -58,6 +58,7 @@ DRAFT_MODEL_CLI = {
     "draft_min_confidence": "min_confidence",
     "draft_vocab": "draft_vocab",
     "draft_second_choice": "second_choice",
+    "draft_branch": "branch",
 }
 
 
@@ -73,15 +74,20 @@ class DraftModelDrafter(Drafter):
         min_confidence: float = 0.0,
         draft_vocab: int | None = None,
         second_choice: float = SECOND_CHOICE,
+        branch: int = BRANCH,
     ) -> None:
         """`quantize` ("int8", "w8a8") stores the draft's products in that format (fewer bytes per
         draft token); `min_confidence` ends a draft early once the draft's top probability falls below
         it; `draft_vocab` N scores only the N tokens the target writes most (draft_vocab.py);
         `second_choice`: greedy drafts add the draft's second choice as a leaf where the draft's
-        probability of its path is at least this and the leaf's row pays (above 1: chains only)."""
+        probability of its path is at least this and the leaf's row pays (above 1: chains only);
+        `branch`: the first such leaf is continued by up to this many draft tokens (0: none)."""
+        if branch < 0:
+            raise ValueError(f"draft branch must be 0 or more tokens, got {branch}")
         self.model = _draft_model(target, model, dtype, device, quantize)
         self.min_confidence = min_confidence
         self.second_choice = second_choice
+        self.branch = branch
         self.setup = draft_setup(target, self.model, draft_vocab)
         self.vocab, self.head = self.setup.vocab, self.setup.head
         self.vocab_size = target.decoder.cfg.vocab_size
@@ -118,8 +124,8 @@ class DraftModelDrafter(Drafter):
         self.drafted = False
 
     def max_rows(self, k: int) -> int:
-        """A chain of k, and under greedy up to k second-choice leaves beside it."""
-        return 2 * k if self.second_choice <= 1 else k
+        """A chain of k, and under greedy up to k second-choice leaves and `branch` tokens after one."""
+        return 2 * k + self.branch if self.second_choice <= 1 else k
 
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
@@ -145,16 +151,22 @@ class DraftModelDrafter(Drafter):
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         leaves: list[tuple[int, int]] = []  # (depth index, token): second choices beside the chain
+        branch = _Branch(self.branch if params.greedy else 0)
         kept_chance = 1.0  # the draft's probability of its whole draft so far
         for _ in range(k):
-            step = DraftPass(self.model.decoder, self.cache, pending, len(self.fed), self.head)
-            logits = yield step  # [1, N]
+            step = DraftPass(self.model.decoder, self.cache, pending, len(self.fed), self.head, *branch.rows())
+            logits = yield step  # [1, N], [2, N] with a branch
             self._time_pass(step)
             self.fed += pending
             self._store()
             confidence = logits.softmax(-1)[0]  # [N]
+            if branch.growing:
+                rows = len(tokens) + len(leaves) + branch.after
+                branch.grow(logits[1].softmax(-1), lambda p, rows=rows: self.leaf_pays(p, rows), self._token)
             if params.greedy:
-                choice = self._greedy_choice(confidence, kept_chance, len(tokens), leaves)
+                choice = self._greedy_choice(confidence, kept_chance, len(tokens), leaves, branch.after)
+                if len(leaves) == 1 and leaves[0][0] == len(tokens):
+                    branch.start(leaves[0][1], len(self.fed), kept_chance * float(confidence.topk(2).values[1]))
             else:
                 q = probabilities(logits, params)  # [1, N]
                 choice = int(sample(q, generator)[0])
@@ -167,7 +179,7 @@ class DraftModelDrafter(Drafter):
             if len(tokens) < k and not self._worth_another(len(tokens), kept_chance, step):
                 break
         self.proposed = len(tokens)
-        return _tree(tokens, leaves, None if params.greedy else torch.stack(probs))
+        return _tree(tokens, leaves, None if params.greedy else torch.stack(probs), branch.tokens[1:])
 
     def _roll_back(self, context: list[int]) -> list[int]:
         """Drop what the context no longer agrees with (rejected drafts); the tokens to read next."""
@@ -207,15 +219,19 @@ class DraftModelDrafter(Drafter):
         return prefixes
 
     def _greedy_choice(
-        self, confidence: torch.Tensor, kept_chance: float, drafted: int, leaves: list[tuple[int, int]]
+        self, confidence: torch.Tensor, kept_chance: float, drafted: int, leaves: list[tuple[int, int]], more: int = 0
     ) -> int:
-        """The draft's first choice [column]; its second joins `leaves` where that leaf pays."""
+        """The draft's first choice [column]; its second joins `leaves` where that leaf pays beside
+        the draft's rows so far (`drafted` chain tokens, the leaves, `more` others)."""
         best = confidence.topk(min(2, confidence.shape[0]))
-        if len(best.values) > 1 and self.costs.leaf_pays(
-            kept_chance * float(best.values[1]), drafted + len(leaves) + 1, self.second_choice
-        ):
+        if len(best.values) > 1 and self.leaf_pays(kept_chance * float(best.values[1]), drafted + len(leaves) + more):
             leaves.append((drafted, self._token(int(best.indices[1]))))
         return int(best.indices[0])
+
+    def leaf_pays(self, chance: float, rows: int) -> bool:
+        """Whether a node off the chain (a second-choice leaf, a token continuing one) that the
+        target keeps with probability about `chance` pays for its row beside `rows` others."""
+        return self.costs.leaf_pays(chance, rows + 1, self.second_choice)
 
     def _token(self, choice: int) -> int:
         """The target's token id of column `choice` of the draft's head."""
@@ -333,12 +349,58 @@ def _draft_model(
     return model
 
 
-def _tree(tokens: list[int], leaves: list[tuple[int, int]], probs: torch.Tensor | None) -> DraftTree:
+def _tree(
+    tokens: list[int], leaves: list[tuple[int, int]], probs: torch.Tensor | None, after: list[int] | None = None
+) -> DraftTree:
     """The chain of `tokens` (draft distributions `probs` [K, V], None: greedy), with each leaf
-    (depth index d, token) beside the chain's token at depth d, hanging from that token's parent."""
-    if leaves:
-        return DraftTree(tokens + [t for _, t in leaves], list(range(-1, len(tokens) - 1)) + [d - 1 for d, _ in leaves])
-    return DraftTree.chain(tokens, probs)
+    (depth index d, token) beside the chain's token at depth d, hanging from that token's parent,
+    and the tokens `after` continuing the first leaf (node len(tokens)), one below the other."""
+    if not leaves:
+        return DraftTree.chain(tokens, probs)
+    after = after or []
+    n, first_after = len(tokens), len(tokens) + len(leaves)
+    parents = list(range(-1, n - 1)) + [d - 1 for d, _ in leaves]
+    parents += [n if i == 0 else first_after + i - 1 for i in range(len(after))]
+    return DraftTree(tokens + [t for _, t in leaves] + after, parents)
+
+
+class _Branch:
+    """A greedy draft's first second-choice leaf, continued by the draft model in the chain's own
+    forwards (DraftPass.branch) while each further token's row pays, by up to `most` tokens."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.tokens: list[int] = []  # the leaf, then its continuation
+        self.fork = 0  # the leaf's position (slot)
+        self.chance = 0.0  # the draft's probability of the branch's whole path
+        self.growing = False
+
+    @property
+    def after(self) -> int:
+        """Tokens continuing the leaf so far."""
+        return max(len(self.tokens) - 1, 0)
+
+    def rows(self) -> tuple[list[int], int]:
+        """What the next forward feeds for the branch: its tokens and the leaf's position (nothing
+        unless it is growing)."""
+        return (list(self.tokens), self.fork) if self.growing else ([], 0)
+
+    def start(self, leaf: int, fork: int, chance: float) -> None:
+        """The leaf at position `fork`, kept with probability about `chance`, starts the branch
+        (once a draft)."""
+        if self.most > 0 and not self.tokens:
+            self.tokens, self.fork, self.chance, self.growing = [leaf], fork, chance, True
+
+    def grow(self, confidence: torch.Tensor, pays: Callable[[float], bool], token: Callable[[int], int]) -> None:
+        """The draft's next token on the branch, from its distribution `confidence` [N] after the
+        branch, kept where `pays` (the path's probability) says its row pays; else the branch ends."""
+        p, choice = confidence.max(-1)
+        self.chance *= float(p)
+        if not pays(self.chance):
+            self.growing = False
+            return
+        self.tokens.append(token(int(choice)))
+        self.growing = self.after < self.most
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

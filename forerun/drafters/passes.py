@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,13 +35,20 @@ DraftSteps = Generator["DraftPass", torch.Tensor, Any]
 @dataclass
 class DraftPass:
     """One draft forward of a sequence: `tokens` at positions start, start + 1, ... on `cache`
-    (whose length is `start`), scored by `head` (None: the decoder's own) at the last row only."""
+    (whose length is `start`), scored by `head` (None: the decoder's own) at the last row only.
+
+    With `branch`, a second path rides along: its tokens at positions fork, fork + 1, ... (fork <
+    start + len(tokens)), seeing the cache's slots before `fork` and each other, not the tokens
+    after the fork. Its last row is scored too (the logits come back as [2, N]), and its rows are
+    scratch: the cache keeps `tokens` alone, so the branch is fed whole again on the next forward."""
 
     decoder: Decoder
     cache: KVCache
     tokens: list[int]
     start: int
     head: nn.Module | None = None
+    branch: list[int] = field(default_factory=list)
+    fork: int = 0
     # Set by the forward that ran it:
     seconds: float = 0.0  # this pass's share of the forward's time
     passes: int = 1  # passes in that forward (1: it ran alone)
@@ -108,43 +115,62 @@ def _groups(batch: list[tuple[int, DraftPass]]) -> list[list[tuple[int, DraftPas
 
 def forward(passes: list[DraftPass]) -> list[torch.Tensor]:
     """One forward over every pass's rows (all on one decoder and head); each pass's last-row
-    logits [1, N], and its timing fields set."""
+    logits [1, N] ([2, N] with a branch: the chain's, then the branch's), and its timing fields set."""
     first = passes[0]
     decoder, device = first.decoder, first.decoder.device
     many_rows = any(len(p.tokens) > 1 for p in passes)
     start = time.perf_counter()
     with linear.prefill() if many_rows else nullcontext():
-        if len(passes) == 1:
-            ids = torch.tensor(first.tokens, device=device)
-            pos = torch.arange(first.start, first.start + len(first.tokens), device=device)
-            logits = decoder(
-                ids,
-                pos,
-                first.cache,
-                layout=RowLayout.chain(first.start, len(first.tokens)),
-                last_only=True,
-                head=first.head,
-            ).logits[0]  # [1, N]
+        if len(passes) == 1 and not first.branch:
+            logits = [
+                decoder(
+                    torch.tensor(first.tokens, device=device),
+                    torch.arange(first.start, first.start + len(first.tokens), device=device),
+                    first.cache,
+                    layout=RowLayout.chain(first.start, len(first.tokens)),
+                    last_only=True,
+                    head=first.head,
+                ).logits[0]  # [1, N]
+            ]
         else:
-            tokens: list[int] = []
-            positions: list[int] = []
-            segments: list[Segment] = []
-            for p in passes:
-                segments.append(
-                    Segment(len(tokens), len(tokens) + len(p.tokens), p.cache, RowLayout.chain(p.start, len(p.tokens)))
-                )
-                tokens += p.tokens
-                positions += range(p.start, p.start + len(p.tokens))
-            logits = decoder(
-                torch.tensor(tokens, device=device),
-                torch.tensor(positions, device=device),
-                None,
-                segments=segments,
-                last_only=True,
-                head=first.head,
-            ).logits[0]  # [P, N]
+            logits = _forward_segments(passes)
     share = (time.perf_counter() - start) / len(passes)
-    rows = sum(len(p.tokens) for p in passes)
+    rows = sum(len(p.tokens) + len(p.branch) for p in passes)
     for i, p in enumerate(passes):
         p.seconds, p.passes, p.rows, p.lead = share, len(passes), rows, i == 0
-    return [logits[i : i + 1] for i in range(len(passes))]
+    return logits
+
+
+def _forward_segments(passes: list[DraftPass]) -> list[torch.Tensor]:
+    """Every pass's rows as one segment of a forward, each on its own cache; a pass with a branch
+    has both its last rows scored and its branch's rows dropped from its cache afterwards."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    segments: list[Segment] = []
+    for p in passes:
+        chain = len(p.tokens)
+        if p.branch:
+            paths = [list(range(chain)), list(range(chain, chain + len(p.branch)))]
+            layout = RowLayout.from_paths(p.start, paths, chain + len(p.branch), [p.start, p.fork])
+        else:
+            layout = RowLayout.chain(p.start, chain)
+        segments.append(Segment(len(tokens), len(tokens) + len(layout.positions), p.cache, layout, not p.branch))
+        tokens += p.tokens + p.branch
+        positions += layout.positions
+    first = passes[0]
+    device = first.decoder.device
+    ids, where = torch.tensor(tokens, device=device), torch.tensor(positions, device=device)
+    # a row for each pass, every row for a pass with a branch
+    logits = first.decoder(ids, where, None, segments=segments, head=first.head).logits[0]
+    out: list[torch.Tensor] = []
+    row = 0
+    for p, seg in zip(passes, segments):
+        if p.branch:
+            fed = seg.stop - seg.start
+            out.append(logits[[row + len(p.tokens) - 1, row + fed - 1]])
+            p.cache.truncate(p.start + len(p.tokens))
+            row += fed
+        else:
+            out.append(logits[row : row + 1])
+            row += 1
+    return out

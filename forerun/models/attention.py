@@ -74,19 +74,22 @@ class RowLayout:
         return cls.from_paths(start, [list(range(rows))], rows)
 
     @classmethod
-    def from_paths(cls, start: int, paths: list[list[int]], rows: int) -> RowLayout:
+    def from_paths(cls, start: int, paths: list[list[int]], rows: int, firsts: list[int] | None = None) -> RowLayout:
         """Rows fed at slots start..start+rows-1; `paths` lists, for every leaf, the rows from the
-        first one (the root) down to it. A row's logical slots are start + its depth on its path."""
+        first one (the root) down to it. A row's logical slot is its path's first slot plus its
+        depth on the path: `start`, or the path's entry of `firsts`, an earlier slot for a path
+        that forks from the cache (it sees slots [0, first), then its own rows)."""
         positions = [-1] * rows
         groups: list[RowGroup] = []
-        for path in paths:
-            moves = [(start + depth, start + row) for depth, row in enumerate(path) if row != depth]
+        for i, path in enumerate(paths):
+            first = start if firsts is None else firsts[i]
+            moves = [(first + depth, start + row) for depth, row in enumerate(path) if first + depth != start + row]
             new = [row for row in path if positions[row] < 0]
             by_length: dict[int, list[int]] = {}
             for depth, row in enumerate(path):
                 if positions[row] < 0:
-                    positions[row] = start + depth
-                    by_length.setdefault(key_length(start + depth), []).append(row)
+                    positions[row] = first + depth
+                    by_length.setdefault(key_length(first + depth), []).append(row)
             if not new:
                 continue
             for length, members in by_length.items():

@@ -28,6 +28,7 @@ BATCH_PRIOR_ROWS = 16  # rows of a pooled draft forward estimated before any is 
 # measured). It only decides when a catch-up pays; verdicts replace it.
 DRAFT_PRIOR = (4.0, 1.0)
 SECOND_CHOICE = 0.05  # the least draft probability of a second-choice leaf's path (greedy; above 1: none)
+BRANCH = 2  # tokens by which the draft model continues its first second-choice leaf (greedy; 0: none)
 
 
 def time_draft_passes(decoder: Decoder, head: nn.Module | None) -> tuple[float, float]:
