@@ -15,7 +15,6 @@ from forerun.models.load import LoadedModel
 from forerun.models.testing import tiny_model
 from forerun.models.tokenizer import Tokenizer
 from forerun.policy.draft_length import DecayedCounts
-from forerun.policy.draft_model_costs import BRANCH
 from forerun.policy.pass_costs import PassCosts
 
 PROMPT = [5, 6, 7, 8, 40, 41]
@@ -33,17 +32,17 @@ def plain_greedy(target: LoadedModel) -> RequestOutput:
     return Engine(target).generate(PROMPT, SamplingParams(max_tokens=MAX))
 
 
-def spec(target: LoadedModel, draft: LoadedModel, k: int, second_choice: float = 2.0) -> Engine:
+def spec(target: LoadedModel, draft: LoadedModel, k: int, second_choice: float = 2.0, branch: int = 0) -> Engine:
     """A draft model's chains (no second-choice leaves unless `second_choice` asks for them)."""
-    return Engine(target, DraftModelDrafter(target, draft, second_choice=second_choice), k)
+    return Engine(target, DraftModelDrafter(target, draft, second_choice=second_choice, branch=branch), k)
 
 
-def check_metrics(out: RequestOutput, k: int, leaves: bool = False) -> None:
-    """`leaves`: the drafts also carry up to k second-choice leaves and BRANCH tokens after one."""
+def check_metrics(out: RequestOutput, k: int, leaves: bool = False, branch: int = 0) -> None:
+    """`leaves`: the drafts also carry up to k second-choice leaves and `branch` tokens after one."""
     m = out.metrics
     assert m.num_speculative_tokens == k
     assert m.num_emitted_tokens == len(out.token_ids)
-    assert m.num_accepted_tokens <= m.num_draft_tokens <= m.num_drafts * (2 * k + BRANCH if leaves else k)
+    assert m.num_accepted_tokens <= m.num_draft_tokens <= m.num_drafts * (2 * k + branch if leaves else k)
     if m.num_draft_tokens:
         assert m.acceptance_rate == pytest.approx(m.num_accepted_tokens / m.num_draft_tokens)
     assert m.mean_accepted_length == pytest.approx(m.num_emitted_tokens / m.num_target_forwards)
@@ -68,13 +67,14 @@ def test_greedy_speculation_reproduces_plain_decoding_for_every_k(target, drafts
             assert 0.05 < out.metrics.acceptance_rate < 0.95, f"K={k}"
 
 
+@pytest.mark.parametrize("branch", [0, 2], ids=["leaves", "a leaf continued"])
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_second_choice_leaves_keep_greedy_output_and_save_target_passes(target, drafts, plain_greedy, k):
+def test_second_choice_leaves_keep_greedy_output_and_save_target_passes(target, drafts, plain_greedy, k, branch):
     # The noisy draft's first choice is often wrong; where it is, its second is often the target's.
     chain = spec(target, drafts["noisy"], k).generate(PROMPT, SamplingParams(max_tokens=MAX))
-    tree = spec(target, drafts["noisy"], k, second_choice=0.0).generate(PROMPT, SamplingParams(max_tokens=MAX))
+    tree = spec(target, drafts["noisy"], k, 0.0, branch).generate(PROMPT, SamplingParams(max_tokens=MAX))
     assert tree.token_ids == plain_greedy.token_ids == chain.token_ids
-    check_metrics(tree, k, leaves=True)
+    check_metrics(tree, k, leaves=True, branch=branch)
     assert tree.metrics.num_draft_tokens > chain.metrics.num_draft_tokens  # the leaves were verified
     assert tree.metrics.num_target_forwards < chain.metrics.num_target_forwards
 

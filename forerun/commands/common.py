@@ -106,7 +106,7 @@ def _add_draft_model_args(g: argparse._ArgumentGroup, quantization: str | None) 
         default=None,
         metavar="N",
         help="greedy: the draft model continues its first second-choice leaf by up to N tokens, in "
-        "the chain's own forwards, where each one's row pays (default 2; 0: leaves only)",
+        "the chain's own forwards, where each one's row pays (default 0: leaves only)",
     )
     g.add_argument(
         "--draft-vocab",

@@ -28,7 +28,10 @@ BATCH_PRIOR_ROWS = 16  # rows of a pooled draft forward estimated before any is 
 # measured). It only decides when a catch-up pays; verdicts replace it.
 DRAFT_PRIOR = (4.0, 1.0)
 SECOND_CHOICE = 0.05  # the least draft probability of a second-choice leaf's path (greedy; above 1: none)
-BRANCH = 2  # tokens by which the draft model continues its first second-choice leaf (greedy; 0: none)
+# Tokens by which the draft model continues its first second-choice leaf (greedy; 0: none). Off: on
+# the Zen 4 two tokens made `auto` 3.5 % slower on coding (run 86), the extra rows costing more than
+# the few more tokens a pass they kept.
+BRANCH = 0
 
 
 def time_draft_passes(decoder: Decoder, head: nn.Module | None) -> tuple[float, float]:
