@@ -58,18 +58,23 @@ def drafter_of(method: str) -> str:
     return method.split(":", 1)[0]
 
 
+def _variant(method: str) -> str:
+    """What follows METHOD: in a method's name ("" where nothing does)."""
+    return method.split(":", 1)[1] if ":" in method else ""
+
+
 def draft_format_of(method: str) -> str | None:
     """The draft model's format a `METHOD:FORMAT` method names (None: --speculative-quantization's,
     or the method is `METHOD:OPTION=VALUE`)."""
-    variant = method.split(":", 1)[1] if ":" in method else None
-    return None if variant is None or "=" in variant else variant
+    variant = _variant(method)
+    return variant if variant and "=" not in variant else None
 
 
 def option_of(method: str) -> tuple[str, int | float | str] | None:
     """The drafter option a `METHOD:OPTION=VALUE` method sets (`auto:branch=0`: `auto` with its
     `branch` option 0, run beside `auto` as the flags set it); the value as a number where it reads
     as one. None: the method sets none."""
-    variant = method.split(":", 1)[1] if ":" in method else ""
+    variant = _variant(method)
     if "=" not in variant:
         return None
     key, value = variant.split("=", 1)

@@ -349,15 +349,12 @@ def _draft_model(
     return model
 
 
-def _tree(
-    tokens: list[int], leaves: list[tuple[int, int]], probs: torch.Tensor | None, after: list[int] | None = None
-) -> DraftTree:
+def _tree(tokens: list[int], leaves: list[tuple[int, int]], probs: torch.Tensor | None, after: list[int]) -> DraftTree:
     """The chain of `tokens` (draft distributions `probs` [K, V], None: greedy), with each leaf
     (depth index d, token) beside the chain's token at depth d, hanging from that token's parent,
     and the tokens `after` continuing the first leaf (node len(tokens)), one below the other."""
     if not leaves:
         return DraftTree.chain(tokens, probs)
-    after = after or []
     n, first_after = len(tokens), len(tokens) + len(leaves)
     parents = list(range(-1, n - 1)) + [d - 1 for d, _ in leaves]
     parents += [n if i == 0 else first_after + i - 1 for i in range(len(after))]
