@@ -252,9 +252,9 @@ def test_a_lanes_catch_up_is_priced_for_the_lanes_that_wait_on_it(quantized, w8a
     asked = []
 
     class Recording(DraftLengthPolicy):
-        def pays_catch_up(self, seconds, draft_cost=None, alpha=None, remaining=None) -> bool:
+        def pays_catch_up(self, seconds, draft_cost=None, alpha=None, remaining=None, emitted=0) -> bool:
             asked.append(self.waiting)
-            return super().pays_catch_up(seconds, draft_cost, alpha, remaining)
+            return super().pays_catch_up(seconds, draft_cost, alpha, remaining, emitted)
 
     costs = PassCosts([flat_then_linear(r) for r in range(1, 17)])
 

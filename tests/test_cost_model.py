@@ -17,7 +17,7 @@ from forerun.engine.engine import Engine
 from forerun.models.load import LoadedModel, load_model
 from forerun.models.testing import save_hf_folder, tiny_model
 from forerun.policy import pass_costs as pass_costs_module
-from forerun.policy.draft_length import DraftLengthPolicy, best_k, expected_tokens
+from forerun.policy.draft_length import LENGTHS_KEPT, DraftLengthPolicy, best_k, expected_tokens
 from forerun.policy.pass_costs import PassCosts, cached_pass_costs, measure_pass_costs
 from forerun.verification.tree import DraftTree
 from tests.conftest import perturbed
@@ -220,6 +220,56 @@ def test_a_catch_up_the_tokens_left_cannot_win_back_is_never_paid() -> None:
     assert any(policy.pays_catch_up(11 * saving, 0.01, 0.9, remaining=100) for _ in range(100))
     policy.start()
     assert policy.catch_up.asked_at is None  # a new request's tokens left are unknown until it asks
+
+
+def _always_kept() -> DraftLengthPolicy:
+    policy = DraftLengthPolicy(FLAT, k_max=4)
+    policy.start()
+    for _ in range(20):
+        policy.record_drafted(4, 4, False)
+    return policy
+
+
+def test_a_catch_up_a_long_answer_is_expected_to_win_back_is_paid_at_a_share_of_its_cost() -> None:
+    saving = _always_kept().saving(draft_cost=0.01)
+    # 5.5 steps' saving: no prediction (remaining unknown) waits for all of it, a request that may
+    # emit 1000 more tokens (and no finished request says otherwise) pays once TRUST of it is
+    # forgone, counting the coming step: on the 2nd ask; one of 3 steps' saving at once.
+    unknown = _always_kept()
+    assert [unknown.pays_catch_up(5.5 * saving, 0.01) for _ in range(8)].index(True) == 6
+    expected_long = _always_kept()
+    assert [expected_long.pays_catch_up(5.5 * saving, 0.01, None, 1000) for _ in range(3)] == [False, True, False]
+    assert _always_kept().pays_catch_up(3 * saving, 0.01, 0.9, remaining=1000)
+
+
+def test_finished_requests_lengths_predict_whether_a_catch_up_wins_back() -> None:
+    policy = _always_kept()
+    saving = policy.saving(draft_cost=0.01)
+    for length in (4, 5, 6, 5, 300):
+        policy.record_length(length)
+    assert policy.expected_tokens_left(1000, emitted=2) == 3  # the median, 5, less the 2 emitted
+    assert policy.expected_tokens_left(1000, emitted=9) == 0
+    assert policy.expected_tokens_left(1, emitted=2) == 1  # never beyond max_tokens
+    # Answers of about five tokens cannot win back 5.5 steps' saving: plain ski rental, however
+    # many tokens max_tokens leaves.
+    answers = [policy.pays_catch_up(5.5 * saving, 0.01, None, 1000 - i, emitted=i) for i in range(8)]
+    assert answers.index(True) == 6
+    for _ in range(LENGTHS_KEPT):
+        policy.record_length(400)  # only the latest requests count
+    assert policy.expected_tokens_left(1000, emitted=0) == 400
+    policy.start()
+    assert policy.pays_catch_up(3 * saving, 0.01, 0.9, 1000) and len(policy.lengths) == LENGTHS_KEPT
+
+
+def test_the_engine_tells_the_policy_the_lengths_of_finished_requests_only(target4) -> None:
+    policy = DraftLengthPolicy(FLAT, k_max=3)
+    engine = Engine(target4, drafters.create("ngram", target4, {}), 3, policy)
+    out = engine.generate(PROMPT, SamplingParams(max_tokens=7, ignore_eos=True))
+    assert len(out.token_ids) == 7 and policy.lengths == [7]
+    run, _ = engine.begin(PROMPT, GREEDY)
+    engine.step(run)
+    engine.end(run)  # given up before it finished
+    assert policy.lengths == [7]
 
 
 def test_a_catch_up_is_never_paid_for_drafts_that_do_not_pay() -> None:

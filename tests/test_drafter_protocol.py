@@ -114,11 +114,12 @@ def test_every_cli_option_names_a_keyword_of_its_drafter() -> None:
 
 
 def test_a_gate_hears_the_tokens_the_request_may_still_emit(target) -> None:
-    # The draft model asks its catch-up gate with what is left of max_tokens at that context.
+    # The draft model asks its catch-up gate with what is left of max_tokens at that context, and
+    # with the tokens emitted so far.
     drafter = drafters.create("draft", target, {"model": target})
     asked = []
-    drafter.set_gate(lambda seconds, token_cost, alpha, remaining: asked.append(remaining) or False)
+    drafter.set_gate(lambda seconds, token_cost, alpha, remaining, emitted: asked.append((remaining, emitted)) or False)
     prompt = list(range(30, 50))  # with two tokens out, a 21-token catch-up: the gate is asked
     drafter.start(prompt, None, 64)
     assert drafter.propose(prompt + [3, 4], 2, SamplingParams(max_tokens=10), None) is None
-    assert asked == [8]
+    assert asked == [(8, 2)]

@@ -148,7 +148,7 @@ def test_auto_keeps_the_suffix_guess_while_the_draft_models_catch_up_is_declined
     target = tiny_model(0, name="auto-target")
     auto = drafters.create("auto", target, {"model": target, "long_match": 8})
     asked: list[tuple[float, float | None, float]] = []
-    auto.set_gate(lambda seconds, token_cost, alpha, remaining: asked.append((seconds, token_cost, alpha)) or False)
+    auto.set_gate(lambda seconds, token_cost, alpha, *_: asked.append((seconds, token_cost, alpha)) or False)
     prompt = list(range(30, 50)) + [3, 4, 5, 6, 1, 2, 3, 4]  # a 20-token catch-up, a short match
     auto.start(prompt, None, 64)
     tree = auto.propose(prompt, 3, GREEDY, None)
@@ -156,7 +156,7 @@ def test_auto_keeps_the_suffix_guess_while_the_draft_models_catch_up_is_declined
     ((seconds, token_cost, alpha),) = asked
     assert seconds > 0 and token_cost > 0  # timed when the gate was set
     assert alpha == pytest.approx(0.8)  # no verdict yet: the draft model's prior
-    auto.set_gate(lambda seconds, token_cost, alpha, remaining: True)
+    auto.set_gate(lambda seconds, token_cost, alpha, remaining, emitted: True)
     tree = auto.propose(prompt, 3, GREEDY, None)
     assert max(tree.depths) == 3 and auto.steps == {"suffix": 1, "draft": 1}  # (with second-choice leaves)
 
@@ -168,7 +168,7 @@ def test_a_catch_up_the_gate_paid_for_waits_through_plain_steps_until_it_is_made
     auto = drafters.create("auto", target, {"model": target, "long_match": 8})
     answers = iter([True])
     asked = []
-    auto.set_gate(lambda seconds, token_cost, alpha, remaining: asked.append(seconds) or next(answers, False))
+    auto.set_gate(lambda seconds, token_cost, alpha, remaining, emitted: asked.append(seconds) or next(answers, False))
     prompt = list(range(30, 50)) + [3, 4, 5, 6, 1, 2, 3, 4]
     auto.start(prompt, None, 64)
     assert auto.next_source(prompt, GREEDY) == "draft"  # admitted; then the step goes plain

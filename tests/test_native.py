@@ -198,6 +198,37 @@ def test_looked_up_rows_are_gguf_pys_dequantized_rows_exactly(kind) -> None:
     assert np.array_equal(got.numpy(), want.astype(np.float32))
 
 
+@SLOW
+@given(
+    n=st.integers(1, 200),
+    seed=st.integers(0, 10_000),
+    ties=st.booleans(),
+    specials=st.lists(st.sampled_from([float("nan"), float("inf"), float("-inf"), -0.0, 0.0]), max_size=3),
+)
+def test_every_path_picks_torchs_argmax(n, seed, ties, specials) -> None:
+    # torch's: the first of several largest values, a NaN the largest (the first NaN), rows of any
+    # length (the vector paths' tails), rows that are not contiguous with each other.
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, n + 5, generator=gen)[:, :n]
+    if ties:
+        x = x.round()  # many equal values, the largest among them
+    for i, value in enumerate(specials):
+        x[i % 3, int(torch.randint(n, (1,), generator=gen))] = value
+    expected = x.argmax(-1)
+    for path in native.paths():
+        assert torch.equal(native.argmax(x, kernel_path=path), expected), path
+        assert torch.equal(native.argmax(x[1], kernel_path=path), expected[1]), path
+
+
+def test_argmax_of_a_vocabulary_row_and_of_what_the_kernels_do_not_read() -> None:
+    x = torch.full((2, 151_936), -1.0)
+    x[0, 151_935], x[1, 77_777], x[1, 100_000] = 5.0, 3.0, 3.0  # last place; the first of two
+    for path in native.paths():
+        assert native.argmax(x, kernel_path=path).tolist() == [151_935, 77_777]
+    assert torch.equal(native.argmax(x.double()), x.argmax(-1))  # other dtypes: torch's own
+    assert native.argmax(torch.tensor([[0.5, 2.0], [3.0, 1.0]]).t()).tolist() == [1, 0]  # columns: torch's own
+
+
 def test_bias_is_added_once_per_output() -> None:
     n, k = 20, 256
     raw = random_blocks("Q4_K", n, k, seed=5)

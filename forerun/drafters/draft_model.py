@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from forerun import native
 from forerun.base.config import SamplingParams
 from forerun.drafters import register
 from forerun.drafters.base import Drafter
@@ -223,10 +224,14 @@ class DraftModelDrafter(Drafter):
     ) -> int:
         """The draft's first choice [column]; its second joins `leaves` where that leaf pays beside
         the draft's rows so far (`drafted` chain tokens, the leaves, `more` others)."""
-        best = confidence.topk(min(2, confidence.shape[0]))
-        if len(best.values) > 1 and self.leaf_pays(kept_chance * float(best.values[1]), drafted + len(leaves) + more):
-            leaves.append((drafted, self._token(int(best.indices[1]))))
-        return int(best.indices[0])
+        first = int(native.argmax(confidence))
+        if confidence.shape[0] > 1:
+            rest = confidence.clone()
+            rest[first] = -1.0  # below any probability: the second choice is the largest of the rest
+            second = int(native.argmax(rest))
+            if self.leaf_pays(kept_chance * float(rest[second]), drafted + len(leaves) + more):
+                leaves.append((drafted, self._token(second)))
+        return first
 
     def leaf_pays(self, chance: float, rows: int) -> bool:
         """Whether a node off the chain (a second-choice leaf, a token continuing one) that the
@@ -269,9 +274,10 @@ class DraftModelDrafter(Drafter):
         """The gate's answer on a catch-up of `skipped` tokens (True without a gate)."""
         if self.gate is None:
             return True
-        remaining = params.max_tokens - (len(context) - self.prompt_len)
+        emitted = len(context) - self.prompt_len
         costs = self.costs
-        return self.gate(self.catch_up_seconds(skipped), costs.token_seconds, costs.acceptance.alpha, remaining)
+        seconds = self.catch_up_seconds(skipped)
+        return self.gate(seconds, costs.token_seconds, costs.acceptance.alpha, params.max_tokens - emitted, emitted)
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
         # The cache needs nothing: the next propose() rolls back by comparing contexts.

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from forerun import native
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.drafters.base import Drafter
@@ -320,6 +321,8 @@ class Engine:
         """The request is over (finished or given up): the drafter hears its output; returns it."""
         if self.drafter is not None:
             self.drafter.end(run.seq.output_ids)
+        if self.policy is not None and run.seq.finished:  # a request given up early says nothing of lengths
+            self.policy.record_length(len(run.seq.output_ids))
         return self.output(run)
 
     def output(self, run: Running) -> RequestOutput:
@@ -400,7 +403,7 @@ class Engine:
         pass shared with other sequences), so the policy may learn pass costs from it."""
         seq, cache, tree = run.seq, run.cache, plan.tree
         if tree is None or len(tree) == 0:
-            first = ver.probs[0].argmax() if seq.params.greedy else sample(ver.probs[:1], run.gen)[0]
+            first = native.argmax(ver.probs[0]) if seq.params.greedy else sample(ver.probs[:1], run.gen)[0]
             tokens, path = [int(first)], []
         else:
             acc = accept(ver.probs, tree, run.gen, seq.params.greedy)

@@ -24,6 +24,7 @@ COSTLESS_SHARE = 0.02  # a draft token costing under this share of c(1) counts a
 # and a drafter's bookkeeping cost a little beside what is priced, and a marginal draft is a coin toss
 # (one-token drafts promising ~2 % lost ~10 % on short answers).
 MARGIN = 1.05
+LENGTHS_KEPT = 16  # finished requests whose lengths predict the next one's (the catch-up gate's)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -128,6 +129,7 @@ class DraftLengthPolicy:
     # Other sequences whose step waits on this one's (a batch's other running lanes, set by the batch
     # each step): a catch-up's seconds are theirs too, while what it saves is this sequence's alone.
     waiting: int = 0
+    lengths: list[int] = field(default_factory=list)  # tokens emitted by the latest finished requests
 
     def start(self) -> None:
         """A new request: each source's estimate starts from its history."""
@@ -181,16 +183,36 @@ class DraftLengthPolicy:
         return max(self.pass_cost(1) - step / expected_tokens(alpha, k), 0.0)
 
     def pays_catch_up(
-        self, seconds: float, draft_cost: float | None = None, alpha: float | None = None, remaining: int | None = None
+        self,
+        seconds: float,
+        draft_cost: float | None = None,
+        alpha: float | None = None,
+        remaining: int | None = None,
+        emitted: int = 0,
     ) -> bool:
         """The catch-up gate (catch_up.py, a policy.catch_up.Gate): whether to pay a drafter's one-off
         `seconds` now, its tokens then costing `draft_cost` each and kept at rate `alpha`, with
-        `remaining` tokens the request may still emit; in a batch it costs every waiting sequence
-        those seconds too. Always under a fixed K."""
+        `remaining` tokens the request may still emit after the `emitted` ones; in a batch it costs
+        every waiting sequence those seconds too. Always under a fixed K."""
         if self.fixed or seconds <= 0:
             return True
         saving = self.saving(draft_cost, alpha, self.latest_source)
-        return self.catch_up.pays(seconds * (1 + self.waiting), saving, remaining, self.pass_cost)
+        expected = self.expected_tokens_left(remaining, emitted)
+        return self.catch_up.pays(seconds * (1 + self.waiting), saving, remaining, self.pass_cost, expected)
+
+    def expected_tokens_left(self, remaining: int | None, emitted: int) -> int | None:
+        """The tokens a request that has emitted `emitted` is expected to emit yet: what the median
+        of the latest finished requests emitted beyond that, no more than `remaining`; `remaining`
+        before any request has finished (None: no prediction)."""
+        if not self.lengths:
+            return remaining
+        typical = sorted(self.lengths)[len(self.lengths) // 2]
+        left = max(typical - emitted, 0)
+        return left if remaining is None else min(left, remaining)
+
+    def record_length(self, emitted: int) -> None:
+        """A request finished (a stop or its max_tokens) after emitting `emitted` tokens."""
+        self.lengths = [*self.lengths, emitted][-LENGTHS_KEPT:]
 
     def record_proposal(self, seconds: float, asked: int, rows: int | None, source: str | None = None) -> None:
         """A proposal from `source` of `asked` tokens took `seconds` and added `rows` verifier rows

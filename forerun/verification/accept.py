@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from forerun import native
 from forerun.verification.sampling import sample
 from forerun.verification.tree import DraftTree
 
@@ -50,7 +51,7 @@ def accept_chain(
     b, k = draft_tokens.shape
     rows = torch.arange(b, device=draft_tokens.device)
     if greedy:
-        best = target_probs.argmax(-1)  # [B, K+1]
+        best = native.argmax(target_probs)  # [B, K+1]
         kept = draft_tokens == best[:, :k]  # [B, K]
         num = kept.long().cumprod(-1).sum(-1)  # [B]
         return num, best[rows, num]
@@ -98,7 +99,7 @@ def _accept_tree(
         children = tree.children(node)
         chosen = None
         if greedy:
-            best = int(p.argmax())
+            best = int(native.argmax(p))
             chosen = next((c for c in children if tree.tokens[c] == best), None)
             if chosen is None:
                 return Acceptance(path, [tree.tokens[i] for i in path] + [best])

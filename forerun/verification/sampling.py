@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from forerun import native
 from forerun.base.config import SamplingParams
 
 
@@ -15,7 +16,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] (float32). Greedy gives a one-hot at the argmax."""
     logits = logits.float()
     if params.greedy:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.zeros_like(logits).scatter_(-1, native.argmax(logits)[..., None], 1.0)
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [N, 1]

@@ -44,7 +44,7 @@ int64_t tiles_of(int64_t n) { return (n + LANES - 1) / LANES; }
 extern "C" {
 
 // Bumped whenever the layout or the arithmetic changes (the Python side checks it).
-int fr_abi_version() { return 3; }
+int fr_abi_version() { return 4; }
 
 // Bit p set: path p (0 scalar, 1 AVX2, 2 AVX-512 VNNI) is built in and runs on this CPU.
 int fr_paths() {
@@ -87,6 +87,21 @@ void fr_quantize(int path, const float* x, int64_t m, int64_t k, int64_t ldx, in
         case AVX2: quantize_avx2(x, m, k, ldx, qb, act); break;
 #endif
         default: quantize_scalar(x, m, k, ldx, qb, act); break;
+    }
+}
+
+// out[r] = the index of row r's largest value (torch.argmax's: the first such, a NaN the largest),
+// rows [0, m) of x with row stride ldx.
+void fr_argmax(int path, const float* x, int64_t m, int64_t n, int64_t ldx, int64_t* out) {
+    for (int64_t r = 0; r < m; ++r) {
+        const float* row = x + r * ldx;
+        switch (path) {
+#if defined(__x86_64__)
+            case AVX512: out[r] = argmax_avx512(row, n); break;
+            case AVX2: out[r] = argmax_avx2(row, n); break;
+#endif
+            default: out[r] = argmax_scalar(row, n); break;
+        }
     }
 }
 

@@ -389,5 +389,35 @@ void layer_avx2(const LayerDesc& l, const PassDesc& pass, int64_t layer, float* 
     run_layer(l, pass, layer, x, id, threads);
 }
 
+// Two passes: the largest value (any NaN sends the row to the scalar scan, which finds the first),
+// then the first index holding it. A logits row is read once from cache by each.
+int64_t argmax_avx2(const float* x, int64_t n) {
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, unordered = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+        m0 = _mm256_max_ps(m0, a);
+        m1 = _mm256_max_ps(m1, b);
+        unordered = _mm256_or_ps(unordered, _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
+    }
+    if (_mm256_movemask_ps(unordered)) return argmax_scalar(x, n);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_max_ps(m0, m1));
+    float best = lanes[0];
+    for (int j = 1; j < 8; ++j) best = lanes[j] > best ? lanes[j] : best;
+    for (int64_t j = i; j < n; ++j) {
+        if (x[j] != x[j]) return argmax_scalar(x, n);
+        best = x[j] > best ? x[j] : best;
+    }
+    const __m256 target = _mm256_set1_ps(best);
+    for (i = 0; i + 8 <= n; i += 8) {
+        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+        if (hits) return i + __builtin_ctz(hits);
+    }
+    for (; i < n; ++i)
+        if (x[i] == best) return i;
+    return 0;  // not reached: best is one of x
+}
+
 }  // namespace forerun
 #endif

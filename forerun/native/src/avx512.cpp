@@ -480,5 +480,39 @@ void layer_avx512(const LayerDesc& l, const PassDesc& pass, int64_t layer, float
     run_layer(l, pass, layer, x, id, threads);
 }
 
+// Two passes: the largest value (any NaN sends the row to the scalar scan, which finds the first),
+// then the first index holding it. A logits row is read once from cache by each.
+int64_t argmax_avx512(const float* x, int64_t n) {
+    __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0;
+    __mmask16 unordered = 0;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+        m0 = _mm512_max_ps(m0, a);
+        m1 = _mm512_max_ps(m1, b);
+        unordered |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+    }
+    if (i < n) {
+        const __mmask16 tail0 = (__mmask16)(n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1);
+        const __m512 a = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail0, x + i);
+        m0 = _mm512_max_ps(m0, a);
+        unordered |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+        if (n - i > 16) {
+            const __mmask16 tail1 = (__mmask16)((1u << (n - i - 16)) - 1);
+            const __m512 b = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail1, x + i + 16);
+            m1 = _mm512_max_ps(m1, b);
+            unordered |= _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+        }
+    }
+    if (unordered) return argmax_scalar(x, n);
+    const __m512 target = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(m0, m1)));
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 in = (__mmask16)(n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1);
+        const __mmask16 hits = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, x + i), target, _CMP_EQ_OQ);
+        if (hits) return i + __builtin_ctz(hits);
+    }
+    return 0;  // not reached: the largest value is one of x
+}
+
 }  // namespace forerun
 #endif

@@ -93,7 +93,10 @@ ActRow act_row(const uint8_t* base, int64_t k, int qb);
 // Quantize rows [0, m) of x (row stride ldx floats) into act (row stride act_row_bytes(k)).
 // matmul: output tiles [tile0, tile1) of every row; y row stride ldy; bias may be null.
 // layer: this thread's part of one decoder layer (layer_impl.h), inside a parallel region.
+// argmax: the index of x[0, n)'s largest value, the first where several are; a NaN counts as the
+// largest (the first NaN), as in torch.argmax. n >= 1.
 #define FORERUN_PATH_FUNCTIONS(path)                                                                  \
+    int64_t argmax_##path(const float* x, int64_t n);                                                 \
     void quantize_##path(const float* x, int64_t m, int64_t k, int64_t ldx, int qb, uint8_t* act);    \
     void matmul_##path(int type, const uint8_t* w, int64_t k, const uint8_t* act, int64_t m,          \
                        int64_t tile0, int64_t tile1, int64_t n, float* y, int64_t ldy, const float* bias); \

@@ -162,4 +162,13 @@ void layer_scalar(const LayerDesc& l, const PassDesc& pass, int64_t layer, float
     run_layer(l, pass, layer, x, id, threads);
 }
 
+int64_t argmax_scalar(const float* x, int64_t n) {
+    int64_t best = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (x[i] != x[i]) return i;  // the first NaN
+        if (x[i] > x[best]) best = i;
+    }
+    return best;
+}
+
 }  // namespace forerun
