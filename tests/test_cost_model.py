@@ -240,6 +240,9 @@ def test_a_catch_up_a_long_answer_is_expected_to_win_back_is_paid_at_a_share_of_
     expected_long = _always_kept()
     assert [expected_long.pays_catch_up(5.5 * saving, 0.01, None, 1000) for _ in range(3)] == [False, True, False]
     assert _always_kept().pays_catch_up(3 * saving, 0.01, 0.9, remaining=1000)
+    # 20 tokens left win 5.5 steps' saving back, but not four times over: plain ski rental.
+    short_margin = _always_kept()
+    assert [short_margin.pays_catch_up(5.5 * saving, 0.01, None, 20 - i, i) for i in range(8)].index(True) == 6
 
 
 def test_finished_requests_lengths_predict_whether_a_catch_up_wins_back() -> None:
