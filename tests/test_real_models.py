@@ -100,6 +100,27 @@ def draft() -> LoadedModel:
     return load_model(DRAFT, "bfloat16")
 
 
+def test_the_real_tokenizer_streams_the_text_a_whole_decode_gives() -> None:
+    # Text a token at a time (what a generation does after every token) against a whole decode of
+    # the same ids: never more, never different; behind it only while a character is incomplete.
+    from forerun.models.load import load_tokenizer_of
+
+    tok = load_tokenizer_of(TARGET)
+    gen = torch.Generator().manual_seed(0)
+    lists = [
+        tok.encode(text) for text in ("héllo wörld 日本語のテキスト 😀🎉 ñ", "def f(x):\n    return x ** 2  # ✓\n")
+    ]
+    lists.append(torch.randint(0, 151_643, (400,), generator=gen).tolist() + [IM_END, 9707, END_OF_TEXT, 11])
+    for ids in lists:
+        stream, text = tok.stream(), ""
+        assert stream is not None
+        for n, token in enumerate(ids, 1):
+            text += stream.step(token)
+            whole = tok.decode(ids[:n])
+            assert whole.startswith(text) and (text == whole or whole.endswith("\ufffd")), n
+        assert text == tok.decode(ids) or tok.decode(ids).endswith("\ufffd")
+
+
 class TestDraftParityWithTransformers:
     """The 0.5B draft in float32 against transformers on the same GGUF file."""
 

@@ -23,6 +23,32 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i != EOS).decode("utf-8", errors="replace")
 
+    def stream(self) -> None:
+        return None  # no incremental decoder: the output is decoded whole after every token
+
+
+class StreamingByteTokenizer(ByteTokenizer):
+    """ByteTokenizer with an incremental decoder, as a fast tokenizer's DecodeStream: a character's
+    bytes wait in it until its last arrives."""
+
+    def __init__(self) -> None:
+        self.streams = True
+        self.streamed = 0  # decoders handed out
+
+    def stream(self):
+        import codecs
+
+        if not self.streams:
+            return None
+        self.streamed += 1
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+        class Stream:
+            def step(self, token_id: int) -> str:
+                return "" if token_id == EOS else decoder.decode(bytes([token_id]))
+
+        return Stream()
+
 
 def feed(seq: Sequence, ids: list[int], chunks: list[int] | None = None) -> list[str]:
     """Append `ids` in steps of `chunks` tokens (as the engine does), taking text after each step."""
@@ -140,6 +166,7 @@ def reference(ids: list[int], stop: tuple[str, ...], max_tokens: int) -> tuple[s
 ALPHABET = "ab€"
 
 
+@pytest.mark.parametrize("tokenizer", [ByteTokenizer, StreamingByteTokenizer])
 @settings(max_examples=300, deadline=None)
 @given(
     text=st.text(alphabet=ALPHABET, min_size=1, max_size=24),
@@ -148,12 +175,13 @@ ALPHABET = "ab€"
     max_tokens=st.integers(1, 80),
     eos_at=st.one_of(st.none(), st.integers(0, 60)),
 )
-def test_streamed_pieces_are_final_and_join_to_the_final_text(text, stop, chunks, max_tokens, eos_at):
+def test_streamed_pieces_are_final_and_join_to_the_final_text(tokenizer, text, stop, chunks, max_tokens, eos_at):
+    # The same whether the output is decoded whole after every token or a token at a time.
     ids = list(text.encode())
     if eos_at is not None:
         ids.insert(min(eos_at, len(ids)), EOS)
     ids += list(b"a" * 80)  # enough tokens to always reach max_tokens
-    seq = make(SamplingParams(max_tokens=max_tokens, stop=tuple(stop)))
+    seq = make(SamplingParams(max_tokens=max_tokens, stop=tuple(stop)), tokenizer())
     streamed = ""
     final_text, reason, kept = reference(ids, tuple(stop), max_tokens)
     pieces = feed(seq, ids, chunks)
@@ -168,3 +196,34 @@ def test_streamed_pieces_are_final_and_join_to_the_final_text(text, stop, chunks
     assert (seq.text, seq.finish_reason, len(seq.output_ids)) == (final_text, reason, kept)
     assert streamed == final_text
     assert not any(s in final_text for s in stop)
+
+
+def test_a_token_at_a_time_a_part_of_a_character_waits_and_the_end_shows_it_as_a_whole_decode():
+    tok = StreamingByteTokenizer()
+    seq = make(SamplingParams(max_tokens=4), tok)
+    euro = list("€".encode())  # three bytes
+    assert not seq.append(ord("a")) and not seq.append(euro[0]) and not seq.append(euro[1])
+    assert seq.text == "a" and seq.take_text() == "a"  # the character's first bytes wait
+    assert seq.append(euro[0])  # max_tokens: a character that never completed
+    assert seq.text == ByteTokenizer().decode([ord("a"), *euro[:2], euro[0]])  # as a whole decode renders it
+    assert tok.streamed == 1
+
+
+class StrayingTokenizer(StreamingByteTokenizer):
+    """A stream whose text is not the whole decode's (a tokenizer the stream does not fit)."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "x" + super().decode(ids)
+
+
+def test_a_stream_that_strays_from_the_whole_decode_is_not_used_again():
+    tok = StrayingTokenizer()
+    seq = make(SamplingParams(max_tokens=2), tok)
+    seq.append(ord("a"))
+    assert seq.take_text() == "a"
+    with pytest.warns(UserWarning, match="decoding whole"):
+        seq.append(ord("b"))
+    assert seq.text == "xab" and tok.streams is False
+    later = make(SamplingParams(max_tokens=2), tok)
+    later.append(ord("c"))
+    assert later.text == "xc" and tok.streamed == 1  # decoded whole: no stream asked for

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.models.tokenizer import Tokenizer
@@ -19,6 +21,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text = ""  # decoded output, cut before a stop string
         self._streamed = 0  # characters of `text` already handed out
+        # The output decoded a token at a time (None: decoded whole after every token); a trailing
+        # part of a character waits in it, and the finished text is one whole decode.
+        self._stream = tokenizer.stream() if tokenizer is not None else None
+        self._cut = False  # a stop string ended the text
         if params.stop and tokenizer is None:
             raise ForerunError(
                 "stop strings need a tokenizer to match text, and this model has none: "
@@ -39,11 +45,29 @@ class Sequence:
         if token in self.stop_ids:
             self.finish_reason = "stop"
         elif self.tokenizer is not None:
-            self.text = self.tokenizer.decode(self.output_ids)
+            if self._stream is not None:
+                self.text += self._stream.step(token)
+            else:
+                self.text = self.tokenizer.decode(self.output_ids)
             self._check_stop_strings()
         if self.finish_reason is None and len(self.output_ids) >= self.params.max_tokens:
             self.finish_reason = "length"
+        if self.finished and self._stream is not None and not self._cut:
+            self._whole_text()
         return self.finished
+
+    def _whole_text(self) -> None:
+        """The finished text as one decode of the output (a last part of a character shows as the
+        whole decode renders it), the stop token left out as a decode token by token leaves it."""
+        ids = self.output_ids[:-1] if self.finish_reason == "stop" else self.output_ids
+        whole = self.tokenizer.decode(ids)
+        if not whole.startswith(self.text[: self._streamed]):
+            # Streamed text is never taken back; a tokenizer whose stream strays is not streamed again.
+            warnings.warn(
+                "the incremental decode differed from a whole decode; decoding whole from now on", stacklevel=3
+            )
+            self.tokenizer.streams = False
+        self.text = whole
 
     def _check_stop_strings(self) -> None:
         # Only the tail can hold a new match: the text before it was checked at the last token.
@@ -53,6 +77,7 @@ class Sequence:
         if hits:
             self.text = self.text[: min(hits)]
             self.finish_reason = "stop"
+            self._cut = True
 
     def take_text(self) -> str:
         """Text not handed out yet that can no longer change: unfinished UTF-8 and a possible

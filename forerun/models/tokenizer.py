@@ -1,4 +1,5 @@
-"""Tokenizer and chat template (from transformers), plus every token id that ends generation."""
+"""Tokenizer and chat template (from transformers), every token id that ends generation, and an
+output's text a token at a time."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class Tokenizer:
                 stops.add(int(token_id))
         self.stop_ids: frozenset[int] = frozenset(stops)
         self._pieces: dict[int, str] = {}
+        self.streams = True  # outputs are decoded a token at a time where the tokenizer can (`stream`)
 
     @property
     def vocab_size(self) -> int:
@@ -32,6 +34,16 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def stream(self) -> TextStream | None:
+        """An incremental decoder for one output (None where this tokenizer has none: a generation
+        then decodes its whole output after every token, O(n) a token). `decode`'s text, grown a
+        token at a time by the tokenizers library's DecodeStream; not where transformers cleans up
+        spaces after decoding, which the stream does not."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if not self.streams or backend is None or getattr(self.hf, "clean_up_tokenization_spaces", False):
+            return None
+        return TextStream(backend)
 
     def piece(self, token_id: int) -> str:
         """One token's own text, special tokens included (logprobs name tokens by it)."""
@@ -49,3 +61,18 @@ class Tokenizer:
     def vocabulary(self) -> dict[int, str]:
         """id -> token string, for comparing two tokenizers."""
         return {i: t for t, i in self.hf.get_vocab().items()}
+
+
+class TextStream:
+    """The text of a growing list of token ids, a token at a time: what arrives with each token
+    (empty while it ends in part of a character), special tokens skipped as `Tokenizer.decode`
+    skips them. A token costs microseconds, where decoding the whole output again costs O(n)."""
+
+    def __init__(self, backend) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self.backend = backend
+        self.decoder = DecodeStream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        return self.decoder.step(self.backend, int(token_id)) or ""
