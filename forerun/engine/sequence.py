@@ -24,7 +24,6 @@ class Sequence:
         # The output decoded a token at a time (None: decoded whole after every token); a trailing
         # part of a character waits in it, and the finished text is one whole decode.
         self._stream = tokenizer.stream() if tokenizer is not None else None
-        self._cut = False  # a stop string ended the text
         if params.stop and tokenizer is None:
             raise ForerunError(
                 "stop strings need a tokenizer to match text, and this model has none: "
@@ -44,6 +43,7 @@ class Sequence:
         self.output_ids.append(token)
         if token in self.stop_ids:
             self.finish_reason = "stop"
+            self._whole_text(self.output_ids[:-1])  # the stop token is no text
         elif self.tokenizer is not None:
             if self._stream is not None:
                 self.text += self._stream.step(token)
@@ -52,14 +52,14 @@ class Sequence:
             self._check_stop_strings()
         if self.finish_reason is None and len(self.output_ids) >= self.params.max_tokens:
             self.finish_reason = "length"
-        if self.finished and self._stream is not None and not self._cut:
-            self._whole_text()
+            self._whole_text(self.output_ids)
         return self.finished
 
-    def _whole_text(self) -> None:
-        """The finished text as one decode of the output (a last part of a character shows as the
-        whole decode renders it), the stop token left out as a decode token by token leaves it."""
-        ids = self.output_ids[:-1] if self.finish_reason == "stop" else self.output_ids
+    def _whole_text(self, ids: list[int]) -> None:
+        """A streamed output's finished text as one decode of `ids` (a last part of a character
+        shows as the whole decode renders it); text cut at a stop string is final as it is."""
+        if self._stream is None:
+            return  # decoded whole already
         whole = self.tokenizer.decode(ids)
         if not whole.startswith(self.text[: self._streamed]):
             # Streamed text is never taken back; a tokenizer whose stream strays is not streamed again.
@@ -77,7 +77,6 @@ class Sequence:
         if hits:
             self.text = self.text[: min(hits)]
             self.finish_reason = "stop"
-            self._cut = True
 
     def take_text(self) -> str:
         """Text not handed out yet that can no longer change: unfinished UTF-8 and a possible
