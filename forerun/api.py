@@ -71,7 +71,9 @@ class LLM:
     A draft model takes `quantization` too unless speculative_options["quantize"] names its own
     ("auto" picks per model: for a GGUF draft, `q4_0`).
     prefix_cache_mb bounds the prompt rows kept for later prompts that start the same (0: none kept;
-    models/prefix_cache.py).
+    models/prefix_cache.py). kv_cache_dtype (auto, float32, float16) is what the target's and a
+    draft model's KV caches store; None leaves each loaded model's own (auto: float16 where the
+    native layers run, as llama.cpp's cache, else the activations' dtype).
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class LLM:
         quantization: str | None = None,
         speculative_k_policy: str = "adaptive",
         prefix_cache_mb: float = PREFIX_CACHE_MB,
+        kv_cache_dtype: str | None = None,
     ) -> None:
         if not prefix_cache_mb >= 0:
             raise ForerunError(f"prefix_cache_mb must be 0 (none) or more, got {prefix_cache_mb}")
@@ -95,6 +98,8 @@ class LLM:
                 formats.quantize_(self.target.decoder, quantization)
         else:
             self.target = load_model(model, dtype, device, quantization=quantization)
+        if kv_cache_dtype is not None:
+            self.target.decoder.set_kv_cache_dtype(kv_cache_dtype)
         self.last_result: GenerationResult | None = None
         options = dict(speculative_options or {})
         if speculative_model is not None:
@@ -111,6 +116,8 @@ class LLM:
             if quantization is not None and not isinstance(speculative_model, LoadedModel):
                 # A draft named by path takes the target's format ("auto": the choice for a draft).
                 options.setdefault("quantize", quantization)
+        if kv_cache_dtype is not None and "model" in options:  # a draft model's caches too
+            options.setdefault("kv_cache_dtype", kv_cache_dtype)
         spec = SpeculativeConfig(speculative_method, num_speculative_tokens, options, speculative_k_policy)
         if speculative_method is not None and num_speculative_tokens > self.target.decoder.cfg.max_position:
             raise ForerunError(f"num_speculative_tokens {num_speculative_tokens} is beyond the model's context")
@@ -193,15 +200,20 @@ class LLM:
 
 def _with_draft_loaded(options: dict, dtype: str, device: str) -> dict:
     """`options` with a draft model named by path loaded (in its `quantize` format, which the
-    drafter then does not apply again)."""
+    drafter then does not apply again, its caches in `kv_cache_dtype`)."""
+    kv_cache_dtype = options.get("kv_cache_dtype")
+    loaded = {key: value for key, value in options.items() if key != "kv_cache_dtype"}
+    if isinstance(options.get("model"), LoadedModel) and kv_cache_dtype is not None:
+        options["model"].decoder.set_kv_cache_dtype(kv_cache_dtype)
     if not isinstance(options.get("model"), str):
-        return options
-    loaded = {key: value for key, value in options.items() if key != "quantize"}
+        return loaded
+    loaded.pop("quantize", None)
     loaded["model"] = load_model(
         options["model"],
         options.get("dtype", dtype),
         options.get("device", device),
         quantization=options.get("quantize"),
         draft=True,
+        kv_cache_dtype=kv_cache_dtype or "auto",
     )
     return loaded

@@ -6,10 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.cli import main
+from forerun.models import decoder as decoder_module
 from forerun.models.embedded import EMBEDDED
 from forerun.models.testing import save_hf_folder, tiny_model
 
@@ -166,6 +168,26 @@ def test_speculative_json_has_spec_counters_and_the_plain_tokens(capsys, folder:
     # The draft is the target itself: nearly every draft token is kept, several tokens per pass.
     assert spec["acceptance_rate"] >= 0.8 and spec["mean_accepted_length"] > 2
     assert 0 < spec["efficiency"] <= 1 and 1 <= spec["predicted_mean_accepted_length"] <= 4
+
+
+def test_kv_cache_dtype_reaches_the_target_and_the_draft_model(capsys, folder: Path, monkeypatch) -> None:
+    made: list[torch.dtype] = []  # every cache's dtype, as the decoders make them
+    real = decoder_module.KVCache
+    monkeypatch.setattr(decoder_module, "KVCache", lambda *a: made.append(a[5]) or real(*a))
+    args = ("--prompt", "speculate", "--max-tokens", "8", "--ignore-eos", "--json")
+    code, plain_out, err = generate(capsys, folder, *args)
+    assert code == 0, err
+    assert set(made) == {torch.float32}  # auto on the PyTorch path: the activations' dtype
+    made.clear()
+    code, half_out, err = generate(capsys, folder, *args, "--kv-cache-dtype", "float16")
+    assert code == 0, err
+    assert set(made) == {torch.float16}
+    made.clear()
+    draft = ("--speculative-model", str(folder), "--num-speculative-tokens", "3", "--speculative-k-policy", "fixed")
+    code, spec_out, err = generate(capsys, folder, *args, "--kv-cache-dtype", "float16", *draft)
+    assert code == 0, err
+    assert set(made) == {torch.float16} and len(made) >= 2  # the target's caches and the draft model's
+    assert records(spec_out)[0]["token_ids"] == records(half_out)[0]["token_ids"]  # greedy speculation is exact
 
 
 def test_generate_without_json_streams_text_and_summarises_on_stderr(capsys, folder: Path) -> None:

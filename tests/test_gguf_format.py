@@ -191,6 +191,7 @@ def test_every_verified_row_equals_plain_decoding_bit_for_bit(
 ) -> None:
     decoder = model.decoder
     monkeypatch.setattr(decoder, "_native", False if native_layers else None)
+    monkeypatch.setattr(decoder, "kv_cache_dtype", data.draw(st.sampled_from(["auto", "float32", "float16"])))
     monkeypatch.setattr(attention, "KEY_BLOCK", data.draw(st.sampled_from([4, 64])))
     prefix = data.draw(st.lists(st.integers(0, 98), min_size=prefix_len, max_size=prefix_len))
     tree, root = random_tree(data.draw, nodes), data.draw(st.integers(0, 98))
@@ -273,22 +274,69 @@ def test_a_masked_or_batched_forward_keeps_the_pytorch_path(model, monkeypatch) 
     assert calls == []
 
 
-def test_every_path_computes_a_whole_forward_to_the_same_bits(model, monkeypatch) -> None:
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_every_path_computes_a_whole_forward_to_the_same_bits(model, monkeypatch, kv) -> None:
+    # 50 cached slots: a span of 32 keys scored sixteen at a time, then a part span key by key.
     decoder = model.decoder
+    monkeypatch.setattr(decoder, "kv_cache_dtype", kv)
     prepared = native_layer.prepare(decoder)
-    logits = {}
+    logits, caches = {}, {}
     for path in native.paths():
         monkeypatch.setattr(prepared, "path", native.PATHS.index(path))
         monkeypatch.setattr(decoder, "_native", prepared)
         monkeypatch.setattr(decoder.lm_head, "kernel", path)
         tree = DraftTree([5, 6, 7, 8], [-1, 0, 1, 0])
-        cache = decoder.new_cache(60)
+        cache = caches[path] = decoder.new_cache(60)
         decoder(torch.arange(3, 53), torch.arange(50), cache)
         logits[path] = decoder(
             torch.tensor([4] + tree.tokens), tree.positions(50), cache, layout=row_layout(tree, 50)
         ).logits[0]
+    assert caches["scalar"].k.dtype == getattr(torch, kv)
     for path, value in logits.items():
         assert torch.equal(value, logits["scalar"]), path
+        assert torch.equal(caches[path].k, caches["scalar"].k) and torch.equal(caches[path].v, caches["scalar"].v)
+
+
+def test_auto_keeps_a_float16_cache_where_the_native_layers_run(model, monkeypatch) -> None:
+    decoder = model.decoder
+    assert decoder.kv_cache_dtype == "auto" and decoder.new_cache(8).k.dtype == torch.float16
+    monkeypatch.setattr(decoder, "_native", None)  # the PyTorch path: the activations' dtype
+    assert decoder.new_cache(8).k.dtype == torch.float32
+    decoder.set_kv_cache_dtype("float16")
+    try:
+        assert decoder.new_cache(8).v.dtype == torch.float16
+    finally:
+        decoder.set_kv_cache_dtype("auto")
+    with pytest.raises(ForerunError, match="'int4' is none of auto, float32, float16"):
+        decoder.set_kv_cache_dtype("int4")
+
+
+def test_a_float16_cache_holds_the_float32_entries_rounded(model, monkeypatch) -> None:
+    # The first layer's keys and values come from the embedding alone: the float16 cache holds the
+    # float32 cache's, rounded to nearest even. The logits stay as close to the float32 cache's as
+    # the format itself stays to the float weights' (the test above): a rounded key can move a few
+    # activations across an int8 level.
+    decoder = model.decoder
+    caches, last = {}, {}
+    for kv in ("float32", "float16"):
+        monkeypatch.setattr(decoder, "kv_cache_dtype", kv)
+        caches[kv] = decoder.new_cache(70)
+        last[kv] = decoder(torch.arange(3, 70), torch.arange(67), caches[kv], last_only=True).logits[0, 0]
+    wide, half = caches["float32"], caches["float16"]
+    assert torch.equal(half.k[0, :, :, :67], wide.k[0, :, :, :67].half())
+    assert torch.equal(half.v[0, :, :, :67], wide.v[0, :, :, :67].half())
+    assert not torch.equal(half.k[1:, :, :, :67].float(), wide.k[1:, :, :, :67])  # later layers read rounded keys
+    assert (last["float16"] - last["float32"]).norm() / last["float32"].norm() < 0.03
+
+
+def test_the_kv_cache_dtype_reaches_the_target_and_a_loaded_draft_model(k_file: Path, home: Path) -> None:
+    target, draft = (load_model(str(k_file), with_tokenizer=False, quantization="gguf") for _ in range(2))
+    llm = LLM(target, speculative_model=draft, kv_cache_dtype="float32")
+    assert target.decoder.new_cache(8).k.dtype == torch.float32
+    assert draft.decoder.new_cache(8).k.dtype == torch.float32
+    assert "kv_cache_dtype" not in llm.spec.options  # not handed to the drafter
+    with pytest.raises(ForerunError, match="kv_cache_dtype 'half' is none of"):
+        load_model(str(k_file), with_tokenizer=False, quantization="gguf", kv_cache_dtype="half")
 
 
 def test_sequences_verified_together_each_equal_their_verification_alone(model) -> None:

@@ -198,6 +198,15 @@ def test_looked_up_rows_are_gguf_pys_dequantized_rows_exactly(kind) -> None:
     assert np.array_equal(got.numpy(), want.astype(np.float32))
 
 
+def test_a_float16_cache_entry_is_rounded_as_torch_rounds() -> None:
+    # Nearest, ties to even, over a sweep of float32 bit patterns: subnormal halves, the overflow to
+    # infinity at 65520, signed zeros, infinities and NaNs (quieted, the payload's top bits kept).
+    bits = torch.arange(-(2**31), 2**31, 4099, dtype=torch.int64).to(torch.int32)
+    edges = torch.tensor([65504.0, 65519.99, 65520.0, 2.0**-24, 2.0**-25, 1.5 * 2.0**-25, 2.0**-14, -0.0, 1 + 2.0**-11])
+    x = torch.cat([bits.view(torch.float32), edges, -edges])
+    assert torch.equal(native.to_half(x).view(torch.int16), x.half().view(torch.int16))
+
+
 @SLOW
 @given(
     n=st.integers(1, 200),

@@ -64,6 +64,7 @@ class BenchConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"
     quantization: str | None = None  # "int8": the target's weights in int8
+    kv_cache_dtype: str = "auto"  # what the target's and the draft model's KV caches store
     chat: bool = True  # wrap prompts in the chat template when there is one
     warmup: bool = True
     progress: bool = True  # a tqdm bar on stderr
@@ -209,6 +210,7 @@ def settings_of(cfg: BenchConfig) -> dict:
         "dtype": cfg.dtype,
         "device": cfg.device,
         "quantization": cfg.quantization,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
         "max_tokens": s.max_tokens,
         "temperature": s.temperature,
         "top_p": s.top_p,
@@ -221,7 +223,9 @@ def settings_of(cfg: BenchConfig) -> dict:
 
 
 def _load_target(cfg: BenchConfig) -> LoadedModel:
-    target = load_model(cfg.model, cfg.dtype, cfg.device, quantization=cfg.quantization)  # once, for every method
+    target = load_model(  # once, for every method
+        cfg.model, cfg.dtype, cfg.device, quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype
+    )
     if target.tokenizer is None:
         raise ForerunError(f"model {cfg.model} has no tokenizer; the bench needs one to encode its prompts")
     return target
@@ -261,9 +265,9 @@ def _contenders(cfg: BenchConfig, target: LoadedModel, notes: list[str], context
         # drafter must not quantize it again, but the record keeps the setting.
         quantize = draft_opts.pop("quantize", None)
         if quantize not in loaded:
-            loaded[quantize] = load_model(
-                cfg.speculative_model, cfg.dtype, cfg.device, quantization=quantize, draft=True
-            )
+            draft = load_model(cfg.speculative_model, cfg.dtype, cfg.device, quantization=quantize, draft=True)
+            draft.decoder.set_kv_cache_dtype(cfg.kv_cache_dtype)
+            loaded[quantize] = draft
         draft_opts["model"] = loaded[quantize]
         draft_opts.setdefault("dtype", cfg.dtype)
         draft_opts.setdefault("device", cfg.device)

@@ -155,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         chat=args.chat,
         warmup=args.warmup,
         progress=args.progress,

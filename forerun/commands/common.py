@@ -8,6 +8,7 @@ import json
 from forerun import drafters
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
+from forerun.models.decoder import KV_CACHE_DTYPES
 from forerun.models.load import QUANTIZATIONS
 from forerun.models.prefix_cache import PREFIX_CACHE_MB
 
@@ -29,6 +30,7 @@ def add_model_args(p: argparse.ArgumentParser, quantization: str | None = None) 
         "and w8a8 keep a row's result bit-identical alone or batched"
         + (f"; none: the weights in --dtype (default: {quantization})" if quantization else ""),
     )
+    add_kv_cache_arg(p)
     if quantization is not None:  # the commands that answer requests
         p.add_argument(
             "--prefix-cache-mb",
@@ -39,6 +41,17 @@ def add_model_args(p: argparse.ArgumentParser, quantization: str | None = None) 
             f"earlier turns): a prompt's prefill starts after the longest such prefix (default {PREFIX_CACHE_MB}; "
             "0: none; used with gguf, where a row comes out the same in any chunks)",
         )
+
+
+def add_kv_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", *KV_CACHE_DTYPES],
+        help="what the target's and the draft model's KV caches store: auto (float16 where forerun's native "
+        "layers run, as llama.cpp's cache: half the bytes attention reads at long contexts; else the "
+        "activations' dtype), float32 or float16 (default: auto)",
+    )
 
 
 def quantization_arg(value: str | None) -> str | None:

@@ -42,6 +42,7 @@ def build_llm(args: argparse.Namespace, method: str | None = None) -> LLM:
         quantization=quantization_arg(args.quantization),
         speculative_k_policy=args.speculative_k_policy,
         prefix_cache_mb=args.prefix_cache_mb,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

@@ -27,6 +27,7 @@ import torch
 
 from forerun.base.errors import ForerunError
 from forerun.bench import machine
+from forerun.commands.common import add_kv_cache_arg
 from forerun.models.attention import RowLayout
 from forerun.models.gguf_format import GGUFLinear
 from forerun.models.linear import Int8Linear, Linear
@@ -125,6 +126,7 @@ def register(sub) -> None:
     p.add_argument("--model", required=True, help="embedded name, .gguf file, model folder or hub id")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS))
+    add_kv_cache_arg(p)
     p.add_argument("--rows", default="1,2,4,8,16", help="comma-separated row counts")
     p.add_argument("--context", type=int, default=256, help="cache slots filled before the pass")
     p.add_argument("--steps", type=int, default=10, help="timed passes per row count (the median is shown)")
@@ -147,7 +149,13 @@ def run(args: argparse.Namespace) -> int:
         raise ForerunError(f"--rows takes whole numbers separated by commas, got {args.rows!r}") from None
     if not rows or min(rows) < 1 or args.steps < 1 or args.context < 0:
         raise ForerunError("--rows must be at least 1 each, --steps at least 1 and --context at least 0")
-    model = load_model(args.model, args.dtype, quantization=args.quantization, with_tokenizer=False)
+    model = load_model(
+        args.model,
+        args.dtype,
+        quantization=args.quantization,
+        with_tokenizer=False,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     if args.context + max(rows) > model.decoder.cfg.max_position:
         raise ForerunError(
             f"--context {args.context} plus {max(rows)} rows is beyond the model's context "

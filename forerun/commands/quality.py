@@ -19,6 +19,7 @@ from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import load_prompts
+from forerun.commands.common import add_kv_cache_arg
 from forerun.models import linear
 from forerun.models.load import QUANTIZATIONS
 
@@ -34,6 +35,7 @@ def register(sub) -> None:
         choices=[q for q in QUANTIZATIONS if q != "auto"],
         help="formats to compare with the reference",
     )
+    add_kv_cache_arg(p)  # the compared formats'; the reference keeps its own
     p.add_argument("--dataset", default="spec-bench", help="spec-bench or a JSONL file with 'prompt' or 'turns'")
     p.add_argument("--limit-per-category", type=int, default=2, help="first N prompts of each category")
     p.add_argument("--max-tokens", type=int, default=32, help="continuation tokens compared per prompt")
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     del reference
     table: dict[str, dict[str, dict]] = {}
     for fmt in args.quantization:
-        model = LLM(args.model, dtype=args.dtype, quantization=fmt)
+        model = LLM(args.model, dtype=args.dtype, quantization=fmt, kv_cache_dtype=args.kv_cache_dtype)
         for (task, ids, cont), ref in zip(texts, ref_logits):
             got = continuation_logits(model, ids, cont)
             for key in (task, "overall"):

@@ -133,7 +133,13 @@ def run(args: argparse.Namespace) -> int:
     texts = texts or DEFAULT_PROMPTS
     prompts = [[{"role": "user", "content": t}] if args.chat else t for t in texts]
     params = sampling_from_args(args)
-    plain = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
+    plain = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     target = plain.target
     skips = [parse_skip(s) for s in args.skip] if args.skip else None
     settings = candidate_settings(target.decoder.cfg.num_layers, args.layers, skips)

@@ -16,12 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forerun.base.errors import ForerunError
 from forerun.models import native_layer
 from forerun.models.attention import RowLayout, Segment, attend, key_length
 from forerun.models.kv_cache import KVCache
 from forerun.models.linear import Linear
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 NATIVE_ENV = "FORERUN_NATIVE_LAYERS"  # 0: row-exact forwards through PyTorch even where native layers run
 
 
@@ -157,6 +159,8 @@ class Attention(nn.Module):
             out = out if x.dtype == torch.float32 else out.to(x.dtype)  # [1, T, H*D]
         else:
             keys, values = cache.write(layer, k.transpose(1, 2), v.transpose(1, 2))  # [B, KVH, S, D]
+            if keys.dtype != q.dtype:  # a cache in another dtype than the activations (kv_cache_dtype)
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=kvh != h
             )  # [B, H, T, D]
@@ -226,6 +230,7 @@ class Decoder(nn.Module):
         self.activation_dtype: torch.dtype | None = None  # None: the weights' dtype; a format may set float32
         self._rope = Rope(cfg.head_dim, cfg.rope_theta)
         self._native = False  # not looked at yet (`_native_layers`)
+        self.kv_cache_dtype = "auto"  # a key of KV_CACHE_DTYPES: what `new_cache` stores entries in
 
     @property
     def dtype(self) -> torch.dtype:
@@ -241,11 +246,27 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
-        """A cache of at least `max_len` slots (`cache_slots`)."""
+        """A cache of at least `max_len` slots (`cache_slots`), its entries in `cache_dtype`."""
         cfg = self.cfg
-        return KVCache(
-            cfg.num_layers, batch, cfg.num_kv_heads, self.cache_slots(max_len), cfg.head_dim, self.dtype, self.device
-        )
+        slots = self.cache_slots(max_len)
+        return KVCache(cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim, self.cache_dtype, self.device)
+
+    def set_kv_cache_dtype(self, name: str) -> None:
+        """What later caches store: auto, float32 or float16 (`cache_dtype`)."""
+        if name != "auto" and name not in KV_CACHE_DTYPES:
+            raise ForerunError(f"kv_cache_dtype {name!r} is none of auto, {', '.join(KV_CACHE_DTYPES)}")
+        self.kv_cache_dtype = name
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """What the KV cache stores (`kv_cache_dtype`). auto: float16 where the native layers run
+        (half the bytes attention reads, as llama.cpp's default cache; each entry rounded to nearest
+        even once, as it is written, so rows stay exact), else the activations' dtype."""
+        if self.kv_cache_dtype != "auto":
+            return KV_CACHE_DTYPES[self.kv_cache_dtype]
+        if self._native_layers() is not None and self.cfg.head_dim <= native_layer.HALF_DIM:
+            return torch.float16
+        return self.dtype
 
     @staticmethod
     def cache_slots(max_len: int) -> int:
@@ -336,8 +357,8 @@ class Decoder(nn.Module):
 
     def chains_into(self, cache: KVCache) -> bool:
         """Whether a prefill into `cache` runs as a chain of exact rows: the native layers, on a
-        float32 cache of one sequence."""
-        return cache.k.shape[1] == 1 and cache.k.dtype == torch.float32 and self.chain_prefill
+        float32 or float16 cache of one sequence."""
+        return cache.k.shape[1] == 1 and cache.k.dtype in native_layer.CACHE_DTYPES and self.chain_prefill
 
     def _native_chain(self, cache: KVCache | None, tokens: torch.Tensor) -> RowLayout | None:
         """A causal forward (a prompt's prefill) as a chain of rows where the native layers run

@@ -18,7 +18,7 @@ from forerun.base.errors import ForerunError
 from forerun.models import formats
 from forerun.models.build import build_decoder, build_gguf_decoder
 from forerun.models.checksums import source_identity
-from forerun.models.decoder import Decoder
+from forerun.models.decoder import KV_CACHE_DTYPES, Decoder
 from forerun.models.gguf_cache import cached_decoder, convert_gguf
 from forerun.models.hf_folder import read_hf_folder
 from forerun.models.source import ModelSource, resolve
@@ -72,11 +72,15 @@ def load_model(
     with_tokenizer: bool = True,
     quantization: str | None = None,
     draft: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
     """`quantization` (see forerun/models/formats.py) stores every product in that format; for a
     GGUF source the quantized weights are cached beside the converted ones, so only the first such
-    load pays for it. `draft`: the model drafts for another (its "auto" format may differ)."""
+    load pays for it. `draft`: the model drafts for another (its "auto" format may differ).
+    `kv_cache_dtype`: what its KV caches store (Decoder.cache_dtype)."""
     start = time.perf_counter()
+    if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ForerunError(f"kv_cache_dtype {kv_cache_dtype!r} is none of auto, {', '.join(KV_CACHE_DTYPES)}")
     if quantization not in (None, formats.AUTO):
         formats.get(quantization)  # an unknown name fails before any work
     source = resolve(spec)
@@ -103,6 +107,7 @@ def load_model(
         decoder, tok_dir = build_decoder(cfg, state, torch_device), source.path
         if quantization:
             formats.quantize_(decoder, quantization)
+    decoder.set_kv_cache_dtype(kv_cache_dtype)
     tokenizer = load_tokenizer(tok_dir, source) if with_tokenizer else None
     return LoadedModel(source.name, decoder, tokenizer, source, time.perf_counter() - start)
 

@@ -24,6 +24,8 @@ from forerun.models.attention import RowLayout, Segment
 from forerun.models.gguf_format import GGUFLinear
 
 MAX_PARTS = 4
+CACHE_DTYPES = (torch.float32, torch.float16)  # a float16 cache's entries are rounded to nearest even
+HALF_DIM = 256  # the widest head a float16 cache serves (layer_impl.h)
 _i64, _f32p, _u8p, _ptr = (
     ctypes.c_int64,
     ctypes.POINTER(ctypes.c_float),
@@ -66,6 +68,7 @@ class RowDesc(ctypes.Structure):
     _fields_ = [
         ("k", _ptr),
         ("v", _ptr),
+        ("kv_half", _i64),
         ("layer_stride", _i64),
         ("slots", _i64),
         ("write", _i64),
@@ -189,12 +192,14 @@ def _rows(segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor, cfg) ->
             raise ValueError(
                 f"KV cache overflow: {cache.length + seg.stop - seg.start} slots needed, {cache.max_len} allocated"
             )
-        if cache.k.dtype != torch.float32 or cache.k.shape[1] != 1:
-            raise ValueError("native layers need a float32 cache of one sequence")
-        layer_stride = cache.k.stride(0)
+        if cache.k.dtype not in CACHE_DTYPES or cache.k.shape[1] != 1:
+            raise ValueError(f"native layers need a cache of one sequence in {CACHE_DTYPES}, not {cache.k.dtype}")
+        if cache.k.dtype == torch.float16 and d > HALF_DIM:
+            raise ValueError(f"a float16 cache serves heads of at most {HALF_DIM}, not {d}")
+        layer_stride, half = cache.k.stride(0), int(cache.k.dtype == torch.float16)
         for i, (prefix, extra) in enumerate(_visible(seg.layout, cache.length)):
             r = rows.array[seg.start + i]
-            r.k, r.v = cache.k.data_ptr(), cache.v.data_ptr()
+            r.k, r.v, r.kv_half = cache.k.data_ptr(), cache.v.data_ptr(), half
             r.layer_stride, r.slots, r.write = layer_stride, cache.max_len, cache.length + i
             r.prefix, r.n_extra = prefix, len(extra)
             if extra:

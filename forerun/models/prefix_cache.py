@@ -38,7 +38,8 @@ class _Block:
 def token_bytes(decoder) -> int:
     """Bytes one prompt token's rows take in a prefix cache of `decoder`'s (keys and values, every layer)."""
     cfg = decoder.cfg
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=decoder.dtype).element_size()
+    entry = torch.empty((), dtype=decoder.cache_dtype).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * entry
 
 
 class PrefixCache:

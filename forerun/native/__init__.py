@@ -22,7 +22,7 @@ import torch
 
 from forerun.base.errors import ForerunError
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 PATHS = ("scalar", "avx2", "avx512")  # bit i of fr_paths() is PATHS[i]
 PATH_ENV = "FORERUN_KERNEL_PATH"
 
@@ -40,6 +40,7 @@ _SIGNATURES = {
     "fr_act_row_bytes": ([_c_i64], _c_i64),
     "fr_repack": ([_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_int], None),
     "fr_dequantize_rows": ([_c_int, _ptr, _c_i64, _ptr, _c_i64, _ptr], None),
+    "fr_to_half": ([_ptr, _c_i64, _ptr], None),
     "fr_quantize": ([_c_int, _ptr, _c_i64, _c_i64, _c_i64, _c_int, _ptr], None),
     "fr_argmax": ([_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr], None),
     "fr_matmul": ([_c_int, _c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _ptr, _c_int], None),
@@ -178,6 +179,14 @@ def dequantize_rows(type_id: int, raw: torch.Tensor, k: int, rows: torch.Tensor)
         type_id, _check(raw, torch.uint8, "raw"), k, rows.data_ptr(), rows.numel(), out.data_ptr()
     )
     return out
+
+
+def to_half(x: torch.Tensor) -> torch.Tensor:
+    """x (float32) rounded to float16 as the native layers store a float16 cache's entries."""
+    flat = x.reshape(-1).contiguous()
+    out = torch.empty(flat.numel(), dtype=torch.int16)
+    library().fr_to_half(_check_rows(flat), flat.numel(), out.data_ptr())
+    return out.view(torch.float16).view(x.shape)
 
 
 def act_row_bytes(k: int) -> int:

@@ -184,7 +184,7 @@ def _cost_key(model: LoadedModel, rows: int) -> str | None:
             type(m).__name__ + (f"[{m.kernel}]" if isinstance(m, (W8A8Linear, GGUFLinear)) else "")
             for m in decoder.modules()
         }
-        | {f"native layers: {decoder._native_layers() is not None}"}
+        | {f"native layers: {decoder._native_layers() is not None}", f"cache {decoder.cache_dtype}"}
     )
     if any(isinstance(m, GGUFLinear) for m in decoder.modules()):
         kinds.append(f"kernels {native.version()}")  # a faster build times differently

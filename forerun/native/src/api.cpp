@@ -44,7 +44,7 @@ int64_t tiles_of(int64_t n) { return (n + LANES - 1) / LANES; }
 extern "C" {
 
 // Bumped whenever the layout or the arithmetic changes (the Python side checks it).
-int fr_abi_version() { return 4; }
+int fr_abi_version() { return 5; }
 
 // Bit p set: path p (0 scalar, 1 AVX2, 2 AVX-512 VNNI) is built in and runs on this CPU.
 int fr_paths() {
@@ -73,6 +73,11 @@ void fr_repack(int type, const uint8_t* src, int64_t n, int64_t k, uint8_t* dst,
         share(tiles, omp_get_thread_num(), omp_get_num_threads(), &begin, &end);
         repack_tiles(type, src, n, k, begin, end, dst);
     }
+}
+
+// float32 -> float16 as the layers round a float16 cache's entries (the reference the tests hold to torch's).
+void fr_to_half(const float* x, int64_t n, uint16_t* out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = f32_to_f16(x[i]);
 }
 
 void fr_dequantize_rows(int type, const uint8_t* src, int64_t k, const int64_t* rows, int64_t count, float* out) {

@@ -362,6 +362,35 @@ inline float dot16(const float* a, const float* b, int64_t n) {
     const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));    // t4[0] + t4[2], t4[1] + t4[3]
     return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
 }
+// dot16 of q with 4 keys at once (the fmas of different keys side by side), then the four keys'
+// tree16 together, each step adding dot16's pairs of lanes: dot16's bits. 16 keys: four of these.
+inline void dots4(const float* q, const float* const* k, int64_t n, float* out) {
+    __m256 lo[4], hi[4], t[4];
+    for (int j = 0; j < 4; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m256 ql = _mm256_loadu_ps(q + i), qh = _mm256_loadu_ps(q + i + 8);
+        for (int j = 0; j < 4; ++j) {
+            lo[j] = _mm256_fmadd_ps(ql, _mm256_loadu_ps(k[j] + i), lo[j]);
+            hi[j] = _mm256_fmadd_ps(qh, _mm256_loadu_ps(k[j] + i + 8), hi[j]);
+        }
+    }
+    for (int j = 0; j < 4; ++j) t[j] = _mm256_add_ps(lo[j], hi[j]);   // lanes l + (l + 8)
+    const __m256 x0 = _mm256_add_ps(_mm256_permute2f128_ps(t[0], t[1], 0x20), _mm256_permute2f128_ps(t[0], t[1], 0x31));
+    const __m256 x1 = _mm256_add_ps(_mm256_permute2f128_ps(t[2], t[3], 0x20), _mm256_permute2f128_ps(t[2], t[3], 0x31));
+    const __m256 y = _mm256_add_ps(_mm256_shuffle_ps(x0, x1, 0x44), _mm256_shuffle_ps(x0, x1, 0xEE));
+    const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(y, y, 0x88), _mm256_shuffle_ps(y, y, 0xDD));
+    _mm_storeu_ps(out, _mm_unpacklo_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1)));   // k0 k1 k2 k3
+}
+inline void dots16(const float* q, const float* const* k, int64_t n, float* out) {
+    for (int j = 0; j < 16; j += 4) dots4(q, k + j, n, out + j);
+}
+void to_half(const float* x, uint16_t* h, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i*)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+}
+void from_half(const uint16_t* h, float* x, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+}
 void exp_shift(float* p, int64_t n, float sub) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)

@@ -453,6 +453,37 @@ inline float dot16(const float* a, const float* b, int64_t n) {
     const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));    // t4[0] + t4[2], t4[1] + t4[3]
     return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
 }
+// dot16 of q with 16 keys at once: 16 accumulators side by side (the fmas no longer wait on each
+// other), then every key's tree16 together: each step adds the same pairs of lanes as dot16's
+// halving, for two vectors at once, so every score has dot16's bits. The last step leaves key j
+// at lane 4 (j % 4) + j / 4.
+inline void dots16(const float* q, const float* const* k, int64_t n, float* out) {
+    __m512 acc[16], w[8], x[4];
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + i);
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[j] + i), acc[j]);
+    }
+    for (int m = 0; m < 8; ++m)   // lanes l + (l + 8): two keys' halves a vector
+        w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * m], acc[2 * m + 1], 0x44),
+                             _mm512_shuffle_f32x4(acc[2 * m], acc[2 * m + 1], 0xEE));
+    for (int m = 0; m < 4; ++m)   // l + (l + 4): four keys' quarters
+        x[m] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * m], w[2 * m + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * m], w[2 * m + 1], 0xDD));
+    const __m512 y0 = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x44), _mm512_shuffle_ps(x[0], x[1], 0xEE));
+    const __m512 y1 = _mm512_add_ps(_mm512_shuffle_ps(x[2], x[3], 0x44), _mm512_shuffle_ps(x[2], x[3], 0xEE));
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y0, y1, 0x88), _mm512_shuffle_ps(y0, y1, 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, z));
+}
+void to_half(const float* x, uint16_t* h, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16)
+        _mm256_storeu_si256((__m256i*)(h + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+}
+void from_half(const uint16_t* h, float* x, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16)
+        _mm512_storeu_ps(x + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + i))));
+}
 void exp_shift(float* p, int64_t n, float sub) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)

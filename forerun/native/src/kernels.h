@@ -108,5 +108,8 @@ FORERUN_PATH_FUNCTIONS(avx512)
 
 // fp16 -> fp32, exact (the same bits as F16C's conversion).
 float f16_to_f32(uint16_t h);
+// fp32 -> fp16 rounded to nearest, ties to even (F16C's conversion under that rounding: overflow to
+// infinity, a NaN quieted with its payload's top bits).
+uint16_t f32_to_f16(float f);
 
 }  // namespace forerun

@@ -32,9 +32,10 @@ struct LayerDesc {
 
 // One row of the forward: where its key and value go and which cache slots it attends to.
 struct RowDesc {
-    float* k;                   // its sequence's cache, layer 0: [kv_heads][slots][head_dim]
-    float* v;
-    int64_t layer_stride;       // floats from one layer's cache to the next
+    void* k;                    // its sequence's cache, layer 0: [kv_heads][slots][head_dim]
+    void* v;
+    int64_t kv_half;            // 1: the cache holds float16 (rounded to nearest even), 0: float32
+    int64_t layer_stride;       // entries from one layer's cache to the next
     int64_t slots;              // slots per head
     int64_t write;              // the slot this row's key and value are written to
     int64_t prefix;             // it attends to slots [0, prefix), then

@@ -9,7 +9,9 @@
 //   FR_QUANTIZE(x, m, k, ldx, qb, act) and FR_MATMUL(type, w, k, act, m, tile0, tile1, n, y, ldy, bias)
 // as the path's own functions, and the path's exp_shift(p, n, sub): p[i] = e^(p[i] - sub),
 // silu_mul(gate, up, n): gate[i] = silu(gate[i]) * up[i], both exp_fr's operations, and
-// dot16(a, b, n), dot16_fr's (fr_math.h).
+// dot16(a, b, n), dot16_fr's (fr_math.h), dots16(q, keys, n, out): dot16 of q with 16 keys at
+// once, and to_half(x, h, n) / from_half(h, x, n): float16 rounded to nearest even and back
+// (f32_to_f16, f16_to_f32), n a multiple of 16.
 // (The including file includes <math.h>, <omp.h>, <string.h> and kernels.h first, at file scope.)
 
 constexpr int L = 16;   // lanes of every reduction
@@ -79,22 +81,45 @@ inline void product(const Product& p, const PassDesc& pass, float* y, int id, in
 }
 
 constexpr int64_t SPAN = 32;   // cache slots scored or weighed together (16 KB at head_dim 128)
+constexpr int64_t HALF_DIM = 256;   // the widest head a float16 cache serves (its span's floats on the stack)
 
 // The slot of a row's j-th visible position.
 inline int64_t slot(const RowDesc& row, int64_t j) { return j < row.prefix ? j : row.extra[j - row.prefix]; }
 
+// Where a row's j-th visible key (or value) lies as float32: in a float32 cache itself...
+struct InCache {
+    static constexpr bool in_l1 = false;   // rows far apart in memory: read each in turn
+    const float* base;
+    const RowDesc& row;
+    int64_t d;
+    const float* operator()(int64_t j) const { return base + slot(row, j) * d; }
+};
+
+// ... or in a span of a float16 cache converted first (positions [j0, j0 + SPAN)).
+struct InSpan {
+    static constexpr bool in_l1 = true;    // rows in L1: sixteen keys read side by side
+    const float* buf;
+    int64_t j0, d;
+    const float* operator()(int64_t j) const { return buf + (j - j0) * d; }
+};
+
+// Positions [j0, j1) of a float16 cache's keys or values as float32 (exact) into buf.
+inline void widen_span(const uint16_t* base, const RowDesc& row, int64_t j0, int64_t j1, int64_t d, float* buf) {
+    for (int64_t j = j0; j < j1; ++j) from_half(base + slot(row, j) * d, buf + (j - j0) * d, d);
+}
+
 // Outputs [i0, i0 + 16 C) of H heads' running sum_j p[h][j] v_j over positions [j0, j1) (fma, j in
 // order), kept in registers over the span and carried in `o` from one span to the next. Each
 // output's sum is a chain of dependent fmas, so H x C of them run side by side to fill the units.
-template <int H, int C>
-inline void weigh(const float* p, int64_t stride, const RowDesc& row, const float* values, int64_t j0, int64_t j1,
-                  int64_t d, int64_t i0, float* o) {
+template <int H, int C, class At>
+inline void weigh(const float* p, int64_t stride, const At& at, int64_t j0, int64_t j1, int64_t d, int64_t i0,
+                  float* o) {
     constexpr int W = C * L;
     float acc[H][W];
     for (int h = 0; h < H; ++h)
         for (int l = 0; l < W; ++l) acc[h][l] = j0 == 0 ? 0.0f : o[h * d + i0 + l];
     for (int64_t j = j0; j < j1; ++j) {
-        const float* v = values + slot(row, j) * d + i0;
+        const float* v = at(j) + i0;
         for (int h = 0; h < H; ++h) {
             const float pj = p[h * stride + j];
 #pragma omp simd
@@ -106,56 +131,74 @@ inline void weigh(const float* p, int64_t stride, const RowDesc& row, const floa
 }
 
 // H heads' weighed values over [j0, j1), C x 16 outputs at a time: about eight sums side by side.
-template <int H>
-inline void weigh_heads(const float* p, int64_t stride, const RowDesc& row, const float* values, int64_t j0,
-                        int64_t j1, int64_t d, float* o) {
+template <int H, class At>
+inline void weigh_heads(const float* p, int64_t stride, const At& at, int64_t j0, int64_t j1, int64_t d, float* o) {
     constexpr int C = H == 1 ? 8 : H == 2 ? 4 : 2;
     int64_t i0 = 0;
     if ((d / L) % C == 0)
-        for (; i0 < d; i0 += C * L) weigh<H, C>(p, stride, row, values, j0, j1, d, i0, o);
-    for (; i0 < d; i0 += L) weigh<H, 1>(p, stride, row, values, j0, j1, d, i0, o);
+        for (; i0 < d; i0 += C * L) weigh<H, C>(p, stride, at, j0, j1, d, i0, o);
+    for (; i0 < d; i0 += L) weigh<H, 1>(p, stride, at, j0, j1, d, i0, o);
 }
 
 // Every head's weighed values over [j0, j1): heads four (or fewer) at a time.
-inline void weigh_span(const float* p, int64_t stride, int64_t heads, const RowDesc& row, const float* values,
-                       int64_t j0, int64_t j1, int64_t d, float* out) {
+template <class At>
+inline void weigh_span(const float* p, int64_t stride, int64_t heads, const At& at, int64_t j0, int64_t j1, int64_t d,
+                       float* out) {
     for (int64_t h = 0; h < heads;) {
         const float* ph = p + h * stride;
         float* oh = out + h * d;
         switch (heads - h) {
-            case 1: weigh_heads<1>(ph, stride, row, values, j0, j1, d, oh); h += 1; break;
-            case 2: weigh_heads<2>(ph, stride, row, values, j0, j1, d, oh); h += 2; break;
-            case 3: weigh_heads<3>(ph, stride, row, values, j0, j1, d, oh); h += 3; break;
-            default: weigh_heads<4>(ph, stride, row, values, j0, j1, d, oh); h += 4; break;
+            case 1: weigh_heads<1>(ph, stride, at, j0, j1, d, oh); h += 1; break;
+            case 2: weigh_heads<2>(ph, stride, at, j0, j1, d, oh); h += 2; break;
+            case 3: weigh_heads<3>(ph, stride, at, j0, j1, d, oh); h += 3; break;
+            default: weigh_heads<4>(ph, stride, at, j0, j1, d, oh); h += 4; break;
         }
     }
 }
 
-// scores[h][j] = q_h . key_j for the heads sharing a key/value head: SPAN keys at a time (they stay
-// in L1), head by head over them. D: the head size, or 0 for `d` at run time.
-template <int D>
-inline void score(const float* __restrict q, int64_t heads, const RowDesc& row, const float* __restrict keys, int64_t n,
-                  int64_t stride, float* __restrict scores, int64_t d = D) {
-    for (int64_t j0 = 0; j0 < n; j0 += SPAN) {
-        const int64_t j1 = j0 + SPAN < n ? j0 + SPAN : n;
-        for (int64_t h = 0; h < heads; ++h) {
-            const float* qh = q + h * d;
-            for (int64_t j = j0; j < j1; ++j) scores[h * stride + j] = dot16(qh, keys + slot(row, j) * d, D ? D : d);
-        }
+// scores[h][j] = q_h . key_j over positions [j0, j1) (they stay in L1) for the heads sharing a
+// key/value head, head by head. D: the head size, or 0 for `d` at run time.
+template <int D, class At>
+inline void score_span(const float* __restrict q, int64_t heads, const At& at, int64_t j0, int64_t j1, int64_t stride,
+                       float* __restrict scores, int64_t d) {
+    const float* keys[SPAN];
+    for (int64_t j = j0; j < j1; ++j) keys[j - j0] = at(j);
+    for (int64_t h = 0; h < heads; ++h) {
+        const float* qh = q + h * d;
+        float* s = scores + h * stride;
+        int64_t j = j0;
+        if constexpr (At::in_l1)
+            for (; j + 16 <= j1; j += 16) dots16(qh, keys + (j - j0), D ? D : d, s + j);
+        for (; j < j1; ++j) s[j] = dot16(qh, keys[j - j0], D ? D : d);
+    }
+}
+
+template <class At>
+inline void score_any(const float* q, int64_t heads, const At& at, int64_t j0, int64_t j1, int64_t stride,
+                      float* scores, int64_t d) {
+    switch (d) {   // a head size known here keeps a head's query in registers over the keys
+        case 64: score_span<64>(q, heads, at, j0, j1, stride, scores, d); break;
+        case 128: score_span<128>(q, heads, at, j0, j1, stride, scores, d); break;
+        default: score_span<0>(q, heads, at, j0, j1, stride, scores, d); break;
     }
 }
 
 // Row r's attention for the query heads sharing key/value head g: out [heads sharing][head_dim].
+// A float16 cache's keys and values are read a span at a time, widened exactly to float32, so
+// the sums are those of a float32 cache that held the rounded entries.
 inline void attend(const LayerDesc& l, const RowDesc& row, int64_t layer, int64_t g, const float* q, float* out,
                    float* scores) {
     const int64_t d = l.head_dim, share_heads = l.heads / l.kv_heads, n = row.prefix + row.n_extra;
-    const int64_t padded = (n + L - 1) / L * L;
-    const float* keys = row.k + layer * row.layer_stride + g * row.slots * d;
-    const float* values = row.v + layer * row.layer_stride + g * row.slots * d;
-    switch (d) {   // a head size known here keeps a head's query in registers over the keys
-        case 64: score<64>(q, share_heads, row, keys, n, padded, scores); break;
-        case 128: score<128>(q, share_heads, row, keys, n, padded, scores); break;
-        default: score<0>(q, share_heads, row, keys, n, padded, scores, d); break;
+    const int64_t padded = (n + L - 1) / L * L, at = layer * row.layer_stride + g * row.slots * d;
+    alignas(64) float buf[SPAN * HALF_DIM];   // a float16 cache's span, widened
+    for (int64_t j0 = 0; j0 < n; j0 += SPAN) {
+        const int64_t j1 = j0 + SPAN < n ? j0 + SPAN : n;
+        if (row.kv_half) {
+            widen_span((const uint16_t*)row.k + at, row, j0, j1, d, buf);
+            score_any(q, share_heads, InSpan{buf, j0, d}, j0, j1, padded, scores, d);
+        } else {
+            score_any(q, share_heads, InCache{(const float*)row.k + at, row, d}, j0, j1, padded, scores, d);
+        }
     }
     for (int64_t h = 0; h < share_heads; ++h) {
         float* p = scores + h * padded;
@@ -165,12 +208,30 @@ inline void attend(const LayerDesc& l, const RowDesc& row, int64_t layer, int64_
         exp_shift(p, n, peak);
         for (int64_t j = n; j < padded; ++j) p[j] = 0.0f;
     }
-    for (int64_t j0 = 0; j0 < n; j0 += SPAN)
-        weigh_span(scores, padded, share_heads, row, values, j0, j0 + SPAN < n ? j0 + SPAN : n, d, out);
+    for (int64_t j0 = 0; j0 < n; j0 += SPAN) {
+        const int64_t j1 = j0 + SPAN < n ? j0 + SPAN : n;
+        if (row.kv_half) {
+            widen_span((const uint16_t*)row.v + at, row, j0, j1, d, buf);
+            weigh_span(scores, padded, share_heads, InSpan{buf, j0, d}, j0, j1, d, out);
+        } else {
+            weigh_span(scores, padded, share_heads, InCache{(const float*)row.v + at, row, d}, j0, j1, d, out);
+        }
+    }
     for (int64_t h = 0; h < share_heads; ++h) {
         const float total = sum16(scores + h * padded, padded);
         float* o = out + h * d;
         for (int64_t i = 0; i < d; ++i) o[i] = o[i] / total;
+    }
+}
+
+// A row's new key (rope applied) and value into its cache at its slot, rounded where it holds float16.
+inline void store_entry(const RowDesc& row, int64_t at, const float* k, const float* v, int64_t d) {
+    if (row.kv_half) {
+        to_half(k, (uint16_t*)row.k + at, d);
+        to_half(v, (uint16_t*)row.v + at, d);
+    } else {
+        memcpy((float*)row.k + at, k, d * sizeof(float));
+        memcpy((float*)row.v + at, v, d * sizeof(float));
     }
 }
 
@@ -195,8 +256,7 @@ inline void run_layer(const LayerDesc& l, const PassDesc& pass, int64_t layer, f
         const float* v = qkv + q_width + l.kv_heads * d + g * d;
         rope(k, row.cos, row.sin, d, 1.0f);
         const int64_t at = layer * row.layer_stride + g * row.slots * d + row.write * d;
-        memcpy(row.k + at, k, d * sizeof(float));
-        memcpy(row.v + at, v, d * sizeof(float));
+        store_entry(row, at, k, v, d);
     }
 #pragma omp barrier
     for (int64_t u = u0; u < u1; ++u) {                 // every row's key and value are in place now

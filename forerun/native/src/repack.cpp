@@ -115,6 +115,28 @@ float f16_to_f32(uint16_t h) {
     return f;
 }
 
+uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, abs = x & 0x7fffffff;
+    if (abs > 0x7f800000) return (uint16_t)(sign | 0x7e00 | ((abs >> 13) & 0x3ff));  // NaN
+    if (abs >= 0x477ff000) return (uint16_t)(sign | 0x7c00);  // 65520 and up round to infinity
+    uint32_t h, rest, half;
+    if (abs >= 0x38800000) {                                  // a normal half: 13 bits dropped
+        h = ((abs >> 23) - 112) << 10 | ((abs >> 13) & 0x3ff);
+        rest = abs & 0x1fff;
+        half = 0x1000;
+    } else {                                                  // a subnormal half (or zero)
+        const uint32_t shift = 126 - (abs >> 23), m = (abs & 0x7fffff) | 0x800000;
+        if (shift > 24) return (uint16_t)sign;                // below half the smallest subnormal
+        h = m >> shift;
+        rest = m & ((1u << shift) - 1);
+        half = 1u << (shift - 1);
+    }
+    if (rest > half || (rest == half && (h & 1))) ++h;        // a carry runs into the exponent
+    return (uint16_t)(sign | h);
+}
+
 namespace {
 
 uint16_t rd16(const uint8_t* p) { uint16_t v; memcpy(&v, p, 2); return v; }

@@ -145,6 +145,15 @@ void matmul_scalar(int type, const uint8_t* w, int64_t k, const uint8_t* act, in
 
 namespace {
 inline float dot16(const float* a, const float* b, int64_t n) { return dot16_fr(a, b, n); }
+inline void dots16(const float* q, const float* const* k, int64_t n, float* out) {
+    for (int j = 0; j < 16; ++j) out[j] = dot16_fr(q, k[j], n);
+}
+void to_half(const float* x, uint16_t* h, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) h[i] = f32_to_f16(x[i]);
+}
+void from_half(const uint16_t* h, float* x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) x[i] = f16_to_f32(h[i]);
+}
 void exp_shift(float* p, int64_t n, float sub) {
     for (int64_t i = 0; i < n; ++i) p[i] = exp_fr(p[i] - sub);
 }
