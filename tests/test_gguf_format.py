@@ -239,9 +239,9 @@ def counting_layers(decoder, monkeypatch) -> list[int]:
     lib = prepared.lib
 
     class Counting:
-        def fr_layer(self, path, layer_at, pass_at, index, out, threads):
-            calls.append(index)
-            return lib.fr_layer(path, layer_at, pass_at, index, out, threads)
+        def fr_layers(self, path, layers, order, count, *rest):
+            calls.extend(order[:count])
+            return lib.fr_layers(path, layers, order, count, *rest)
 
     monkeypatch.setattr(prepared, "lib", Counting())
     return calls
@@ -253,7 +253,7 @@ def test_a_prompt_is_prefilled_through_the_native_layers_the_same_in_any_chunks(
     ids = torch.arange(3, 80)
     whole = decoder.new_cache(90)
     last = decoder(ids, torch.arange(77), whole, last_only=True).logits[0, 0]
-    assert calls == list(range(decoder.cfg.num_layers))  # one native call a layer, not PyTorch's ops
+    assert calls == list(range(decoder.cfg.num_layers))  # every layer in the native call, not PyTorch's ops
     for cut in (1, 16, 50):
         chunked = decoder.new_cache(90)
         decoder(ids[:cut], torch.arange(cut), chunked)
@@ -261,6 +261,19 @@ def test_a_prompt_is_prefilled_through_the_native_layers_the_same_in_any_chunks(
         assert torch.equal(rest, last), f"cut at {cut}"
         assert torch.equal(chunked.k[:, :, :, :77], whole.k[:, :, :, :77]), f"cut at {cut}"
         assert torch.equal(chunked.v[:, :, :, :77], whole.v[:, :, :, :77]), f"cut at {cut}"
+
+
+def test_the_native_call_keeps_a_middle_layers_stream_for_every_row(model, monkeypatch) -> None:
+    # Every row's residual stream after layer 0, as a forward that stops there leaves it (each
+    # thread copies its own rows), and the layers after it still run on.
+    decoder = model.decoder
+    calls = counting_layers(decoder, monkeypatch)
+    ids, positions, layout = torch.arange(3, 10), torch.arange(7), attention.RowLayout.chain(0, 7)
+    whole = decoder(ids, positions, decoder.new_cache(16), layout=layout, hidden_layer=0)
+    upto = decoder(ids, positions, decoder.new_cache(16), layout=layout, layers=[0], hidden_layer=0)
+    assert calls == [*range(decoder.cfg.num_layers), 0]
+    assert torch.equal(whole.layer_hidden, upto.layer_hidden)
+    assert not torch.equal(whole.logits, upto.logits)
 
 
 def test_a_masked_or_batched_forward_keeps_the_pytorch_path(model, monkeypatch) -> None:

@@ -95,7 +95,7 @@ ELEMENTWISE_OPS = {
     "aten::max",
     "aten::sum",
 }
-NATIVE_LAYERS = "forerun::native layer"  # a whole layer in one native call (the gguf format)
+NATIVE_LAYERS = "forerun::native layers"  # every layer of a forward in one native call (the gguf format)
 KINDS = ("native layers", "products", "attention", "element-wise", "copies", "other ops", "between ops")
 PRODUCT_MODULES = (Linear, Int8Linear, W8A8Linear, GGUFLinear)
 
@@ -251,7 +251,7 @@ def named_native_layers(decoder) -> Iterator[None]:
         yield
         return
     lib = prepared.lib
-    run = lib.fr_layer
+    run = lib.fr_layers
 
     def named(*args):
         with torch.profiler.record_function(NATIVE_LAYERS):
@@ -265,10 +265,10 @@ def named_native_layers(decoder) -> Iterator[None]:
 
 
 class _Named:
-    """The library with fr_layer wrapped, every other function as it is."""
+    """The library with fr_layers wrapped, every other function as it is."""
 
-    def __init__(self, lib, fr_layer) -> None:
-        self._lib, self.fr_layer = lib, fr_layer
+    def __init__(self, lib, fr_layers) -> None:
+        self._lib, self.fr_layers = lib, fr_layers
 
     def __getattr__(self, name: str):
         return getattr(self._lib, name)

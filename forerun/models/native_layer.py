@@ -1,8 +1,9 @@
-"""Decoding and verification layers in one native call each (forerun/native/src/layer_impl.h).
+"""Decoding and verification layers in one native call a forward (forerun/native/src/layer_impl.h).
 
 A decoder whose every layer is GGUF products with RMSNorms (the `gguf` format) runs its row-exact
-forwards here: per layer one call does norm, q/k/v, rope, the cache write, attention, o, residual,
-norm, gate/up, SiLU, down and residual, where the PyTorch path makes some forty small calls.
+forwards here: one call runs every layer's norm, q/k/v, rope, the cache write, attention, o,
+residual, norm, gate/up, SiLU, down and residual, in one parallel region, where the PyTorch path
+makes some forty small calls a layer.
 Attention reads, for each row, the cache slots it sees in their logical order (the root and its
 ancestors, wherever a tree put them), so branch rows need no entries moved into place, and each
 row's sums run in a fixed order: a row comes out the same alone or beside any others.
@@ -105,8 +106,8 @@ class NativeLayers:
     widest: int  # the most inputs any product reads (activation buffer rows)
 
     def __post_init__(self) -> None:
-        self.lib = native.library()  # what runs fr_layer (the profiler wraps it)
-        self.addresses = [ctypes.addressof(layer) for layer in self.layers]
+        self.lib = native.library()  # what runs fr_layers (the profiler wraps it)
+        self.array = (LayerDesc * len(self.layers))(*self.layers)  # fr_layers indexes them
 
 
 def _product(module: nn.Module) -> Product | None:
@@ -245,10 +246,18 @@ def run_layers(
     ]
     pass_desc = PassDesc(t, rows.array, *(b.data_ptr() for b in buffers), max(stride, 16))
     x = x.contiguous()
-    lib, path, out, pass_at = prepared.lib, prepared.path, x.data_ptr(), ctypes.addressof(pass_desc)
-    layer_hidden = None
-    for i in layers:
-        lib.fr_layer(path, prepared.addresses[i], pass_at, i, out, threads)
-        if i == hidden_layer:
-            layer_hidden = x.clone()
+    order = (ctypes.c_int64 * len(layers))(*layers)
+    keep = hidden_layer if hidden_layer is not None and hidden_layer in layers else -1
+    layer_hidden = torch.empty_like(x) if keep >= 0 else None
+    prepared.lib.fr_layers(
+        prepared.path,
+        prepared.array,
+        order,
+        len(order),
+        ctypes.addressof(pass_desc),
+        x.data_ptr(),
+        keep,
+        None if layer_hidden is None else layer_hidden.data_ptr(),
+        threads,
+    )
     return x, layer_hidden

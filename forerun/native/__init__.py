@@ -22,7 +22,7 @@ import torch
 
 from forerun.base.errors import ForerunError
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 PATHS = ("scalar", "avx2", "avx512")  # bit i of fr_paths() is PATHS[i]
 PATH_ENV = "FORERUN_KERNEL_PATH"
 
@@ -44,7 +44,7 @@ _SIGNATURES = {
     "fr_quantize": ([_c_int, _ptr, _c_i64, _c_i64, _c_i64, _c_int, _ptr], None),
     "fr_argmax": ([_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr], None),
     "fr_matmul": ([_c_int, _c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _ptr, _c_int], None),
-    "fr_layer": ([_c_int, _ptr, _ptr, _c_i64, _ptr, _c_int], None),
+    "fr_layers": ([_c_int, _ptr, _ptr, _c_i64, _ptr, _ptr, _c_i64, _ptr, _c_int], None),
 }
 
 _lock = threading.Lock()

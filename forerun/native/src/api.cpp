@@ -3,6 +3,7 @@
 // PyTorch already loaded (the same libgomp.so.1), so the two share one pool of threads.
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -44,7 +45,7 @@ int64_t tiles_of(int64_t n) { return (n + LANES - 1) / LANES; }
 extern "C" {
 
 // Bumped whenever the layout or the arithmetic changes (the Python side checks it).
-int fr_abi_version() { return 5; }
+int fr_abi_version() { return 6; }
 
 // Bit p set: path p (0 scalar, 1 AVX2, 2 AVX-512 VNNI) is built in and runs on this CPU.
 int fr_paths() {
@@ -131,18 +132,32 @@ void fr_matmul(int path, int type, const uint8_t* w, int64_t n, int64_t k, const
     }
 }
 
-// One decoder layer over pass->rows rows (layer.h): x [rows, hidden] is the residual stream, updated
-// in place; each row's key and value are written to its cache slot before any row attends.
-void fr_layer(int path, const LayerDesc* l, const PassDesc* pass, int64_t layer, float* x, int threads) {
+// Decoder layers over pass->rows rows (layer.h), layers[order[0]], layers[order[1]], ... in one
+// parallel region: x [rows, hidden] is the residual stream, updated in place; in each layer every
+// row's key and value are written to its cache slot before any row attends. After layer `keep`
+// (-1: none) the stream is copied into `kept` [rows, hidden]. A layer ends with each thread adding
+// the residual of its own rows, and the next begins with the same thread normalising the same rows,
+// so no barrier stands between layers.
+void fr_layers(int path, const LayerDesc* layers, const int64_t* order, int64_t count, const PassDesc* pass,
+               float* x, int64_t keep, float* kept, int threads) {
 #pragma omp parallel num_threads(threads)
     {
-        const int id = omp_get_thread_num(), count = omp_get_num_threads();
-        switch (path) {
+        const int id = omp_get_thread_num(), team = omp_get_num_threads();
+        for (int64_t i = 0; i < count; ++i) {
+            const int64_t layer = order[i];
+            const LayerDesc& l = layers[layer];
+            switch (path) {
 #if defined(__x86_64__)
-            case AVX512: layer_avx512(*l, *pass, layer, x, id, count); break;
-            case AVX2: layer_avx2(*l, *pass, layer, x, id, count); break;
+                case AVX512: layer_avx512(l, *pass, layer, x, id, team); break;
+                case AVX2: layer_avx2(l, *pass, layer, x, id, team); break;
 #endif
-            default: layer_scalar(*l, *pass, layer, x, id, count); break;
+                default: layer_scalar(l, *pass, layer, x, id, team); break;
+            }
+            if (layer == keep) {   // this thread's rows, as the residual above left them
+                int64_t r0, r1;
+                share(pass->rows, id, team, &r0, &r1);
+                memcpy(kept + r0 * l.hidden, x + r0 * l.hidden, (r1 - r0) * l.hidden * sizeof(float));
+            }
         }
     }
 }
