@@ -145,9 +145,10 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine.llm, engine.scheduler, config, engine.metrics)
     server, http = _start_http(app, args)
     method = engine.llm.spec.method or "off"
+    cache = str(engine.llm.target.decoder.cache_dtype).removeprefix("torch.")
     print(
         f"forerun: serving {config.served_model_name} on http://{args.host}:{args.port}/v1 "
-        f"(format: {quantization_arg(args.quantization) or args.dtype}, speculation: {method})",
+        f"(format: {quantization_arg(args.quantization) or args.dtype}, KV cache: {cache}, speculation: {method})",
         file=sys.stderr,
         flush=True,
     )
