@@ -160,6 +160,9 @@ def test_report_starts_with_the_command_and_the_machine(full_run: Path, folders:
     assert "--sweep-k 1,2" in command and "--peers transformers" in command
     for field in ("| CPU |", "| threads |", "| torch |", "| dtype | float32 |"):
         assert field in report
+    # The KV cache as forerun's contenders resolved `auto`: float32 models on PyTorch's path.
+    assert "- KV cache: float32\n" in report
+    assert read_records(full_run)[0]["settings"]["kv_cache_dtype"] == "auto"
 
 
 def test_report_has_a_row_per_method_in_every_category_and_overall(full_run: Path) -> None:

@@ -389,7 +389,7 @@ def write_outputs(
     ctx = ReportContext(
         cfg.command,
         machine.describe(cfg.dtype, cfg.device, cfg.quantization, with_transformers),
-        _settings_lines(cfg, cases),
+        _settings_lines(cfg, cases, contenders),
         tasks,
         plots,
         notes,
@@ -400,7 +400,8 @@ def write_outputs(
     return records
 
 
-def _settings_lines(cfg: BenchConfig, cases: list[Case]) -> list[tuple[str, str]]:
+def _settings_lines(cfg: BenchConfig, cases: list[Case], contenders: list[Contender]) -> list[tuple[str, str]]:
+    """The report's list of settings; the KV cache's dtype as forerun's contenders resolved it."""
     counts: dict[str, int] = {}
     for case in cases:
         counts[case.prompt.task] = counts.get(case.prompt.task, 0) + 1
@@ -409,12 +410,15 @@ def _settings_lines(cfg: BenchConfig, cases: list[Case]) -> list[tuple[str, str]
         "greedy (temperature 0)" if s.greedy else f"temperature {s.temperature}, top-p {s.top_p}, top-k {s.top_k}"
     )
     rounds = [("rounds", f"{cfg.rounds}: every run on a prompt repeated back to back; per-prompt medians")]
+    llms = [c.llm for c in contenders if getattr(c, "llm", None) is not None]
+    kv_cache = [("KV cache", str(llms[0].target.decoder.cache_dtype).removeprefix("torch."))] if llms else []
     return [
         ("model", cfg.model),
         ("draft model", cfg.speculative_model or "none"),
         ("dataset", f"{cfg.dataset}: {len(cases)} prompts (" + ", ".join(f"{t} {n}" for t, n in counts.items()) + ")"),
         ("sampling", f"{sampling}, max tokens {s.max_tokens}" + (", EOS ignored" if s.ignore_eos else "")),
         ("K", ", ".join(map(str, cfg.ks))),
+        *kv_cache,
         *(rounds if cfg.rounds > 1 else []),
         ("chat template", "yes" if cfg.chat else "no"),
     ]
