@@ -276,6 +276,18 @@ def test_the_native_call_keeps_a_middle_layers_stream_for_every_row(model, monke
     assert not torch.equal(whole.logits, upto.logits)
 
 
+def test_a_decoder_the_native_layers_cannot_run_never_asks_for_the_kernels(monkeypatch) -> None:
+    # Asking whether the kernels are available may build them: a bf16 decoder's cache dtype and
+    # forwards are settled without asking.
+    def asked() -> bool:
+        raise AssertionError("native.available() was asked")
+
+    monkeypatch.setattr(native, "available", asked)
+    decoder = tiny_model(seed=3).decoder.to(torch.bfloat16)
+    assert native_layer.prepare(decoder) is None
+    assert decoder.new_cache(8).k.dtype == torch.bfloat16
+
+
 def test_a_masked_or_batched_forward_keeps_the_pytorch_path(model, monkeypatch) -> None:
     decoder = model.decoder
     calls = counting_layers(decoder, monkeypatch)

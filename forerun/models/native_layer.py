@@ -128,8 +128,8 @@ def prepare(decoder) -> NativeLayers | None:
     from forerun.models.decoder import RMSNorm
 
     cfg = decoder.cfg
-    if not native.available() or decoder.dtype != torch.float32 or decoder.device.type != "cpu":
-        return None
+    if decoder.dtype != torch.float32 or decoder.device.type != "cpu" or not native.available():
+        return None  # (asked last: asking may build the kernels)
     if any(n % 16 for n in (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size)) or cfg.num_heads % cfg.num_kv_heads:
         return None
     layers = []
