@@ -27,6 +27,13 @@ KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 NATIVE_ENV = "FORERUN_NATIVE_LAYERS"  # 0: row-exact forwards through PyTorch even where native layers run
 
 
+def check_kv_cache_dtype(name: str) -> str:
+    """`name` where it is auto or a key of KV_CACHE_DTYPES, else a clear error."""
+    if name != "auto" and name not in KV_CACHE_DTYPES:
+        raise ForerunError(f"kv_cache_dtype {name!r} is none of auto, {', '.join(KV_CACHE_DTYPES)}")
+    return name
+
+
 @dataclass(frozen=True)
 class DecoderConfig:
     architecture: str  # one of SUPPORTED_ARCHITECTURES
@@ -253,9 +260,7 @@ class Decoder(nn.Module):
 
     def set_kv_cache_dtype(self, name: str) -> None:
         """What later caches store: auto, float32 or float16 (`cache_dtype`)."""
-        if name != "auto" and name not in KV_CACHE_DTYPES:
-            raise ForerunError(f"kv_cache_dtype {name!r} is none of auto, {', '.join(KV_CACHE_DTYPES)}")
-        self.kv_cache_dtype = name
+        self.kv_cache_dtype = check_kv_cache_dtype(name)
 
     @property
     def cache_dtype(self) -> torch.dtype:

@@ -18,7 +18,7 @@ from forerun.base.errors import ForerunError
 from forerun.models import formats
 from forerun.models.build import build_decoder, build_gguf_decoder
 from forerun.models.checksums import source_identity
-from forerun.models.decoder import KV_CACHE_DTYPES, Decoder
+from forerun.models.decoder import Decoder, check_kv_cache_dtype
 from forerun.models.gguf_cache import cached_decoder, convert_gguf
 from forerun.models.hf_folder import read_hf_folder
 from forerun.models.source import ModelSource, resolve
@@ -79,8 +79,7 @@ def load_model(
     load pays for it. `draft`: the model drafts for another (its "auto" format may differ).
     `kv_cache_dtype`: what its KV caches store (Decoder.cache_dtype)."""
     start = time.perf_counter()
-    if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ForerunError(f"kv_cache_dtype {kv_cache_dtype!r} is none of auto, {', '.join(KV_CACHE_DTYPES)}")
+    check_kv_cache_dtype(kv_cache_dtype)  # before any work
     if quantization not in (None, formats.AUTO):
         formats.get(quantization)  # an unknown name fails before any work
     source = resolve(spec)

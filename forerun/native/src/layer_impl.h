@@ -103,9 +103,20 @@ struct InSpan {
     const float* operator()(int64_t j) const { return buf + (j - j0) * d; }
 };
 
-// Positions [j0, j1) of a float16 cache's keys or values as float32 (exact) into buf.
-inline void widen_span(const uint16_t* base, const RowDesc& row, int64_t j0, int64_t j1, int64_t d, float* buf) {
-    for (int64_t j = j0; j < j1; ++j) from_half(base + slot(row, j) * d, buf + (j - j0) * d, d);
+// f(at, j0, j1) for each span [j0, j1) of a row's n visible keys (or values) from `base`, `at` an
+// InCache or an InSpan: a float32 cache read in place, a float16 one widened (exactly) into buf first.
+template <class F>
+inline void each_span(const RowDesc& row, const void* base, int64_t n, int64_t d, float* buf, F f) {
+    for (int64_t j0 = 0; j0 < n; j0 += SPAN) {
+        const int64_t j1 = j0 + SPAN < n ? j0 + SPAN : n;
+        if (row.kv_half) {
+            for (int64_t j = j0; j < j1; ++j)
+                from_half((const uint16_t*)base + slot(row, j) * d, buf + (j - j0) * d, d);
+            f(InSpan{buf, j0, d}, j0, j1);
+        } else {
+            f(InCache{(const float*)base, row, d}, j0, j1);
+        }
+    }
 }
 
 // Outputs [i0, i0 + 16 C) of H heads' running sum_j p[h][j] v_j over positions [j0, j1) (fma, j in
@@ -190,16 +201,11 @@ inline void attend(const LayerDesc& l, const RowDesc& row, int64_t layer, int64_
                    float* scores) {
     const int64_t d = l.head_dim, share_heads = l.heads / l.kv_heads, n = row.prefix + row.n_extra;
     const int64_t padded = (n + L - 1) / L * L, at = layer * row.layer_stride + g * row.slots * d;
-    alignas(64) float buf[SPAN * HALF_DIM];   // a float16 cache's span, widened
-    for (int64_t j0 = 0; j0 < n; j0 += SPAN) {
-        const int64_t j1 = j0 + SPAN < n ? j0 + SPAN : n;
-        if (row.kv_half) {
-            widen_span((const uint16_t*)row.k + at, row, j0, j1, d, buf);
-            score_any(q, share_heads, InSpan{buf, j0, d}, j0, j1, padded, scores, d);
-        } else {
-            score_any(q, share_heads, InCache{(const float*)row.k + at, row, d}, j0, j1, padded, scores, d);
-        }
-    }
+    const size_t entry = row.kv_half ? 2 : 4;   // bytes
+    alignas(64) float buf[SPAN * HALF_DIM];       // a float16 cache's span, widened
+    each_span(row, (const char*)row.k + at * entry, n, d, buf, [&](const auto& keys, int64_t j0, int64_t j1) {
+        score_any(q, share_heads, keys, j0, j1, padded, scores, d);
+    });
     for (int64_t h = 0; h < share_heads; ++h) {
         float* p = scores + h * padded;
         float peak = -INFINITY;
@@ -208,15 +214,9 @@ inline void attend(const LayerDesc& l, const RowDesc& row, int64_t layer, int64_
         exp_shift(p, n, peak);
         for (int64_t j = n; j < padded; ++j) p[j] = 0.0f;
     }
-    for (int64_t j0 = 0; j0 < n; j0 += SPAN) {
-        const int64_t j1 = j0 + SPAN < n ? j0 + SPAN : n;
-        if (row.kv_half) {
-            widen_span((const uint16_t*)row.v + at, row, j0, j1, d, buf);
-            weigh_span(scores, padded, share_heads, InSpan{buf, j0, d}, j0, j1, d, out);
-        } else {
-            weigh_span(scores, padded, share_heads, InCache{(const float*)row.v + at, row, d}, j0, j1, d, out);
-        }
-    }
+    each_span(row, (const char*)row.v + at * entry, n, d, buf, [&](const auto& values, int64_t j0, int64_t j1) {
+        weigh_span(scores, padded, share_heads, values, j0, j1, d, out);
+    });
     for (int64_t h = 0; h < share_heads; ++h) {
         const float total = sum16(scores + h * padded, padded);
         float* o = out + h * d;
