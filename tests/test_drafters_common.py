@@ -115,7 +115,8 @@ def exact_marginals(
 
     def next_probs(seq: list[int]) -> torch.Tensor:
         cache = decoder.new_cache(len(seq))
-        logits = decoder(torch.tensor(seq), torch.arange(len(seq)), cache, last_only=True).logits[0]
+        ids, positions = torch.tensor(seq, device=decoder.device), torch.arange(len(seq), device=decoder.device)
+        logits = decoder(ids, positions, cache, last_only=True).logits[0]
         return probabilities(logits, params)[0]
 
     p1 = next_probs(prompt)
@@ -140,15 +141,14 @@ def speculative_samples(
     decoder = target.decoder
     max_len = engine.check_fits(prompt, params)
     cache = decoder.new_cache(max_len)
-    out = decoder(
-        torch.tensor(prompt), torch.arange(len(prompt)), cache, last_only=True, output_hidden=True, all_hidden=True
-    )
+    ids, positions = torch.tensor(prompt, device=decoder.device), torch.arange(len(prompt), device=decoder.device)
+    out = decoder(ids, positions, cache, last_only=True, output_hidden=True, all_hidden=True)
     first = probabilities(out.logits[0], params)  # [1, V]
     prefilled = cache.length
     metrics = SpecMetrics(num_speculative_tokens=k)
     samples = []
     for seed in range(runs):
-        gen = make_generator(seed)
+        gen = make_generator(seed, decoder.device)
         cache.truncate(prefilled)
         seq = Sequence(prompt, params, None, frozenset())
         drafter.start(prompt, cache, max_len)

@@ -82,7 +82,8 @@ def continuation_logits(llm: LLM, prompt: list[int], continuation: list[int]) ->
     ids = prompt + continuation
     cache = decoder.new_cache(len(ids))
     with linear.prefill():
-        logits = decoder(torch.tensor(ids), torch.arange(len(ids)), cache).logits[0]  # [T, vocab]
+        tokens, positions = torch.tensor(ids, device=decoder.device), torch.arange(len(ids), device=decoder.device)
+        logits = decoder(tokens, positions, cache).logits[0]  # [T, vocab]
     return logits[len(prompt) - 1 : len(ids) - 1].float()
 
 

@@ -106,7 +106,12 @@ def register(sub) -> None:
         help="the target's format while it answers and computes features (as generate takes it)",
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--device", default="cpu", help="cpu or cuda: where the head trains")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu or cuda: where the target answers and labels the data and the head trains (the head "
+        "is saved for the CPU either way)",
+    )
     p.add_argument("--checkpoint-minutes", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
@@ -210,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     # Checks that every corpus path exists now, before the model loads; the files are read later.
     documents = iter_documents(args.corpus, report) if args.corpus else None
     torch.manual_seed(args.seed)
-    target = load_model(args.model, args.dtype, quantization=args.quantization)
+    target = load_model(args.model, args.dtype, device=args.device, quantization=args.quantization)
     if target.tokenizer is None:
         raise ForerunError(f"{args.model} has no tokenizer; training encodes its text with it")
     prompts = split_prompts(args, target)

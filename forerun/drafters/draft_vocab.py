@@ -91,7 +91,11 @@ def target_choice_counts(target: LoadedModel, prompts: list[list[int]]) -> torch
             if not ids:
                 break
             cache = decoder.new_cache(len(ids))
-            logits = decoder(torch.tensor(ids), torch.arange(len(ids)), cache).logits[0]  # [T, vocab]
+            tokens, positions = (
+                torch.tensor(ids, device=decoder.device),
+                torch.arange(len(ids), device=decoder.device),
+            )
+            logits = decoder(tokens, positions, cache).logits[0]  # [T, vocab]
             chosen = logits.topk(min(TOP, logits.shape[-1]), dim=-1).indices.flatten()
             counts.index_add_(0, chosen.cpu(), torch.ones_like(chosen, device="cpu"))
             budget -= len(ids)

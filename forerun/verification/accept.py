@@ -108,7 +108,7 @@ def _accept_tree(
                 x = tree.tokens[c]
                 q = tree.probs[c] if tree.probs is not None else None
                 q_x = float(q[x]) if q is not None else 1.0
-                if float(torch.rand((), generator=generator)) * q_x < float(p[x]):
+                if float(torch.rand((), generator=generator, device=p.device)) * q_x < float(p[x]):
                     chosen = c
                     break
                 residual = (
