@@ -284,26 +284,40 @@ def test_train_with_answers_labels_them_and_resumes_without_answering_twice(
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"abc{i} abc{i} abc"}) + "\n" for i in range(6)))
     answered: list[int] = []
+    batches: list[int] = []
     real = data_module.answer_prompts
 
-    def counting(target, todo, max_tokens):
+    def counting(target, todo, max_tokens, batch_size=data_module.BATCH):
         answered.append(len(todo))
-        return real(target, todo, max_tokens)
+        batches.append(batch_size)
+        return real(target, todo, max_tokens, batch_size)
 
     monkeypatch.setattr(data_module, "answer_prompts", counting)
     shared = tmp_path / "shared"
     first = tmp_path / "first"
-    assert main(answer_args(model_folder, prompts, first, "--answers", "2", "--data", str(shared))) == 0
+    extra = ("--answers", "2", "--data", str(shared), "--answer-batch", "3")
+    assert main(answer_args(model_folder, prompts, first, *extra)) == 0
     config = json.loads((first / "config.json").read_text())["training"]
     assert config["answers"] == 2 and config["prompt_ids"] == ["2", "3"] and config["eval_prompt_ids"] == ["1"]
-    assert config["unroll"] == 3 and len(config["held_out_kept_per_depth"]) == 5
+    assert config["unroll"] == 3 and len(config["held_out_kept_per_depth"]) == 5 and config["answer_batch"] == 3
     assert (shared / "answer-labels" / "labels.json").is_file() and not (shared / "labels").exists()
     assert answered == [1, 2]  # the held-out prompt, then the two to train on
+    assert batches == [data_module.BATCH, 3]  # the answers to train on, --answer-batch at a time
     # More answers into the same labels: only the new prompts are answered.
     second = tmp_path / "second"
     assert main(answer_args(model_folder, prompts, second, "--answers", "4", "--data", str(shared))) == 0
     assert answered == [1, 2, 1, 2]
     assert json.loads((second / "config.json").read_text())["training"]["answers"] == 4
+
+
+def test_answers_are_the_same_however_many_prompts_are_answered_together(target) -> None:
+    from forerun.train.data import answer_prompts
+
+    prompts = [[5 + i, 6, 7 + 2 * i] for i in range(5)]
+    alone = [s.tokens for s in answer_prompts(target, prompts, 12, batch_size=1)]
+    for size in (2, 5):
+        assert [s.tokens for s in answer_prompts(target, prompts, 12, batch_size=size)] == alone
+    assert all(len(tokens) > 3 for tokens in alone)  # something was answered
 
 
 def test_train_mixes_a_corpus_with_answers(model_folder, tmp_path) -> None:
@@ -327,6 +341,7 @@ def test_train_mixes_a_corpus_with_answers(model_folder, tmp_path) -> None:
         (["--answers", "0"], "--answers must be at least 1"),
         (["--train-minutes", "0"], "--train-minutes must be positive"),
         (["--unroll", "0"], "--unroll must be at least 1"),
+        (["--answer-batch", "0"], "--answer-batch must be at least 1"),
     ],
 )
 def test_flags_that_cannot_apply_are_refused(tmp_path, capsys, extra, message) -> None:

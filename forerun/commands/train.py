@@ -92,6 +92,13 @@ def register(sub) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=192, help="answer length per prompt")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="prompts longer than this are left out")
+    p.add_argument(
+        "--answer-batch",
+        type=int,
+        default=8,
+        help="prompts the target answers together, as rows of one pass (default 8: a CPU's pass costs nearly the "
+        "same to about 8 rows; a GPU's step is bound by its kernel launches far beyond that)",
+    )
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: 1e-3 medusa, 3e-4 eagle)")
     p.add_argument("--draft-vocab", type=int, default=32768, help="tokens the head scores (the target's most chosen)")
@@ -266,7 +273,9 @@ def _self_distilled(args: argparse.Namespace, target: LoadedModel, out: Path, pr
         raise ForerunError("no training prompts left (all held out, or longer than --max-prompt-tokens)")
     data = Path(args.data).expanduser() if args.data else out / "data"
     started = time.perf_counter()
-    manifest = make_shards(target, prompts.train, data, args.max_tokens, progress=args.progress)
+    manifest = make_shards(
+        target, prompts.train, data, args.max_tokens, progress=args.progress, batch_size=args.answer_batch
+    )
     print(
         f"forerun: {manifest.prompts_done} answers, {manifest.tokens} positions ({manifest.answer_tokens} written "
         f"by the target) in {data}",
@@ -386,13 +395,15 @@ def _answer_labels(args: argparse.Namespace, target: LoadedModel, out: Path, lab
     manifest = LabelManifest.read(labels)
     if not _keep_labels(args, out, labels):
         done = manifest.chunks_done if manifest else 0
-        answers = (seq.tokens for seq in answer_prompts(target, todo[done:], args.max_tokens))
+        answering = answer_prompts(target, todo[done:], args.max_tokens, args.answer_batch)
+        answers = (seq.tokens for seq in answering)
         manifest = make_label_shards(target, answers, labels, args.top_k, progress=args.progress, skip_done=False)
     print(f"forerun: {manifest.chunks_done} answers, {manifest.tokens} labelled positions in {labels}", file=sys.stderr)
     return {
         **_prompt_record(args, prompts.train_ids[: manifest.chunks_done]),
         "answers": manifest.chunks_done,
         "answer_positions": manifest.tokens,
+        "answer_batch": args.answer_batch,
         "max_tokens": args.max_tokens,
         "top_k": manifest.top_k,
     }
@@ -461,7 +472,7 @@ def _training_record(args: argparse.Namespace, trainer: Trainer, accuracy: list[
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("max_tokens", "epochs", "draft_vocab", "heads", "max_prompt_tokens"):
+    for name in ("max_tokens", "epochs", "draft_vocab", "heads", "max_prompt_tokens", "answer_batch"):
         if getattr(args, name) < 1:
             raise ForerunError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.num_samples is not None and args.num_samples < 1:
