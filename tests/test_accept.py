@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from forerun.base.config import SamplingParams
-from forerun.verification.accept import Acceptance, accept, accept_chain
+from forerun.verification.accept import Acceptance, accept, accept_chain, accept_greedy
 from forerun.verification.sampling import probabilities
 from forerun.verification.tree import DraftTree
 
@@ -190,6 +190,17 @@ def test_greedy_tree_follows_the_argmax_through_the_branches():
     assert accept(torch.eye(5)[rows], DraftTree(TREE_TOKENS, TREE_PARENTS), None, True) == Acceptance([], [3])
     rows[0], rows[1] = 0, 3  # n0 then n3 (a leaf): bonus after n3
     assert accept(torch.eye(5)[rows], DraftTree(TREE_TOKENS, TREE_PARENTS), None, True) == Acceptance([0, 3], [0, 3, 2])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_greedy_acceptance_from_the_argmax_alone_is_the_rules_on_the_one_hot_rows(seed):
+    # What the engine runs under greedy (the argmax of each row, no one-hot rows) against the rule.
+    gen = torch.Generator().manual_seed(seed)
+    n, vocab = int(torch.randint(1, 9, (1,), generator=gen)), 4
+    parents = [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(n)]
+    tree = DraftTree([int(x) for x in torch.randint(0, vocab, (n,), generator=gen)], parents)
+    best = [int(x) for x in torch.randint(0, vocab, (n + 1,), generator=gen)]
+    assert accept_greedy(best, tree) == accept(torch.eye(vocab)[best], tree, None, greedy=True)
 
 
 def test_stochastic_tree_tries_siblings_in_turn_with_the_residual():

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from forerun import native
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.drafters.base import Drafter
@@ -21,7 +20,7 @@ from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
 from forerun.models.prefix_cache import PrefixCache
 from forerun.policy.draft_length import DraftLengthPolicy
-from forerun.verification.accept import accept
+from forerun.verification.accept import accept, accept_greedy
 from forerun.verification.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from forerun.verification.sampling import make_generator, probabilities, sample
 from forerun.verification.tree import DraftTree
@@ -403,13 +402,13 @@ class Engine:
         pass shared with other sequences), so the policy may learn pass costs from it."""
         seq, cache, tree = run.seq, run.cache, plan.tree
         if tree is None or len(tree) == 0:
-            first = native.argmax(ver.probs[0]) if seq.params.greedy else sample(ver.probs[:1], run.gen)[0]
+            first = ver.best[0] if seq.params.greedy else sample(ver.probs[:1], run.gen)[0]
             tokens, path = [int(first)], []
         else:
-            acc = accept(ver.probs, tree, run.gen, seq.params.greedy)
+            acc = accept_greedy(ver.best, tree) if seq.params.greedy else accept(ver.probs, tree, run.gen, False)
             tokens, path = acc.tokens, acc.path
         if self.policy is not None:
-            self._tell_policy(plan, path, ver.probs[0])
+            self._tell_policy(plan, path, ver)
         base = plan.base  # slots before the root
         if path == list(range(len(path))):  # a chain prefix: rollback is a length change (aux rows go too)
             cache.truncate(base + 1 + len(path))
@@ -456,7 +455,7 @@ class Engine:
             self.policy.record_proposal(priced, k, rows, proposer)
         return tree, proposer
 
-    def _tell_policy(self, plan: Plan, path: list[int], root_probs: torch.Tensor) -> None:
+    def _tell_policy(self, plan: Plan, path: list[int], ver: Verification) -> None:
         """What the step showed about acceptance: a verified draft, a shadow proposal's first
         tokens against the target's distribution after the root, or nothing (a plain step). A
         proposal of aux rows alone (lookahead's window with no guess) paid for rows and drafted
@@ -468,8 +467,12 @@ class Engine:
             self.policy.record_drafted(1, 0, plan.probe, source)
         elif shadow is not None and len(shadow):
             # One-hot siblings are kept with their summed target probability (one at most under greedy).
-            firsts = torch.tensor([shadow.tokens[i] for i in shadow.children(-1)], device=root_probs.device)
-            self.policy.record_shadow(min(float(root_probs[firsts].sum()), 1.0), source)
+            firsts = [shadow.tokens[i] for i in shadow.children(-1)]
+            if ver.best is not None:
+                kept = float(ver.best[0] in firsts)
+            else:
+                kept = min(float(ver.probs[0][torch.tensor(firsts, device=ver.probs.device)].sum()), 1.0)
+            self.policy.record_shadow(kept, source)
         else:
             self.policy.record_plain()
 

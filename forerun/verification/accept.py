@@ -88,6 +88,19 @@ def accept(target_probs: torch.Tensor, tree: DraftTree, generator: torch.Generat
     return _accept_tree(target_probs, tree, generator, greedy)
 
 
+def accept_greedy(best: list[int], tree: DraftTree) -> Acceptance:
+    """`accept` under greedy from the target's argmax after the root and each node (`best` [N+1]):
+    from the root, the child drafting the argmax is kept, then its child drafting the argmax after
+    it, and so on; the first argmax no child drafted ends the step as its bonus token."""
+    node, path = -1, []
+    while True:
+        chosen = next((c for c in tree.children(node) if tree.tokens[c] == best[node + 1]), None)
+        if chosen is None:
+            return Acceptance(path, [tree.tokens[i] for i in path] + [best[node + 1]])
+        path.append(chosen)
+        node = chosen
+
+
 def _accept_tree(
     target_probs: torch.Tensor, tree: DraftTree, generator: torch.Generator | None, greedy: bool
 ) -> Acceptance:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from forerun import native
 from forerun.base.config import SamplingParams
 from forerun.models.attention import RowLayout, Segment
 from forerun.models.decoder import Decoder
@@ -17,12 +18,34 @@ from forerun.verification.tree import DraftTree
 
 @dataclass
 class Verification:
-    probs: torch.Tensor  # [N+1, vocab] processed target distribution after the root (row 0) and each node
     hidden: torch.Tensor  # [N+1, hidden] final hidden state of each row (for feature-level drafters)
     aux_logits: torch.Tensor | None = None  # [A, vocab] raw target logits of the tree's aux rows, if any
     # [N+1, vocab] raw target logits of the root and each node (a view of the pass's), only for a
     # request that asks for log probabilities: the engine scores the rows it emits from.
     logits: torch.Tensor | None = None
+    # Greedy: the target's argmax after the root and each node [N+1], all the rule needs (a step's
+    # one-hot rows, [N+1, vocab], cost more to write than the rest of its bookkeeping).
+    best: list[int] | None = None
+    sampled: torch.Tensor | None = None  # sampling: `probs` itself
+    vocab_size: int = 0
+
+    @property
+    def probs(self) -> torch.Tensor:
+        """[N+1, vocab] processed target distribution after the root (row 0) and each node; under
+        greedy the one-hot rows of `best`, made when first asked for."""
+        if self.sampled is None:
+            best = torch.tensor(self.best, device=self.hidden.device)
+            self.sampled = torch.zeros(len(best), self.vocab_size, device=best.device).scatter_(-1, best[:, None], 1.0)
+        return self.sampled
+
+
+def target_rows(logits: torch.Tensor, params: SamplingParams, best: torch.Tensor | None = None) -> dict:
+    """A Verification's distribution fields for logits [N+1, vocab]: the argmax under greedy (`best`
+    when the caller has it already), else the processed probabilities."""
+    if params.greedy:
+        ids = native.argmax(logits.float()) if best is None else best
+        return {"best": ids.tolist(), "vocab_size": logits.shape[-1]}
+    return {"sampled": probabilities(logits, params)}
 
 
 def verify(target: Decoder, cache: KVCache, root: int, tree: DraftTree | None, params: SamplingParams) -> Verification:
@@ -43,7 +66,7 @@ def verify(target: Decoder, cache: KVCache, root: int, tree: DraftTree | None, p
     n = len(tree) + 1
     logits = out.logits[0]  # [R, vocab]
     return Verification(
-        probs=probabilities(logits[:n], params),
+        **target_rows(logits[:n], params),
         hidden=out.hidden[0, :n],
         aux_logits=logits[n:] if tree.aux_tokens else None,
         logits=logits[:n] if params.logprobs is not None else None,
@@ -101,22 +124,16 @@ def verify_many(target: Decoder, jobs: list[VerifyJob], prompts: Sequence[Prompt
     logits, hidden = out.logits[0], out.hidden[0]  # [R, vocab], [R, hidden]
     for i, prompt in enumerate(prompts):  # the last rows: one a prompt
         prompt.logits = logits[len(logits) - len(prompts) + i :][:1]
-    # Greedy sequences' one-hot rows in one go: one argmax and one fill over the pass, not one per
-    # sequence (each row the same either way; at 32 sequences a few ms of a step).
-    greedy = [job.params for job in jobs if job.params.greedy]
-    one_hot = probabilities(logits, greedy[0]) if len(greedy) > 1 else None
+    # Greedy sequences' argmax in one go over the pass, not one call per sequence.
+    best = native.argmax(logits.float()) if sum(job.params.greedy for job in jobs) > 1 else None
     results = []
     for job, tree, seg in zip(jobs, trees, segments):
         n = len(tree) + 1
         rows = logits[seg.start : seg.stop]
-        probs = (
-            one_hot[seg.start : seg.start + n]
-            if one_hot is not None and job.params.greedy
-            else probabilities(rows[:n], job.params)
-        )
+        ours = best[seg.start : seg.start + n] if best is not None and job.params.greedy else None
         results.append(
             Verification(
-                probs=probs,
+                **target_rows(rows[:n], job.params, ours),
                 hidden=hidden[seg.start : seg.start + n],
                 aux_logits=rows[n:] if tree.aux_tokens else None,
                 logits=rows[:n] if job.params.logprobs is not None else None,
