@@ -23,6 +23,7 @@ from forerun.models.testing import tiny_model
 from forerun.models.w8a8 import quantize_decoder_
 from forerun.policy.draft_length import DraftLengthPolicy, batch_draft_length, expected_tokens
 from forerun.policy.pass_costs import PassCosts
+from forerun.verification.sampling import probabilities
 from forerun.verification.tree import DraftTree
 from forerun.verification.verify import VerifyJob, verify, verify_many
 
@@ -68,6 +69,18 @@ def test_a_batched_verification_gives_every_sequence_what_it_gets_alone(quantize
         assert other.length == job.cache.length
         assert torch.equal(other.k[:, :, :, : other.length], job.cache.k[:, :, :, : other.length])
         assert torch.equal(other.v[:, :, :, : other.length], job.cache.v[:, :, :, : other.length])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_verifications_distribution_is_its_rows_processed(quantized, temperature) -> None:
+    # Under greedy it keeps only each row's argmax; its one-hot rows, made when asked, are the same.
+    params = SamplingParams(temperature=temperature, max_tokens=8, logprobs=1)
+    decoder = quantized.decoder
+    cache = decoder.new_cache(16)
+    decoder(torch.tensor([5, 6, 7]), torch.arange(3), cache)
+    ver = verify(decoder, cache, 4, DraftTree([8, 9, 10], [-1, 0, -1]), params)
+    assert torch.equal(ver.probs, probabilities(ver.logits, params))
+    assert ver.best == (ver.logits.argmax(-1).tolist() if params.greedy else None)
 
 
 # --- the batch engine ------------------------------------------------------------------------------

@@ -26,17 +26,17 @@ class Verification:
     # Greedy: the target's argmax after the root and each node [N+1], all the rule needs (a step's
     # one-hot rows, [N+1, vocab], cost more to write than the rest of its bookkeeping).
     best: list[int] | None = None
-    sampled: torch.Tensor | None = None  # sampling: `probs` itself
+    dense: torch.Tensor | None = None  # `probs`: given when sampling, made from `best` under greedy when asked
     vocab_size: int = 0
 
     @property
     def probs(self) -> torch.Tensor:
         """[N+1, vocab] processed target distribution after the root (row 0) and each node; under
         greedy the one-hot rows of `best`, made when first asked for."""
-        if self.sampled is None:
+        if self.dense is None:
             best = torch.tensor(self.best, device=self.hidden.device)
-            self.sampled = torch.zeros(len(best), self.vocab_size, device=best.device).scatter_(-1, best[:, None], 1.0)
-        return self.sampled
+            self.dense = torch.zeros(len(best), self.vocab_size, device=best.device).scatter_(-1, best[:, None], 1.0)
+        return self.dense
 
 
 def target_rows(logits: torch.Tensor, params: SamplingParams, best: torch.Tensor | None = None) -> dict:
@@ -45,7 +45,7 @@ def target_rows(logits: torch.Tensor, params: SamplingParams, best: torch.Tensor
     if params.greedy:
         ids = native.argmax(logits.float()) if best is None else best
         return {"best": ids.tolist(), "vocab_size": logits.shape[-1]}
-    return {"sampled": probabilities(logits, params)}
+    return {"dense": probabilities(logits, params)}
 
 
 def verify(target: Decoder, cache: KVCache, root: int, tree: DraftTree | None, params: SamplingParams) -> Verification:
