@@ -73,9 +73,7 @@ def test_a_forward_there_gives_the_cpus_logits() -> None:
     logits = []
     for model in (cpu, there):
         decoder = model.decoder
-        ids = torch.tensor(prompt, device=decoder.device)
-        cache = decoder.new_cache(len(prompt))
-        logits.append(decoder(ids, torch.arange(len(prompt), device=decoder.device), cache).logits.cpu())
+        logits.append(decoder.forward_ids(prompt, decoder.new_cache(len(prompt))).logits.cpu())
     assert there.decoder.device.type == DEVICE.type
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
 

@@ -115,8 +115,7 @@ def exact_marginals(
 
     def next_probs(seq: list[int]) -> torch.Tensor:
         cache = decoder.new_cache(len(seq))
-        ids, positions = torch.tensor(seq, device=decoder.device), torch.arange(len(seq), device=decoder.device)
-        logits = decoder(ids, positions, cache, last_only=True).logits[0]
+        logits = decoder.forward_ids(seq, cache, last_only=True).logits[0]
         return probabilities(logits, params)[0]
 
     p1 = next_probs(prompt)
@@ -141,8 +140,7 @@ def speculative_samples(
     decoder = target.decoder
     max_len = engine.check_fits(prompt, params)
     cache = decoder.new_cache(max_len)
-    ids, positions = torch.tensor(prompt, device=decoder.device), torch.arange(len(prompt), device=decoder.device)
-    out = decoder(ids, positions, cache, last_only=True, output_hidden=True, all_hidden=True)
+    out = decoder.forward_ids(prompt, cache, last_only=True, output_hidden=True, all_hidden=True)
     first = probabilities(out.logits[0], params)  # [1, V]
     prefilled = cache.length
     metrics = SpecMetrics(num_speculative_tokens=k)

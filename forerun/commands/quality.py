@@ -82,8 +82,7 @@ def continuation_logits(llm: LLM, prompt: list[int], continuation: list[int]) ->
     ids = prompt + continuation
     cache = decoder.new_cache(len(ids))
     with linear.prefill():
-        tokens, positions = torch.tensor(ids, device=decoder.device), torch.arange(len(ids), device=decoder.device)
-        logits = decoder(tokens, positions, cache).logits[0]  # [T, vocab]
+        logits = decoder.forward_ids(ids, cache).logits[0]  # [T, vocab]
     return logits[len(prompt) - 1 : len(ids) - 1].float()
 
 

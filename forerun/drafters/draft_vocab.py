@@ -91,11 +91,7 @@ def target_choice_counts(target: LoadedModel, prompts: list[list[int]]) -> torch
             if not ids:
                 break
             cache = decoder.new_cache(len(ids))
-            tokens, positions = (
-                torch.tensor(ids, device=decoder.device),
-                torch.arange(len(ids), device=decoder.device),
-            )
-            logits = decoder(tokens, positions, cache).logits[0]  # [T, vocab]
+            logits = decoder.forward_ids(ids, cache).logits[0]  # [T, vocab]
             chosen = logits.topk(min(TOP, logits.shape[-1]), dim=-1).indices.flatten()
             counts.index_add_(0, chosen.cpu(), torch.ones_like(chosen, device="cpu"))
             budget -= len(ids)

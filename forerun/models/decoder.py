@@ -280,6 +280,12 @@ class Decoder(nn.Module):
         return key_length(max_len - 1)
 
     @torch.inference_mode()
+    def forward_ids(self, ids: list[int], cache: KVCache, **kwargs) -> DecoderOutput:
+        """`forward` of a sequence's token ids from position 0 (a prompt, a chunk to label) into a fresh
+        `cache`, the inputs made on this decoder's device."""
+        device = self.device
+        return self(torch.tensor(ids, device=device), torch.arange(len(ids), device=device), cache, **kwargs)
+
     def forward(
         self,
         tokens: torch.Tensor,

@@ -89,14 +89,7 @@ def features_of(target: LoadedModel, tokens: list[int]) -> torch.Tensor:
     decoder = target.decoder
     cache = decoder.new_cache(len(tokens))
     with linear.prefill():
-        out = decoder(
-            torch.tensor(tokens, device=decoder.device),
-            torch.arange(len(tokens), device=decoder.device),
-            cache,
-            last_only=True,
-            output_hidden=True,
-            all_hidden=True,
-        )
+        out = decoder.forward_ids(tokens, cache, last_only=True, output_hidden=True, all_hidden=True)
     return out.hidden[0].to(torch.bfloat16).cpu()
 
 

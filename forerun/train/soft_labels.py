@@ -98,13 +98,8 @@ def label_chunk(target: LoadedModel, tokens: list[int], top_k: int) -> Labels:
         raise ForerunError(f"top-k must be between 1 and the vocabulary size ({cfg.vocab_size}), not {top_k}")
     with linear.prefill():
         # The logits of the last row only; every row's are scored below, a block at a time.
-        out = decoder(
-            torch.tensor(tokens, device=decoder.device),
-            torch.arange(len(tokens), device=decoder.device),
-            decoder.new_cache(len(tokens)),
-            last_only=True,
-            output_hidden=True,
-            all_hidden=True,
+        out = decoder.forward_ids(
+            tokens, decoder.new_cache(len(tokens)), last_only=True, output_hidden=True, all_hidden=True
         )
         hidden = out.hidden  # [1, T, hidden], after the final norm: what lm_head reads
         rows = max(1, LOGIT_BYTES // (4 * cfg.vocab_size))

@@ -12,11 +12,16 @@ from forerun import native
 from forerun.base.config import SamplingParams
 
 
+def one_hot(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """ids [...] -> float32 rows [..., vocab], 1 at each id: the greedy distribution."""
+    return torch.zeros(*ids.shape, vocab, device=ids.device).scatter_(-1, ids[..., None], 1.0)
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] (float32). Greedy gives a one-hot at the argmax."""
     logits = logits.float()
     if params.greedy:
-        return torch.zeros_like(logits).scatter_(-1, native.argmax(logits)[..., None], 1.0)
+        return one_hot(native.argmax(logits), logits.shape[-1])
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [N, 1]

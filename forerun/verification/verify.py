@@ -12,7 +12,7 @@ from forerun.base.config import SamplingParams
 from forerun.models.attention import RowLayout, Segment
 from forerun.models.decoder import Decoder
 from forerun.models.kv_cache import KVCache
-from forerun.verification.sampling import probabilities
+from forerun.verification.sampling import one_hot, probabilities
 from forerun.verification.tree import DraftTree
 
 
@@ -34,8 +34,7 @@ class Verification:
         """[N+1, vocab] processed target distribution after the root (row 0) and each node; under
         greedy the one-hot rows of `best`, made when first asked for."""
         if self.dense is None:
-            best = torch.tensor(self.best, device=self.hidden.device)
-            self.dense = torch.zeros(len(best), self.vocab_size, device=best.device).scatter_(-1, best[:, None], 1.0)
+            self.dense = one_hot(torch.tensor(self.best, device=self.hidden.device), self.vocab_size)
         return self.dense
 
 
