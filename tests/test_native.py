@@ -238,6 +238,42 @@ def test_argmax_of_a_vocabulary_row_and_of_what_the_kernels_do_not_read() -> Non
     assert native.argmax(torch.tensor([[0.5, 2.0], [3.0, 1.0]]).t()).tolist() == [1, 0]  # columns: torch's own
 
 
+@SLOW
+@given(n=st.integers(2, 300), seed=st.integers(0, 10_000), ties=st.booleans(), scale=st.sampled_from([0.1, 3.0, 40.0]))
+def test_softmax_top2_is_the_softmax_two_likeliest_the_same_bits_on_every_path(n, seed, ties, scale) -> None:
+    # The likeliest is torch's argmax, the second the first largest of the others; their
+    # probabilities torch's softmax's within float rounding, and every path's bits the scalar's.
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * scale
+    if ties:
+        x = x.round()  # the largest shared, or the second
+    probs = x.softmax(-1)
+    first = int(x.argmax())
+    rest = x.clone()
+    rest[first] = -float("inf")
+    second = int(rest.argmax())
+    tops = {native.softmax_top2(x, kernel_path=path) for path in native.paths()}
+    assert len(tops) == 1, tops
+    top = tops.pop()
+    assert (top.first, top.second) == (first, second)
+    assert top.p_first == pytest.approx(float(probs[first]), rel=1e-5, abs=1e-30)
+    assert top.p_second == pytest.approx(float(probs[second]), rel=1e-5, abs=1e-30)
+
+
+def test_softmax_top2_of_a_vocabulary_row_and_where_torch_computes_it() -> None:
+    x = torch.full((151_936,), -30.0)
+    x[151_935], x[7], x[100_000] = 4.0, 2.0, 2.0  # the likeliest last; the first of two seconds
+    for path in native.paths():
+        top = native.softmax_top2(x, kernel_path=path)
+        assert (top.first, top.second) == (151_935, 7)
+        assert top.p_first / top.p_second == pytest.approx(float(torch.tensor(2.0).exp()), rel=1e-5)
+    row = torch.tensor([[0.5, 2.0, 1.0], [3.0, 1.0, 0.0]]).t()[1]  # not contiguous: torch's own
+    assert native.softmax_top2(row)[:2] == (0, 1)
+    assert native.softmax_top2(x.double())[:2] == (151_935, 7)
+    with pytest.raises(ValueError, match="at least 2 logits"):
+        native.softmax_top2(torch.ones(1))
+
+
 def test_bias_is_added_once_per_output() -> None:
     n, k = 20, 256
     raw = random_blocks("Q4_K", n, k, seed=5)

@@ -160,22 +160,25 @@ class DraftModelDrafter(Drafter):
             self._time_pass(step)
             self.fed += pending
             self._store()
-            confidence = logits.softmax(-1)[0]  # [N]
             if branch.growing:
                 rows = len(tokens) + len(leaves) + branch.after
-                branch.grow(logits[1].softmax(-1), lambda p, rows=rows: self.leaf_pays(p, rows), self._token)
+                branch.grow(_top2(logits[1]), lambda p, rows=rows: self.leaf_pays(p, rows), self._token)
             if params.greedy:
-                choice = self._greedy_choice(confidence, kept_chance, len(tokens), leaves, branch.after)
+                top = _top2(logits[0])
+                choice = self._greedy_choice(top, kept_chance, len(tokens), leaves, branch.after)
                 if len(leaves) == 1 and leaves[0][0] == len(tokens):
-                    branch.start(leaves[0][1], len(self.fed), kept_chance * float(confidence.topk(2).values[1]))
+                    branch.start(leaves[0][1], len(self.fed), kept_chance * top.p_second)
+                chance = most = top.p_first
             else:
+                confidence = logits[0].softmax(-1)  # [N]
                 q = probabilities(logits, params)  # [1, N]
                 choice = int(sample(q, generator)[0])
                 probs.append(full_vocabulary(q[0], self.vocab, self.vocab_size))
+                chance, most = float(confidence[choice]), float(confidence.max())
             tokens.append(self._token(choice))
             pending = [tokens[-1]]
-            kept_chance *= float(confidence[choice])
-            if self.min_confidence and float(confidence.max()) < self.min_confidence:
+            kept_chance *= chance
+            if self.min_confidence and most < self.min_confidence:
                 break
             if len(tokens) < k and not self._worth_another(len(tokens), kept_chance, step):
                 break
@@ -220,18 +223,13 @@ class DraftModelDrafter(Drafter):
         return prefixes
 
     def _greedy_choice(
-        self, confidence: torch.Tensor, kept_chance: float, drafted: int, leaves: list[tuple[int, int]], more: int = 0
+        self, top: native.Top2, kept_chance: float, drafted: int, leaves: list[tuple[int, int]], more: int = 0
     ) -> int:
         """The draft's first choice [column]; its second joins `leaves` where that leaf pays beside
         the draft's rows so far (`drafted` chain tokens, the leaves, `more` others)."""
-        first = int(native.argmax(confidence))
-        if confidence.shape[0] > 1:
-            rest = confidence.clone()
-            rest[first] = -1.0  # below any probability: the second choice is the largest of the rest
-            second = int(native.argmax(rest))
-            if self.leaf_pays(kept_chance * float(rest[second]), drafted + len(leaves) + more):
-                leaves.append((drafted, self._token(second)))
-        return first
+        if top.second >= 0 and self.leaf_pays(kept_chance * top.p_second, drafted + len(leaves) + more):
+            leaves.append((drafted, self._token(top.second)))
+        return top.first
 
     def leaf_pays(self, chance: float, rows: int) -> bool:
         """Whether a node off the chain (a second-choice leaf, a token continuing one) that the
@@ -394,16 +392,23 @@ class _Branch:
         if self.most > 0 and not self.tokens:
             self.tokens, self.fork, self.chance, self.growing = [leaf], fork, chance, True
 
-    def grow(self, confidence: torch.Tensor, pays: Callable[[float], bool], token: Callable[[int], int]) -> None:
-        """The draft's next token on the branch, from its distribution `confidence` [N] after the
+    def grow(self, top: native.Top2, pays: Callable[[float], bool], token: Callable[[int], int]) -> None:
+        """The draft's next token on the branch, from the likeliest of its distribution after the
         branch, kept where `pays` (the path's probability) says its row pays; else the branch ends."""
-        p, choice = confidence.max(-1)
-        self.chance *= float(p)
+        self.chance *= top.p_first
         if not pays(self.chance):
             self.growing = False
             return
-        self.tokens.append(token(int(choice)))
+        self.tokens.append(token(top.first))
         self.growing = self.after < self.most
+
+
+def _top2(logits: torch.Tensor) -> native.Top2:
+    """A row of draft logits' two likeliest tokens (columns) and their probabilities; a one-column
+    row has no second (-1)."""
+    if logits.shape[-1] < 2:
+        return native.Top2(0, -1, 1.0, 0.0)
+    return native.softmax_top2(logits)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

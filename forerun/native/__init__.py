@@ -17,12 +17,13 @@ import functools
 import mmap
 import os
 import threading
+from typing import NamedTuple
 
 import torch
 
 from forerun.base.errors import ForerunError
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 PATHS = ("scalar", "avx2", "avx512")  # bit i of fr_paths() is PATHS[i]
 PATH_ENV = "FORERUN_KERNEL_PATH"
 
@@ -43,6 +44,7 @@ _SIGNATURES = {
     "fr_to_half": ([_ptr, _c_i64, _ptr], None),
     "fr_quantize": ([_c_int, _ptr, _c_i64, _c_i64, _c_i64, _c_int, _ptr], None),
     "fr_argmax": ([_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr], None),
+    "fr_softmax_top2": ([_c_int, _ptr, _c_i64, _ptr, _ptr], None),
     "fr_matmul": ([_c_int, _c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _ptr, _c_int], None),
     "fr_layers": ([_c_int, _ptr, _ptr, _c_i64, _ptr, _ptr, _c_i64, _ptr, _c_int], None),
 }
@@ -274,3 +276,31 @@ def argmax(x: torch.Tensor, kernel_path: str | None = None) -> torch.Tensor:
     at = PATHS.index(kernel_path or path())
     library().fr_argmax(at, rows.data_ptr(), rows.shape[0], n, rows.stride(0), out.data_ptr())
     return out.reshape(x.shape[:-1])
+
+
+class Top2(NamedTuple):
+    """A row of logits' two likeliest entries under its softmax."""
+
+    first: int  # the argmax (torch.argmax's: the first largest)
+    second: int  # the first largest of the others
+    p_first: float  # their softmax probabilities
+    p_second: float
+
+
+def softmax_top2(x: torch.Tensor, kernel_path: str | None = None) -> Top2:
+    """x [n] logits (n >= 2) -> its softmax's two likeliest entries, in one pass of the kernels
+    (float32 on the CPU, the kernels loaded) where a draft token took a softmax, two argmaxes and a
+    copy of the row. Otherwise through torch, whose probabilities may differ in the last bits."""
+    n = x.shape[-1]
+    if x.dim() != 1 or n < 2:
+        raise ValueError(f"softmax_top2 takes one row of at least 2 logits, not a tensor of shape {tuple(x.shape)}")
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1 or not loaded():
+        probs = x.float().softmax(-1)
+        first = int(probs.argmax())
+        rest = probs.clone()
+        rest[first] = -1.0  # below any probability: the second is the largest of the rest
+        second = int(rest.argmax())
+        return Top2(first, second, float(probs[first]), float(probs[second]))
+    idx, prob = (ctypes.c_int64 * 2)(), (ctypes.c_float * 2)()
+    library().fr_softmax_top2(PATHS.index(kernel_path or path()), x.data_ptr(), n, idx, prob)
+    return Top2(idx[0], idx[1], prob[0], prob[1])

@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fr_math.h"
 #include "kernels.h"
 
 namespace forerun {
@@ -40,12 +41,32 @@ void share(int64_t tiles, int id, int count, int64_t* begin, int64_t* end) {
 
 int64_t tiles_of(int64_t n) { return (n + LANES - 1) / LANES; }
 
+int64_t argmax_on(int path, const float* x, int64_t n) {
+    switch (path) {
+#if defined(__x86_64__)
+        case AVX512: return argmax_avx512(x, n);
+        case AVX2: return argmax_avx2(x, n);
+#endif
+        default: return argmax_scalar(x, n);
+    }
+}
+
+float sum_exp_on(int path, const float* x, int64_t n, float m) {
+    switch (path) {
+#if defined(__x86_64__)
+        case AVX512: return sum_exp_avx512(x, n, m);
+        case AVX2: return sum_exp_avx2(x, n, m);
+#endif
+        default: return sum_exp_scalar(x, n, m);
+    }
+}
+
 }  // namespace
 
 extern "C" {
 
 // Bumped whenever the layout or the arithmetic changes (the Python side checks it).
-int fr_abi_version() { return 6; }
+int fr_abi_version() { return 7; }
 
 // Bit p set: path p (0 scalar, 1 AVX2, 2 AVX-512 VNNI) is built in and runs on this CPU.
 int fr_paths() {
@@ -101,14 +122,25 @@ void fr_quantize(int path, const float* x, int64_t m, int64_t k, int64_t ldx, in
 void fr_argmax(int path, const float* x, int64_t m, int64_t n, int64_t ldx, int64_t* out) {
     for (int64_t r = 0; r < m; ++r) {
         const float* row = x + r * ldx;
-        switch (path) {
-#if defined(__x86_64__)
-            case AVX512: out[r] = argmax_avx512(row, n); break;
-            case AVX2: out[r] = argmax_avx2(row, n); break;
-#endif
-            default: out[r] = argmax_scalar(row, n); break;
-        }
+        out[r] = argmax_on(path, row, n);
     }
+}
+
+// Row x[0, n) (n >= 2) of logits as its softmax's two likeliest entries: idx[0] = fr_argmax's index,
+// idx[1] = the first largest of the others; prob[j] = e^(x[idx[j]] - top) / sum_i e^(x[i] - top),
+// top = x[idx[0]], each e^ exp_fr's: what a greedy draft asks of a row, without the softmax's rows.
+void fr_softmax_top2(int path, const float* x, int64_t n, int64_t* idx, float* prob) {
+    const int64_t first = argmax_on(path, x, n);
+    int64_t second = first > 0 ? argmax_on(path, x, first) : -1;
+    if (first + 1 < n) {
+        const int64_t after = first + 1 + argmax_on(path, x + first + 1, n - first - 1);
+        if (second < 0 || x[after] > x[second]) second = after;
+    }
+    const float top = x[first], total = sum_exp_on(path, x, n, top);
+    idx[0] = first;
+    idx[1] = second;
+    prob[0] = 1.0f / total;
+    prob[1] = exp_fr(x[second] - top) / total;
 }
 
 // y[r, c] = sum_k x[r, k] W[c, k] (+ bias[c]) for rows r < m, outputs c < n, from the repacked w

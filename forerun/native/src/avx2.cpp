@@ -448,5 +448,20 @@ int64_t argmax_avx2(const float* x, int64_t n) {
     return 0;  // not reached: best is one of x
 }
 
+float sum_exp_avx2(const float* x, int64_t n, float m) {
+    const __m256 shift = _mm256_set1_ps(m);
+    __m256 lo = _mm256_setzero_ps(), hi = lo;   // lanes 0-7 and 8-15
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        lo = _mm256_add_ps(lo, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift)));
+        hi = _mm256_add_ps(hi, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), shift)));
+    }
+    float lanes[16];
+    _mm256_storeu_ps(lanes, lo);
+    _mm256_storeu_ps(lanes + 8, hi);
+    for (; i < n; ++i) lanes[i % 16] += exp_fr(x[i] - m);  // exp8's bits, lane by lane
+    return tree16(lanes);
+}
+
 }  // namespace forerun
 #endif

@@ -545,5 +545,16 @@ int64_t argmax_avx512(const float* x, int64_t n) {
     return 0;  // not reached: the largest value is one of x
 }
 
+float sum_exp_avx512(const float* x, int64_t n, float m) {
+    const __m512 shift = _mm512_set1_ps(m);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), shift)));
+    float lanes[16];
+    _mm512_storeu_ps(lanes, acc);
+    for (; i < n; ++i) lanes[i % 16] += exp_fr(x[i] - m);  // exp16's bits, lane by lane
+    return tree16(lanes);
+}
+
 }  // namespace forerun
 #endif

@@ -180,4 +180,10 @@ int64_t argmax_scalar(const float* x, int64_t n) {
     return best;
 }
 
+float sum_exp_scalar(const float* x, int64_t n, float m) {
+    float lanes[16] = {};
+    for (int64_t i = 0; i < n; ++i) lanes[i % 16] += exp_fr(x[i] - m);
+    return tree16(lanes);
+}
+
 }  // namespace forerun
