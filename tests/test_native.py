@@ -274,6 +274,25 @@ def test_softmax_top2_of_a_vocabulary_row_and_where_torch_computes_it() -> None:
         native.softmax_top2(torch.ones(1))
 
 
+@pytest.mark.parametrize("n", [16, 896, 1536])
+def test_rmsnorm_is_torchs_within_rounding_a_rows_bits_its_own_on_every_path(n) -> None:
+    from forerun.models.decoder import RMSNorm
+
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(5, n, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1.0])[:, None]
+    x[3] = 0.0  # all zeros: eps alone keeps it finite
+    norm = RMSNorm(n, 1e-6)
+    norm.weight.copy_(torch.randn(n, generator=gen))
+    outs = {path: native.rmsnorm(x, norm.weight, norm.eps, kernel_path=path) for path in native.paths()}
+    for path, out in outs.items():
+        assert torch.equal(out, outs["scalar"]), path
+        assert torch.equal(native.rmsnorm(x[2:3], norm.weight, norm.eps, kernel_path=path), out[2:3]), path
+    torch.testing.assert_close(outs["scalar"], norm(x), rtol=2e-6, atol=1e-6)
+    assert torch.equal(native.rmsnorm(x.t().contiguous().t(), norm.weight, norm.eps), outs[native.path()])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native.rmsnorm(torch.ones(2, 20), torch.ones(20), 1e-6)
+
+
 def test_bias_is_added_once_per_output() -> None:
     n, k = 20, 256
     raw = random_blocks("Q4_K", n, k, seed=5)

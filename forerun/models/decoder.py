@@ -98,10 +98,14 @@ class Rope:
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for `positions` [B, T], shaped [B, T, 1, D] to broadcast over heads."""
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self.cos.shape[0] or self.cos.device != positions.device or self.cos.dtype != dtype:
-            self._build(max(need, 2 * self.cos.shape[0], 256), positions.device, dtype)
-        return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+        cos, sin = self.rows(int(positions.max()) + 1 if positions.numel() else 0, positions.device, dtype)
+        return cos[positions][:, :, None], sin[positions][:, :, None]
+
+    def rows(self, need: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos and sin tables [P, D], P >= `need` (row p: position p), contiguous."""
+        if need > self.cos.shape[0] or self.cos.device != device or self.cos.dtype != dtype:
+            self._build(max(need, 2 * self.cos.shape[0], 256), device, dtype)
+        return self.cos, self.sin
 
     def _build(self, length: int, device: torch.device, dtype: torch.dtype) -> None:
         d = self.head_dim
@@ -320,7 +324,6 @@ class Decoder(nn.Module):
         if positions.dim() == 1:
             positions = positions[None].expand(tokens.shape[0], -1)
         t = tokens.shape[1]
-        cos, sin = self._rope.tables(positions, self.dtype)  # [B, T, 1, D]
         if segments is not None:
             layout = segments  # the blocks pass it on to attention
         elif layout is None and attention_mask is None:
@@ -330,7 +333,13 @@ class Decoder(nn.Module):
         )
         x = self.embed_tokens(tokens).to(self.dtype)  # [B, T, hidden]
         order = range(self.cfg.num_layers) if layers is None else layers
-        x, layer_hidden = self._layers(x, cos, sin, cache, mask, causal, layout, segments, order, hidden_layer)
+        fast = self._native_layers() if layout is not None and x.shape[0] == 1 else None
+        if fast is not None:  # every row-exact layer in one native call
+            rows = segments if segments is not None else [Segment(0, t, cache, layout)]
+            x, layer_hidden = native_layer.run_layers(self, fast, x, positions, rows, order, hidden_layer)
+        else:
+            cos, sin = self._rope.tables(positions, self.dtype)  # [B, T, 1, D]
+            x, layer_hidden = self._layers(x, cos, sin, cache, mask, causal, layout, order, hidden_layer)
         for seg in segments if segments is not None else ():
             seg.cache.advance(seg.stop - seg.start)
         if cache is not None:
@@ -338,7 +347,7 @@ class Decoder(nn.Module):
         last = _scored_rows(segments, last_only)
         if last is not None and not (output_hidden and all_hidden):
             x, last = x[:, last], None
-        x = self.norm(x)
+        x = self.norm(x) if fast is None else native_layer.final_norm(self.norm, x)
         scored = x if last is None else x[:, last]
         return DecoderOutput(
             logits=(self.lm_head if head is None else head)(scored).float(),
@@ -346,13 +355,9 @@ class Decoder(nn.Module):
             layer_hidden=layer_hidden,
         )
 
-    def _layers(self, x, cos, sin, cache, mask, causal, layout, segments, order, hidden_layer):
-        """x [B, T, hidden] through the layers in `order`: (output, the output of `hidden_layer` or None)."""
-        fast = self._native_layers() if layout is not None and x.shape[0] == 1 else None
-        if fast is not None:  # every row-exact layer in one native call each
-            rows = segments if segments is not None else [Segment(0, x.shape[1], cache, layout)]
-            x, layer_hidden = native_layer.run_layers(self, fast, x[0], cos[0], sin[0], rows, order, hidden_layer)
-            return x[None], None if layer_hidden is None else layer_hidden[None]
+    def _layers(self, x, cos, sin, cache, mask, causal, layout, order, hidden_layer):
+        """x [B, T, hidden] through the layers in `order` op by op (PyTorch): (output, the output of
+        `hidden_layer` or None)."""
         layer_hidden = None
         for i in order:
             x = self.layers[i].forward(x, cos, sin, cache, i, mask, causal, layout)

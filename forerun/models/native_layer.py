@@ -25,6 +25,7 @@ from forerun.models.attention import RowLayout, Segment
 from forerun.models.gguf_format import GGUFLinear
 
 MAX_PARTS = 4
+SCRATCH_ROWS = 64  # forwards of at most this many rows (decoding, verification) reuse one set of buffers
 CACHE_DTYPES = (torch.float32, torch.float16)  # a float16 cache's entries are rounded to nearest even
 HALF_DIM = 256  # the widest head a float16 cache serves (layer_impl.h)
 _i64, _f32p, _u8p, _ptr = (
@@ -108,6 +109,25 @@ class NativeLayers:
     def __post_init__(self) -> None:
         self.lib = native.library()  # what runs fr_layers (the profiler wraps it)
         self.array = (LayerDesc * len(self.layers))(*self.layers)  # fr_layers indexes them
+        self._scratch: list[torch.Tensor] = []  # for up to SCRATCH_ROWS rows, made at first use
+
+    def scratch(self, t: int, scores: int) -> list[torch.Tensor]:
+        """A forward's working buffers for t rows, in fr_layers' PassDesc order, the last `scores`
+        floats or more of attention scores. Forwards of up to SCRATCH_ROWS rows (decoding,
+        verification: one at a time on a decoder, as the engine runs them) reuse one set."""
+        if t > SCRATCH_ROWS:
+            return self._buffers(t) + [torch.empty(scores)]
+        if not self._scratch:
+            self._scratch = self._buffers(SCRATCH_ROWS) + [torch.empty(0)]
+        if self._scratch[-1].numel() < scores:  # a longer context: room to double
+            self._scratch[-1] = torch.empty(max(scores, 2 * self._scratch[-1].numel()))
+        return self._scratch
+
+    def _buffers(self, t: int) -> list[torch.Tensor]:
+        first = self.layers[0]
+        widths = (self.widest, first.qkv.out, first.heads * first.head_dim, first.hidden, first.gate_up.out)
+        act = native.act_row_bytes(self.widest)
+        return [*(torch.empty(t, w) for w in widths), *(torch.empty(t, act, dtype=torch.uint8) for _ in range(2))]
 
 
 def _product(module: nn.Module) -> Product | None:
@@ -181,12 +201,14 @@ class _Rows:
         self.keep: list = []
 
 
-def _rows(segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor, cfg) -> tuple[_Rows, int]:
-    """Every row's description; the most slots any row attends to."""
+def _rows(segments: list[Segment], where: list[int], cos: torch.Tensor, sin: torch.Tensor, cfg) -> tuple[_Rows, int]:
+    """Every row's description, row i at position where[i] (its rope: row where[i] of the cos and sin
+    tables [P, head_dim]); the most slots any row attends to."""
     total = sum(seg.stop - seg.start for seg in segments)
     rows = _Rows(total)
     most = 0
     d = cfg.head_dim
+    cos_at, sin_at = cos.data_ptr(), sin.data_ptr()
     for seg in segments:
         cache = seg.cache
         if cache.length + seg.stop - seg.start > cache.max_len:
@@ -207,8 +229,8 @@ def _rows(segments: list[Segment], cos: torch.Tensor, sin: torch.Tensor, cfg) ->
                 slots = (ctypes.c_int32 * len(extra))(*extra)
                 rows.keep.append(slots)
                 r.extra = ctypes.addressof(slots)
-            r.cos = cos.data_ptr() + (seg.start + i) * d * 4
-            r.sin = sin.data_ptr() + (seg.start + i) * d * 4
+            r.cos = cos_at + where[seg.start + i] * d * 4
+            r.sin = sin_at + where[seg.start + i] * d * 4
             most = max(most, prefix + len(extra))
     return rows, most
 
@@ -217,34 +239,22 @@ def run_layers(
     decoder,
     prepared: NativeLayers,
     x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    positions: torch.Tensor,
     segments: list[Segment],
     layers,
     hidden_layer: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [T, hidden] float32 through `layers` (indices); cos, sin [T, head_dim] at each row's position.
-    Returns (x, the residual stream after `hidden_layer` or None)."""
+    """x [1, T, hidden] float32 through `layers` (indices), row i at position positions[0, i].
+    Returns (x, the residual stream after `hidden_layer` or None), both [1, T, hidden]."""
     cfg = decoder.cfg
-    t = x.shape[0]
-    cos, sin = cos.reshape(t, -1).float().contiguous(), sin.reshape(t, -1).float().contiguous()
-    rows, most = _rows(segments, cos, sin, cfg)
+    t = x.shape[1]
+    where = positions[0].tolist()
+    cos, sin = decoder._rope.rows(max(where) + 1, x.device, torch.float32)  # [P, head_dim]
+    rows, most = _rows(segments, where, cos, sin, cfg)
     threads = torch.get_num_threads()
-    share_heads = cfg.num_heads // cfg.num_kv_heads
-    stride = share_heads * (-(-most // 16) * 16)
-    act_bytes = native.act_row_bytes(prepared.widest)
-    first = prepared.layers[0]
-    buffers = [
-        torch.empty(t, prepared.widest),
-        torch.empty(t, first.qkv.out),
-        torch.empty(t, cfg.num_heads * cfg.head_dim),
-        torch.empty(t, cfg.hidden_size),
-        torch.empty(t, first.gate_up.out),
-        torch.empty(t, act_bytes, dtype=torch.uint8),
-        torch.empty(t, act_bytes, dtype=torch.uint8),
-        torch.empty(threads, max(stride, 16)),
-    ]
-    pass_desc = PassDesc(t, rows.array, *(b.data_ptr() for b in buffers), max(stride, 16))
+    stride = max(cfg.num_heads // cfg.num_kv_heads * (-(-most // 16) * 16), 16)
+    scratch = prepared.scratch(t, threads * stride)
+    pass_desc = PassDesc(t, rows.array, *(b.data_ptr() for b in scratch), stride)
     x = x.contiguous()
     order = (ctypes.c_int64 * len(layers))(*layers)
     keep = hidden_layer if hidden_layer is not None and hidden_layer in layers else -1
@@ -261,3 +271,9 @@ def run_layers(
         threads,
     )
     return x, layer_hidden
+
+
+def final_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The decoder's last RMSNorm over x [..., hidden] as the layers' own norms compute (a row's
+    bits its own on every path), in one call where PyTorch's takes five."""
+    return native.rmsnorm(x, norm.weight, norm.eps)

@@ -23,7 +23,7 @@ import torch
 
 from forerun.base.errors import ForerunError
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 PATHS = ("scalar", "avx2", "avx512")  # bit i of fr_paths() is PATHS[i]
 PATH_ENV = "FORERUN_KERNEL_PATH"
 
@@ -45,6 +45,7 @@ _SIGNATURES = {
     "fr_quantize": ([_c_int, _ptr, _c_i64, _c_i64, _c_i64, _c_int, _ptr], None),
     "fr_argmax": ([_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr], None),
     "fr_softmax_top2": ([_c_int, _ptr, _c_i64, _ptr, _ptr], None),
+    "fr_rmsnorm": ([_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr, ctypes.c_float, _ptr], None),
     "fr_matmul": ([_c_int, _c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _ptr, _c_int], None),
     "fr_layers": ([_c_int, _ptr, _ptr, _c_i64, _ptr, _ptr, _c_i64, _ptr, _c_int], None),
 }
@@ -189,6 +190,20 @@ def to_half(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(flat.numel(), dtype=torch.int16)
     library().fr_to_half(_check_rows(flat), flat.numel(), out.data_ptr())
     return out.view(torch.float16).view(x.shape)
+
+
+def rmsnorm(x: torch.Tensor, gain: torch.Tensor, eps: float, kernel_path: str | None = None) -> torch.Tensor:
+    """x [..., n] float32 (n a multiple of 16) normalised as the native layers' RMSNorms: each row's
+    sum of squares over 16 lanes in a fixed order, so a row's bits are its own on every path."""
+    n = x.shape[-1]
+    if n % 16 or gain.shape != (n,) or gain.dtype != torch.float32 or not gain.is_contiguous():
+        raise ValueError(f"rmsnorm takes rows of a multiple of 16 and a float32 gain of as many, not {n}")
+    rows = x.reshape(-1, n)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    out = torch.empty(rows.shape[0], n)
+    at = PATHS.index(kernel_path or path())
+    library().fr_rmsnorm(at, _check_rows(rows), rows.shape[0], n, rows.stride(0), gain.data_ptr(), eps, out.data_ptr())
+    return out.view(x.shape)
 
 
 def act_row_bytes(k: int) -> int:

@@ -66,7 +66,7 @@ float sum_exp_on(int path, const float* x, int64_t n, float m) {
 extern "C" {
 
 // Bumped whenever the layout or the arithmetic changes (the Python side checks it).
-int fr_abi_version() { return 7; }
+int fr_abi_version() { return 8; }
 
 // Bit p set: path p (0 scalar, 1 AVX2, 2 AVX-512 VNNI) is built in and runs on this CPU.
 int fr_paths() {
@@ -123,6 +123,18 @@ void fr_argmax(int path, const float* x, int64_t m, int64_t n, int64_t ldx, int6
     for (int64_t r = 0; r < m; ++r) {
         const float* row = x + r * ldx;
         out[r] = argmax_on(path, row, n);
+    }
+}
+
+// out[r] = x[r] normalised as the layers' RMSNorms normalise (gain, eps), rows [0, m) of x with row
+// stride ldx, n a multiple of 16; out's row stride n.
+void fr_rmsnorm(int path, const float* x, int64_t m, int64_t n, int64_t ldx, const float* gain, float eps, float* out) {
+    switch (path) {
+#if defined(__x86_64__)
+        case AVX512: rmsnorm_avx512(x, m, n, ldx, gain, eps, out); break;
+        case AVX2: rmsnorm_avx2(x, m, n, ldx, gain, eps, out); break;
+#endif
+        default: rmsnorm_scalar(x, m, n, ldx, gain, eps, out); break;
     }
 }
 

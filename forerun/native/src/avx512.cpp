@@ -511,6 +511,10 @@ void layer_avx512(const LayerDesc& l, const PassDesc& pass, int64_t layer, float
     run_layer(l, pass, layer, x, id, threads);
 }
 
+void rmsnorm_avx512(const float* x, int64_t m, int64_t n, int64_t ldx, const float* gain, float eps, float* out) {
+    for (int64_t r = 0; r < m; ++r) rmsnorm(x + r * ldx, gain, eps, n, out + r * n);
+}
+
 // Two passes: the largest value (any NaN sends the row to the scalar scan, which finds the first),
 // then the first index holding it. A logits row is read once from cache by each.
 int64_t argmax_avx512(const float* x, int64_t n) {

@@ -97,9 +97,13 @@ ActRow act_row(const uint8_t* base, int64_t k, int qb);
 // largest (the first NaN), as in torch.argmax. n >= 1.
 // sum_exp: the sum over x[0, n) of exp_fr(x[i] - m), x[i]'s term added into lane i % 16 in order and
 // the lanes summed by tree16 (fr_math.h): the same bits on every path.
+// rmsnorm: rows [0, m) of x (row stride ldx, n a multiple of 16) normalised as the layers' norms
+// (layer_impl.h) into out (row stride n).
 #define FORERUN_PATH_FUNCTIONS(path)                                                                  \
     int64_t argmax_##path(const float* x, int64_t n);                                                 \
     float sum_exp_##path(const float* x, int64_t n, float m);                                         \
+    void rmsnorm_##path(const float* x, int64_t m, int64_t n, int64_t ldx, const float* gain, float eps,  \
+                        float* out);                                                                  \
     void quantize_##path(const float* x, int64_t m, int64_t k, int64_t ldx, int qb, uint8_t* act);    \
     void matmul_##path(int type, const uint8_t* w, int64_t k, const uint8_t* act, int64_t m,          \
                        int64_t tile0, int64_t tile1, int64_t n, float* y, int64_t ldy, const float* bias); \

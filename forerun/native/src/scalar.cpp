@@ -171,6 +171,10 @@ void layer_scalar(const LayerDesc& l, const PassDesc& pass, int64_t layer, float
     run_layer(l, pass, layer, x, id, threads);
 }
 
+void rmsnorm_scalar(const float* x, int64_t m, int64_t n, int64_t ldx, const float* gain, float eps, float* out) {
+    for (int64_t r = 0; r < m; ++r) rmsnorm(x + r * ldx, gain, eps, n, out + r * n);
+}
+
 int64_t argmax_scalar(const float* x, int64_t n) {
     int64_t best = 0;
     for (int64_t i = 0; i < n; ++i) {
