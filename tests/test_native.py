@@ -198,6 +198,21 @@ def test_looked_up_rows_are_gguf_pys_dequantized_rows_exactly(kind) -> None:
     assert np.array_equal(got.numpy(), want.astype(np.float32))
 
 
+def test_a_row_the_tensor_lacks_is_an_index_error_naming_it() -> None:
+    from forerun.models.gguf_format import GGUFEmbedding
+
+    n, k = 9, 256
+    raw = torch.from_numpy(random_blocks("Q4_K", n, k, seed=4)).view(-1)
+    for bad in (9, -1):
+        with pytest.raises(IndexError, match=f"row {bad} out of range \\[0, 9\\)"):
+            native.dequantize_rows(native.TYPES["Q4_K"], raw, k, torch.tensor([0, bad, 2]))
+    embedding = GGUFEmbedding(native.TYPES["Q4_K"], raw.view(n, -1), n, k)
+    first = native.dequantize_rows(native.TYPES["Q4_K"], raw, k, torch.tensor([0]))[0]
+    assert torch.equal(embedding(torch.tensor([[8, 0]]))[0, 1], first)
+    with pytest.raises(IndexError, match="token id 10 out of range"):
+        embedding(torch.tensor([[1, 10]]))
+
+
 def test_a_float16_cache_entry_is_rounded_as_torch_rounds() -> None:
     # Nearest, ties to even, over a sweep of float32 bit patterns: subnormal halves, the overflow to
     # infinity at 65520, signed zeros, infinities and NaNs (quieted, the payload's top bits kept).

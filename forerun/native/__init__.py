@@ -23,7 +23,7 @@ import torch
 
 from forerun.base.errors import ForerunError
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 PATHS = ("scalar", "avx2", "avx512")  # bit i of fr_paths() is PATHS[i]
 PATH_ENV = "FORERUN_KERNEL_PATH"
 
@@ -40,7 +40,7 @@ _SIGNATURES = {
     "fr_packed_bytes": ([_c_int, _c_i64, _c_i64], _c_i64),
     "fr_act_row_bytes": ([_c_i64], _c_i64),
     "fr_repack": ([_c_int, _ptr, _c_i64, _c_i64, _ptr, _c_int], None),
-    "fr_dequantize_rows": ([_c_int, _ptr, _c_i64, _ptr, _c_i64, _ptr], None),
+    "fr_dequantize_rows": ([_c_int, _ptr, _c_i64, _ptr, _c_i64, _c_i64, _ptr], _c_i64),
     "fr_to_half": ([_ptr, _c_i64, _ptr], None),
     "fr_quantize": ([_c_int, _ptr, _c_i64, _c_i64, _c_i64, _c_int, _ptr], None),
     "fr_argmax": ([_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr], None),
@@ -171,16 +171,17 @@ def weight_buffer(size: int) -> torch.Tensor:
     return whole[skip : skip + size]
 
 
-def dequantize_rows(type_id: int, raw: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tensor:
-    """Rows `rows` (int64) of a GGUF tensor of k inputs a row, as float32 [len(rows), k]."""
+def dequantize_rows(type_id: int, raw: torch.Tensor, k: int, rows: torch.Tensor, what: str = "row") -> torch.Tensor:
+    """Rows `rows` (int64) of a GGUF tensor of k inputs a row, as float32 [len(rows), k]; an
+    IndexError naming `what` for a row the tensor lacks."""
     rows = rows.to(torch.int64).contiguous()
     stored = raw.numel() // (k // block_inputs(type_id) * gguf_block_bytes(type_id))
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= stored):
-        raise IndexError(f"row out of range [0, {stored})")
     out = torch.empty(rows.numel(), k, dtype=torch.float32)
-    library().fr_dequantize_rows(
-        type_id, _check(raw, torch.uint8, "raw"), k, rows.data_ptr(), rows.numel(), out.data_ptr()
+    bad = library().fr_dequantize_rows(
+        type_id, _check(raw, torch.uint8, "raw"), k, rows.data_ptr(), rows.numel(), stored, out.data_ptr()
     )
+    if bad >= 0:
+        raise IndexError(f"{what} {int(rows[bad])} out of range [0, {stored})")
     return out
 
 

@@ -66,7 +66,7 @@ float sum_exp_on(int path, const float* x, int64_t n, float m) {
 extern "C" {
 
 // Bumped whenever the layout or the arithmetic changes (the Python side checks it).
-int fr_abi_version() { return 8; }
+int fr_abi_version() { return 9; }
 
 // Bit p set: path p (0 scalar, 1 AVX2, 2 AVX-512 VNNI) is built in and runs on this CPU.
 int fr_paths() {
@@ -102,8 +102,13 @@ void fr_to_half(const float* x, int64_t n, uint16_t* out) {
     for (int64_t i = 0; i < n; ++i) out[i] = f32_to_f16(x[i]);
 }
 
-void fr_dequantize_rows(int type, const uint8_t* src, int64_t k, const int64_t* rows, int64_t count, float* out) {
+// Returns -1, or the index of the first entry of `rows` outside [0, stored) (nothing written then).
+int64_t fr_dequantize_rows(int type, const uint8_t* src, int64_t k, const int64_t* rows, int64_t count,
+                           int64_t stored, float* out) {
+    for (int64_t r = 0; r < count; ++r)
+        if (rows[r] < 0 || rows[r] >= stored) return r;
     dequantize_rows(type, src, k, rows, count, out);
+    return -1;
 }
 
 // Rows [0, m) of x quantized in blocks of qb (256 or 32) into act.
