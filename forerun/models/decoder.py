@@ -328,9 +328,6 @@ class Decoder(nn.Module):
             layout = segments  # the blocks pass it on to attention
         elif layout is None and attention_mask is None:
             layout = self._native_chain(cache, tokens)
-        mask, causal = (
-            (None, False) if layout is not None else self._mask(attention_mask, cache.length, t, tokens.device)
-        )
         x = self.embed_tokens(tokens).to(self.dtype)  # [B, T, hidden]
         order = range(self.cfg.num_layers) if layers is None else layers
         fast = self._native_layers() if layout is not None and x.shape[0] == 1 else None
@@ -338,8 +335,7 @@ class Decoder(nn.Module):
             rows = segments if segments is not None else [Segment(0, t, cache, layout)]
             x, layer_hidden = native_layer.run_layers(self, fast, x, positions, rows, order, hidden_layer)
         else:
-            cos, sin = self._rope.tables(positions, self.dtype)  # [B, T, 1, D]
-            x, layer_hidden = self._layers(x, cos, sin, cache, mask, causal, layout, order, hidden_layer)
+            x, layer_hidden = self._layers(x, positions, cache, attention_mask, layout, order, hidden_layer)
         for seg in segments if segments is not None else ():
             seg.cache.advance(seg.stop - seg.start)
         if cache is not None:
@@ -355,9 +351,12 @@ class Decoder(nn.Module):
             layer_hidden=layer_hidden,
         )
 
-    def _layers(self, x, cos, sin, cache, mask, causal, layout, order, hidden_layer):
+    def _layers(self, x, positions, cache, attention_mask, layout, order, hidden_layer):
         """x [B, T, hidden] through the layers in `order` op by op (PyTorch): (output, the output of
         `hidden_layer` or None)."""
+        t = x.shape[1]
+        mask, causal = (None, False) if layout is not None else self._mask(attention_mask, cache.length, t, x.device)
+        cos, sin = self._rope.tables(positions, self.dtype)  # [B, T, 1, D]
         layer_hidden = None
         for i in order:
             x = self.layers[i].forward(x, cos, sin, cache, i, mask, causal, layout)
