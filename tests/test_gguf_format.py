@@ -243,6 +243,9 @@ def counting_layers(decoder, monkeypatch) -> list[int]:
             calls.extend(order[:count])
             return lib.fr_layers(path, layers, order, count, *rest)
 
+        def __getattr__(self, name: str):
+            return getattr(lib, name)
+
     monkeypatch.setattr(prepared, "lib", Counting())
     return calls
 
@@ -274,6 +277,25 @@ def test_the_native_call_keeps_a_middle_layers_stream_for_every_row(model, monke
     assert calls == [*range(decoder.cfg.num_layers), 0]
     assert torch.equal(whole.layer_hidden, upto.layer_hidden)
     assert not torch.equal(whole.logits, upto.logits)
+
+
+def test_the_final_norm_and_head_in_one_call_are_the_norm_and_the_heads_product_bit_for_bit(model, monkeypatch) -> None:
+    # A native forward scores its rows in one call (native_layer.score): the same bits as the final
+    # norm then the head's own product, for the decoder's head and a reduced-vocabulary one, for one
+    # row and several; a forward whose head the call cannot run takes the two apart: the same bits.
+    decoder = model.decoder
+    prepared = decoder._native_layers()
+    x = torch.randn(5, decoder.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    for head in (decoder.lm_head, decoder.lm_head.take_rows(torch.tensor([7, 1, 30, 2, 64]))):
+        for rows in (x[2:3], x):
+            scored, logits = native_layer.score(decoder, prepared, head, rows)
+            apart = native_layer.final_norm(decoder.norm, rows)
+            assert torch.equal(scored, apart) and torch.equal(logits, head(apart))
+    ids, layout = torch.arange(3, 10), attention.RowLayout.chain(0, 7)
+    fused = decoder(ids, torch.arange(7), decoder.new_cache(16), layout=layout, output_hidden=True)
+    monkeypatch.setattr(prepared, "head", lambda module: None)
+    two = decoder(ids, torch.arange(7), decoder.new_cache(16), layout=layout, output_hidden=True)
+    assert torch.equal(fused.logits, two.logits) and torch.equal(fused.hidden, two.hidden)
 
 
 def test_a_decoder_the_native_layers_cannot_run_never_asks_for_the_kernels(monkeypatch) -> None:

@@ -251,13 +251,17 @@ def named_native_layers(decoder) -> Iterator[None]:
         yield
         return
     lib = prepared.lib
-    run = lib.fr_layers
+    run, score = lib.fr_layers, lib.fr_norm_head
 
     def named(*args):
         with torch.profiler.record_function(NATIVE_LAYERS):
             return run(*args)
 
-    prepared.lib = _Named(lib, named)
+    def scored(*args):  # the final norm and the head's product: a product's time
+        with torch.profiler.record_function("forerun::product"):
+            return score(*args)
+
+    prepared.lib = _Named(lib, named, scored)
     try:
         yield
     finally:
@@ -265,10 +269,10 @@ def named_native_layers(decoder) -> Iterator[None]:
 
 
 class _Named:
-    """The library with fr_layers wrapped, every other function as it is."""
+    """The library with fr_layers and fr_norm_head wrapped, every other function as it is."""
 
-    def __init__(self, lib, fr_layers) -> None:
-        self._lib, self.fr_layers = lib, fr_layers
+    def __init__(self, lib, fr_layers, fr_norm_head) -> None:
+        self._lib, self.fr_layers, self.fr_norm_head = lib, fr_layers, fr_norm_head
 
     def __getattr__(self, name: str):
         return getattr(self._lib, name)
@@ -277,7 +281,8 @@ class _Named:
 def products_alone(decoder, one_pass, steps: int, rows: int) -> tuple[float, int]:
     """(ms, bytes): the product modules `one_pass` calls, called again back to back on the inputs
     they had in it (the median of `steps` runs), and the bytes of their weights, each module once.
-    Products inside native layers are no module call of the pass: each is called on random rows."""
+    Products inside native layers (and a head scored in the native call after them) are no module
+    call of the pass: each is called on random rows."""
     calls: list[tuple[torch.nn.Module, torch.Tensor]] = []
     hooks = [
         m.register_forward_pre_hook(lambda m, args: calls.append((m, args[0].clone())))
@@ -289,7 +294,10 @@ def products_alone(decoder, one_pass, steps: int, rows: int) -> tuple[float, int
     finally:
         for hook in hooks:
             hook.remove()
-    if decoder._native_layers() is not None:
+    prepared = decoder._native_layers()
+    if prepared is not None:
+        if prepared.head(decoder.lm_head) is not None:  # scored in the native call after the layers
+            calls.append((decoder.lm_head, torch.randn(rows, decoder.lm_head.in_features)))
         for block in decoder.layers:
             for module in (
                 block.self_attn.qkv_proj,

@@ -340,16 +340,23 @@ class Decoder(nn.Module):
             seg.cache.advance(seg.stop - seg.start)
         if cache is not None:
             cache.advance(t)
-        last = _scored_rows(segments, last_only)
+        out = self._score(x, _scored_rows(segments, last_only), head, fast, output_hidden, all_hidden)
+        out.layer_hidden = layer_hidden
+        return out
+
+    def _score(self, x, last, head, fast, output_hidden: bool, all_hidden: bool) -> DecoderOutput:
+        """The final norm over x [B, T, hidden] and the head's logits of rows `last` (None: all);
+        every row's normalised state with `output_hidden` and `all_hidden`, else the scored rows'."""
+        head = self.lm_head if head is None else head
+        if fast is not None and not (output_hidden and all_hidden and last is not None):
+            scored, logits = native_layer.score(self, fast, head, x[0] if last is None else x[0, last])
+            if logits is not None:  # the final norm and the head in one native call
+                return DecoderOutput(logits[None], scored[None] if output_hidden else None)
         if last is not None and not (output_hidden and all_hidden):
             x, last = x[:, last], None
         x = self.norm(x) if fast is None else native_layer.final_norm(self.norm, x)
         scored = x if last is None else x[:, last]
-        return DecoderOutput(
-            logits=(self.lm_head if head is None else head)(scored).float(),
-            hidden=x if output_hidden else None,
-            layer_hidden=layer_hidden,
-        )
+        return DecoderOutput(head(scored).float(), x if output_hidden else None)
 
     def _layers(self, x, positions, cache, attention_mask, layout, order, hidden_layer):
         """x [B, T, hidden] through the layers in `order` op by op (PyTorch): (output, the output of

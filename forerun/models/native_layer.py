@@ -110,6 +110,15 @@ class NativeLayers:
         self.lib = native.library()  # what runs fr_layers (the profiler wraps it)
         self.array = (LayerDesc * len(self.layers))(*self.layers)  # fr_layers indexes them
         self._scratch: list[torch.Tensor] = []  # for up to SCRATCH_ROWS rows, made at first use
+        self._heads: dict[int, tuple[nn.Module, Product | None]] = {}
+
+    def head(self, module: nn.Module) -> Product | None:
+        """A head's native description (the decoder's own, a draft's reduced vocabulary), made at
+        its first use; None where the kernels cannot run it as the layers' products run."""
+        if id(module) not in self._heads:
+            ok = isinstance(module, GGUFLinear) and module.kernel == native.PATHS[self.path]
+            self._heads[id(module)] = (module, _product(module) if ok else None)  # the module kept alive
+        return self._heads[id(module)][1]
 
     def scratch(self, t: int, scores: int) -> list[torch.Tensor]:
         """A forward's working buffers for t rows, in fr_layers' PassDesc order, the last `scores`
@@ -193,6 +202,9 @@ def _visible(layout: RowLayout, start: int) -> list[tuple[int, list[int]]]:
     return out  # type: ignore[return-value]
 
 
+Scored = tuple[torch.Tensor, torch.Tensor | None]  # (normalised rows, logits or None)
+
+
 class _Rows:
     """The ctypes rows of one forward and the arrays their pointers point into (kept alive here)."""
 
@@ -271,6 +283,34 @@ def run_layers(
         threads,
     )
     return x, layer_hidden
+
+
+def score(decoder, prepared: NativeLayers, head: nn.Module, x: torch.Tensor) -> Scored:
+    """Rows x [m, hidden] through the decoder's final norm and `head` in one native call: (the
+    normalised rows, their logits [m, head's outputs]); (x, None) where the head is not one the
+    kernels run (another format, a fallback part, another kernel path)."""
+    product, norm = prepared.head(head), decoder.norm
+    if product is None or norm.weight.dtype != torch.float32 or norm.weight.shape != (product.inputs,):
+        return x, None
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m = x.shape[0]
+    scored, logits = torch.empty(m, product.inputs), torch.empty(m, product.out)
+    acts = prepared.scratch(m, 16)[5:7]  # held until the call returns (more than 64 rows: made for it)
+    pass_desc = PassDesc(rows=m)
+    pass_desc.act_k, pass_desc.act_0 = acts[0].data_ptr(), acts[1].data_ptr()
+    prepared.lib.fr_norm_head(
+        prepared.path,
+        ctypes.byref(product),
+        norm.weight.data_ptr(),
+        norm.eps,
+        ctypes.byref(pass_desc),
+        x.data_ptr(),
+        x.stride(0),
+        scored.data_ptr(),
+        logits.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return scored, logits
 
 
 def final_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 
 from forerun.base.errors import ForerunError
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 PATHS = ("scalar", "avx2", "avx512")  # bit i of fr_paths() is PATHS[i]
 PATH_ENV = "FORERUN_KERNEL_PATH"
 
@@ -48,6 +48,7 @@ _SIGNATURES = {
     "fr_rmsnorm": ([_c_int, _ptr, _c_i64, _c_i64, _c_i64, _ptr, ctypes.c_float, _ptr], None),
     "fr_matmul": ([_c_int, _c_int, _ptr, _c_i64, _c_i64, _ptr, _c_i64, _ptr, _c_i64, _ptr, _c_int], None),
     "fr_layers": ([_c_int, _ptr, _ptr, _c_i64, _ptr, _ptr, _c_i64, _ptr, _c_int], None),
+    "fr_norm_head": ([_c_int, _ptr, _ptr, ctypes.c_float, _ptr, _ptr, _c_i64, _ptr, _ptr, _c_int], None),
 }
 
 _lock = threading.Lock()

@@ -66,7 +66,7 @@ float sum_exp_on(int path, const float* x, int64_t n, float m) {
 extern "C" {
 
 // Bumped whenever the layout or the arithmetic changes (the Python side checks it).
-int fr_abi_version() { return 9; }
+int fr_abi_version() { return 10; }
 
 // Bit p set: path p (0 scalar, 1 AVX2, 2 AVX-512 VNNI) is built in and runs on this CPU.
 int fr_paths() {
@@ -207,6 +207,24 @@ void fr_layers(int path, const LayerDesc* layers, const int64_t* order, int64_t 
                 share(pass->rows, id, team, &r0, &r1);
                 memcpy(kept + r0 * l.hidden, x + r0 * l.hidden, (r1 - r0) * l.hidden * sizeof(float));
             }
+        }
+    }
+}
+
+// Rows [0, m) of x (row stride ldx) through the final RMSNorm (gain, eps) into h [m, head->in] and
+// then the head's product into y [m, head->out]: what a forward after fr_layers does to score its
+// rows, in one call; `pass` gives the activation buffers (act_k, act_0, m rows of head->in inputs).
+void fr_norm_head(int path, const Product* head, const float* gain, float eps, const PassDesc* pass, const float* x,
+                  int64_t ldx, float* h, float* y, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        const int id = omp_get_thread_num(), team = omp_get_num_threads();
+        switch (path) {
+#if defined(__x86_64__)
+            case AVX512: norm_head_avx512(*head, gain, eps, *pass, x, ldx, h, y, id, team); break;
+            case AVX2: norm_head_avx2(*head, gain, eps, *pass, x, ldx, h, y, id, team); break;
+#endif
+            default: norm_head_scalar(*head, gain, eps, *pass, x, ldx, h, y, id, team); break;
         }
     }
 }

@@ -107,7 +107,9 @@ ActRow act_row(const uint8_t* base, int64_t k, int qb);
     void quantize_##path(const float* x, int64_t m, int64_t k, int64_t ldx, int qb, uint8_t* act);    \
     void matmul_##path(int type, const uint8_t* w, int64_t k, const uint8_t* act, int64_t m,          \
                        int64_t tile0, int64_t tile1, int64_t n, float* y, int64_t ldy, const float* bias); \
-    void layer_##path(const LayerDesc& l, const PassDesc& pass, int64_t layer, float* x, int id, int threads);
+    void layer_##path(const LayerDesc& l, const PassDesc& pass, int64_t layer, float* x, int id, int threads); \
+    void norm_head_##path(const Product& head, const float* gain, float eps, const PassDesc& pass, const float* x, \
+                          int64_t ldx, float* h, float* y, int id, int threads);
 
 FORERUN_PATH_FUNCTIONS(scalar)
 FORERUN_PATH_FUNCTIONS(avx2)

@@ -296,3 +296,17 @@ inline void run_layer(const LayerDesc& l, const PassDesc& pass, int64_t layer, f
         for (int64_t i = 0; i < hidden; ++i) xr[i] += add[i];
     }
 }
+
+// The final norm and the head over rows [0, pass.rows) of x (row stride ldx): each row normalised as
+// the layers' norms into h [rows, head.in] and quantized (this thread's rows), then this thread's
+// share of the head's output tiles into y [rows, head.out]: fr_rmsnorm's rows and fr_matmul's sums.
+inline void run_norm_head(const Product& head, const float* gain, float eps, const PassDesc& pass, const float* x,
+                          int64_t ldx, float* h, float* y, int id, int threads) {
+    int64_t r0, r1;
+    share(pass.rows, id, threads, &r0, &r1);
+    for (int64_t r = r0; r < r1; ++r) rmsnorm(x + r * ldx, gain, eps, head.in, h + r * head.in);
+    quantize_for(head, pass, h, head.in, r0, r1);
+#pragma omp barrier
+    product(head, pass, y, id, threads);
+}
+

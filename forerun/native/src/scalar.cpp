@@ -171,6 +171,11 @@ void layer_scalar(const LayerDesc& l, const PassDesc& pass, int64_t layer, float
     run_layer(l, pass, layer, x, id, threads);
 }
 
+void norm_head_scalar(const Product& head, const float* gain, float eps, const PassDesc& pass, const float* x,
+                       int64_t ldx, float* h, float* y, int id, int threads) {
+    run_norm_head(head, gain, eps, pass, x, ldx, h, y, id, threads);
+}
+
 void rmsnorm_scalar(const float* x, int64_t m, int64_t n, int64_t ldx, const float* gain, float eps, float* out) {
     for (int64_t r = 0; r < m; ++r) rmsnorm(x + r * ldx, gain, eps, n, out + r * n);
 }
