@@ -285,9 +285,9 @@ def test_the_final_norm_and_head_in_one_call_are_the_norm_and_the_heads_product_
     # row and several; a forward whose head the call cannot run takes the two apart: the same bits.
     decoder = model.decoder
     prepared = decoder._native_layers()
-    x = torch.randn(5, decoder.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(70, decoder.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     for head in (decoder.lm_head, decoder.lm_head.take_rows(torch.tensor([7, 1, 30, 2, 64]))):
-        for rows in (x[2:3], x):
+        for rows in (x[2:3], x[:5], x):  # more than 64 rows: buffers made for the call
             scored, logits = native_layer.score(decoder, prepared, head, rows)
             apart = native_layer.final_norm(decoder.norm, rows)
             assert torch.equal(scored, apart) and torch.equal(logits, head(apart))

@@ -132,6 +132,14 @@ class NativeLayers:
             self._scratch[-1] = torch.empty(max(scores, 2 * self._scratch[-1].numel()))
         return self._scratch
 
+    def acts(self, t: int) -> list[torch.Tensor]:
+        """The two activation buffers alone (256- and 32-blocks) for t rows: the shared ones for up
+        to SCRATCH_ROWS rows, else new ones."""
+        if t > SCRATCH_ROWS:
+            act = native.act_row_bytes(self.widest)
+            return [torch.empty(t, act, dtype=torch.uint8) for _ in range(2)]
+        return self.scratch(t, 0)[5:7]
+
     def _buffers(self, t: int) -> list[torch.Tensor]:
         first = self.layers[0]
         widths = (self.widest, first.qkv.out, first.heads * first.head_dim, first.hidden, first.gate_up.out)
@@ -295,7 +303,7 @@ def score(decoder, prepared: NativeLayers, head: nn.Module, x: torch.Tensor) -> 
     x = x if x.stride(-1) == 1 else x.contiguous()
     m = x.shape[0]
     scored, logits = torch.empty(m, product.inputs), torch.empty(m, product.out)
-    acts = prepared.scratch(m, 16)[5:7]  # held until the call returns (more than 64 rows: made for it)
+    acts = prepared.acts(m)  # held until the call returns
     pass_desc = PassDesc(rows=m)
     pass_desc.act_k, pass_desc.act_0 = acts[0].data_ptr(), acts[1].data_ptr()
     prepared.lib.fr_norm_head(
