@@ -135,16 +135,16 @@ class NativeLayers:
     def acts(self, t: int) -> list[torch.Tensor]:
         """The two activation buffers alone (256- and 32-blocks) for t rows: the shared ones for up
         to SCRATCH_ROWS rows, else new ones."""
-        if t > SCRATCH_ROWS:
-            act = native.act_row_bytes(self.widest)
-            return [torch.empty(t, act, dtype=torch.uint8) for _ in range(2)]
-        return self.scratch(t, 0)[5:7]
+        return self._acts(t) if t > SCRATCH_ROWS else self.scratch(t, 0)[5:7]
+
+    def _acts(self, t: int) -> list[torch.Tensor]:
+        act = native.act_row_bytes(self.widest)
+        return [torch.empty(t, act, dtype=torch.uint8) for _ in range(2)]
 
     def _buffers(self, t: int) -> list[torch.Tensor]:
         first = self.layers[0]
         widths = (self.widest, first.qkv.out, first.heads * first.head_dim, first.hidden, first.gate_up.out)
-        act = native.act_row_bytes(self.widest)
-        return [*(torch.empty(t, w) for w in widths), *(torch.empty(t, act, dtype=torch.uint8) for _ in range(2))]
+        return [*(torch.empty(t, w) for w in widths), *self._acts(t)]
 
 
 def _product(module: nn.Module) -> Product | None:
