@@ -298,6 +298,69 @@ def test_the_final_norm_and_head_in_one_call_are_the_norm_and_the_heads_product_
     assert torch.equal(fused.logits, two.logits) and torch.equal(fused.hidden, two.hidden)
 
 
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_a_chain_forward_in_few_calls_is_the_general_forward_bit_for_bit(model, monkeypatch, kv) -> None:
+    # Decoder.forward_chain (drafting, a catch-up) runs the embedding, the layers and the head as
+    # native calls with little Python: its logits, its cache entries and its cache length are the
+    # general forward's, for one row and several, after a filled cache, with the decoder's head and
+    # a reduced one; past the shared buffers' rows it is the general forward itself.
+    decoder = model.decoder
+    monkeypatch.setattr(decoder, "kv_cache_dtype", kv)
+    reduced = decoder.lm_head.take_rows(torch.tensor([7, 1, 30, 2, 64]))
+    prompt = list(range(3, 40))
+    for head in (None, reduced):
+        for rows in ([11], [5, 9, 2], [(7 * i) % 90 for i in range(native_layer.SCRATCH_ROWS + 1)]):
+            caches = [decoder.new_cache(160), decoder.new_cache(160)]
+            for cache in caches:
+                decoder.forward_ids(prompt, cache)
+            start = len(prompt)
+            general = decoder(
+                torch.tensor(rows),
+                torch.arange(start, start + len(rows)),
+                caches[0],
+                layout=attention.RowLayout.chain(start, len(rows)),
+                last_only=True,
+                head=head,
+            ).logits[0]
+            lean = decoder.forward_chain(rows, caches[1], head)
+            assert lean.shape == general.shape == (1, (reduced if head else decoder.lm_head).out_features)
+            assert torch.equal(lean, general)
+            assert caches[0].length == caches[1].length == start + len(rows)
+            end = start + len(rows)
+            assert torch.equal(caches[0].k[..., :end, :], caches[1].k[..., :end, :])
+            assert torch.equal(caches[0].v[..., :end, :], caches[1].v[..., :end, :])
+
+
+def test_a_chain_forward_calls_the_kernels_three_times_and_turns_bad_input_away_untouched(model, monkeypatch) -> None:
+    decoder = model.decoder
+    prepared = decoder._native_layers()
+    calls: list[str] = []
+    lib = prepared.lib
+
+    class Counting:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(lib, name)
+
+    monkeypatch.setattr(prepared, "lib", Counting())
+    cache = decoder.new_cache(20)
+    decoder.forward_chain([3, 4], cache)
+    assert calls == ["fr_dequantize_rows", "fr_layers", "fr_norm_head"] and cache.length == 2
+    k_before = cache.k.clone()
+    vocab = decoder.embed_tokens.num_embeddings
+    with pytest.raises(IndexError, match=f"token id {vocab} out of range"):
+        decoder.forward_chain([5, vocab], cache)
+    slots = cache.max_len
+    with pytest.raises(ValueError, match=f"KV cache overflow: {slots + 1} slots needed, {slots} allocated"):
+        decoder.forward_chain(list(range(slots - 1)), cache)
+    assert cache.length == 2 and torch.equal(cache.k, k_before)
+    fused = decoder.forward_chain([6], cache)  # a head the kernels cannot run: the general forward
+    cache.truncate(2)
+    calls.clear()
+    monkeypatch.setattr(prepared, "head", lambda module: None)
+    assert torch.equal(decoder.forward_chain([6], cache), fused) and calls == ["fr_layers"]
+
+
 def test_a_decoder_the_native_layers_cannot_run_never_asks_for_the_kernels(monkeypatch) -> None:
     # Asking whether the kernels are available may build them: a bf16 decoder's cache dtype and
     # forwards are settled without asking.

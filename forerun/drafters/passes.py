@@ -117,21 +117,12 @@ def forward(passes: list[DraftPass]) -> list[torch.Tensor]:
     """One forward over every pass's rows (all on one decoder and head); each pass's last-row
     logits [1, N] ([2, N] with a branch: the chain's, then the branch's), and its timing fields set."""
     first = passes[0]
-    decoder, device = first.decoder, first.decoder.device
+    decoder = first.decoder
     many_rows = any(len(p.tokens) > 1 for p in passes)
     start = time.perf_counter()
     with linear.prefill() if many_rows else nullcontext():
         if len(passes) == 1 and not first.branch:
-            logits = [
-                decoder(
-                    torch.tensor(first.tokens, device=device),
-                    torch.arange(first.start, first.start + len(first.tokens), device=device),
-                    first.cache,
-                    layout=RowLayout.chain(first.start, len(first.tokens)),
-                    last_only=True,
-                    head=first.head,
-                ).logits[0]  # [1, N]
-            ]
+            logits = [decoder.forward_chain(first.tokens, first.cache, first.head)]  # [1, N]
         else:
             logits = _forward_segments(passes)
     share = (time.perf_counter() - start) / len(passes)

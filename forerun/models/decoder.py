@@ -290,6 +290,19 @@ class Decoder(nn.Module):
         device = self.device
         return self(torch.tensor(ids, device=device), torch.arange(len(ids), device=device), cache, **kwargs)
 
+    @torch.inference_mode()
+    def forward_chain(self, tokens: list[int], cache: KVCache, head: nn.Module | None = None) -> torch.Tensor:
+        """The last row's logits [1, N] of `tokens` fed after `cache`'s entries as a chain (a draft
+        token, a catch-up), the cache advanced: `forward` with a chain layout and `last_only`, bit
+        for bit, in a few native calls where the native layers run (`native_layer.chain`)."""
+        fast = self._native_layers()
+        logits = native_layer.chain(self, fast, tokens, cache, head) if fast is not None else None
+        if logits is not None:
+            return logits
+        device, start, t = self.device, cache.length, len(tokens)
+        ids, where = torch.tensor(tokens, device=device), torch.arange(start, start + t, device=device)
+        return self(ids, where, cache, layout=RowLayout.chain(start, t), last_only=True, head=head).logits[0]
+
     def forward(
         self,
         tokens: torch.Tensor,

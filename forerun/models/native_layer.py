@@ -22,7 +22,8 @@ from torch import nn
 
 from forerun import native
 from forerun.models.attention import RowLayout, Segment
-from forerun.models.gguf_format import GGUFLinear
+from forerun.models.gguf_format import GGUFEmbedding, GGUFLinear
+from forerun.models.kv_cache import KVCache
 
 MAX_PARTS = 4
 SCRATCH_ROWS = 64  # forwards of at most this many rows (decoding, verification) reuse one set of buffers
@@ -109,6 +110,7 @@ class NativeLayers:
     def __post_init__(self) -> None:
         self.lib = native.library()  # what runs fr_layers (the profiler wraps it)
         self.array = (LayerDesc * len(self.layers))(*self.layers)  # fr_layers indexes them
+        self.every = (ctypes.c_int64 * len(self.layers))(*range(len(self.layers)))  # all layers in order
         self._scratch: list[torch.Tensor] = []  # for up to SCRATCH_ROWS rows, made at first use
         self._heads: dict[int, tuple[nn.Module, Product | None]] = {}
 
@@ -221,6 +223,16 @@ class _Rows:
         self.keep: list = []
 
 
+def _check_cache(cache: KVCache, rows: int, head_dim: int) -> None:
+    """A clear error where `rows` new rows cannot go into `cache` through the native layers."""
+    if cache.length + rows > cache.max_len:
+        raise ValueError(f"KV cache overflow: {cache.length + rows} slots needed, {cache.max_len} allocated")
+    if cache.k.dtype not in CACHE_DTYPES or cache.k.shape[1] != 1:
+        raise ValueError(f"native layers need a cache of one sequence in {CACHE_DTYPES}, not {cache.k.dtype}")
+    if cache.k.dtype == torch.float16 and head_dim > HALF_DIM:
+        raise ValueError(f"a float16 cache serves heads of at most {HALF_DIM}, not {head_dim}")
+
+
 def _rows(segments: list[Segment], where: list[int], cos: torch.Tensor, sin: torch.Tensor, cfg) -> tuple[_Rows, int]:
     """Every row's description, row i at position where[i] (its rope: row where[i] of the cos and sin
     tables [P, head_dim]); the most slots any row attends to."""
@@ -231,14 +243,7 @@ def _rows(segments: list[Segment], where: list[int], cos: torch.Tensor, sin: tor
     cos_at, sin_at = cos.data_ptr(), sin.data_ptr()
     for seg in segments:
         cache = seg.cache
-        if cache.length + seg.stop - seg.start > cache.max_len:
-            raise ValueError(
-                f"KV cache overflow: {cache.length + seg.stop - seg.start} slots needed, {cache.max_len} allocated"
-            )
-        if cache.k.dtype not in CACHE_DTYPES or cache.k.shape[1] != 1:
-            raise ValueError(f"native layers need a cache of one sequence in {CACHE_DTYPES}, not {cache.k.dtype}")
-        if cache.k.dtype == torch.float16 and d > HALF_DIM:
-            raise ValueError(f"a float16 cache serves heads of at most {HALF_DIM}, not {d}")
+        _check_cache(cache, seg.stop - seg.start, d)
         layer_stride, half = cache.k.stride(0), int(cache.k.dtype == torch.float16)
         for i, (prefix, extra) in enumerate(_visible(seg.layout, cache.length)):
             r = rows.array[seg.start + i]
@@ -272,7 +277,7 @@ def run_layers(
     cos, sin = decoder._rope.rows(max(where) + 1, x.device, torch.float32)  # [P, head_dim]
     rows, most = _rows(segments, where, cos, sin, cfg)
     threads = torch.get_num_threads()
-    stride = max(cfg.num_heads // cfg.num_kv_heads * (-(-most // 16) * 16), 16)
+    stride = _scores_stride(cfg, most)
     scratch = prepared.scratch(t, threads * stride)
     pass_desc = PassDesc(t, rows.array, *(b.data_ptr() for b in scratch), stride)
     x = x.contiguous()
@@ -291,6 +296,71 @@ def run_layers(
         threads,
     )
     return x, layer_hidden
+
+
+def _scores_stride(cfg, most: int) -> int:
+    """Floats of attention scores a thread needs for rows that see at most `most` slots."""
+    return max(cfg.num_heads // cfg.num_kv_heads * (-(-most // 16) * 16), 16)
+
+
+def chain(decoder, prepared: NativeLayers, tokens: list[int], cache: KVCache, head: nn.Module | None):
+    """The logits [1, N] of the last of `tokens` fed after `cache`'s entries as a chain (a draft
+    token, a catch-up), the cache advanced: what `Decoder.forward` with a chain layout and
+    `last_only` returns, bit for bit (the same three native calls: embedding rows, every layer, norm
+    and head), made with a few lines of Python where the general forward runs some hundred.
+    None, with nothing run, where this path does not apply: an embedding or head the kernels do
+    not read, more rows than the shared buffers hold."""
+    embed, norm, cfg, lib = decoder.embed_tokens, decoder.norm, decoder.cfg, prepared.lib
+    product = prepared.head(decoder.lm_head if head is None else head)
+    t, hidden = len(tokens), cfg.hidden_size
+    if product is None or not isinstance(embed, GGUFEmbedding) or not 0 < t <= SCRATCH_ROWS:
+        return None
+    if norm.weight.dtype != torch.float32 or product.inputs != hidden:
+        return None
+    _check_cache(cache, t, cfg.head_dim)
+    x = _embed(lib, embed, tokens)
+    rows = _chain_rows(decoder, cache, t)
+    threads = torch.get_num_threads()
+    stride = _scores_stride(cfg, cache.length + t)
+    ptrs = [b.data_ptr() for b in prepared.scratch(t, threads * stride)]
+    run = PassDesc(t, rows, *ptrs, stride)
+    # What the head's call needs is made before the layers' call, which leaves every cache cold.
+    logits, gain, row = torch.empty(1, product.out), norm.weight.data_ptr(), x.data_ptr() + (t - 1) * hidden * 4
+    last = PassDesc(rows=1, act_k=ptrs[5], act_0=ptrs[6])  # the last row, normalised into the h buffer
+    layers, path = len(prepared.layers), prepared.path
+    lib.fr_layers(path, prepared.array, prepared.every, layers, ctypes.byref(run), x.data_ptr(), -1, None, threads)
+    lib.fr_norm_head(
+        path, ctypes.byref(product), gain, norm.eps, ctypes.byref(last), row, hidden, ptrs[0], logits.data_ptr(),
+        threads,
+    )  # fmt: skip
+    cache.advance(t)
+    return logits
+
+
+def _embed(lib, embed: GGUFEmbedding, tokens: list[int]) -> torch.Tensor:
+    """The tokens' embedding rows [T, hidden] (float32); an IndexError naming a token id the table lacks."""
+    t, stored = len(tokens), embed.raw.shape[0]
+    x = torch.empty(t, embed.embedding_dim)
+    ids = (ctypes.c_int64 * t)(*tokens)
+    bad = lib.fr_dequantize_rows(embed.type_id, embed.raw.data_ptr(), embed.embedding_dim, ids, t, stored, x.data_ptr())
+    if bad >= 0:
+        raise IndexError(f"token id {tokens[bad]} out of range [0, {stored})")
+    return x
+
+
+def _chain_rows(decoder, cache: KVCache, t: int) -> ctypes.Array:
+    """t rows fed at the cache's next slots as a chain: row i sees slots [0, length + i] (the cache
+    and the rows before it), its rope at position length + i."""
+    start, d = cache.length, decoder.cfg.head_dim
+    cos, sin = decoder._rope.rows(start + t, cache.k.device, torch.float32)
+    k, v, half = cache.k.data_ptr(), cache.v.data_ptr(), int(cache.k.dtype == torch.float16)
+    layer_stride, slots, cos_at, sin_at = cache.k.stride(0), cache.max_len, cos.data_ptr(), sin.data_ptr()
+    rows = (RowDesc * t)()
+    for i, r in enumerate(rows):
+        r.k, r.v, r.kv_half, r.layer_stride, r.slots = k, v, half, layer_stride, slots
+        r.write, r.prefix = start + i, start + i + 1
+        r.cos, r.sin = cos_at + (start + i) * d * 4, sin_at + (start + i) * d * 4
+    return rows
 
 
 def score(decoder, prepared: NativeLayers, head: nn.Module, x: torch.Tensor) -> Scored:
