@@ -19,6 +19,7 @@ from forerun import drafters, native
 from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
+from forerun.drafters.lookahead import window_mask, window_offsets
 from forerun.engine.batch import BatchEngine
 from forerun.engine.engine import Engine
 from forerun.models import attention, formats, native_layer
@@ -329,6 +330,34 @@ def test_a_chain_forward_in_few_calls_is_the_general_forward_bit_for_bit(model, 
             end = start + len(rows)
             assert torch.equal(caches[0].k[..., :end, :], caches[1].k[..., :end, :])
             assert torch.equal(caches[0].v[..., :end, :], caches[1].v[..., :end, :])
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_a_verification_in_few_calls_is_the_general_forward_bit_for_bit(model, monkeypatch, kv) -> None:
+    # Decoder.forward_layout (verify's target forward): every row's logits and normalised state, and
+    # the cache entries, are the general forward's for a chain, a tree with branches, and a tree with
+    # lookahead's masked window rows after its nodes.
+    decoder = model.decoder
+    monkeypatch.setattr(decoder, "kv_cache_dtype", kv)
+    trie = DraftTree.trie([[10, 11, 12], [13], [10, 14]])
+    trees = [
+        DraftTree([5, 6, 7], [-1, 0, 1]),
+        trie,
+        DraftTree(trie.tokens, trie.parents, aux_tokens=[20, 21, 30, 31], aux_offsets=window_offsets(2, 2),
+                  aux_mask=window_mask(2, 2)),
+    ]  # fmt: skip
+    for tree in trees:
+        caches = [decoder.new_cache(64), decoder.new_cache(64)]
+        for cache in caches:
+            decoder.forward_ids(list(range(3, 30)), cache)
+        rows = [9] + tree.tokens + tree.aux_tokens
+        layout = row_layout(tree, 27)
+        general = decoder(torch.tensor(rows), tree.positions(27), caches[0], layout=layout, output_hidden=True)
+        lean = decoder.forward_layout(rows, caches[1], row_layout(tree, 27))
+        assert lean.logits.shape == general.logits.shape == (1, len(rows), decoder.lm_head.out_features)
+        assert torch.equal(lean.logits, general.logits) and torch.equal(lean.hidden, general.hidden)
+        assert caches[0].length == caches[1].length == 27 + len(rows)
+        assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
 
 
 def test_a_chain_forward_calls_the_kernels_three_times_and_turns_bad_input_away_untouched(model, monkeypatch) -> None:

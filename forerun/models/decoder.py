@@ -294,14 +294,28 @@ class Decoder(nn.Module):
     def forward_chain(self, tokens: list[int], cache: KVCache, head: nn.Module | None = None) -> torch.Tensor:
         """The last row's logits [1, N] of `tokens` fed after `cache`'s entries as a chain (a draft
         token, a catch-up), the cache advanced: `forward` with a chain layout and `last_only`, bit
-        for bit, in a few native calls where the native layers run (`native_layer.chain`)."""
+        for bit, in a few native calls where the native layers run (`native_layer.forward_rows`)."""
         fast = self._native_layers()
-        logits = native_layer.chain(self, fast, tokens, cache, head) if fast is not None else None
-        if logits is not None:
-            return logits
+        lean = native_layer.forward_rows(self, fast, tokens, cache, head, last_only=True) if fast is not None else None
+        if lean is not None:
+            return lean[1]
         device, start, t = self.device, cache.length, len(tokens)
         ids, where = torch.tensor(tokens, device=device), torch.arange(start, start + t, device=device)
         return self(ids, where, cache, layout=RowLayout.chain(start, t), last_only=True, head=head).logits[0]
+
+    @torch.inference_mode()
+    def forward_layout(self, tokens: list[int], cache: KVCache, layout: RowLayout) -> DecoderOutput:
+        """`forward` of one sequence's `tokens` at the cache's next slots, row i at position
+        layout.positions[i] and seeing what `layout` lets it (a verification), every row scored
+        and its normalised state kept (`output_hidden`): bit for bit the general forward's, in a
+        few native calls where the native layers run (`native_layer.forward_rows`)."""
+        fast = self._native_layers()
+        lean = native_layer.forward_rows(self, fast, tokens, cache, None, layout) if fast is not None else None
+        if lean is not None:
+            return DecoderOutput(lean[1][None], lean[0][None])
+        device = self.device
+        ids, where = torch.tensor(tokens, device=device), torch.tensor(layout.positions, device=device)
+        return self(ids, where, cache, layout=layout, output_hidden=True)
 
     def forward(
         self,

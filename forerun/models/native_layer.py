@@ -303,13 +303,24 @@ def _scores_stride(cfg, most: int) -> int:
     return max(cfg.num_heads // cfg.num_kv_heads * (-(-most // 16) * 16), 16)
 
 
-def chain(decoder, prepared: NativeLayers, tokens: list[int], cache: KVCache, head: nn.Module | None):
-    """The logits [1, N] of the last of `tokens` fed after `cache`'s entries as a chain (a draft
-    token, a catch-up), the cache advanced: what `Decoder.forward` with a chain layout and
-    `last_only` returns, bit for bit (the same three native calls: embedding rows, every layer, norm
-    and head), made with a few lines of Python where the general forward runs some hundred.
-    None, with nothing run, where this path does not apply: an embedding or head the kernels do
-    not read, more rows than the shared buffers hold."""
+def forward_rows(
+    decoder,
+    prepared: NativeLayers,
+    tokens: list[int],
+    cache: KVCache,
+    head: nn.Module | None,
+    layout: RowLayout | None = None,
+    last_only: bool = False,
+) -> Scored | None:
+    """One sequence's `tokens` fed at `cache`'s next slots through every layer, the final norm and
+    `head` (None: the decoder's), the cache advanced: (the scored rows normalised, their logits),
+    the last row's with `last_only`, else every row's. Row i sits at position layout.positions[i]
+    and sees what `layout` lets it (None: a chain, row i at the cache's length + i). What
+    `Decoder.forward` returns for the same rows, bit for bit (the same three native calls:
+    embedding rows, every layer, norm and head), made with a few lines of Python where the general
+    forward runs some hundred (a draft token, a verification). None, with nothing run, where this
+    path does not apply: an embedding or head the kernels do not read, more rows than the shared
+    buffers hold."""
     embed, norm, cfg, lib = decoder.embed_tokens, decoder.norm, decoder.cfg, prepared.lib
     product = prepared.head(decoder.lm_head if head is None else head)
     t, hidden = len(tokens), cfg.hidden_size
@@ -319,22 +330,29 @@ def chain(decoder, prepared: NativeLayers, tokens: list[int], cache: KVCache, he
         return None
     _check_cache(cache, t, cfg.head_dim)
     x = _embed(lib, embed, tokens)
-    rows = _chain_rows(decoder, cache, t)
+    if layout is None:
+        rows, most = _chain_rows(decoder, cache, t), cache.length + t
+    else:
+        cos, sin = decoder._rope.rows(max(layout.positions) + 1, x.device, torch.float32)
+        described, most = _rows([Segment(0, t, cache, layout)], layout.positions, cos, sin, cfg)
+        rows = described.array  # (its slot lists kept alive by `described` until the calls return)
     threads = torch.get_num_threads()
-    stride = _scores_stride(cfg, cache.length + t)
+    stride = _scores_stride(cfg, most)
     ptrs = [b.data_ptr() for b in prepared.scratch(t, threads * stride)]
     run = PassDesc(t, rows, *ptrs, stride)
     # What the head's call needs is made before the layers' call, which leaves every cache cold.
-    logits, gain, row = torch.empty(1, product.out), norm.weight.data_ptr(), x.data_ptr() + (t - 1) * hidden * 4
-    last = PassDesc(rows=1, act_k=ptrs[5], act_0=ptrs[6])  # the last row, normalised into the h buffer
+    m = 1 if last_only else t
+    scored, logits, gain = torch.empty(m, hidden), torch.empty(m, product.out), norm.weight.data_ptr()
+    first = x.data_ptr() + (t - m) * hidden * 4
+    score = PassDesc(rows=m, act_k=ptrs[5], act_0=ptrs[6])
     layers, path = len(prepared.layers), prepared.path
     lib.fr_layers(path, prepared.array, prepared.every, layers, ctypes.byref(run), x.data_ptr(), -1, None, threads)
     lib.fr_norm_head(
-        path, ctypes.byref(product), gain, norm.eps, ctypes.byref(last), row, hidden, ptrs[0], logits.data_ptr(),
-        threads,
+        path, ctypes.byref(product), gain, norm.eps, ctypes.byref(score), first, hidden, scored.data_ptr(),
+        logits.data_ptr(), threads,
     )  # fmt: skip
     cache.advance(t)
-    return logits
+    return scored, logits
 
 
 def _embed(lib, embed: GGUFEmbedding, tokens: list[int]) -> torch.Tensor:

@@ -56,12 +56,9 @@ def verify(target: Decoder, cache: KVCache, root: int, tree: DraftTree | None, p
     accepted path (aux rows included) are left for the caller to drop with cache.keep /
     cache.truncate.
     """
-    start = cache.length
-    device = target.device
     tree = tree if tree is not None else DraftTree([], [])
-    tokens = torch.tensor([root] + tree.tokens + tree.aux_tokens, device=device)  # [R]
-    positions = tree.positions(start).to(device)  # [R]
-    out = target(tokens, positions, cache, layout=row_layout(tree, start), output_hidden=True)
+    # [R] rows: the root, the nodes, the aux rows; their positions are the layout's
+    out = target.forward_layout([root] + tree.tokens + tree.aux_tokens, cache, row_layout(tree, cache.length))
     n = len(tree) + 1
     logits = out.logits[0]  # [R, vocab]
     return Verification(
