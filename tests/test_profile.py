@@ -9,7 +9,7 @@ import pytest
 from forerun.base import cpu
 from forerun.bench import machine
 from forerun.cli import main
-from forerun.commands.profile import KINDS, kind_of, profile_pass
+from forerun.commands.profile import KINDS, Breakdown, kind_of, paired_ratio, profile_pass
 from forerun.models.load import load_model
 from forerun.models.testing import save_hf_folder, tiny_model
 
@@ -114,6 +114,17 @@ def test_the_command_sets_passes_against_the_bound(folder: Path, capsys, monkeyp
     read, bound_ms = row.split("|")[3:5]
     assert read.strip() == "2.0 GB/s"
     assert float(bound_ms) == pytest.approx(w8a8_weight_bytes(decoder.cfg) / 2e9 * 1000, abs=0.05)
+    # Each pass against the read right after it: the first at 2 GB/s, the second at 1 GB/s.
+    paired = float(row.split("|")[9])
+    assert 0 < paired < float(row.split("|")[6])  # half-speed reads make a pass's own bound looser
+
+
+def test_each_pass_is_set_against_the_read_taken_beside_it() -> None:
+    pass_bytes = 10**9
+    b = Breakdown(1, 0.0, {}, [], weight_bytes=pass_bytes, pairs=[(0.5, 2e9), (0.25, 2e9), (0.4, 1e9)])
+    assert paired_ratio(b) == pytest.approx(0.5)  # 1.0, 0.5 and 0.4: the median
+    with pytest.raises(ValueError, match="without bound=True"):
+        paired_ratio(Breakdown(1, 0.0, {}, []))
 
 
 def test_the_command_prints_one_line_per_row_count(folder: Path, capsys, monkeypatch) -> None:

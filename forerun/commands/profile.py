@@ -10,8 +10,10 @@ With --bound it also times the pass's product modules alone, back to back on the
 the pass, and sets both against the read-bandwidth bound: the bytes of the weights a pass reads over
 the fastest plain read this machine does. That read is taken between the timed passes of each row
 count: on a shared machine memory's speed moves from one minute to the next, and a pass is set
-against what memory gave at the same moments. The products alone are the floor a pass over these
-kernels can reach; the rest of the pass is what everything else costs.
+against what memory gave at the same moments, both against the fastest of those reads and, pass by
+pass, against the read right after it (the median of those ratios: what drift moves least). The
+products alone are the floor a pass over these kernels can reach; the rest of the pass is what
+everything else costs.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class Breakdown:
     products_alone_ms: float | None = None  # --bound: the product modules alone, back to back (median)
     weight_bytes: int = 0  # bytes of the weights of the products the pass called
     bandwidth: float = 0.0  # --bound: the fastest plain read between the timed passes, bytes/s
+    pairs: list[tuple[float, float]] | None = None  # --bound: each timed pass (s) and the read after it (bytes/s)
 
 
 # --bound's plain read after each timed pass: far beyond any cache, small beside a pass's weights.
@@ -215,7 +218,8 @@ def profile_pass(decoder, rows: int, context: int, steps: int, top: int, bound: 
     for kind in KINDS[:-1]:
         kinds[kind] *= wall_ms / profiled_ms
     ops.sort(key=lambda op: -op[1])
-    result = Breakdown(rows, wall_ms, kinds, ops[:top], bandwidth=max(reads, default=0.0))
+    pairs = list(zip(times, reads)) if reads else None
+    result = Breakdown(rows, wall_ms, kinds, ops[:top], bandwidth=max(reads, default=0.0), pairs=pairs)
     if bound:
         result.products_alone_ms, result.weight_bytes = products_alone(decoder, one_pass, steps, rows)
     return result
@@ -367,11 +371,19 @@ def render(results: list[Breakdown], title: str) -> str:
     return "\n".join(lines)
 
 
+def paired_ratio(b: Breakdown) -> float:
+    """The median over the timed passes of pass time × the read rate measured right after it ÷ the
+    weights' bytes: each pass against its own bound."""
+    if not b.pairs or b.weight_bytes <= 0:
+        raise ValueError(f"the {b.rows}-row pass was profiled without bound=True")
+    return statistics.median(seconds * rate / b.weight_bytes for seconds, rate in b.pairs)
+
+
 def render_bound(results: list[Breakdown]) -> str:
     """The passes and their products alone against the bytes they read at each row count's plain read."""
     lines = [
-        "| rows | weights read | plain read | bound | pass | × bound | products alone | × bound |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| rows | weights read | plain read | bound | pass | × bound | products alone | × bound | × read beside it |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for b in results:
         if b.bandwidth <= 0 or b.weight_bytes <= 0 or b.products_alone_ms is None:
@@ -380,10 +392,11 @@ def render_bound(results: list[Breakdown]) -> str:
         lines.append(
             f"| {b.rows} | {b.weight_bytes / 1e9:.3f} GB | {b.bandwidth / 1e9:.1f} GB/s | {bound_ms:.1f} | "
             f"{b.wall_ms:.1f} | {b.wall_ms / bound_ms:.2f} | {b.products_alone_ms:.1f} | "
-            f"{b.products_alone_ms / bound_ms:.2f} |"
+            f"{b.products_alone_ms / bound_ms:.2f} | {paired_ratio(b):.2f} |"
         )
     return (
         "Against the read-bandwidth bound (plain read: the fastest of the reads taken between the row "
-        "count's timed passes; products alone: the pass's product modules called back to back, ms):\n\n"
-        + "\n".join(lines)
+        "count's timed passes; products alone: the pass's product modules called back to back, ms; × read "
+        "beside it: the median over the timed passes of each pass against the read taken right after it, "
+        "which a machine whose memory speed drifts from minute to minute moves least):\n\n" + "\n".join(lines)
     )

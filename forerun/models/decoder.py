@@ -290,7 +290,6 @@ class Decoder(nn.Module):
         device = self.device
         return self(torch.tensor(ids, device=device), torch.arange(len(ids), device=device), cache, **kwargs)
 
-    @torch.inference_mode()
     def forward_chain(self, tokens: list[int], cache: KVCache, head: nn.Module | None = None) -> torch.Tensor:
         """The last row's logits [1, N] of `tokens` fed after `cache`'s entries as a chain (a draft
         token, a catch-up), the cache advanced: `forward` with a chain layout and `last_only`, bit
@@ -303,7 +302,6 @@ class Decoder(nn.Module):
         ids, where = torch.tensor(tokens, device=device), torch.arange(start, start + t, device=device)
         return self(ids, where, cache, layout=RowLayout.chain(start, t), last_only=True, head=head).logits[0]
 
-    @torch.inference_mode()
     def forward_layout(self, tokens: list[int], cache: KVCache, layout: RowLayout) -> DecoderOutput:
         """`forward` of one sequence's `tokens` at the cache's next slots, row i at position
         layout.positions[i] and seeing what `layout` lets it (a verification), every row scored
