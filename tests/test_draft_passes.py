@@ -190,3 +190,12 @@ def test_a_branch_rides_along_exactly_and_leaves_only_the_chain_in_the_cache(dra
         assert cache.length == chain_alone.cache.length == len(prefix) + len(tokens)
         assert torch.equal(cache.k[:, :, :, : cache.length], chain_alone.cache.k[:, :, :, : cache.length])
         assert p.rows == len(tokens) + len(branch) + (1 if beside else 0)
+
+
+def test_a_draft_pass_starts_where_its_cache_ends(draft) -> None:
+    # A pass's rows go at its cache's next slots; one that says otherwise is turned away, not run
+    # at the wrong positions.
+    cache = filled_cache(draft.decoder, [3, 4, 5], 8)
+    with pytest.raises(ValueError, match=r"starts at its cache's length \(3\), not at 2"):
+        DraftPass(draft.decoder, cache, [6], 2)
+    assert forward([DraftPass(draft.decoder, cache, [6], 3)])[0].shape[0] == 1 and cache.length == 4

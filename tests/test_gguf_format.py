@@ -7,6 +7,8 @@ file would be. Row independence is checked as bit equality, never closeness.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -299,6 +301,23 @@ def test_the_final_norm_and_head_in_one_call_are_the_norm_and_the_heads_product_
     assert torch.equal(fused.logits, two.logits) and torch.equal(fused.hidden, two.hidden)
 
 
+@contextlib.contextmanager
+def lean_runs() -> Iterator[list[bool]]:
+    """Whether each call of native_layer.forward_rows inside the block ran (True) or left the
+    forward to the general path (False), appended as they return."""
+    ran: list[bool] = []
+    inner = native_layer.forward_rows
+
+    def spy(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        ran.append(out is not None)
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native_layer, "forward_rows", spy)
+        yield ran
+
+
 @pytest.mark.parametrize("kv", ["float32", "float16"])
 def test_a_chain_forward_in_few_calls_is_the_general_forward_bit_for_bit(model, monkeypatch, kv) -> None:
     # Decoder.forward_chain (drafting, a catch-up) runs the embedding, the layers and the head as
@@ -323,7 +342,9 @@ def test_a_chain_forward_in_few_calls_is_the_general_forward_bit_for_bit(model, 
                 last_only=True,
                 head=head,
             ).logits[0]
-            lean = decoder.forward_chain(rows, caches[1], head)
+            with lean_runs() as ran:
+                lean = decoder.forward_chain(rows, caches[1], head)
+            assert ran == [len(rows) <= native_layer.SCRATCH_ROWS]  # the lean path ran, up to the shared buffers
             assert lean.shape == general.shape == (1, (reduced if head else decoder.lm_head).out_features)
             assert torch.equal(lean, general)
             assert caches[0].length == caches[1].length == start + len(rows)
@@ -353,7 +374,9 @@ def test_a_verification_in_few_calls_is_the_general_forward_bit_for_bit(model, m
         rows = [9] + tree.tokens + tree.aux_tokens
         layout = row_layout(tree, 27)
         general = decoder(torch.tensor(rows), tree.positions(27), caches[0], layout=layout, output_hidden=True)
-        lean = decoder.forward_layout(rows, caches[1], row_layout(tree, 27))
+        with lean_runs() as ran:
+            lean = decoder.forward_layout(rows, caches[1], row_layout(tree, 27))
+        assert ran == [True]
         assert lean.logits.shape == general.logits.shape == (1, len(rows), decoder.lm_head.out_features)
         assert torch.equal(lean.logits, general.logits) and torch.equal(lean.hidden, general.hidden)
         assert caches[0].length == caches[1].length == 27 + len(rows)
@@ -361,6 +384,9 @@ def test_a_verification_in_few_calls_is_the_general_forward_bit_for_bit(model, m
 
 
 def test_a_chain_forward_calls_the_kernels_three_times_and_turns_bad_input_away_untouched(model, monkeypatch) -> None:
+    # The lean path is the embedding, the layers and the head, one call each; a token id the table
+    # lacks or rows past the cache's room raise before any of them, the cache as it was; a head the
+    # kernels cannot run leaves the forward to the general path, with the same logits.
     decoder = model.decoder
     prepared = decoder._native_layers()
     calls: list[str] = []
@@ -383,10 +409,10 @@ def test_a_chain_forward_calls_the_kernels_three_times_and_turns_bad_input_away_
     with pytest.raises(ValueError, match=f"KV cache overflow: {slots + 1} slots needed, {slots} allocated"):
         decoder.forward_chain(list(range(slots - 1)), cache)
     assert cache.length == 2 and torch.equal(cache.k, k_before)
-    fused = decoder.forward_chain([6], cache)  # a head the kernels cannot run: the general forward
+    fused = decoder.forward_chain([6], cache)
     cache.truncate(2)
     calls.clear()
-    monkeypatch.setattr(prepared, "head", lambda module: None)
+    monkeypatch.setattr(prepared, "head", lambda module: None)  # a head the kernels cannot run
     assert torch.equal(decoder.forward_chain([6], cache), fused) and calls == ["fr_layers"]
 
 

@@ -55,6 +55,10 @@ class DraftPass:
     rows: int = 0  # rows in that forward
     lead: bool = True  # the forward's first pass (the one to time the whole forward by)
 
+    def __post_init__(self) -> None:
+        if self.start != self.cache.length:
+            raise ValueError(f"a draft pass starts at its cache's length ({self.cache.length}), not at {self.start}")
+
 
 def run_alone(steps: DraftSteps) -> Any:
     """Drive one proposal to its end, each forward as it comes; returns what it returned."""

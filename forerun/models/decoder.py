@@ -297,7 +297,8 @@ class Decoder(nn.Module):
         fast = self._native_layers()
         lean = native_layer.forward_rows(self, fast, tokens, cache, head, last_only=True) if fast is not None else None
         if lean is not None:
-            return lean[1]
+            _, logits = lean
+            return logits
         device, start, t = self.device, cache.length, len(tokens)
         ids, where = torch.tensor(tokens, device=device), torch.arange(start, start + t, device=device)
         return self(ids, where, cache, layout=RowLayout.chain(start, t), last_only=True, head=head).logits[0]
@@ -310,7 +311,8 @@ class Decoder(nn.Module):
         fast = self._native_layers()
         lean = native_layer.forward_rows(self, fast, tokens, cache, None, layout) if fast is not None else None
         if lean is not None:
-            return DecoderOutput(lean[1][None], lean[0][None])
+            hidden, logits = lean
+            return DecoderOutput(logits[None], hidden[None])
         device = self.device
         ids, where = torch.tensor(tokens, device=device), torch.tensor(layout.positions, device=device)
         return self(ids, where, cache, layout=layout, output_hidden=True)

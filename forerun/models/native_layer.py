@@ -311,16 +311,17 @@ def forward_rows(
     head: nn.Module | None,
     layout: RowLayout | None = None,
     last_only: bool = False,
-) -> Scored | None:
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One sequence's `tokens` fed at `cache`'s next slots through every layer, the final norm and
-    `head` (None: the decoder's), the cache advanced: (the scored rows normalised, their logits),
-    the last row's with `last_only`, else every row's. Row i sits at position layout.positions[i]
-    and sees what `layout` lets it (None: a chain, row i at the cache's length + i). What
-    `Decoder.forward` returns for the same rows, bit for bit (the same three native calls:
-    embedding rows, every layer, norm and head), made with a few lines of Python where the general
-    forward runs some hundred (a draft token, a verification). None, with nothing run, where this
-    path does not apply: an embedding or head the kernels do not read, more rows than the shared
-    buffers hold."""
+    `head` (None: the decoder's), the cache advanced: (the scored rows normalised [m, hidden], their
+    logits [m, N]), m = 1 (the last row) with `last_only`, else every row. Row i sits at position
+    layout.positions[i] and sees what `layout` lets it (None: a chain, row i at the cache's length
+    + i). What `Decoder.forward` returns for the same rows, bit for bit (the same three native
+    calls: embedding rows, every layer, norm and head), made from a few lines of Python where the
+    general forward runs some hundred (a draft token, a verification). None, with nothing run,
+    where this path does not apply (the caller takes the general forward): an embedding or head the
+    kernels do not read, a norm that is not float32, more rows than the shared buffers hold. Bad
+    input (a token id, a full cache) raises before anything runs, the cache untouched."""
     embed, norm, cfg, lib = decoder.embed_tokens, decoder.norm, decoder.cfg, prepared.lib
     product = prepared.head(decoder.lm_head if head is None else head)
     t, hidden = len(tokens), cfg.hidden_size
@@ -329,8 +330,8 @@ def forward_rows(
     if norm.weight.dtype != torch.float32 or product.inputs != hidden:
         return None
     _check_cache(cache, t, cfg.head_dim)
-    x = _embed(lib, embed, tokens)
-    if layout is None:
+    x = _embed(lib, embed, tokens)  # [t, hidden], the residual stream the layers update in place
+    if layout is None:  # (the rope tables the rows point into stay alive in decoder._rope)
         rows, most = _chain_rows(decoder, cache, t), cache.length + t
     else:
         cos, sin = decoder._rope.rows(max(layout.positions) + 1, x.device, torch.float32)
@@ -338,18 +339,18 @@ def forward_rows(
         rows = described.array  # (its slot lists kept alive by `described` until the calls return)
     threads = torch.get_num_threads()
     stride = _scores_stride(cfg, most)
-    ptrs = [b.data_ptr() for b in prepared.scratch(t, threads * stride)]
-    run = PassDesc(t, rows, *ptrs, stride)
+    buffers = prepared.scratch(t, threads * stride)  # h, qkv, att, tmp, gu, act_k, act_0, scores
+    run = PassDesc(t, rows, *(b.data_ptr() for b in buffers), stride)
     # What the head's call needs is made before the layers' call, which leaves every cache cold.
     m = 1 if last_only else t
-    scored, logits, gain = torch.empty(m, hidden), torch.empty(m, product.out), norm.weight.data_ptr()
-    first = x.data_ptr() + (t - m) * hidden * 4
-    score = PassDesc(rows=m, act_k=ptrs[5], act_0=ptrs[6])
-    layers, path = len(prepared.layers), prepared.path
+    scored, logits = torch.empty(m, hidden), torch.empty(m, product.out)  # [m, hidden], [m, N]
+    head_pass = PassDesc(rows=m, act_k=buffers[5].data_ptr(), act_0=buffers[6].data_ptr())
+    scored_rows = x[t - m :].data_ptr()
+    gain, layers, path = norm.weight.data_ptr(), len(prepared.layers), prepared.path
     lib.fr_layers(path, prepared.array, prepared.every, layers, ctypes.byref(run), x.data_ptr(), -1, None, threads)
     lib.fr_norm_head(
-        path, ctypes.byref(product), gain, norm.eps, ctypes.byref(score), first, hidden, scored.data_ptr(),
-        logits.data_ptr(), threads,
+        path, ctypes.byref(product), gain, norm.eps, ctypes.byref(head_pass), scored_rows, hidden,
+        scored.data_ptr(), logits.data_ptr(), threads,
     )  # fmt: skip
     cache.advance(t)
     return scored, logits
@@ -373,11 +374,12 @@ def _chain_rows(decoder, cache: KVCache, t: int) -> ctypes.Array:
     cos, sin = decoder._rope.rows(start + t, cache.k.device, torch.float32)
     k, v, half = cache.k.data_ptr(), cache.v.data_ptr(), int(cache.k.dtype == torch.float16)
     layer_stride, slots, cos_at, sin_at = cache.k.stride(0), cache.max_len, cos.data_ptr(), sin.data_ptr()
+    row_bytes = d * cos.element_size()  # a position's row of the tables
     rows = (RowDesc * t)()
     for i, r in enumerate(rows):
         r.k, r.v, r.kv_half, r.layer_stride, r.slots = k, v, half, layer_stride, slots
         r.write, r.prefix = start + i, start + i + 1
-        r.cos, r.sin = cos_at + (start + i) * d * 4, sin_at + (start + i) * d * 4
+        r.cos, r.sin = cos_at + (start + i) * row_bytes, sin_at + (start + i) * row_bytes
     return rows
 
 
