@@ -329,7 +329,6 @@ def forward_rows(
         return None
     if norm.weight.dtype != torch.float32 or product.inputs != hidden:
         return None
-    _check_cache(cache, t, cfg.head_dim)
     x = _embed(lib, embed, tokens)  # [t, hidden], the residual stream the layers update in place
     if layout is None:  # (the rope tables the rows point into stay alive in decoder._rope)
         rows, most = _chain_rows(decoder, cache, t), cache.length + t
@@ -369,8 +368,10 @@ def _embed(lib, embed: GGUFEmbedding, tokens: list[int]) -> torch.Tensor:
 
 def _chain_rows(decoder, cache: KVCache, t: int) -> ctypes.Array:
     """t rows fed at the cache's next slots as a chain: row i sees slots [0, length + i] (the cache
-    and the rows before it), its rope at position length + i."""
+    and the rows before it), its rope at position length + i. A clear error where they cannot go
+    there (`_check_cache`, as `_rows` checks a layout's)."""
     start, d = cache.length, decoder.cfg.head_dim
+    _check_cache(cache, t, d)
     cos, sin = decoder._rope.rows(start + t, cache.k.device, torch.float32)
     k, v, half = cache.k.data_ptr(), cache.v.data_ptr(), int(cache.k.dtype == torch.float16)
     layer_stride, slots, cos_at, sin_at = cache.k.stride(0), cache.max_len, cos.data_ptr(), sin.data_ptr()
