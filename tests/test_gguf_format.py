@@ -504,6 +504,19 @@ def test_the_kv_cache_dtype_reaches_the_target_and_a_loaded_draft_model(k_file: 
         load_model(str(k_file), with_tokenizer=False, quantization="gguf", kv_cache_dtype="half")
 
 
+def test_training_answers_step_as_the_engines_lanes_where_the_native_layers_run(model, monkeypatch) -> None:
+    import forerun.train.data as data_module
+
+    def padded(*_):
+        raise AssertionError("padded rows where the native layers run: the engine's lanes are exact")
+
+    monkeypatch.setattr(data_module, "padded_answers", padded)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    answered = [s.tokens for s in data_module.answer_prompts(model, prompts, 6, batch_size=3)]
+    assert answered == [s.tokens for s in data_module.engine_answers(model, prompts, 6, 1)]
+    assert all(len(tokens) > len(ids) for tokens, ids in zip(answered, prompts))
+
+
 def test_sequences_verified_together_each_equal_their_verification_alone(model) -> None:
     decoder = model.decoder
     params = SamplingParams()

@@ -307,17 +307,56 @@ def test_train_with_answers_labels_them_and_resumes_without_answering_twice(
     second = tmp_path / "second"
     assert main(answer_args(model_folder, prompts, second, "--answers", "4", "--data", str(shared))) == 0
     assert answered == [1, 2, 1, 2]
+    assert batches[-1] == data_module.BATCH  # no --answer-batch on a CPU: its default
     assert json.loads((second / "config.json").read_text())["training"]["answers"] == 4
+    assert json.loads((second / "config.json").read_text())["training"]["answer_batch"] == data_module.BATCH
+
+
+def test_a_gpu_answers_more_prompts_together_by_default() -> None:
+    from forerun.commands.train import default_answer_batch
+    from forerun.train.data import BATCH, PADDED_BATCH
+
+    assert default_answer_batch(torch.device("cpu")) == BATCH == 8
+    assert default_answer_batch(torch.device("cuda")) == PADDED_BATCH == 64
 
 
 def test_answers_are_the_same_however_many_prompts_are_answered_together(target) -> None:
-    from forerun.train.data import answer_prompts
+    from forerun.train.data import engine_answers
 
     prompts = [[5 + i, 6, 7 + 2 * i] for i in range(5)]
-    alone = [s.tokens for s in answer_prompts(target, prompts, 12, batch_size=1)]
+    alone = [s.tokens for s in engine_answers(target, prompts, 12, batch_size=1)]
     for size in (2, 5):
-        assert [s.tokens for s in answer_prompts(target, prompts, 12, batch_size=size)] == alone
+        assert [s.tokens for s in engine_answers(target, prompts, 12, batch_size=size)] == alone
     assert all(len(tokens) > 3 for tokens in alone)  # something was answered
+
+
+def test_prompts_padded_into_one_batch_answer_as_each_does_alone(target) -> None:
+    from forerun.train.data import engine_answers, padded_answers
+
+    prompts = [[5 + i, 6, 7 + 2 * i] * (1 + i % 3) + [9] * i for i in range(6)]  # lengths 3 to 14: padding
+    alone = [s.tokens[s.answer :] for s in engine_answers(target, prompts, 12, batch_size=1)]
+    assert padded_answers(target.decoder, prompts, 12, frozenset()) == alone
+    stop = alone[2][4]  # a token an answer writes mid-way: every answer that writes it ends there, keeping it
+    cut = [answer[: answer.index(stop) + 1] if stop in answer else answer for answer in alone]
+    assert padded_answers(target.decoder, prompts, 12, frozenset({stop})) == cut
+    assert len(cut[2]) <= 5 < len(alone[2])
+
+
+def test_a_model_without_the_native_layers_answers_in_padded_rows(target, monkeypatch) -> None:
+    import forerun.train.data as data_module
+
+    groups: list[int] = []
+    real = data_module.padded_answers
+
+    def counting(decoder, group, max_tokens, stop_ids):
+        groups.append(len(group))
+        return real(decoder, group, max_tokens, stop_ids)
+
+    monkeypatch.setattr(data_module, "padded_answers", counting)
+    prompts = [[5 + i, 6] for i in range(5)]
+    answered = list(data_module.answer_prompts(target, prompts, 6, batch_size=2))
+    assert groups == [2, 2, 1]
+    assert [s.tokens for s in answered] == [s.tokens for s in data_module.engine_answers(target, prompts, 6, 1)]
 
 
 def test_train_mixes_a_corpus_with_answers(model_folder, tmp_path) -> None:
