@@ -26,7 +26,7 @@ from forerun.engine.batch import BatchEngine
 from forerun.engine.engine import Engine
 from forerun.models import attention, formats, native_layer
 from forerun.models.gguf_format import GGUFEmbedding, GGUFLinear
-from forerun.models.load import load_model
+from forerun.models.load import LoadedModel, load_model
 from forerun.models.testing import save_hf_folder, tiny_model
 from forerun.policy.pass_costs import PassCosts
 from forerun.verification.tree import DraftTree
@@ -515,6 +515,62 @@ def test_training_answers_step_as_the_engines_lanes_where_the_native_layers_run(
     answered = [s.tokens for s in data_module.answer_prompts(model, prompts, 6, batch_size=3)]
     assert answered == [s.tokens for s in data_module.engine_answers(model, prompts, 6, 1)]
     assert all(len(tokens) > len(ids) for tokens, ids in zip(answered, prompts))
+
+
+def test_answers_labelled_as_they_are_written_equal_the_labels_of_one_prefill(model) -> None:
+    from forerun.train.data import engine_answers
+    from forerun.train.soft_labels import answer_labels, label_chunk
+
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15], [3]]
+    labelled = list(answer_labels(model, prompts, 8, 3, 5))
+    assert [tokens for tokens, _ in labelled] == [s.tokens for s in engine_answers(model, prompts, 8, 1)]
+    stop = labelled[2][0][len(prompts[2]) + 3]  # the fourth token of an answer, as a stop token
+    stopping = LoadedModel(model.name, model.decoder, SimpleNamespace(stop_ids=frozenset({stop})), model.source)
+    cut = [
+        tokens[: tokens.index(stop, len(ids)) + 1] if stop in tokens[len(ids) :] else tokens
+        for ids, (tokens, _) in zip(prompts, labelled)
+    ]
+    stopped = list(answer_labels(stopping, prompts, 8, 2, 5))
+    assert [tokens for tokens, _ in stopped] == cut and len(cut[2]) <= len(prompts[2]) + 4
+    for tokens, labels in labelled + stopped:
+        whole = label_chunk(model, tokens, 5)  # prompt + answer read again in one prefill
+        assert labels.hidden.shape[0] == len(tokens)
+        assert torch.equal(labels.hidden, whole.hidden) and torch.equal(labels.top_ids, whole.top_ids)
+        torch.testing.assert_close(labels.top_probs, whole.top_probs, rtol=0, atol=1e-3)
+
+
+def test_train_labels_answers_where_the_native_layers_run_without_reading_them_again(model, tmp_path, monkeypatch):
+    import argparse
+
+    from forerun.commands import train as train_command
+    from forerun.train import soft_labels
+    from forerun.train.data import engine_answers
+
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
+    expected = [soft_labels.label_chunk(model, s.tokens, 4) for s in engine_answers(model, prompts, 6, 1)]
+
+    def read_again(*_):
+        raise AssertionError("an answer read again to label it")
+
+    monkeypatch.setattr(soft_labels, "label_chunk", read_again)
+    args = argparse.Namespace(
+        answers=3,
+        max_tokens=6,
+        answer_batch=2,
+        top_k=4,
+        progress=False,
+        resume=False,
+        prompts=None,
+        code_prompts=None,
+        hold_out=10,
+    )
+    run = train_command.Prompts(train=prompts, train_ids=["a", "b", "c"])
+    record = train_command._answer_labels(args, model, tmp_path, tmp_path / "labels", run)
+    assert record["answers"] == 3 and record["answer_positions"] == sum(len(e.hidden) for e in expected)
+    stored = list(soft_labels.read_labels(tmp_path / "labels"))
+    assert [
+        torch.equal(s.hidden, e.hidden) and torch.equal(s.top_ids, e.top_ids) for s, e in zip(stored, expected)
+    ] == [True] * 3
 
 
 def test_sequences_verified_together_each_equal_their_verification_alone(model) -> None:
