@@ -519,10 +519,11 @@ def test_training_answers_step_as_the_engines_lanes_where_the_native_layers_run(
 
 def test_answers_labelled_as_they_are_written_equal_the_labels_of_one_prefill(model) -> None:
     from forerun.train.data import engine_answers
-    from forerun.train.soft_labels import answer_labels, label_chunk
+    from forerun.train.labelled_answers import labelled_answers
+    from forerun.train.soft_labels import label_chunk
 
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15], [3]]
-    labelled = list(answer_labels(model, prompts, 8, 3, 5))
+    labelled = list(labelled_answers(model, prompts, 8, 3, 5))
     assert [tokens for tokens, _ in labelled] == [s.tokens for s in engine_answers(model, prompts, 8, 1)]
     stop = labelled[2][0][len(prompts[2]) + 3]  # the fourth token of an answer, as a stop token
     stopping = LoadedModel(model.name, model.decoder, SimpleNamespace(stop_ids=frozenset({stop})), model.source)
@@ -530,13 +531,22 @@ def test_answers_labelled_as_they_are_written_equal_the_labels_of_one_prefill(mo
         tokens[: tokens.index(stop, len(ids)) + 1] if stop in tokens[len(ids) :] else tokens
         for ids, (tokens, _) in zip(prompts, labelled)
     ]
-    stopped = list(answer_labels(stopping, prompts, 8, 2, 5))
+    stopped = list(labelled_answers(stopping, prompts, 8, 2, 5))
     assert [tokens for tokens, _ in stopped] == cut and len(cut[2]) <= len(prompts[2]) + 4
-    for tokens, labels in labelled + stopped:
+    first = list(labelled_answers(model, prompts, 1, 4, 5))  # one token each: fed once more for its label
+    assert [tokens for tokens, _ in first] == [tokens[: len(ids) + 1] for ids, (tokens, _) in zip(prompts, labelled)]
+    for tokens, labels in labelled + stopped + first:
         whole = label_chunk(model, tokens, 5)  # prompt + answer read again in one prefill
         assert labels.hidden.shape[0] == len(tokens)
         assert torch.equal(labels.hidden, whole.hidden) and torch.equal(labels.top_ids, whole.top_ids)
         torch.testing.assert_close(labels.top_probs, whole.top_probs, rtol=0, atol=1e-3)
+
+
+def test_answers_are_labelled_as_written_only_where_the_native_layers_run(target) -> None:
+    from forerun.train.labelled_answers import labelled_answers
+
+    with pytest.raises(ForerunError, match="native layers"):
+        next(labelled_answers(target, [[5, 6]], 4, 1, 5))
 
 
 def test_train_labels_answers_where_the_native_layers_run_without_reading_them_again(model, tmp_path, monkeypatch):
@@ -547,7 +557,8 @@ def test_train_labels_answers_where_the_native_layers_run_without_reading_them_a
     from forerun.train.data import engine_answers
 
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
-    expected = [soft_labels.label_chunk(model, s.tokens, 4) for s in engine_answers(model, prompts, 6, 1)]
+    answers = [s.tokens for s in engine_answers(model, prompts, 6, 1)]
+    expected = [soft_labels.label_chunk(model, tokens, 4) for tokens in answers]
 
     def read_again(*_):
         raise AssertionError("an answer read again to label it")
@@ -566,11 +577,12 @@ def test_train_labels_answers_where_the_native_layers_run_without_reading_them_a
     )
     run = train_command.Prompts(train=prompts, train_ids=["a", "b", "c"])
     record = train_command._answer_labels(args, model, tmp_path, tmp_path / "labels", run)
-    assert record["answers"] == 3 and record["answer_positions"] == sum(len(e.hidden) for e in expected)
+    assert record["answers"] == 3 and record["answer_positions"] == sum(map(len, answers))
     stored = list(soft_labels.read_labels(tmp_path / "labels"))
-    assert [
-        torch.equal(s.hidden, e.hidden) and torch.equal(s.top_ids, e.top_ids) for s, e in zip(stored, expected)
-    ] == [True] * 3
+    assert [s.tokens.tolist() for s in stored] == answers
+    for s, e in zip(stored, expected, strict=True):
+        assert torch.equal(s.hidden, e.hidden) and torch.equal(s.top_ids, e.top_ids)
+        torch.testing.assert_close(s.top_probs, e.top_probs, rtol=0, atol=1e-3)
 
 
 def test_sequences_verified_together_each_equal_their_verification_alone(model) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from forerun.base.errors import ForerunError
 from forerun.cli import main
 from forerun.heads import build_head, float_weight, save_head
 from forerun.heads.eagle import EagleHead
@@ -330,19 +331,25 @@ def test_answers_are_the_same_however_many_prompts_are_answered_together(target)
     assert all(len(tokens) > 3 for tokens in alone)  # something was answered
 
 
-def test_prompts_padded_into_one_batch_answer_as_each_does_alone(target) -> None:
+def test_prompts_padded_into_one_batch_answer_as_each_does_alone(target, monkeypatch) -> None:
+    import forerun.train.data as data_module
     from forerun.train.data import engine_answers, padded_answers
 
-    prompts = [[5 + i, 6, 7 + 2 * i] * (1 + i % 3) + [9] * i for i in range(6)]  # lengths 3 to 14: padding
+    monkeypatch.setattr(data_module, "PADDED_PREFILL", 4)  # prompts of 3 to 14 tokens read in 1 to 4 parts
+    prompts = [[5 + i, 6, 7 + 2 * i] * (1 + i % 3) + [9] * i for i in range(6)]
     alone = [s.tokens[s.answer :] for s in engine_answers(target, prompts, 12, batch_size=1)]
     assert padded_answers(target.decoder, prompts, 12, frozenset()) == alone
-    stop = alone[2][4]  # a token an answer writes mid-way: every answer that writes it ends there, keeping it
+    assert padded_answers(target.decoder, prompts, 1, frozenset()) == [answer[:1] for answer in alone]
+    # A stop token: the third answer's fifth, which it also writes first; an answer ends at its first one, kept.
+    stop = alone[2][4]
     cut = [answer[: answer.index(stop) + 1] if stop in answer else answer for answer in alone]
     assert padded_answers(target.decoder, prompts, 12, frozenset({stop})) == cut
     assert len(cut[2]) <= 5 < len(alone[2])
+    firsts = frozenset(answer[0] for answer in alone)  # every answer stops at once: the batch ends early
+    assert padded_answers(target.decoder, prompts, 12, firsts) == [answer[:1] for answer in alone]
 
 
-def test_a_model_without_the_native_layers_answers_in_padded_rows(target, monkeypatch) -> None:
+def test_answers_step_as_padded_rows_off_the_cpu_and_as_the_engines_lanes_on_it(target, monkeypatch) -> None:
     import forerun.train.data as data_module
 
     groups: list[int] = []
@@ -354,9 +361,23 @@ def test_a_model_without_the_native_layers_answers_in_padded_rows(target, monkey
 
     monkeypatch.setattr(data_module, "padded_answers", counting)
     prompts = [[5 + i, 6] for i in range(5)]
-    answered = list(data_module.answer_prompts(target, prompts, 6, batch_size=2))
+    alone = [s.tokens for s in data_module.engine_answers(target, prompts, 6, 1)]
+    assert not data_module.steps_padded(target.decoder)
+    assert [s.tokens for s in data_module.answer_prompts(target, prompts, 6, batch_size=2)] == alone
+    assert groups == []  # a CPU: the engine's lanes, each answer exact
+    monkeypatch.setattr(data_module, "steps_padded", lambda decoder: True)  # as on a GPU
+    assert [s.tokens for s in data_module.answer_prompts(target, prompts, 6, batch_size=2)] == alone
     assert groups == [2, 2, 1]
-    assert [s.tokens for s in answered] == [s.tokens for s in data_module.engine_answers(target, prompts, 6, 1)]
+
+
+def test_an_empty_or_too_long_prompt_is_refused_before_any_answer(target, monkeypatch) -> None:
+    import forerun.train.data as data_module
+
+    monkeypatch.setattr(data_module, "steps_padded", lambda decoder: True)
+    limit = target.decoder.cfg.max_position
+    for prompts, words in (([[5, 6], []], "empty"), ([[5, 6], [7] * (limit - 3)], "context")):
+        with pytest.raises(ForerunError, match=words):
+            next(data_module.answer_prompts(target, prompts, 4, batch_size=2))
 
 
 def test_train_mixes_a_corpus_with_answers(model_folder, tmp_path) -> None:

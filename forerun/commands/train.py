@@ -389,7 +389,8 @@ def _answer_labels(args: argparse.Namespace, target: LoadedModel, out: Path, lab
     """The target answers the first --answers training prompts (greedy, chat-formatted) and labels
     prompt + answer like a corpus chunk, into `labels`: what to record of them."""
     from forerun.train.data import answer_prompts
-    from forerun.train.soft_labels import LabelManifest, answer_labels, make_label_shards
+    from forerun.train.labelled_answers import labelled_answers
+    from forerun.train.soft_labels import LabelManifest, make_label_shards
 
     todo = prompts.train[: args.answers]
     if not todo:
@@ -398,8 +399,8 @@ def _answer_labels(args: argparse.Namespace, target: LoadedModel, out: Path, lab
     if not _keep_labels(args, out, labels):
         done = manifest.chunks_done if manifest else 0
         if target.decoder.chain_prefill:  # exact rows: each answer labelled by the passes that write it
-            answers = answer_labels(target, todo[done:], args.max_tokens, args.answer_batch, args.top_k)
-        else:  # padded rows (a GPU): written, then labelled in one prefill each
+            answers = labelled_answers(target, todo[done:], args.max_tokens, args.answer_batch, args.top_k)
+        else:  # written (padded rows on a GPU), then labelled in one prefill each
             answers = (seq.tokens for seq in answer_prompts(target, todo[done:], args.max_tokens, args.answer_batch))
         manifest = make_label_shards(target, answers, labels, args.top_k, progress=args.progress, skip_done=False)
     print(f"forerun: {manifest.chunks_done} answers, {manifest.tokens} labelled positions in {labels}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """Self-distilled training data for draft heads, in safetensors shards.
 
-The target answers each prompt (greedy, several prompts per pass through the continuous-batching
-engine: rows are nearly free on the fast formats), then reads prompt + answer in one pass, and its
+The target answers each prompt (greedy, several prompts per pass: on a CPU through the continuous-
+batching engine, whose rows are nearly free on the fast formats; on a GPU as padded rows of one
+batch), then reads prompt + answer in one pass, and its
 final hidden state at every position is kept beside the tokens. A head learns the target's own
 continuations from the target's own features. Shards hold whole sequences:
 
@@ -27,6 +28,7 @@ from tqdm import tqdm
 
 from forerun.base import files
 from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
 from forerun.engine.batch import BatchEngine
 from forerun.engine.engine import Engine
 from forerun.models import linear
@@ -37,6 +39,7 @@ MANIFEST = "manifest.json"
 SHARD_TOKENS = 1 << 16  # a shard is written once it holds this many positions
 BATCH = 8  # prompts answered together by default: a CPU's pass costs nearly the same to about 8 rows
 PADDED_BATCH = 64  # on a GPU (padded rows of one batch): its step is bound by kernel launches, not rows
+PADDED_PREFILL = 256  # prompt positions a padded batch reads at a time: its mask is [B, 256, slots], not [B, T, T]
 
 
 @dataclass
@@ -67,20 +70,38 @@ class Manifest:
 def answer_prompts(
     target: LoadedModel, prompts: list[list[int]], max_tokens: int, batch_size: int = BATCH
 ) -> Iterator[Sequence]:
-    """The target's greedy answers, `batch_size` prompts stepped together, yielded in prompt order.
-
-    Where the native layers run (a CPU), the prompts step as the engine's lanes, every row exact.
-    Elsewhere a lane's attention goes op by op, sequence by sequence, layer by layer: a kernel
-    launch each on a GPU (110-156 tokens a second at 64 lanes on an H200, benchmark-log run 113), so
-    there the prompts are padded to one length and step as the rows of one batch."""
-    if target.decoder.chain_prefill:
+    """The target's greedy answers, `batch_size` prompts stepped together, yielded in prompt order:
+    on a CPU as the engine's lanes (`engine_answers`), elsewhere as padded rows (`padded_answers`)."""
+    if not steps_padded(target.decoder):
         yield from engine_answers(target, prompts, max_tokens, batch_size)
         return
+    check_answerable(target, prompts, max_tokens)
     stop_ids = target.tokenizer.stop_ids if target.tokenizer is not None else frozenset()
     for first in range(0, len(prompts), batch_size):
         group = prompts[first : first + batch_size]
         for ids, answer in zip(group, padded_answers(target.decoder, group, max_tokens, stop_ids)):
             yield Sequence(ids + answer, len(ids))
+
+
+def steps_padded(decoder: Decoder) -> bool:
+    """Whether answers are written as padded rows of one batch: on a GPU, where the engine's lanes
+    attend sequence by sequence, op by op, a kernel launch each (110-156 tokens a second at 64
+    lanes on an H200 against 1,698 as padded rows, benchmark-log run 113). A CPU keeps the lanes:
+    each answer exactly the one its prompt gets alone."""
+    return decoder.device.type != "cpu"
+
+
+def check_answerable(target: LoadedModel, prompts: list[list[int]], max_tokens: int) -> None:
+    """A clear error before any work for an empty prompt or one whose answer would outrun the context."""
+    limit = target.decoder.cfg.max_position
+    for ids in prompts:
+        if not ids:
+            raise ForerunError("a prompt to answer is empty: give every prompt at least one token")
+        if len(ids) + max_tokens > limit:
+            raise ForerunError(
+                f"a prompt of {len(ids)} tokens plus {max_tokens} to answer is beyond {target.name}'s context of "
+                f"{limit}: leave out longer prompts (--max-prompt-tokens) or lower --max-tokens"
+            )
 
 
 def engine_answers(
@@ -109,11 +130,12 @@ def engine_answers(
 def padded_answers(
     decoder: Decoder, group: list[list[int]], max_tokens: int, stop_ids: frozenset[int]
 ) -> list[list[int]]:
-    """Greedy answers of several prompts as the rows of one batch: each prompt left-padded to the
-    longest, every row's attention masked to its own slots (a padding slot sees only itself, so
-    no row's softmax is empty). An answer ends at a stop token (kept, as the engine keeps it) or
-    at `max_tokens`. The sums are not those of a prompt alone, so a near tie can go the other way:
-    fit for training data, not for verification."""
+    """Greedy answers of several non-empty prompts as the rows of one batch: each prompt left-padded
+    to the longest, every row's attention masked to its own slots (a padding slot sees only
+    itself, so no row's softmax is empty), the prompts read PADDED_PREFILL positions at a time. An
+    answer ends at a stop token (kept, as the engine keeps it) or at `max_tokens`. The sums are not
+    those of a prompt alone, so a near tie can go the other way: fit for training data, not for
+    verification."""
     device, b, longest = decoder.device, len(group), max(map(len, group))
     slot = torch.arange(longest + max_tokens, device=device)
     offsets = torch.tensor([longest - len(ids) for ids in group], device=device)  # [B]
@@ -121,12 +143,14 @@ def padded_answers(
     tokens = torch.zeros(b, longest, dtype=torch.long)
     for row, ids in enumerate(group):
         tokens[row, longest - len(ids) :] = torch.tensor(ids)
-    causal = slot[:longest, None] >= slot[None, :longest]  # [T, T]
-    own = torch.eye(longest, dtype=torch.bool, device=device)
-    mask = (causal[None] & valid[:, None, :longest]) | own[None]  # [B, T, T]
+    tokens, positions = tokens.to(device), (slot[None, :longest] - offsets[:, None]).clamp_(min=0)
     cache = decoder.new_cache(longest + max_tokens, batch=b)
-    positions = (slot[None, :longest] - offsets[:, None]).clamp_(min=0)
-    logits = decoder(tokens.to(device), positions, cache, attention_mask=mask, last_only=True).logits
+    for a in range(0, longest, PADDED_PREFILL):
+        z = min(a + PADDED_PREFILL, longest)
+        causal = slot[a:z, None] >= slot[None, :z]  # [t, z]: the rows a..z-1 over every slot so far
+        own = slot[a:z, None] == slot[None, :z]
+        mask = (causal[None] & valid[:, None, :z]) | own[None]  # [B, t, z]
+        logits = decoder(tokens[:, a:z], positions[:, a:z], cache, attention_mask=mask, last_only=True).logits
     answers: list[list[int]] = [[] for _ in group]
     live = set(range(b))
     for step in range(max_tokens):

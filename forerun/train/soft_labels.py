@@ -3,7 +3,8 @@ next-token distribution at every position are stored in safetensors shards, resu
 
 A head then learns the target's own distribution (a KL to these labels) rather than the corpus's
 next token: what a drafter is judged on is agreeing with the target. One prefill per chunk, no
-generation. Shards (`labels-00000.safetensors`, ...) hold whole chunks:
+generation (the target's answers come labelled from `train/labelled_answers.py`, or as chunks).
+Shards (`labels-00000.safetensors`, ...) hold whole chunks:
 
     tokens    int32 [T]             every chunk's tokens, one after another
     hidden    bfloat16 [T, hidden]  the target's final hidden state (after the last norm) at each position
@@ -29,12 +30,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from forerun import native
 from forerun.base import files
 from forerun.base.errors import ForerunError
 from forerun.models import linear
-from forerun.models.attention import RowLayout, Segment
-from forerun.models.kv_cache import KVCache
+from forerun.models.decoder import Decoder
 from forerun.models.load import LoadedModel
 
 MANIFEST = "labels.json"
@@ -104,88 +103,21 @@ def label_chunk(target: LoadedModel, tokens: list[int], top_k: int) -> Labels:
         out = decoder.forward_ids(
             tokens, decoder.new_cache(len(tokens)), last_only=True, output_hidden=True, all_hidden=True
         )
-        return _every_row(decoder, out.hidden[0], top_k)  # [T, hidden], after the final norm
+        return every_row_labels(decoder, out.hidden[0], top_k)  # [T, hidden], after the final norm
 
 
-def _every_row(decoder, hidden: torch.Tensor, top_k: int) -> Labels:
+def every_row_labels(decoder: Decoder, hidden: torch.Tensor, top_k: int) -> Labels:
     """Labels of rows whose final states `hidden` [T, hidden] are known: the head scores them a
     block at a time."""
     rows = max(1, LOGIT_BYTES // (4 * decoder.cfg.vocab_size))
-    top = [_top(decoder.lm_head(hidden[a : a + rows]).float(), top_k) for a in range(0, hidden.shape[0], rows)]
+    top = [top_labels(decoder.lm_head(hidden[a : a + rows]).float(), top_k) for a in range(0, hidden.shape[0], rows)]
     return Labels(hidden.to(torch.bfloat16).cpu(), torch.cat([i for i, _ in top]), torch.cat([p for _, p in top]))
 
 
-def _top(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_labels(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [rows, vocab] float32 -> their top-k ids (int32) and probabilities (float16), on the CPU."""
     top, idx = logits.topk(top_k, dim=-1)  # [rows, k], descending
     return idx.to(torch.int32).cpu(), (top - logits.logsumexp(-1, keepdim=True)).exp().to(torch.float16).cpu()
-
-
-@dataclass
-class _Answer:
-    """One prompt being answered and labelled: its tokens so far, its cache, and the labels of
-    the positions fed so far (per row: state, top ids, top probabilities)."""
-
-    tokens: list[int]
-    cache: KVCache
-    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    written: int = 0  # answer tokens chosen
-    done: bool = False  # the last chosen token ended the answer (it is still to be fed, for its label)
-
-
-@torch.inference_mode()
-def answer_labels(
-    target: LoadedModel, prompts: list[list[int]], max_tokens: int, batch_size: int, top_k: int
-) -> Iterator[tuple[list[int], Labels]]:
-    """The target's greedy answers to `prompts` (`batch_size` stepped together), each with the
-    labels of prompt + answer, from the passes that write it: a prompt's prefill labels its
-    positions, every step the position it feeds, the last token fed once more for its own. Where
-    the native layers run, rows are exact alone or together, so this is `label_chunk` of prompt +
-    answer without its second read of them (the same states and ids; the probabilities' softmax
-    sums over other row counts). Yielded in prompt order."""
-    decoder = target.decoder
-    if not decoder.chain_prefill:
-        raise ForerunError("answers are labelled as they are written only where the native layers run")
-    stop_ids = target.tokenizer.stop_ids if target.tokenizer is not None else frozenset()
-    for first in range(0, len(prompts), batch_size):
-        group = [
-            _Answer(list(ids), decoder.new_cache(len(ids) + max_tokens + 1))
-            for ids in prompts[first : first + batch_size]
-        ]
-        for answer in group:
-            out = decoder.forward_ids(answer.tokens, answer.cache, last_only=True, output_hidden=True, all_hidden=True)
-            labels = _every_row(decoder, out.hidden[0], top_k)
-            answer.rows.append((labels.hidden, labels.top_ids, labels.top_probs))
-            _choose(answer, out.logits[0, -1:], max_tokens, stop_ids)
-        while live := [a for a in group if a.cache.length < len(a.tokens)]:
-            logits, hidden = _step(decoder, live)
-            for i, answer in enumerate(live):
-                ids, probs = _top(logits[i : i + 1], top_k)
-                answer.rows.append((hidden[i : i + 1].to(torch.bfloat16).cpu(), ids, probs))
-                if not answer.done:
-                    _choose(answer, logits[i : i + 1], max_tokens, stop_ids)
-        for answer in group:
-            columns = list(zip(*answer.rows))
-            yield answer.tokens, Labels(*(torch.cat(column) for column in columns))
-
-
-def _choose(answer: _Answer, logits: torch.Tensor, max_tokens: int, stop_ids: frozenset[int]) -> None:
-    """The greedy next token from one row's logits [1, vocab], as the engine picks it."""
-    token = int(native.argmax(logits)[0])
-    answer.tokens.append(token)
-    answer.written += 1
-    answer.done = token in stop_ids or answer.written >= max_tokens
-
-
-def _step(decoder, live: list[_Answer]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every live answer's last token fed after its cache, one row each in one forward: (logits
-    [n, vocab] float32, final states [n, hidden])."""
-    device = decoder.device
-    segments = [Segment(i, i + 1, a.cache, RowLayout.chain(a.cache.length, 1)) for i, a in enumerate(live)]
-    tokens = torch.tensor([a.tokens[a.cache.length] for a in live], device=device)
-    positions = torch.tensor([a.cache.length for a in live], device=device)
-    out = decoder(tokens, positions, None, segments=segments, output_hidden=True)
-    return out.logits[0].float(), out.hidden[0]
 
 
 def make_label_shards(
@@ -222,6 +154,8 @@ def make_label_shards(
     ) as bar:
         for chunk in itertools.islice(chunks, manifest.chunks_done if skip_done else 0, None):
             tokens, labels = chunk if isinstance(chunk, tuple) else (chunk, label_chunk(target, chunk, top_k))
+            if labels.top_ids.shape != (len(tokens), top_k) or labels.hidden.shape[0] != len(tokens):
+                raise ValueError(f"labels {tuple(labels.top_ids.shape)} for {len(tokens)} tokens at top-k {top_k}")
             pending.append((tokens, labels))
             labelled += len(tokens)
             bar.update(len(tokens))
