@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,23 @@ def medusa_head(target, tmp_path_factory) -> tuple[Path, Trainer]:
 @pytest.fixture(scope="module")
 def eagle_head(target, tmp_path_factory) -> tuple[Path, Trainer]:
     return trained(target, "eagle", tmp_path_factory.mktemp("eagle"), steps=60, lr=1e-2)
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_training_on_the_targets_answers_runs_in_bfloat16(target, tmp_path, method) -> None:
+    data = tmp_path / "data"
+    make_shards(target, prompts_of(6), data, max_tokens=12, shard_tokens=300, progress=False)
+    losses = []
+    for bf16 in (False, True):
+        torch.manual_seed(0)
+        head = build_head(head_config(target, method), target)
+        head.vocab.copy_(torch.arange(target.decoder.cfg.vocab_size))
+        config = TrainConfig(method, epochs=5, lr=1e-2, batch_rows=64, checkpoint_every_s=1e9, bf16=bf16)
+        embed = target.decoder.embed_tokens if method == "eagle" else None
+        trainer = Trainer(head, config, data, tmp_path / f"run-{bf16}", embed)
+        losses.append(trainer.run(progress=False, max_steps=4).loss)
+        assert all(p.dtype == torch.float32 for p in head.parameters())
+    assert all(math.isfinite(loss) for loss in losses[1]) and losses[1] != losses[0]
 
 
 # --- data ---------------------------------------------------------------------------------------

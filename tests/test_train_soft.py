@@ -81,12 +81,14 @@ def labels(target, tokenizer, tmp_path_factory) -> dict[str, Path]:
     return {"train": root / "train", "held_out": root / "held_out"}
 
 
-def new_trainer(target: LoadedModel, method: str, data: Path, out: Path, lr: float, epochs: int = 50) -> Trainer:
+def new_trainer(
+    target: LoadedModel, method: str, data: Path, out: Path, lr: float, epochs: int = 50, bf16: bool = False
+) -> Trainer:
     torch.manual_seed(0)
     head = build_head(head_config(target, method), target)
     head.vocab.copy_(torch.arange(target.decoder.cfg.vocab_size))
     head.init_projection(float_weight(target.decoder.lm_head))
-    config = TrainConfig(method, epochs=epochs, lr=lr, batch_rows=CHUNK, checkpoint_every_s=1e9, soft=True)
+    config = TrainConfig(method, epochs=epochs, lr=lr, batch_rows=CHUNK, checkpoint_every_s=1e9, soft=True, bf16=bf16)
     return Trainer(head, config, data, out, target.decoder.embed_tokens if method == "eagle" else None)
 
 
@@ -164,6 +166,32 @@ def test_soft_training_drives_the_kl_down_and_top1_agreement_above_0_9_on_held_o
         sum(a[0] for a in part) / len(part) for part in (trainer.history.accuracy[:5], trainer.history.accuracy[-10:])
     )
     assert last > 0.85 and last > first + 0.3, (first, last)
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_training_in_bfloat16_learns_as_in_float32_and_keeps_float32_weights(target, labels, tmp_path, method) -> None:
+    lr, steps = {"medusa": (3e-2, 60), "eagle": (1e-2, 100)}[method]
+    plain = new_trainer(target, method, labels["train"], tmp_path / "float32", lr)
+    plain.run(progress=False, max_steps=3)
+    trainer = new_trainer(target, method, labels["train"], tmp_path / "bfloat16", lr, bf16=True)
+    kl_before, _ = held_out_scores(target, trainer.head, method, labels["held_out"])
+    trainer.run(progress=False, max_steps=steps)
+    assert trainer.history.loss[:3] != plain.history.loss  # the same steps, its products in bfloat16
+    assert all(p.dtype == torch.float32 for p in trainer.head.parameters())
+    kl_after, agreement_after = held_out_scores(target, trainer.head, method, labels["held_out"])
+    assert kl_after < 0.5 * kl_before and agreement_after > 0.9, (kl_before, kl_after, agreement_after)
+
+
+def test_the_training_dtype_is_bfloat16_where_the_cpu_multiplies_it_natively(monkeypatch) -> None:
+    from forerun.commands.train import train_bf16
+    from forerun.models import linear
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert train_bf16("bfloat16", cpu) and train_bf16("bfloat16", gpu)
+    assert not train_bf16("float32", cpu) and not train_bf16("auto", gpu)
+    for native in (True, False):
+        monkeypatch.setattr(linear, "cpu_has_native_bf16", lambda native=native: native)
+        assert train_bf16("auto", cpu) == native
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle"])

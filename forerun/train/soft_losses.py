@@ -205,7 +205,7 @@ def eagle_soft_loss(
     losses, agreement = [], []
     for j, predicted in enumerate(head.forward_unrolled(embeds, noisy, unroll), start=1):
         rows = slice(j - 1, None)
-        feature_loss = F.smooth_l1_loss(predicted[rows], e.hidden[1:][rows])
+        feature_loss = F.smooth_l1_loss(predicted[rows].float(), e.hidden[1:][rows].float())
         logits = head.logits(predicted[rows])  # scores x_{s+2}
         token_loss = kl_loss(logits, labels.columns[rows], labels.probs[rows], labels.valid[rows])
         losses.append(feature_loss + token_weight * token_loss)

@@ -73,6 +73,7 @@ class TrainConfig:
     soft: bool = False  # the data is label folders (soft_labels.py), not self-distilled shards
     unroll: int = 1  # EAGLE: draft steps trained at once, from the second on fed its own features
     max_seconds: float | None = None  # stop after the step that passes this much training time in all
+    bf16: bool = False  # the step's products in bfloat16 (autocast; the weights and the optimizer stay float32)
 
 
 @dataclass
@@ -220,7 +221,8 @@ class Trainer:
         else:
             examples = [Example(e.tokens.to(self.device), e.hidden.to(self.device), e.answer) for e in examples]
             losses = self._medusa_loss if self.config.method == "medusa" else self._eagle_loss
-        loss, accuracy = losses(examples)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16):
+            loss, accuracy = losses(examples)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
@@ -251,7 +253,7 @@ class Trainer:
             return torch.zeros((), requires_grad=True, device=self.device), [0.0] * heads
         logits = self.head(torch.cat(features))  # [H, R, N]
         target = torch.cat(labels, dim=1)  # [H, R]
-        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100)
         return loss, top1_agreement(logits, target)
 
     def _eagle_loss(self, examples: list[Example]) -> tuple[torch.Tensor, list[float]]:
@@ -272,10 +274,10 @@ class Trainer:
                 # Rows whose prediction falls in the answer (f̂_{j+1} with j+1 >= answer - 1) and that
                 # have a chain of this many steps.
                 rows = torch.arange(max(answer - 2, step - 1), t - 1, device=self.device)
-                feature_loss = F.smooth_l1_loss(predicted[rows], hidden[rows + 1])
+                feature_loss = F.smooth_l1_loss(predicted[rows].float(), hidden[rows + 1].float())
                 logits = self.head.logits(predicted[rows[:-1]])  # scores x_{j+2}
                 target = self._labels(tokens[rows[:-1] + 2])
-                token_loss = F.cross_entropy(logits, target, ignore_index=-100) if (target >= 0).any() else 0.0
+                token_loss = F.cross_entropy(logits.float(), target, ignore_index=-100) if (target >= 0).any() else 0.0
                 losses.append(feature_loss + TOKEN_WEIGHT * token_loss)
                 agreement += top1_agreement(logits[None], target[None])
             total = total + step_weighted(losses)
