@@ -190,17 +190,7 @@ class Engine:
 
     def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Cache slots the request needs; a clear error before any work when it exceeds the context."""
-        if not prompt_ids:
-            raise ForerunError("the prompt is empty: give at least one token of prompt")
-        limit = self.target.decoder.cfg.max_position
-        need = len(prompt_ids) + params.max_tokens
-        if need > limit:
-            raise ForerunError(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                f"is {need} tokens, beyond the model's context of {limit}; "
-                "shorten the prompt or lower max_tokens"
-            )
-        return need + self.rows + 1
+        return check_prompt_fits(self.target.decoder.cfg.max_position, prompt_ids, params.max_tokens) + self.rows + 1
 
     def stream(
         self, prompt_ids: list[int], params: SamplingParams, result: list[RequestOutput] | None = None
@@ -481,6 +471,21 @@ class Engine:
         for _ in self.stream(prompt_ids, params, result):
             pass
         return result[0]
+
+
+def check_prompt_fits(limit: int, prompt_ids: list[int], max_tokens: int) -> int:
+    """The tokens a prompt and its answer take (`len(prompt_ids) + max_tokens`); a clear error when
+    the prompt is empty or they exceed the model's context of `limit`."""
+    if not prompt_ids:
+        raise ForerunError("the prompt is empty: give at least one token of prompt")
+    need = len(prompt_ids) + max_tokens
+    if need > limit:
+        raise ForerunError(
+            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) "
+            f"is {need} tokens, beyond the model's context of {limit}; "
+            "shorten the prompt or lower max_tokens"
+        )
+    return need
 
 
 def _check_shareable(like: Running, prompt_ids: list[int]) -> None:

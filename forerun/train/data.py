@@ -28,9 +28,8 @@ from tqdm import tqdm
 
 from forerun.base import files
 from forerun.base.config import SamplingParams
-from forerun.base.errors import ForerunError
 from forerun.engine.batch import BatchEngine
-from forerun.engine.engine import Engine
+from forerun.engine.engine import Engine, check_prompt_fits
 from forerun.models import linear
 from forerun.models.decoder import Decoder
 from forerun.models.load import LoadedModel
@@ -92,16 +91,10 @@ def steps_padded(decoder: Decoder) -> bool:
 
 
 def check_answerable(target: LoadedModel, prompts: list[list[int]], max_tokens: int) -> None:
-    """A clear error before any work for an empty prompt or one whose answer would outrun the context."""
-    limit = target.decoder.cfg.max_position
+    """A clear error before any work for an empty prompt or one whose answer would outrun the
+    context, as the engine checks a request (`check_prompt_fits`)."""
     for ids in prompts:
-        if not ids:
-            raise ForerunError("a prompt to answer is empty: give every prompt at least one token")
-        if len(ids) + max_tokens > limit:
-            raise ForerunError(
-                f"a prompt of {len(ids)} tokens plus {max_tokens} to answer is beyond {target.name}'s context of "
-                f"{limit}: leave out longer prompts (--max-prompt-tokens) or lower --max-tokens"
-            )
+        check_prompt_fits(target.decoder.cfg.max_position, ids, max_tokens)
 
 
 def engine_answers(

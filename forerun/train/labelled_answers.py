@@ -24,7 +24,7 @@ from forerun.models.decoder import Decoder
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
 from forerun.train.data import check_answerable
-from forerun.train.soft_labels import Labels, every_row_labels, top_labels
+from forerun.train.soft_labels import Labels, check_top_k, every_row_labels, top_labels
 
 
 @dataclass
@@ -56,8 +56,7 @@ def labelled_answers(
             "CPU with the kernels); elsewhere write them with data.answer_prompts and label each with label_chunk"
         )
     check_answerable(target, prompts, max_tokens)
-    if not 1 <= top_k <= decoder.cfg.vocab_size:
-        raise ForerunError(f"top-k must be between 1 and the vocabulary size ({decoder.cfg.vocab_size}), not {top_k}")
+    check_top_k(decoder.cfg.vocab_size, top_k)
     stop_ids = target.tokenizer.stop_ids if target.tokenizer is not None else frozenset()
     for first in range(0, len(prompts), batch_size):
         group = [

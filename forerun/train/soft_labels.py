@@ -96,14 +96,18 @@ def label_chunk(target: LoadedModel, tokens: list[int], top_k: int) -> Labels:
             f"a chunk of {len(tokens)} tokens is longer than {target.name}'s context ({cfg.max_position}): "
             "use shorter chunks"
         )
-    if not 1 <= top_k <= cfg.vocab_size:
-        raise ForerunError(f"top-k must be between 1 and the vocabulary size ({cfg.vocab_size}), not {top_k}")
+    check_top_k(cfg.vocab_size, top_k)
     with linear.prefill():
         # The logits of the last row only; every row's are scored below, a block at a time.
         out = decoder.forward_ids(
             tokens, decoder.new_cache(len(tokens)), last_only=True, output_hidden=True, all_hidden=True
         )
         return every_row_labels(decoder, out.hidden[0], top_k)  # [T, hidden], after the final norm
+
+
+def check_top_k(vocab_size: int, top_k: int) -> None:
+    if not 1 <= top_k <= vocab_size:
+        raise ForerunError(f"top-k must be between 1 and the vocabulary size ({vocab_size}), not {top_k}")
 
 
 def every_row_labels(decoder: Decoder, hidden: torch.Tensor, top_k: int) -> Labels:
