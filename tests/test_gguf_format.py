@@ -585,6 +585,27 @@ def test_train_labels_answers_where_the_native_layers_run_without_reading_them_a
         torch.testing.assert_close(s.top_probs, e.top_probs, rtol=0, atol=1e-3)
 
 
+def test_answers_stop_at_the_labelling_budget_and_a_rerun_goes_on_from_there(model, tmp_path) -> None:
+    import argparse
+
+    from forerun.commands import train as train_command
+    from forerun.train import soft_labels
+    from forerun.train.data import engine_answers
+
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
+    answers = [s.tokens for s in engine_answers(model, prompts, 6, 1)]
+    args = argparse.Namespace(
+        answers=3, max_tokens=6, answer_batch=1, top_k=4, progress=False, resume=False, prompts=None,
+        code_prompts=None, hold_out=10,
+    )  # fmt: skip
+    run = train_command.Prompts(train=prompts, train_ids=["a", "b", "c"])
+    spent = train_command._answer_labels(args, model, tmp_path, tmp_path / "labels", run, budget_seconds=0.0)
+    assert spent["answers"] == 1 and spent["answer_positions"] == len(answers[0])
+    record = train_command._answer_labels(args, model, tmp_path, tmp_path / "labels", run, budget_seconds=None)
+    assert record["answers"] == 3 and record["prompt_ids"] == ["a", "b", "c"]
+    assert [s.tokens.tolist() for s in soft_labels.read_labels(tmp_path / "labels")] == answers
+
+
 def test_sequences_verified_together_each_equal_their_verification_alone(model) -> None:
     decoder = model.decoder
     params = SamplingParams()

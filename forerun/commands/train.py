@@ -170,7 +170,12 @@ def _register_corpus(p: argparse.ArgumentParser) -> None:
     corpus.add_argument("--chunk-tokens", type=int, default=512, help="tokens per labelled chunk")
     corpus.add_argument("--top-k", type=int, default=20, help="next-token probabilities stored per position")
     corpus.add_argument("--budget-tokens", type=int, default=None, help="label at most N positions in all")
-    corpus.add_argument("--budget-minutes", type=float, default=None, help="label for at most M minutes in this run")
+    corpus.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=None,
+        help="label (the corpus, then the answers, in one budget) for at most M minutes in this run",
+    )
     corpus.add_argument(
         "--answers",
         type=int,
@@ -325,12 +330,14 @@ def _soft_labels(
     root = Path(args.data).expanduser() if args.data else out
     folders, record = [], {}
     started = time.perf_counter()
+    budget = args.budget_minutes * 60 if args.budget_minutes is not None else None
     if documents is not None:
         folders.append(root / "labels")
-        record.update(_corpus_labels(args, target, out, folders[-1], documents, report))
+        record.update(_corpus_labels(args, target, out, folders[-1], documents, report, budget))
     if args.answers:
         folders.append(root / "answer-labels")
-        record.update(_answer_labels(args, target, out, folders[-1], prompts))
+        left = None if budget is None else max(budget - (time.perf_counter() - started), 0.0)
+        record.update(_answer_labels(args, target, out, folders[-1], prompts, left))
     record["data_minutes"] = round((time.perf_counter() - started) / 60, 1)
     return folders, record
 
@@ -353,8 +360,9 @@ def _corpus_labels(
     labels: Path,
     documents: Iterator[Document],
     report: CorpusReport,
+    budget_seconds: float | None = None,
 ) -> dict:
-    """The target labels the corpus's chunks into `labels`: what to record of them."""
+    """The target labels the corpus's chunks into `labels` (for at most `budget_seconds`): what to record of them."""
     from forerun.train.corpus import token_chunks
     from forerun.train.soft_labels import LabelManifest, make_label_shards
 
@@ -372,9 +380,14 @@ def _corpus_labels(
     if not _keep_labels(args, out, labels):
         budget = args.budget_tokens - (manifest.tokens if manifest else 0) if args.budget_tokens else None
         if budget is None or budget > 0:
-            seconds = args.budget_minutes * 60 if args.budget_minutes is not None else None
             manifest = make_label_shards(
-                target, chunks, labels, args.top_k, budget_tokens=budget, budget_seconds=seconds, progress=args.progress
+                target,
+                chunks,
+                labels,
+                args.top_k,
+                budget_tokens=budget,
+                budget_seconds=budget_seconds,
+                progress=args.progress,
             )
             print(f"forerun: corpus: {report.line()}", file=sys.stderr)
             read = True
@@ -394,9 +407,17 @@ def _corpus_labels(
     }
 
 
-def _answer_labels(args: argparse.Namespace, target: LoadedModel, out: Path, labels: Path, prompts: Prompts) -> dict:
+def _answer_labels(
+    args: argparse.Namespace,
+    target: LoadedModel,
+    out: Path,
+    labels: Path,
+    prompts: Prompts,
+    budget_seconds: float | None = None,
+) -> dict:
     """The target answers the first --answers training prompts (greedy, chat-formatted) and labels
-    prompt + answer like a corpus chunk, into `labels`: what to record of them."""
+    prompt + answer like a corpus chunk, into `labels`: what to record of them. With `budget_seconds`
+    it stops after the answer that passes it (a rerun goes on from there)."""
     from forerun.train.data import answer_prompts
     from forerun.train.labelled_answers import labelled_answers
     from forerun.train.soft_labels import LabelManifest, make_label_shards
@@ -411,7 +432,9 @@ def _answer_labels(args: argparse.Namespace, target: LoadedModel, out: Path, lab
             answers = labelled_answers(target, todo[done:], args.max_tokens, args.answer_batch, args.top_k)
         else:  # written (padded rows on a GPU), then labelled in one prefill each
             answers = (seq.tokens for seq in answer_prompts(target, todo[done:], args.max_tokens, args.answer_batch))
-        manifest = make_label_shards(target, answers, labels, args.top_k, progress=args.progress, skip_done=False)
+        manifest = make_label_shards(
+            target, answers, labels, args.top_k, budget_seconds=budget_seconds, progress=args.progress, skip_done=False
+        )
     print(f"forerun: {manifest.chunks_done} answers, {manifest.tokens} labelled positions in {labels}", file=sys.stderr)
     return {
         **_prompt_record(args, prompts.train_ids[: manifest.chunks_done]),
