@@ -171,10 +171,7 @@ def _register_corpus(p: argparse.ArgumentParser) -> None:
     corpus.add_argument("--top-k", type=int, default=20, help="next-token probabilities stored per position")
     corpus.add_argument("--budget-tokens", type=int, default=None, help="label at most N positions in all")
     corpus.add_argument(
-        "--budget-minutes",
-        type=float,
-        default=None,
-        help="label (the corpus, then the answers, in one budget) for at most M minutes in this run",
+        "--budget-minutes", type=float, default=None, help="label corpus and answers at most M minutes a run"
     )
     corpus.add_argument(
         "--answers",
