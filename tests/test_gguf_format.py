@@ -7,6 +7,7 @@ file would be. Row independence is checked as bit equality, never closeness.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -549,9 +550,22 @@ def test_answers_are_labelled_as_written_only_where_the_native_layers_run(target
         next(labelled_answers(target, [[5, 6]], 4, 1, 5))
 
 
-def test_train_labels_answers_where_the_native_layers_run_without_reading_them_again(model, tmp_path, monkeypatch):
-    import argparse
+def _answer_args(answer_batch: int) -> argparse.Namespace:
+    """`forerun train`'s arguments for three answers of six tokens, labelled top-4."""
+    return argparse.Namespace(
+        answers=3,
+        max_tokens=6,
+        answer_batch=answer_batch,
+        top_k=4,
+        progress=False,
+        resume=False,
+        prompts=None,
+        code_prompts=None,
+        hold_out=10,
+    )
 
+
+def test_train_labels_answers_where_the_native_layers_run_without_reading_them_again(model, tmp_path, monkeypatch):
     from forerun.commands import train as train_command
     from forerun.train import soft_labels
     from forerun.train.data import engine_answers
@@ -564,17 +578,7 @@ def test_train_labels_answers_where_the_native_layers_run_without_reading_them_a
         raise AssertionError("an answer read again to label it")
 
     monkeypatch.setattr(soft_labels, "label_chunk", read_again)
-    args = argparse.Namespace(
-        answers=3,
-        max_tokens=6,
-        answer_batch=2,
-        top_k=4,
-        progress=False,
-        resume=False,
-        prompts=None,
-        code_prompts=None,
-        hold_out=10,
-    )
+    args = _answer_args(answer_batch=2)
     run = train_command.Prompts(train=prompts, train_ids=["a", "b", "c"])
     record = train_command._answer_labels(args, model, tmp_path, tmp_path / "labels", run)
     assert record["answers"] == 3 and record["answer_positions"] == sum(map(len, answers))
@@ -586,18 +590,13 @@ def test_train_labels_answers_where_the_native_layers_run_without_reading_them_a
 
 
 def test_answers_stop_at_the_labelling_budget_and_a_rerun_goes_on_from_there(model, tmp_path) -> None:
-    import argparse
-
     from forerun.commands import train as train_command
     from forerun.train import soft_labels
     from forerun.train.data import engine_answers
 
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
     answers = [s.tokens for s in engine_answers(model, prompts, 6, 1)]
-    args = argparse.Namespace(
-        answers=3, max_tokens=6, answer_batch=1, top_k=4, progress=False, resume=False, prompts=None,
-        code_prompts=None, hold_out=10,
-    )  # fmt: skip
+    args = _answer_args(answer_batch=1)
     run = train_command.Prompts(train=prompts, train_ids=["a", "b", "c"])
     spent = train_command._answer_labels(args, model, tmp_path, tmp_path / "labels", run, budget_seconds=0.0)
     assert spent["answers"] == 1 and spent["answer_positions"] == len(answers[0])
