@@ -10,6 +10,7 @@ import torch
 
 from forerun.api import LLM
 from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
 from forerun.cli import main
 from forerun.models import decoder as decoder_module
 from forerun.models.embedded import EMBEDDED
@@ -274,6 +275,28 @@ def test_prompts_file_with_invalid_json_or_missing_file_exits_2(capsys, folder: 
     assert_user_error(*generate(capsys, folder, "--prompts-file", str(tmp_path / "none.jsonl"))[::2], "does not exist")
     prompts.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
     assert_user_error(*generate(capsys, folder, "--prompts-file", str(prompts))[::2], "not UTF-8")
+
+
+def test_a_prompt_that_is_not_valid_unicode_exits_2_naming_the_character(capsys, folder: Path, tmp_path: Path) -> None:
+    # A shell passes bytes that are not UTF-8 to Python as lone surrogates; a JSON file may escape one.
+    assert_user_error(*generate(capsys, folder, "--prompt", "ab\udcff")[::2], "not valid Unicode", "character 2")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "\\ud800"}\n')
+    assert_user_error(*generate(capsys, folder, "--prompts-file", str(prompts))[::2], "not valid Unicode")
+    llm = LLM(str(folder), dtype="float32")  # the API's prompts and messages too
+    with pytest.raises(ForerunError, match="not valid Unicode"):
+        llm.generate("ab\udcff")
+    with pytest.raises(ForerunError, match="not valid Unicode"):
+        llm.chat([{"role": "user", "content": "ab\udcff"}])
+
+
+def test_a_draft_vocabulary_below_one_token_exits_2_before_loading(capsys, folder: Path) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", str(folder), "--speculative-model", str(folder), "--draft-vocab", "0"])
+    assert exit_info.value.code == 2
+    assert "--draft-vocab: must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ForerunError, match="--draft-vocab must be at least 1 token"):  # the API's
+        LLM(str(folder), dtype="float32", speculative_model=str(folder), speculative_options={"draft_vocab": 0})
 
 
 def test_negative_temperature_names_temperature(capsys, folder: Path) -> None:

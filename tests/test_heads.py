@@ -336,6 +336,15 @@ def test_malformed_medusa_choices_are_refused(choices, message) -> None:
 # --- heads belong to their target -----------------------------------------------------------------
 
 
+def test_a_damaged_head_file_is_named_with_what_to_do(medusa_head, target, tmp_path) -> None:
+    folder = tmp_path / "head"
+    folder.mkdir()
+    (folder / "config.json").write_bytes((medusa_head[0] / "config.json").read_bytes())
+    (folder / "head.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ForerunError, match="head.safetensors is not a readable safetensors file.*train the head"):
+        drafters.create("medusa", target, {"head": str(folder)})
+
+
 @pytest.mark.parametrize("which", ["medusa", "eagle"])
 def test_a_head_trained_for_another_target_is_refused(medusa_head, eagle_head, other_target, which) -> None:
     folder = (medusa_head if which == "medusa" else eagle_head)[0]

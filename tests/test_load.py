@@ -400,6 +400,29 @@ def test_unsupported_config_json_architecture_is_named_with_the_supported_ones(h
     assert "'gpt2'" in str(err.value) and "qwen2" in str(err.value) and "llama" in str(err.value)
 
 
+def test_a_config_json_that_is_not_json_or_lacks_a_size_is_named(home: Path, tmp_path: Path) -> None:
+    folder = save_hf_folder(tiny_model(seed=13), tmp_path / "hf")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text("{bad json")
+    with pytest.raises(ForerunError, match=r"config\.json is not readable JSON"):
+        load_model(str(folder))
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(ForerunError, match="not a JSON object"):
+        load_model(str(folder))
+    del config["num_attention_heads"]
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": "64"}))
+    with pytest.raises(ForerunError, match="'hidden_size', 'num_attention_heads'"):
+        load_model(str(folder))
+
+
+def test_a_damaged_safetensors_file_is_named_not_a_traceback(home: Path, tmp_path: Path) -> None:
+    folder = save_hf_folder(tiny_model(seed=13), tmp_path / "hf")
+    (weights,) = folder.glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ForerunError, match=f"{weights.name} is not a readable safetensors file.*download the model"):
+        load_model(str(folder))
+
+
 def test_gguf_missing_a_metadata_key_names_it(home: Path, tmp_path: Path) -> None:
     path = write_gguf(tiny_model(seed=14), tmp_path / "nolayers.gguf", skip_keys=("block_count",))
     with pytest.raises(ForerunError, match=r"qwen2\.block_count"):

@@ -143,6 +143,31 @@ def test_chat_roles_outside_openai_s_are_400s(served) -> None:
     assert r.status_code == 200, r.text
 
 
+def test_a_field_of_the_wrong_type_is_named_as_that_not_as_missing(served) -> None:
+    r = post(served, {"model": 5, "prompt": "abc", "max_tokens": 2})
+    assert r.status_code == 400 and "not int" in r.json()["error"]["message"], r.text
+    r = post(served, {"prompt": "abc", "max_tokens": 2})
+    assert r.status_code == 400 and "'model' is required" in r.json()["error"]["message"], r.text
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": 5}]
+    r = post(served, {"model": NAME, "messages": [{"role": "user", "content": parts}]}, "/v1/chat/completions")
+    assert r.status_code == 400 and "content[1].text must be a string" in r.json()["error"]["message"], r.text
+    parts = [{"type": "image_url", "image_url": {"url": "x"}}]
+    r = post(served, {"model": NAME, "messages": [{"role": "user", "content": parts}]}, "/v1/chat/completions")
+    assert r.status_code == 400 and "only text parts" in r.json()["error"]["message"], r.text
+
+
+def test_max_model_len_zero_is_refused_not_read_as_the_default() -> None:
+    from forerun.base.errors import ForerunError
+    from forerun.cli import build_parser
+    from forerun.commands.serve import server_config
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model", "m", "--max-model-len", "0"])
+    with pytest.raises(ForerunError, match="between 2 and the model's context"):
+        server_config(args, 1024)
+    assert server_config(parser.parse_args(["serve", "--model", "m"]), 1024).max_model_len == 1024
+
+
 def test_client_mistakes_are_counted_apart_from_engine_failures(target_tok) -> None:
     served = Served(LLM(target_tok))
     try:

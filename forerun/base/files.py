@@ -1,4 +1,5 @@
-"""Files forerun writes into its cache and output folders: whole or not at all, and their checksums."""
+"""Files forerun writes into its cache and output folders, whole or not at all, and reads back (a
+damaged one named, with what to do); their checksums."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from forerun.base.errors import ForerunError
 
 _CHUNK = 1 << 20  # bytes read at a time when hashing
 
@@ -47,6 +50,18 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     write_atomically(path, lambda tmp: save_file(tensors, str(tmp)))
+
+
+def load_tensors(path: Path, remedy: str) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; a clear error naming the file, and `remedy`, where it cannot be read."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        message = f"{path} is not a readable safetensors file, damaged or cut short ({exc}); {remedy}"
+        raise ForerunError(message) from None
 
 
 def sha256_file(path: Path) -> str:

@@ -64,6 +64,18 @@ def in_turn(groups: list[list]) -> list:
     return [group[i] for i in range(max(map(len, groups), default=0)) for group in groups if i < len(group)]
 
 
+def valid_unicode(text: str, what: str) -> str:
+    """`text` if it is valid Unicode (a lone surrogate, from a JSON escape or a shell's bytes, is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ForerunError(
+            f"{what} is not valid Unicode: a lone surrogate {text[exc.start]!r} at character {exc.start}; "
+            "write surrogates in pairs (or the character itself), and give files and arguments as UTF-8"
+        ) from None
+    return text
+
+
 def read_prompts_file(path: str | Path) -> list[dict]:
     """JSONL records with `prompt` (or `turns`, whose first item is used); other fields are kept."""
     path = Path(path)
@@ -89,7 +101,7 @@ def read_prompts_file(path: str | Path) -> list[dict]:
             text = obj["turns"][0]
         else:
             raise ForerunError(f"{path}, line {number}: missing 'prompt' (a string) or 'turns' (a list of strings)")
-        records.append({**obj, "prompt": text})
+        records.append({**obj, "prompt": valid_unicode(text, f"{path}, line {number}: the prompt")})
     if not records:
         raise ForerunError(f"prompts file {path} holds no prompts")
     return records

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forerun.base.errors import ForerunError
+from forerun.commands.common import positive_int
 
 if TYPE_CHECKING:
     from forerun.bench.serve_load import LevelResult
@@ -53,7 +54,7 @@ def register(sub) -> None:
     p.add_argument("--quantization", default="auto", help="the target's numeric format (as forerun serve takes it)")
     p.add_argument("--speculative-model", default=None, help="draft model for the fixed and auto set-ups")
     p.add_argument("--speculative-quantization", default="auto")
-    p.add_argument("--draft-vocab", type=int, default=None)
+    p.add_argument("--draft-vocab", type=positive_int, default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="K: fixed K, and auto's most")
     p.add_argument(
         "--setups",

@@ -123,7 +123,7 @@ def _add_draft_model_args(g: argparse._ArgumentGroup, quantization: str | None) 
     )
     g.add_argument(
         "--draft-vocab",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="the draft model scores only the N tokens the target writes most (e.g. 32768): cheaper "
@@ -198,6 +198,17 @@ def _choices(text: str) -> list[list[int]]:
         raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): {text!r}") from None
     if not (isinstance(value, list) and all(isinstance(c, list) and all(isinstance(r, int) for r in c) for c in value)):
         raise argparse.ArgumentTypeError(f"expected a list of lists of whole numbers, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A flag's whole number of 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 

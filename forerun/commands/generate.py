@@ -8,7 +8,7 @@ import sys
 
 from forerun.api import LLM
 from forerun.base.errors import ForerunError
-from forerun.base.prompts import read_prompts_file
+from forerun.base.prompts import read_prompts_file, valid_unicode
 from forerun.commands.common import (
     add_model_args,
     add_prompt_args,
@@ -47,7 +47,7 @@ def build_llm(args: argparse.Namespace, method: str | None = None) -> LLM:
 
 
 def run(args: argparse.Namespace) -> int:
-    prompts = list(args.prompt)
+    prompts = [valid_unicode(text, "--prompt") for text in args.prompt]
     if args.prompts_file:
         prompts += [r["prompt"] for r in read_prompts_file(args.prompts_file)]
     if not prompts:

@@ -193,7 +193,7 @@ def server_config(args: argparse.Namespace, context: int):
     """The app's options from the flags (--max-model-len checked against the model's `context`)."""
     from forerun.serve.state import ServerConfig
 
-    max_model_len = args.max_model_len or context
+    max_model_len = context if args.max_model_len is None else args.max_model_len
     if not 1 < max_model_len <= context:
         raise ForerunError(
             f"--max-model-len must be between 2 and the model's context ({context}), got {max_model_len}"
@@ -278,7 +278,10 @@ def _start_http(app, args: argparse.Namespace):
     http.start()
     while not server.started:
         if not http.is_alive():
-            raise ForerunError(f"could not serve on {args.host}:{args.port} (is the port taken?); pick another --port")
+            raise ForerunError(
+                f"could not serve on {args.host}:{args.port}: the port is taken or {args.host} is not an address "
+                "of this machine (the line above says which); pick another --port or --host"
+            )
         time.sleep(0.02)
     return server, http
 

@@ -55,6 +55,7 @@ import torch
 
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import SPEC_BENCH
+from forerun.commands.common import positive_int
 from forerun.models.load import QUANTIZATIONS
 
 if TYPE_CHECKING:
@@ -102,7 +103,9 @@ def register(sub) -> None:
     )
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: 1e-3 medusa, 3e-4 eagle)")
-    p.add_argument("--draft-vocab", type=int, default=32768, help="tokens the head scores (the target's most chosen)")
+    p.add_argument(
+        "--draft-vocab", type=positive_int, default=32768, help="tokens the head scores (the target's most chosen)"
+    )
     p.add_argument("--heads", type=int, default=4, help="medusa: future positions guessed")
     p.add_argument(
         "--intermediate-size", type=int, default=None, help="eagle: its layer's MLP width (default: the target's)"

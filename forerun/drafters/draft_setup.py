@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from forerun.base.errors import ForerunError
 from forerun.drafters.draft_vocab import draft_vocabulary, reduced_head
 from forerun.drafters.vocabulary import check_same_vocabulary
 from forerun.models.decoder import Decoder
@@ -36,6 +37,10 @@ _SETUPS: weakref.WeakKeyDictionary[Decoder, weakref.WeakKeyDictionary[Decoder, d
 
 def draft_setup(target: LoadedModel, draft: LoadedModel, draft_vocab: int | None) -> DraftSetup:
     """The set-up every drafter of `draft` for `target` shares; checks the vocabularies the first time."""
+    if draft_vocab is not None and draft_vocab < 1:
+        raise ForerunError(
+            f"--draft-vocab must be at least 1 token, got {draft_vocab}; leave it out to score the whole vocabulary"
+        )
     by_target = _SETUPS.setdefault(draft.decoder, weakref.WeakKeyDictionary())
     setups = by_target.get(target.decoder)
     if setups is None:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from forerun.base.errors import ForerunError
-from forerun.base.files import save_tensors, write_json
+from forerun.base.files import load_tensors, save_tensors, write_json
 from forerun.models.gguf_format import GGUFLinear
 from forerun.models.linear import Int8Linear, Linear
 from forerun.models.load import LoadedModel, model_identity
@@ -95,8 +95,6 @@ def read_config(folder: str | Path) -> HeadConfig:
 def load_head(folder: str | Path, target: LoadedModel, method: str) -> tuple[HeadConfig, nn.Module]:
     """The head in `folder`, built for `target`; a clear error when it is another kind of head or
     was trained on another target."""
-    from safetensors.torch import load_file
-
     folder = Path(folder).expanduser()
     config = read_config(folder)
     if config.method != method:
@@ -120,7 +118,7 @@ def load_head(folder: str | Path, target: LoadedModel, method: str) -> tuple[Hea
     path = folder / WEIGHTS
     if not path.is_file():
         raise ForerunError(f"{folder} has {CONFIG} but no {WEIGHTS}; train the head again")
-    state = load_file(str(path))
+    state = load_tensors(path, "train the head again")
     try:
         head.load_state_dict(state, strict=True)
     except RuntimeError as exc:

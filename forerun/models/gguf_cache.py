@@ -80,18 +80,20 @@ def _check_gguf_magic(path: Path) -> None:
 
 def cached_decoder(cfg: DecoderConfig, weights: Path, quantization: str | None, device: torch.device) -> Decoder:
     """The decoder from the converted weights; in `quantization`, from its cached copy, made once beside them."""
-    from safetensors.torch import load_file
-
     if quantization is None:
-        return build_decoder(cfg, load_file(str(weights)), device)
+        return build_decoder(cfg, _load_cached(weights), device)
     quantized = weights.with_name(f"{weights.stem}-{formats.get(quantization).cache_tag}.safetensors")
     if quantized.is_file():
-        return build_decoder(cfg, load_file(str(quantized)), device, quantization)
+        return build_decoder(cfg, _load_cached(quantized), device, quantization)
     print(
         f"forerun: storing the model's weights as {quantization} (once; cached in {quantized.parent})",
         file=sys.stderr,
         flush=True,
     )
-    decoder = formats.quantize_(build_decoder(cfg, load_file(str(weights)), device), quantization, progress=True)
+    decoder = formats.quantize_(build_decoder(cfg, _load_cached(weights), device), quantization, progress=True)
     files.save_tensors(quantized, {k: v.contiguous() for k, v in decoder.state_dict().items()})
     return decoder
+
+
+def _load_cached(path: Path) -> dict[str, torch.Tensor]:
+    return files.load_tensors(path, "delete it, and the next load converts the model again")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from forerun.base.errors import ForerunError
+from forerun.base.prompts import valid_unicode
 
 # Special tokens that end a turn or a document in the common families; llama.cpp stops on the same.
 _STOP_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>", "<|EOT|>"}
@@ -30,7 +31,7 @@ class Tokenizer:
         return len(self.hf)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=True))
+        return list(self.hf.encode(valid_unicode(text, "the prompt"), add_special_tokens=True))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
@@ -56,6 +57,7 @@ class Tokenizer:
         if not getattr(self.hf, "chat_template", None):
             raise ForerunError("this model has no chat template; pass a plain prompt instead of messages (drop --chat)")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = valid_unicode(text, "the chat prompt (the messages in the chat template)")
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def vocabulary(self) -> dict[int, str]:

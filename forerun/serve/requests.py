@@ -152,7 +152,8 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
     _check_names(body, chat)
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required: the name /v1/models lists", "model")
+        got = "" if model is None or model == "" else f", not {type(model).__name__}"
+        raise BadRequest(f"'model' is required as a string{got}: the name /v1/models lists", "model")
     if model != served_name:
         raise BadRequest(
             f"model {model!r} is not served here; this server serves {served_name!r}", "model", code="model_not_found"
@@ -235,11 +236,7 @@ def _chat_turns(body: dict, limits: Limits) -> list[dict]:
             raise BadRequest(f"messages[{i}].role {role[:40]!r} is not one of {', '.join(sorted(ROLES))}", "messages")
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-            ):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(p["text"] for p in content)
+            content = _text_parts(content, i)
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string", "messages")
         text(content, "messages", limits.max_prompt_chars)
@@ -387,6 +384,16 @@ def flag(body: dict, name: str) -> bool:
     if not isinstance(value, bool):
         raise BadRequest(f"{name} must be true or false, got {value!r}", name)
     return value
+
+
+def _text_parts(parts: list, i: int) -> str:
+    """A message's content given as parts: their texts, joined."""
+    if not all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
+        raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+    for j, p in enumerate(parts):
+        if not isinstance(p.get("text"), str):
+            raise BadRequest(f"messages[{i}].content[{j}].text must be a string", "messages")
+    return "".join(p["text"] for p in parts)
 
 
 def text(value: str, name: str, max_chars: int) -> str:
