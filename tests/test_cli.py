@@ -299,6 +299,16 @@ def test_a_draft_vocabulary_below_one_token_exits_2_before_loading(capsys, folde
         LLM(str(folder), dtype="float32", speculative_model=str(folder), speculative_options={"draft_vocab": 0})
 
 
+def test_an_unknown_speculative_method_exits_2_before_loading_naming_the_known_ones(
+    capsys, folder: Path, monkeypatch
+) -> None:
+    from forerun.api import LLM as api_llm
+
+    monkeypatch.setattr(api_llm, "__init__", lambda *a, **k: pytest.fail("a model was loaded"))
+    code, out, err = generate(capsys, folder, "--prompt", "x", "--speculative-method", "bogus")
+    assert_user_error(code, err, "'bogus'", "ngram", "eagle", "auto")
+
+
 def test_negative_temperature_names_temperature(capsys, folder: Path) -> None:
     code, out, err = generate(capsys, folder, "--prompt", "x", "--temperature", "-1")
     assert_user_error(code, err, "temperature", "-1")
