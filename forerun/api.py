@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 
 from forerun import drafters
+from forerun.base.chat import chat_turns
 from forerun.base.config import SamplingParams, SpeculativeConfig
 from forerun.base.errors import ForerunError
 from forerun.engine.engine import Engine, RequestOutput
@@ -17,6 +19,8 @@ from forerun.models.prefix_cache import PREFIX_CACHE_MB, PrefixCache, token_byte
 from forerun.policy.draft_length import DraftLengthPolicy
 from forerun.policy.pass_costs import cached_pass_costs
 from forerun.verification.logprobs import TokenLogprob
+
+PROMPT_FORMS = 'a prompt is a string, a list of token ids or a list of chat messages ({"role", "content"})'
 
 
 @dataclass
@@ -118,6 +122,8 @@ class LLM:
                 options.setdefault("quantize", quantization)
         if kv_cache_dtype is not None and "model" in options:  # a draft model's caches too
             options.setdefault("kv_cache_dtype", kv_cache_dtype)
+        if drafters.needs_draft_model(speculative_method) and "model" not in options:
+            raise ForerunError(f"speculative_method {speculative_method!r} drafts with a model: give speculative_model")
         spec = SpeculativeConfig(speculative_method, num_speculative_tokens, options, speculative_k_policy)
         if speculative_method is not None and num_speculative_tokens > self.target.decoder.cfg.max_position:
             raise ForerunError(f"num_speculative_tokens {num_speculative_tokens} is beyond the model's context")
@@ -158,13 +164,27 @@ class LLM:
             if self.tokenizer is None:
                 raise ForerunError("this model has no tokenizer: pass token ids instead of text")
             return self.tokenizer.encode(prompt)
-        if prompt and isinstance(prompt[0], dict):
-            return self.tokenizer.apply_chat(list(prompt))
+        if not isinstance(prompt, (list, tuple)):
+            raise ForerunError(f"{PROMPT_FORMS}, not a {type(prompt).__name__}")
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            if self.tokenizer is None:
+                raise ForerunError("this model has no tokenizer (and no chat template): pass token ids")
+            return self.tokenizer.apply_chat(chat_turns(prompt))
+        if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+            kinds = sorted({type(t).__name__ for t in prompt})
+            raise ForerunError(f"{PROMPT_FORMS}, not a list of {' and '.join(kinds)}")
+        vocab = self.target.decoder.cfg.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ForerunError(f"token id {bad} is outside the vocabulary (0 to {vocab - 1})")
         return [int(t) for t in prompt]
 
     def generate(self, prompts: str | Sequence, params: SamplingParams | None = None) -> list[GenerationResult]:
         """Prompts are strings, token-id lists, or chat message lists."""
         params = params or SamplingParams()
+        if not isinstance(prompts, (str, list, tuple)):
+            kind = type(prompts).__name__
+            raise ForerunError(f"prompts are one prompt or a list of them ({PROMPT_FORMS}), not a {kind}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         return [self._run(p, params) for p in prompts]
@@ -173,11 +193,14 @@ class LLM:
         self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None
     ) -> list[GenerationResult]:
         """One conversation (a list of {"role", "content"}) or a list of them."""
+        if not isinstance(messages, (list, tuple)) or not all(isinstance(c, (list, tuple, dict)) for c in messages):
+            raise ForerunError('messages are a list of {"role", "content"} objects, or a list of such lists')
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return [self._run(list(c), params or SamplingParams()) for c in conversations]
+        return [self._run(chat_turns(c), params or SamplingParams()) for c in conversations]
 
     def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None) -> Iterator[str]:
         """Text pieces as they become final; the finished result is then in `last_result`."""
+        _check_params(params)
         ids = self._prompt_ids(prompt)
         done: list[RequestOutput] = []
         for step in self.engine.stream(ids, params or SamplingParams(), done):
@@ -186,6 +209,7 @@ class LLM:
         self.last_result = self._result(prompt, ids, done[0])
 
     def _run(self, prompt, params: SamplingParams) -> GenerationResult:
+        _check_params(params)
         ids = self._prompt_ids(prompt)
         self.last_result = self._result(prompt, ids, self.engine.generate(ids, params))
         return self.last_result
@@ -195,6 +219,13 @@ class LLM:
         completion = CompletionOutput(out.text, out.token_ids, out.finish_reason, out.logprobs)
         return GenerationResult(
             prompt, ids, [completion], out.elapsed_s, out.first_token_s, out.metrics, out.prompt_logprobs
+        )
+
+
+def _check_params(params: object) -> None:
+    if params is not None and not isinstance(params, SamplingParams):
+        raise ForerunError(
+            f"params must be a SamplingParams (e.g. SamplingParams(max_tokens=64)), not a {type(params).__name__}"
         )
 
 

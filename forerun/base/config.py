@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from numbers import Integral
+from numbers import Integral, Real
 
 from forerun.base.errors import ForerunError
 
@@ -32,8 +32,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        else:
+        elif isinstance(self.stop, (list, tuple)) or self.stop is None:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
+        else:
+            raise ForerunError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        for name in ("temperature", "top_p"):
+            if not isinstance(getattr(self, name), Real) or isinstance(getattr(self, name), bool):
+                raise ForerunError(f"{name} must be a number, got {getattr(self, name)!r}")
+        for name in ("max_tokens", "seed", "top_k"):
+            if isinstance(getattr(self, name), bool):
+                raise ForerunError(f"{name} must be a whole number, not {getattr(self, name)!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ForerunError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ForerunError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -76,6 +86,9 @@ class SpeculativeConfig:
     k_policy: str = "adaptive"  # adaptive: each step's length from costs and acceptance; fixed: always K
 
     def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if not isinstance(k, Integral) or isinstance(k, bool):
+            raise ForerunError(f"num_speculative_tokens must be a whole number, got {k!r}")
         if self.method is not None and self.num_speculative_tokens < 1:
             raise ForerunError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.k_policy not in ("adaptive", "fixed"):

@@ -3,6 +3,7 @@ never by an if/elif chain; each entry says what the API, the CLI and the bench n
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -73,7 +74,22 @@ def create(name: str, target, options: dict) -> Drafter:
         raise ForerunError(
             f"unknown speculative method {name!r}; choose one of {', '.join(sorted(_REGISTRY))}"
         ) from None
+    _check_options(name, entry.factory, options)
     return entry.factory(target, **options)
+
+
+def _check_options(name: str, factory, options: dict) -> None:
+    """A clear error for settings drafter `name` does not take (a typo, another drafter's)."""
+    params = inspect.signature(factory).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    takes = [p for p in list(params)[1:] if params[p].kind is not inspect.Parameter.VAR_POSITIONAL]
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        raise ForerunError(
+            f"speculative method {name!r} takes no option {', '.join(map(repr, unknown))}; "
+            f"its options: {', '.join(takes) or 'none'}"
+        )
 
 
 def _import_all() -> None:

@@ -18,13 +18,13 @@ from numbers import Integral, Real
 
 from starlette.requests import ClientDisconnect
 
+from forerun.base.chat import chat_turns
 from forerun.base.config import SEED_RANGE, SamplingParams
 from forerun.base.errors import ForerunError
 
 MAX_LOGPROBS = 20  # most alternatives a position's logprobs may list
 MAX_N = 16  # most samples one request may ask for
 CHARS_PER_TOKEN = 16  # a prompt longer than max_model_len x this is refused before tokenizing
-ROLES = {"system", "user", "assistant", "tool", "developer"}  # developer: OpenAI's newer name for system
 
 # Fields each route takes; others are refused by name (a typo or a feature forerun lacks).
 _COMMON = {
@@ -224,23 +224,12 @@ def _completion_prompt(body: dict, limits: Limits) -> str | list[int]:
 
 
 def _chat_turns(body: dict, limits: Limits) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest('messages must be a non-empty list of {"role", "content"} objects', "messages")
-    turns = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a 'role' and a 'content'", "messages")
-        role = m["role"]
-        if role not in ROLES:
-            raise BadRequest(f"messages[{i}].role {role[:40]!r} is not one of {', '.join(sorted(ROLES))}", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            content = _text_parts(content, i)
-        if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string", "messages")
-        text(content, "messages", limits.max_prompt_chars)
-        turns.append({"role": "system" if role == "developer" else role, "content": content})
+    try:
+        turns = chat_turns(body.get("messages"))
+    except ForerunError as exc:
+        raise BadRequest(str(exc), "messages") from None
+    for turn in turns:
+        text(turn["content"], "messages", limits.max_prompt_chars)
     chars = sum(len(t["content"]) for t in turns)
     if chars > limits.max_prompt_chars:
         raise BadRequest(
@@ -384,16 +373,6 @@ def flag(body: dict, name: str) -> bool:
     if not isinstance(value, bool):
         raise BadRequest(f"{name} must be true or false, got {value!r}", name)
     return value
-
-
-def _text_parts(parts: list, i: int) -> str:
-    """A message's content given as parts: their texts, joined."""
-    if not all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
-        raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
-    for j, p in enumerate(parts):
-        if not isinstance(p.get("text"), str):
-            raise BadRequest(f"messages[{i}].content[{j}].text must be a string", "messages")
-    return "".join(p["text"] for p in parts)
 
 
 def text(value: str, name: str, max_chars: int) -> str:
