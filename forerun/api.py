@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from numbers import Integral
+from numbers import Integral, Real
 
 from forerun import drafters
 from forerun.base.chat import chat_turns
@@ -94,8 +95,7 @@ class LLM:
         prefix_cache_mb: float = PREFIX_CACHE_MB,
         kv_cache_dtype: str | None = None,
     ) -> None:
-        if not prefix_cache_mb >= 0:
-            raise ForerunError(f"prefix_cache_mb must be 0 (none) or more, got {prefix_cache_mb}")
+        _check_llm_args(model, speculative_method, prefix_cache_mb)
         if isinstance(model, LoadedModel):
             self.target = model
             if quantization is not None:
@@ -220,6 +220,15 @@ class LLM:
         return GenerationResult(
             prompt, ids, [completion], out.elapsed_s, out.first_token_s, out.metrics, out.prompt_logprobs
         )
+
+
+def _check_llm_args(model: object, method: object, prefix_cache_mb: object) -> None:
+    if not isinstance(prefix_cache_mb, Real) or not prefix_cache_mb >= 0:
+        raise ForerunError(f"prefix_cache_mb must be a number, 0 (none) or more, got {prefix_cache_mb!r}")
+    if not isinstance(model, (str, os.PathLike, LoadedModel)):
+        raise ForerunError(f"model must be a name, a path or a LoadedModel, not {type(model).__name__}")
+    if method is not None and (not isinstance(method, str) or not method):
+        raise ForerunError(f"speculative_method must name a drafter, or be None for none; got {method!r}")
 
 
 def _check_params(params: object) -> None:

@@ -96,3 +96,13 @@ def test_speculative_settings_of_the_wrong_kind_are_named(folder: Path, llm: LLM
             LLM(llm.target, speculative_method=method)
     with pytest.raises(ForerunError, match=r"'ngram' takes no option 'bogus'; its options: .*ngram_max"):
         LLM(llm.target, speculative_method="ngram", speculative_options={"bogus": 1})
+
+
+def test_an_llm_of_the_wrong_kind_of_thing_is_named(llm: LLM) -> None:
+    with pytest.raises(ForerunError, match="model must be a name, a path or a LoadedModel, not NoneType"):
+        LLM(None)
+    with pytest.raises(ForerunError, match="prefix_cache_mb must be a number"):
+        LLM(llm.target, prefix_cache_mb="10")
+    for method in ("", 3):
+        with pytest.raises(ForerunError, match="speculative_method must name a drafter"):
+            LLM(llm.target, speculative_method=method)
