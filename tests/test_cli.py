@@ -302,9 +302,7 @@ def test_a_draft_vocabulary_below_one_token_exits_2_before_loading(capsys, folde
 def test_an_unknown_speculative_method_exits_2_before_loading_naming_the_known_ones(
     capsys, folder: Path, monkeypatch
 ) -> None:
-    from forerun.api import LLM as api_llm
-
-    monkeypatch.setattr(api_llm, "__init__", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(LLM, "__init__", lambda *a, **k: pytest.fail("a model was loaded"))
     code, out, err = generate(capsys, folder, "--prompt", "x", "--speculative-method", "bogus")
     assert_user_error(code, err, "'bogus'", "ngram", "eagle", "auto")
 
