@@ -12,6 +12,7 @@ from forerun import drafters
 from forerun.base.chat import chat_turns
 from forerun.base.config import SamplingParams, SpeculativeConfig
 from forerun.base.errors import ForerunError
+from forerun.base.prompts import in_vocabulary
 from forerun.engine.engine import Engine, RequestOutput
 from forerun.engine.metrics import SpecMetrics
 from forerun.models import formats
@@ -173,11 +174,7 @@ class LLM:
         if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
             kinds = sorted({type(t).__name__ for t in prompt})
             raise ForerunError(f"{PROMPT_FORMS}, not a list of {' and '.join(kinds)}")
-        vocab = self.target.decoder.cfg.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ForerunError(f"token id {bad} is outside the vocabulary (0 to {vocab - 1})")
-        return [int(t) for t in prompt]
+        return in_vocabulary(prompt, self.target.decoder.cfg.vocab_size)
 
     def generate(self, prompts: str | Sequence, params: SamplingParams | None = None) -> list[GenerationResult]:
         """Prompts are strings, token-id lists, or chat message lists."""

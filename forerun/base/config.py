@@ -15,6 +15,11 @@ SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes (end ex
 MAX_LOGPROBS = 20  # most alternatives a token's log probability comes with (OpenAI's limit)
 
 
+def _whole(value: object) -> bool:
+    """A whole number, and not a bool (True is an int to Python, never a count or a seed here)."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 means greedy (argmax)
@@ -39,23 +44,18 @@ class SamplingParams:
         for name in ("temperature", "top_p"):
             if not isinstance(getattr(self, name), Real) or isinstance(getattr(self, name), bool):
                 raise ForerunError(f"{name} must be a number, got {getattr(self, name)!r}")
-        for name in ("max_tokens", "seed", "top_k"):
-            if isinstance(getattr(self, name), bool):
-                raise ForerunError(f"{name} must be a whole number, not {getattr(self, name)!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ForerunError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ForerunError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ForerunError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and (
-            not isinstance(self.seed, Integral) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]
-        ):
+        if self.seed is not None and (not _whole(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             raise ForerunError(f"seed must be a whole number in [-2**63, 2**64), got {self.seed!r}")
         # Whole numbers only: a float slips past `< 0` (NaN always does) and fails deep in torch later.
-        if not isinstance(self.top_k, Integral) or self.top_k < 0:
+        if not _whole(self.top_k) or self.top_k < 0:
             raise ForerunError(f"top_k must be a whole number >= 0 (0 keeps every token), got {self.top_k!r}")
-        if not isinstance(self.max_tokens, Integral) or self.max_tokens < 1:
+        if not _whole(self.max_tokens) or self.max_tokens < 1:
             raise ForerunError(f"max_tokens must be a whole number >= 1, got {self.max_tokens!r}")
         if any(not isinstance(s, str) for s in self.stop):
             raise ForerunError(f"stop must be a string or a list of strings, got {self.stop!r}")
@@ -63,9 +63,7 @@ class SamplingParams:
             raise ForerunError("stop strings must not be empty")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, Integral) or not 0 <= value <= MAX_LOGPROBS
-            ):
+            if value is not None and (not _whole(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ForerunError(
                     f"{name} must be a whole number from 0 to {MAX_LOGPROBS} (alternatives per "
                     f"token), or None for no log probabilities, got {value!r}"
@@ -86,9 +84,8 @@ class SpeculativeConfig:
     k_policy: str = "adaptive"  # adaptive: each step's length from costs and acceptance; fixed: always K
 
     def __post_init__(self) -> None:
-        k = self.num_speculative_tokens
-        if not isinstance(k, Integral) or isinstance(k, bool):
-            raise ForerunError(f"num_speculative_tokens must be a whole number, got {k!r}")
+        if not _whole(self.num_speculative_tokens):
+            raise ForerunError(f"num_speculative_tokens must be a whole number, got {self.num_speculative_tokens!r}")
         if self.method is not None and self.num_speculative_tokens < 1:
             raise ForerunError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.k_policy not in ("adaptive", "fixed"):

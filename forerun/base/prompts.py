@@ -76,6 +76,14 @@ def valid_unicode(text: str, what: str) -> str:
     return text
 
 
+def in_vocabulary(ids: list[int], vocab_size: int) -> list[int]:
+    """Token ids as plain ints if every one is below `vocab_size` and not negative."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ForerunError(f"token id {bad} is outside the vocabulary (0 to {vocab_size - 1})")
+    return [int(t) for t in ids]
+
+
 def read_prompts_file(path: str | Path) -> list[dict]:
     """JSONL records with `prompt` (or `turns`, whose first item is used); other fields are kept."""
     path = Path(path)

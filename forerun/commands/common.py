@@ -217,8 +217,7 @@ def spec_from_args(args: argparse.Namespace, method: str | None = None) -> tuple
     method = method or args.speculative_method or ("auto" if args.speculative_model else None)
     if method is None:
         return None, {}
-    if method not in drafters.available():  # before any model loads
-        raise ForerunError(f"unknown speculative method {method!r}; choose one of {', '.join(drafters.available())}")
+    drafters.lookup(method)  # an unknown name is refused before any model loads
     if drafters.needs_draft_model(method) and not args.speculative_model:
         raise ForerunError(f"--speculative-method {method} needs --speculative-model")
     names = drafters.cli_options(method)  # each method's own flags: a drafter receives only its own

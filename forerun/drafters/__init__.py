@@ -65,17 +65,22 @@ def cli_options(name: str) -> Mapping[str, str]:
     return entry.cli_options if entry is not None else {}
 
 
-def create(name: str, target, options: dict) -> Drafter:
-    """Build drafter `name` for `target` (a LoadedModel) from its own settings alone."""
+def lookup(name: str) -> Entry:
+    """Method `name`'s entry; a clear error naming the known methods where there is none."""
     _import_all()
     try:
-        entry = _REGISTRY[name]
+        return _REGISTRY[name]
     except KeyError:
         raise ForerunError(
             f"unknown speculative method {name!r}; choose one of {', '.join(sorted(_REGISTRY))}"
         ) from None
-    _check_options(name, entry.factory, options)
-    return entry.factory(target, **options)
+
+
+def create(name: str, target, options: dict) -> Drafter:
+    """Build drafter `name` for `target` (a LoadedModel) from its own settings alone."""
+    found = lookup(name)
+    _check_options(name, found.factory, options)
+    return found.factory(target, **options)
 
 
 def _check_options(name: str, factory, options: dict) -> None:

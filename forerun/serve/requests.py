@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect
 from forerun.base.chat import chat_turns
 from forerun.base.config import SEED_RANGE, SamplingParams
 from forerun.base.errors import ForerunError
+from forerun.base.prompts import in_vocabulary, valid_unicode
 
 MAX_LOGPROBS = 20  # most alternatives a position's logprobs may list
 MAX_N = 16  # most samples one request may ask for
@@ -210,14 +211,15 @@ def _completion_prompt(body: dict, limits: Limits) -> str | list[int]:
             raise BadRequest("prompt is empty: give at least one character", "prompt")
         return text(prompt, "prompt", limits.max_prompt_chars)
     if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        bad = next((t for t in prompt if not 0 <= t < limits.vocab_size), None)
-        if bad is not None:
-            raise BadRequest(f"token id {bad} is outside the vocabulary (0 to {limits.vocab_size - 1})", "prompt")
-        if len(prompt) > limits.max_model_len:
+        try:
+            ids = in_vocabulary(prompt, limits.vocab_size)
+        except ForerunError as exc:
+            raise BadRequest(str(exc), "prompt") from None
+        if len(ids) > limits.max_model_len:
             raise BadRequest(
-                f"the prompt's {len(prompt)} tokens are over this server's context of {limits.max_model_len}", "prompt"
+                f"the prompt's {len(ids)} tokens are over this server's context of {limits.max_model_len}", "prompt"
             )
-        return [int(t) for t in prompt]
+        return ids
     if isinstance(prompt, list) and not prompt:
         raise BadRequest("prompt is empty: give at least one token", "prompt")
     raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
@@ -384,11 +386,6 @@ def text(value: str, name: str, max_chars: int) -> str:
             name,
         )
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise BadRequest(
-            f"{name} is not valid Unicode: a lone surrogate {value[exc.start]!r} at character "
-            f"{exc.start}; send surrogates in pairs",
-            name,
-        ) from None
-    return value
+        return valid_unicode(value, name)
+    except ForerunError as exc:
+        raise BadRequest(str(exc), name) from None
