@@ -98,3 +98,62 @@ def test_the_checker_sees_a_climbing_import():
     source = "def f():\n    from forerun.engine.engine import Engine\n    return Engine\n"
     assert [(2, "forerun.engine.engine")] == imported(source, "forerun.base.probe")
     assert layer_of("forerun.engine.engine") > layer_of("forerun.base.probe")
+
+
+# The one circle between modules that docs/architecture.md names: `forerun serve --ray` starts the
+# replicas, which build their engines from `forerun serve`'s flags (commands and cluster share a layer).
+# A registry package's modules may import the package they register in (drafters/__init__.py).
+NAMED_CIRCLES = [
+    {"forerun.commands.serve", "forerun.cluster.app", "forerun.cluster.ingress", "forerun.cluster.replica"}
+]
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The sets of two or more modules that import one another round a loop (strongly connected)."""
+    order, low, stack, found = {}, {}, [], []
+
+    def visit(v: str) -> None:
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            ring = set()
+            while not ring or v not in ring:
+                ring.add(stack.pop())
+            if len(ring) > 1:
+                found.append(ring)
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in SOURCES:
+        here, package = module_name(path), path.name == "__init__.py"
+        names = {name for _, name in imported(path.read_text(encoding="utf-8"), here, package)}
+        graph[here] = {name for name in names if package or not here.startswith(name + ".")}
+    return graph
+
+
+def test_modules_import_one_another_in_no_circle_but_the_named_one():
+    assert sorted(map(sorted, circles(import_graph()))) == sorted(map(sorted, NAMED_CIRCLES))
+
+
+def test_the_circle_finder_sees_a_circle_through_a_function_level_import():
+    # The negative control: decoder -> native_layer at the top, native_layer -> decoder inside a function.
+    graph = {
+        "forerun.models.decoder": {name for _, name in imported("from forerun.models import native_layer\n", "x.y")},
+        "forerun.models.native_layer": {
+            name for _, name in imported("def f():\n    from forerun.models.decoder import Rope\n", "x.y")
+        },
+        "forerun.models.norm": set(),
+    }
+    assert circles(graph) == [{"forerun.models.decoder", "forerun.models.native_layer"}]

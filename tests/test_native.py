@@ -291,7 +291,7 @@ def test_softmax_top2_of_a_vocabulary_row_and_where_torch_computes_it() -> None:
 
 @pytest.mark.parametrize("n", [16, 896, 1536])
 def test_rmsnorm_is_torchs_within_rounding_a_rows_bits_its_own_on_every_path(n) -> None:
-    from forerun.models.decoder import RMSNorm
+    from forerun.models.norm import RMSNorm
 
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(5, n, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1.0])[:, None]

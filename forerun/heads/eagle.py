@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forerun.models.decoder import DecoderConfig, RMSNorm, Rope, apply_rope
+from forerun.models.decoder import DecoderConfig, Rope, apply_rope
+from forerun.models.norm import RMSNorm
 
 
 class EagleCache:

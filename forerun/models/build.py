@@ -44,12 +44,12 @@ def build_decoder(
 def build_gguf_decoder(path: Path, cfg: DecoderConfig, device: torch.device, reblock: Path | None = None) -> Decoder:
     """The `gguf` format: products over the file's own blocks (no conversion, nothing cached); with
     `reblock` (a file to keep them in), `q4_0`: the wider products' tensors re-blocked into Q4_0."""
-    from forerun.models import gguf_format, gguf_loader
+    from forerun.models import gguf_decoder, gguf_format, gguf_loader
 
     reader = gguf_loader.open_reader(path)
     gguf_loader.check_tensors(reader, cfg, path)
     try:
         reblocked = None if reblock is None else gguf_format.Reblocked(reblock)
-        return gguf_format.load_decoder(reader, cfg, reblocked).to(device)
+        return gguf_decoder.load_decoder(reader, cfg, reblocked).to(device)
     except (KeyError, ValueError) as exc:
         raise ForerunError(f"{path}: its tensors do not fit the model ({exc}); the file may be corrupt") from None

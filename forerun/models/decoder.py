@@ -21,6 +21,7 @@ from forerun.models import native_layer
 from forerun.models.attention import RowLayout, Segment, attend, key_length
 from forerun.models.kv_cache import KVCache
 from forerun.models.linear import Linear
+from forerun.models.norm import RMSNorm
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -68,21 +69,6 @@ class DecoderOutput:
     logits: torch.Tensor  # [B, T, vocab] (T = 1 when last_only)
     hidden: torch.Tensor | None = None  # [B, T, hidden] after the final norm, when asked
     layer_hidden: torch.Tensor | None = None  # [B, T, hidden] residual stream after layer `hidden_layer`
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 as the reference implementations do; bf16 variance drifts.
-        if x.dtype == torch.float32:
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 class Rope:

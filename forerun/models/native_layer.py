@@ -24,6 +24,7 @@ from forerun import native
 from forerun.models.attention import RowLayout, Segment
 from forerun.models.gguf_format import GGUFEmbedding, GGUFLinear
 from forerun.models.kv_cache import KVCache
+from forerun.models.norm import RMSNorm
 
 MAX_PARTS = 4
 SCRATCH_ROWS = 64  # forwards of at most this many rows (decoding, verification) reuse one set of buffers
@@ -164,8 +165,6 @@ def _product(module: nn.Module) -> Product | None:
 def prepare(decoder) -> NativeLayers | None:
     """The decoder's layers as native descriptions, or None when some layer cannot run natively
     (another format, a product with a fallback part, sizes that are not multiples of 16)."""
-    from forerun.models.decoder import RMSNorm
-
     cfg = decoder.cfg
     if decoder.dtype != torch.float32 or decoder.device.type != "cpu" or not native.available():
         return None  # (asked last: asking may build the kernels)
