@@ -399,7 +399,7 @@ def test_train_mixes_a_corpus_with_answers(model_folder, tmp_path) -> None:
         (["--method", "medusa", "--unroll", "2"], "for eagle heads"),
         (["--eval-prompts", "-1"], "--eval-prompts must be at least 0"),
         (["--answers", "0"], "--answers must be at least 1"),
-        (["--train-minutes", "0"], "--train-minutes must be positive"),
+        (["--train-minutes", "0"], "--train-minutes must be a positive number of minutes"),
         (["--unroll", "0"], "--unroll must be at least 1"),
         (["--answer-batch", "0"], "--answer-batch must be at least 1"),
     ],

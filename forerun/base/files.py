@@ -9,12 +9,28 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from forerun.base.errors import ForerunError
 
+if TYPE_CHECKING:
+    import torch
+
 _CHUNK = 1 << 20  # bytes read at a time when hashing
+
+
+def make_folder(path: Path, what: str) -> Path:
+    """`path` as a folder, made with its parents if missing; a clear error naming `what` (a flag, a
+    setting) where it is a file or cannot be made."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ForerunError(f"{what} {path} is a file, not a folder: name a folder") from None
+    except OSError as exc:
+        raise ForerunError(
+            f"{what} {path} cannot be made ({exc.strerror or exc}): name a folder you can write to"
+        ) from None
+    return path
 
 
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:

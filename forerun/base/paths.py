@@ -5,19 +5,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from forerun.base.files import make_folder
+
 
 def forerun_home() -> Path:
     root = os.environ.get("FORERUN_HOME")
     path = Path(root).expanduser() if root else Path.home() / ".cache" / "forerun"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return make_folder(path, "FORERUN_HOME" if root else "the cache folder")
 
 
 def cache_dir(name: str) -> Path:
     """FORERUN_HOME/`name`, made if missing: every cache folder is named here, never built by hand."""
-    path = forerun_home() / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return make_folder(forerun_home() / name, "the cache folder")
 
 
 def models_dir() -> Path:

@@ -7,7 +7,9 @@
    OUT/checkpoint every few minutes; `--resume` continues from it).
 3. OUT holds the head (config.json naming the target's checksum, head.safetensors) and curves.png.
 
-`--data DIR` puts the shards elsewhere, so a Medusa and an EAGLE head of one target share them.
+`--data DIR` puts the shards elsewhere, so a Medusa and an EAGLE head of one target share them. A
+rerun goes on from stored answers or labels only when they are this target's answers to the same
+prompts at the same --max-tokens, or labels of the same text; otherwise it says so and stops.
 
 `--code-prompts PATH [PATH ...]` makes coding prompts from the documented public functions and
 methods of the Python files there ("Write a Python function `wrap(text, width)`: <its docstring's
@@ -45,6 +47,7 @@ training at a time budget.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -53,6 +56,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from forerun.base import files
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import SPEC_BENCH
 from forerun.commands.common import positive_int
@@ -172,7 +176,12 @@ def _register_corpus(p: argparse.ArgumentParser) -> None:
     )
     corpus.add_argument("--chunk-tokens", type=int, default=512, help="tokens per labelled chunk")
     corpus.add_argument("--top-k", type=int, default=20, help="next-token probabilities stored per position")
-    corpus.add_argument("--budget-tokens", type=int, default=None, help="label at most N positions in all")
+    corpus.add_argument(
+        "--budget-tokens",
+        type=int,
+        default=None,
+        help="label at most N positions in all (in whole chunks: the one that reaches N is kept)",
+    )
     corpus.add_argument(
         "--budget-minutes", type=float, default=None, help="label corpus and answers at most M minutes a run"
     )
@@ -227,7 +236,9 @@ def run(args: argparse.Namespace) -> int:
     from forerun.train.trainer import CHECKPOINT, plot_history
 
     _check(args)
-    out = Path(args.out).expanduser()
+    out = files.make_folder(Path(args.out).expanduser(), "--out")
+    if args.data:
+        files.make_folder(Path(args.data).expanduser(), "--data")
     if (out / CHECKPOINT).exists() and not args.resume:
         raise ForerunError(
             f"{out} holds a checkpoint of an earlier run: add --resume to continue it, or pick another --out"
@@ -235,13 +246,16 @@ def run(args: argparse.Namespace) -> int:
     report = CorpusReport()
     # Checks that every corpus path exists now, before the model loads; the files are read later.
     documents = iter_documents(args.corpus, report) if args.corpus else None
+    records = _load_prompts(args)  # (a prompts file that cannot be read: an error before the model loads)
     torch.manual_seed(args.seed)
     target = load_model(args.model, args.dtype, device=args.device, quantization=args.quantization)
     if args.answer_batch is None:
         args.answer_batch = default_answer_batch(target.decoder.device)
     if target.tokenizer is None:
         raise ForerunError(f"{args.model} has no tokenizer; training encodes its text with it")
-    prompts = split_prompts(args, target)
+    prompts = split_prompts(args, target, records)
+    if documents is None or args.answers:
+        _check_prompts_left(args, prompts)
     held_out = _held_out(args, target, out, prompts)
     if documents is not None or args.answers:
         data, record = _soft_labels(args, target, out, documents, report, prompts)
@@ -250,7 +264,13 @@ def run(args: argparse.Namespace) -> int:
     record["eval_prompt_ids"] = prompts.eval_ids
     config, head = _new_head(args, target)
     trainer = _trainer(args, head, target, data, out, held_out)
-    history = trainer.run(resume=args.resume, progress=args.progress)
+    try:
+        history = trainer.run(resume=args.resume, progress=args.progress)
+    except KeyboardInterrupt:
+        saved = trainer.checkpoint_dir()
+        where = f"from the last checkpoint in {saved}" if saved.is_dir() else "(no checkpoint was saved yet)"
+        print(f"forerun: training interrupted; the same command with --resume continues {where}", file=sys.stderr)
+        raise
     last = history.accuracy[-20:]
     accuracy = [round(sum(a[i] for a in last) / len(last), 4) for i in range(len(last[0]))] if last else []
     config.training = {**record, **_training_record(args, trainer, accuracy)}
@@ -285,8 +305,6 @@ def _self_distilled(args: argparse.Namespace, target: LoadedModel, out: Path, pr
     """The target answers the training prompts into shards: (their folder, what to record of them)."""
     from forerun.train.data import make_shards
 
-    if not prompts.train:
-        raise ForerunError("no training prompts left (all held out, or longer than --max-prompt-tokens)")
     data = Path(args.data).expanduser() if args.data else out / "data"
     started = time.perf_counter()
     manifest = make_shards(
@@ -420,14 +438,19 @@ def _answer_labels(
     it stops after the answer that passes it (a rerun goes on from there)."""
     from forerun.train.data import answer_prompts
     from forerun.train.labelled_answers import labelled_answers
-    from forerun.train.soft_labels import LabelManifest, make_label_shards
+    from forerun.train.soft_labels import LabelManifest, check_stored, make_label_shards
 
     todo = prompts.train[: args.answers]
-    if not todo:
-        raise ForerunError("no training prompts left to answer (all held out, or longer than --max-prompt-tokens)")
     manifest = LabelManifest.read(labels)
     if not _keep_labels(args, out, labels):
         done = manifest.chunks_done if manifest else 0
+        if done > len(todo):
+            raise ForerunError(
+                f"{labels} holds {done} labelled answers, more than the {len(todo)} prompts to answer: pass "
+                f"--answers {done} or more (and the same prompts), or remove {labels} to answer afresh"
+            )
+        if done:
+            check_stored(labels, manifest, todo[:done], "answers to other prompts", prefix=True)
         if target.decoder.chain_prefill:  # exact rows: each answer labelled by the passes that write it
             answers = labelled_answers(target, todo[done:], args.max_tokens, args.answer_batch, args.top_k)
         else:  # written (padded rows on a GPU), then labelled in one prefill each
@@ -452,7 +475,7 @@ def _new_head(args: argparse.Namespace, target: LoadedModel) -> tuple[HeadConfig
     from forerun.heads import HeadConfig, build_head, float_weight, target_checksum
 
     cfg = target.decoder.cfg
-    vocab = draft_vocabulary(target, args.draft_vocab)
+    vocab = draft_vocabulary(target, args.draft_vocab, args.progress)
     vocab = vocab if vocab is not None else torch.arange(cfg.vocab_size)
     config = HeadConfig(
         args.method,
@@ -536,8 +559,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ForerunError(f"--num-samples must be at least 1, got {args.num_samples}")
     if args.hold_out < 0:
         raise ForerunError(f"--hold-out must be 0 or more, got {args.hold_out}")
-    if args.lr is not None and args.lr <= 0:
-        raise ForerunError(f"--lr must be positive, got {args.lr}")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise ForerunError(f"--lr must be a positive number, got {args.lr}")
     if args.method == "medusa" and (args.unroll is not None or args.train_projection):
         raise ForerunError("--unroll and --train-projection are for eagle heads (a medusa head drafts from f_t alone)")
     least_values = (
@@ -548,6 +571,7 @@ def _check(args: argparse.Namespace) -> None:
         ("unroll", 1),
         ("eval_prompts", 0),
         ("eval_tokens", 1),
+        ("intermediate_size", 1),
     )
     for name, least in least_values:  # None: not given
         value = getattr(args, name)
@@ -556,9 +580,26 @@ def _check(args: argparse.Namespace) -> None:
     for path in args.code_prompts or ():
         if not Path(path).expanduser().exists():
             raise ForerunError(f"--code-prompts path {path} does not exist: pass folders or files of Python sources")
-    for name in ("budget_minutes", "train_minutes"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise ForerunError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("budget_minutes", "train_minutes"):  # None: no limit
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ForerunError(
+                f"--{name.replace('_', '-')} must be a positive number of minutes (leave it out: no limit), got {value}"
+            )
+    if not (math.isfinite(args.checkpoint_minutes) and args.checkpoint_minutes >= 0):
+        raise ForerunError(f"--checkpoint-minutes must be 0 or more minutes, got {args.checkpoint_minutes}")
+
+
+def _check_prompts_left(args: argparse.Namespace, prompts: Prompts) -> None:
+    """A clear error, before any answer is written, where no prompt is left to train on."""
+    if prompts.train:
+        return
+    raise ForerunError(
+        f"no training prompts left: of {prompts.given} prompts, {len(prompts.eval)} are held out for measuring "
+        f"(--eval-prompts {args.eval_prompts} per category) and {prompts.too_long} are longer than "
+        f"--max-prompt-tokens or the context leaves no room for the answer; pass more prompts, a smaller "
+        "--eval-prompts (0: none) or a larger --max-prompt-tokens"
+    )
 
 
 def round_robin(prompts: list) -> list:
@@ -580,6 +621,8 @@ class Prompts:
     train_ids: list[str] = field(default_factory=list)
     eval: list[list[int]] = field(default_factory=list)  # held-out acceptance during training, never trained on
     eval_ids: list[str] = field(default_factory=list)
+    given: int = 0  # prompts read (after the held-out ones of spec-bench)
+    too_long: int = 0  # left out: empty, or longer than --max-prompt-tokens or the context allows
 
 
 def _prompt_source(args: argparse.Namespace) -> str | None:
@@ -614,21 +657,21 @@ def _load_prompts(args: argparse.Namespace) -> list:
     return prompts
 
 
-def split_prompts(args: argparse.Namespace, target) -> Prompts:
+def split_prompts(args: argparse.Namespace, target, prompts: list) -> Prompts:
     """The prompts to train on and to measure on: spec-bench minus the held-out prompts (the first
     --hold-out of each category, which bench reports on), or a JSONL file's; taken one category at
     a time in turn, the first --eval-prompts rounds kept for measuring; chat-formatted when the
-    target has a template; too long ones left out."""
-    prompts = _load_prompts(args)
+    target has a template; too long ones left out. `prompts`: `_load_prompts`'s."""
     evaluated = len({p.category for p in prompts}) * args.eval_prompts
     prompts = round_robin(prompts)
     tok = target.tokenizer
     chat = bool(getattr(tok.hf, "chat_template", None))
     limit = min(args.max_prompt_tokens, target.decoder.cfg.max_position - max(args.max_tokens, args.eval_tokens) - 1)
-    split = Prompts()
+    split = Prompts(given=len(prompts))
     for i, p in enumerate(prompts):
         ids = tok.apply_chat([{"role": "user", "content": p.text}]) if chat else tok.encode(p.text)
         if not 0 < len(ids) <= limit:
+            split.too_long += 1
             continue
         if i < evaluated:
             split.eval.append(ids)

@@ -35,8 +35,9 @@ MAX_PROMPT_TOKENS = 256
 MAX_POSITIONS = 2048  # tokens read in all (~30 s for a 1.5B model in w8a8 on two cores)
 
 
-def draft_vocabulary(target: LoadedModel, size: int) -> torch.Tensor | None:
-    """Sorted token ids [size] the draft scores, or None when `size` covers the whole vocabulary."""
+def draft_vocabulary(target: LoadedModel, size: int, progress: bool = True) -> torch.Tensor | None:
+    """Sorted token ids [size] the draft scores, or None when `size` covers the whole vocabulary
+    (measured once per model and size, with a progress bar unless `progress` is False)."""
     vocab = target.decoder.cfg.vocab_size
     if size >= vocab:
         return None
@@ -51,7 +52,7 @@ def draft_vocabulary(target: LoadedModel, size: int) -> torch.Tensor | None:
                 return torch.tensor(ids, dtype=torch.long)
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a damaged cache is measured again
-    counts = target_choice_counts(target, calibration_prompts(target))
+    counts = target_choice_counts(target, calibration_prompts(target), progress)
     ids = choose(counts, size, sorted(target.tokenizer.stop_ids) if target.tokenizer else [])
     if path is not None:
         write_json(path, {"size": size, "top": TOP, "token_ids": ids.tolist()})
@@ -74,7 +75,7 @@ def calibration_prompts(target: LoadedModel) -> list[list[int]]:
     return [ids[:MAX_PROMPT_TOKENS] for ids in encoded]
 
 
-def target_choice_counts(target: LoadedModel, prompts: list[list[int]]) -> torch.Tensor:
+def target_choice_counts(target: LoadedModel, prompts: list[list[int]], progress: bool = True) -> torch.Tensor:
     """How often each token is among the target's top-8 next tokens over `prompts`: [vocab]."""
     decoder = target.decoder
     counts = torch.zeros(decoder.cfg.vocab_size, dtype=torch.long)
@@ -85,6 +86,7 @@ def target_choice_counts(target: LoadedModel, prompts: list[list[int]]) -> torch
         unit="tok",
         file=sys.stderr,
         leave=False,
+        disable=not progress,
     ) as bar:
         for ids in prompts:
             ids = ids[:budget]

@@ -84,6 +84,10 @@ def read_config(folder: str | Path) -> HeadConfig:
         raise ForerunError(f"{folder} is not a draft head: it has no {CONFIG}; make one with `forerun train`")
     try:
         data = json.loads(path.read_text())
+        if isinstance(data, dict) and "method" not in data and ("model_type" in data or "architectures" in data):
+            raise ForerunError(
+                f"{folder} is a model folder, not a draft head: pass the folder `forerun train` wrote the head to"
+            )
         config = HeadConfig(**data)
     except (ValueError, TypeError) as exc:
         raise ForerunError(f"{path} is not a forerun head config ({exc}); train the head again") from None

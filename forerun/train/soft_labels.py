@@ -156,7 +156,11 @@ def make_label_shards(
         file=sys.stderr,
         disable=not progress,
     ) as bar:
-        for chunk in itertools.islice(chunks, manifest.chunks_done if skip_done else 0, None):
+        stream = iter(chunks)
+        if skip_done and manifest.chunks_done:  # the stream's first chunks must be the ones labelled
+            done = itertools.islice(stream, manifest.chunks_done)
+            check_stored(folder, manifest, (c[0] if isinstance(c, tuple) else c for c in done), "other text")
+        for chunk in stream:
             tokens, labels = chunk if isinstance(chunk, tuple) else (chunk, label_chunk(target, chunk, top_k))
             if labels.top_ids.shape != (len(tokens), top_k) or labels.hidden.shape[0] != len(tokens):
                 raise ValueError(f"labels {tuple(labels.top_ids.shape)} for {len(tokens)} tokens at top-k {top_k}")
@@ -173,6 +177,40 @@ def make_label_shards(
     if pending:
         _flush(folder, manifest, pending)
     return manifest
+
+
+def stored_tokens(folder: Path, manifest: LabelManifest) -> Iterator[list[int]]:
+    """The token ids of every stored chunk, in order (the shards' labels left unread)."""
+    from safetensors import SafetensorError, safe_open
+
+    for name in manifest.shards:
+        try:
+            with safe_open(str(folder / name), framework="pt") as f:
+                tokens, starts = f.get_tensor("tokens").tolist(), f.get_tensor("starts").tolist()
+        except (SafetensorError, OSError) as exc:
+            raise ForerunError(
+                f"{folder / name} is damaged or cut short ({exc}): remove {folder} to label again"
+            ) from None
+        for a, b in itertools.pairwise(starts):
+            yield tokens[a:b]
+
+
+def check_stored(folder: Path, manifest: LabelManifest, expected: Iterable[list[int]], what: str, prefix=False) -> None:
+    """A clear error unless the stored chunks are `expected` (with `prefix`: begin with them), one
+    for one: a rerun goes on only from labels of what it would label itself."""
+    stored, seen = stored_tokens(folder, manifest), 0
+    for want in expected:
+        have, seen = next(stored, None), seen + 1
+        if have is None or (have[: len(want)] if prefix else have) != want:
+            break
+    else:
+        if seen == manifest.chunks_done:
+            return
+        seen += 1  # the text ran out before the labels did
+    raise ForerunError(
+        f"{folder} holds labels of {what} than this run's (its chunk {seen} differs): use another --data "
+        f"(or --out), or remove {folder} to label afresh"
+    )
 
 
 def _manifest_for(target: LoadedModel, folder: Path, top_k: int) -> LabelManifest:
@@ -211,13 +249,11 @@ def _flush(folder: Path, manifest: LabelManifest, pending: list[tuple[list[int],
 
 def read_labels(folder: Path) -> Iterator[LabeledChunk]:
     """Every stored chunk in order, shard by shard (one shard in memory at a time)."""
-    from safetensors.torch import load_file
-
     manifest = LabelManifest.read(folder)
     if manifest is None:
         raise ForerunError(f"no {MANIFEST} in {folder}: label a corpus into it first")
     for name in manifest.shards:
-        shard = load_file(str(folder / name))
+        shard = files.load_tensors(folder / name, f"remove {folder} to label again")
         starts = shard["starts"].tolist()
         for a, b in itertools.pairwise(starts):
             yield LabeledChunk(

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forerun.base import files
 from forerun.base.errors import ForerunError
 from forerun.train.data import order_within
 from forerun.train.soft_labels import MANIFEST, LabelManifest
@@ -107,10 +108,8 @@ def read_soft_examples(data: Path | list[Path], order: list[int] | None = None) 
 
 def _folder_examples(folder: Path, order: list[int] | None) -> Iterator[SoftExample]:
     """One label folder's chunks, shard by shard in the manifest's order."""
-    from safetensors.torch import load_file
-
     for name in _manifest(folder).shards:
-        shard = load_file(str(folder / name))
+        shard = files.load_tensors(folder / name, f"remove {folder} to label again")
         starts = shard["starts"].tolist()
         count = len(starts) - 1
         for i in order_within(order, count) if order is not None else range(count):

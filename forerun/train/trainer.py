@@ -121,8 +121,10 @@ class Trainer:
     # --- the loop ---------------------------------------------------------------------------------
 
     def run(self, resume: bool = False, progress: bool = True, max_steps: int | None = None) -> History:
-        if resume:
-            self.load_checkpoint()
+        if resume and not self.load_checkpoint():
+            print(
+                f"forerun: no checkpoint in {self.checkpoint_dir()} to resume; training from the start", file=sys.stderr
+            )
         if not self.history.eval_steps:
             self._evaluate()  # the untrained head: where the curves start
         last_save = time.monotonic()
@@ -338,20 +340,35 @@ class Trainer:
         files.write_json(folder / "state.json", meta)
 
     def load_checkpoint(self) -> bool:
-        """Continue from the checkpoint in `out`, if there is one; True when one was loaded."""
-        from safetensors.torch import load_file
-
+        """Continue from the checkpoint in `out`, if there is one; True when one was loaded. A
+        damaged checkpoint, or one of another head or other settings, is a clear error."""
         folder = self.checkpoint_dir()
         if not (folder / "state.json").is_file() or not (folder / "weights.safetensors").is_file():
             return False
-        tensors = load_file(str(folder / "weights.safetensors"))
-        meta = json.loads((folder / "state.json").read_text())
+        remedy = f"remove {folder} to train afresh, or pick another --out"
+        tensors = files.load_tensors(folder / "weights.safetensors", remedy)
+        try:
+            meta = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ForerunError(f"{folder / 'state.json'} cannot be read ({exc}): {remedy}") from None
         labels = "soft" if self.config.soft else "hard"
         if meta.get("labels", "hard") != labels:
             raise ForerunError(
                 f"the checkpoint in {folder} was trained on {meta.get('labels', 'hard')} labels, this run trains on "
                 f"{labels} labels: resume it with the same data (--corpus or not), or pick another --out"
             )
+        try:
+            self._restore(tensors, meta)
+        except (RuntimeError, KeyError, TypeError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise ForerunError(
+                f"the checkpoint in {folder} is of another head or other settings (--method, --heads, --draft-vocab, "
+                f"--intermediate-size) or damaged ({first}): resume with the settings it was made with, or {remedy}"
+            ) from None
+        return True
+
+    def _restore(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """The head, optimizer, progress, history and random state a checkpoint holds."""
         self.head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
         scalars = meta["optimizer"]
         state = {}
@@ -365,7 +382,6 @@ class Trainer:
         self.progress = Progress(**meta["progress"])
         self.history = History(**meta["history"])
         torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
-        return True
 
 
 def plot_history(history: History, path: Path, title: str, method: str = "medusa") -> None:
