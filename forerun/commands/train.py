@@ -132,6 +132,7 @@ def register(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     _register_corpus(p)
+    _register_test(p)
     p.set_defaults(func=run)
 
 
@@ -193,6 +194,9 @@ def _register_corpus(p: argparse.ArgumentParser) -> None:
         help="also (without --corpus: only) the target's chat-formatted answers to N training prompts, labelled "
         "like the corpus and mixed with it",
     )
+
+
+def _register_test(p: argparse.ArgumentParser) -> None:
     train = p.add_argument_group("training for the test")
     train.add_argument(
         "--unroll",
