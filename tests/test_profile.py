@@ -150,3 +150,20 @@ def test_bad_rows_are_a_clear_error(folder: Path, capsys) -> None:
     assert "--rows takes whole numbers" in capsys.readouterr().err
     assert main(["profile", "--model", str(folder), "--rows", "0"]) == 2
     assert "--rows must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag,value,said",
+    [
+        ("--top", "0", "--top must be at least 1, got 0"),
+        ("--top", "-3", "--top must be at least 1, got -3"),
+        ("--steps", "0", "--steps must be at least 1, got 0"),
+        ("--context", "-1", "--context must be at least 0, got -1"),
+        ("--rows", ",", "--rows ',' names no row count"),
+    ],
+)
+def test_a_number_out_of_range_is_named_by_its_flag_before_the_model_loads(
+    capsys, flag: str, value: str, said: str
+) -> None:
+    assert main(["profile", "--model", "/nonexistent/forerun-model", flag, value]) == 2
+    assert f"error: {said}" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from forerun.bench.contenders import PLAIN
 from forerun.bench.summary import OVERALL, Row
 
 SPEEDUP_PNG, POSITIONS_PNG, SWEEP_PNG = "speedup_by_task.png", "acceptance_by_position.png", "sweep_k.png"
+PLOTS = (SPEEDUP_PNG, POSITIONS_PNG, SWEEP_PNG)  # every file draw_all may write
 
 
 def draw_all(out: Path, table: dict[str, list[Row]]) -> dict[str, str]:

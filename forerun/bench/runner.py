@@ -36,7 +36,7 @@ from forerun.bench.contenders import (
     option_of,
 )
 from forerun.bench.llamacpp import peer as llama_peer
-from forerun.bench.plots import draw_all
+from forerun.bench.plots import PLOTS, draw_all
 from forerun.bench.report import ReportContext, write_report
 from forerun.bench.store import ResultStore
 from forerun.bench.summary import by_task
@@ -123,13 +123,28 @@ def check_config(cfg: BenchConfig) -> None:
         raise ForerunError(f"--rounds must be at least 1, got {cfg.rounds}")
 
 
+OUTPUTS = ("results.jsonl", "report.md", "run.json", *PLOTS)  # what a run writes into its folder
+
+
+def prepare_out(out: Path) -> None:
+    """The output folder, made; a clear error, before any model loads, where it cannot be, or where a
+    folder sits in the place of a file the run writes (it would fail only after every run)."""
+    files.make_folder(out, "--out")
+    for name in OUTPUTS:
+        if (out / name).is_dir():
+            raise ForerunError(
+                f"--out {out} holds a folder named {name}, where the bench writes that file; "
+                "move it away, or use another --out"
+            )
+
+
 def run_bench(cfg: BenchConfig) -> BenchResult:
     check_config(cfg)
     cfg = replace(cfg, ks=sorted(set(cfg.ks)))
     prompts = load_prompts(cfg.dataset, cfg.categories, cfg.limit_per_category)
     if not prompts:
         raise ForerunError(f"no prompts left in {cfg.dataset} after filtering by category")
-    cfg.out.mkdir(parents=True, exist_ok=True)
+    prepare_out(cfg.out)
     store = ResultStore(cfg.out / "results.jsonl", settings_of(cfg))
     target = _load_target(cfg)
     notes: list[str] = []

@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import json
 import math
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from forerun.base import files
@@ -59,6 +60,8 @@ class LevelResult:
     draft_tokens: int | None = None  # the server's counters over the level (forerun's /metrics; None: not read)
     accepted_tokens: int | None = None
     prompt_tokens: int = 0  # the level's prompts, token ids sent: its traffic beside the other levels'
+    # What shaped its numbers (`run_settings`): a later run into the same folder keeps it only beside its like.
+    settings: dict = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -270,3 +273,68 @@ def write_report(out: Path, levels: list[LevelResult], header: str) -> None:
     if failed:
         lines += ["", "What failed requests raised:", "", *failed]
     files.write_text(out / "report.md", "\n".join(lines) + "\n")
+
+
+RESULTS, REPORT = "results.json", "report.md"
+
+
+def run_settings(common: dict, draft: dict | None) -> dict:
+    """A level's settings as results.json holds them: `common` to every set-up (model, prompts,
+    lengths, levels) and `draft`, the draft model's, for a set-up that speculates (None for one that
+    does not: its numbers owe nothing to them)."""
+    return json.loads(json.dumps({"run": common, "draft": draft}))
+
+
+def earlier_levels(out: Path, settings: dict) -> list[LevelResult]:
+    """The levels an earlier bench-serve left in `out`, read back so that a later run into the same
+    folder adds its set-ups beside them (a set-up run again replaces its own); a clear error where
+    they were made with other settings than `settings` (this run's `run_settings`, its draft part
+    None where no set-up speculates) or the file is not one bench-serve wrote."""
+    path = out / RESULTS
+    for name in (RESULTS, REPORT):
+        if (out / name).is_dir():
+            raise ForerunError(
+                f"--out {out} holds a folder named {name}, where bench-serve writes that file; "
+                "move it away, or use another --out"
+            )
+    if not path.exists():
+        return []
+    levels = []
+    for row in _read_rows(path):
+        differ = _differences(row.get("settings"), settings)
+        if differ:
+            raise ForerunError(
+                f"{path} holds {row['setup']} results made with other settings ({'; '.join(differ)}); "
+                f"use another --out, or remove {RESULTS} to start over"
+            )
+        levels.append(LevelResult(**{f.name: row[f.name] for f in fields(LevelResult) if f.name in row}))
+    return levels
+
+
+_REQUIRED = [f.name for f in fields(LevelResult) if f.default is MISSING and f.default_factory is MISSING]
+
+
+def _read_rows(path: Path) -> list[dict]:
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        problem = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else f"not valid JSON ({exc.msg})"
+        raise ForerunError(f"{path} is {problem}; remove it to start over, or use another --out") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and all(k in r for k in _REQUIRED) for r in rows):
+        raise ForerunError(f"{path} is not a list of bench-serve levels; remove it to start over, or use another --out")
+    return rows
+
+
+def _differences(theirs: object, now: dict) -> list[str]:
+    """What differs between a stored level's settings and this run's, each as `name: there, now`."""
+    if not isinstance(theirs, dict):
+        return ["none recorded there: made by an earlier forerun"]
+    pairs = [(theirs.get("run") or {}, now["run"])]
+    if theirs.get("draft") is not None and now["draft"] is not None:
+        pairs.append((theirs["draft"], now["draft"]))
+    return [
+        f"{key}: {there.get(key)!r} there, {here.get(key)!r} now"
+        for there, here in pairs
+        for key in sorted(set(there) | set(here))
+        if there.get(key) != here.get(key)
+    ]

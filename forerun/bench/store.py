@@ -13,6 +13,7 @@ from forerun.base import files
 from forerun.base.errors import ForerunError
 
 Key = tuple[str, str, int, int]  # (prompt_id, method, k, round)
+RECORD_KEYS = ("prompt_id", "method", "k", "settings")  # what every result line holds
 
 
 def record_key(record: dict) -> Key:
@@ -51,25 +52,45 @@ class ResultStore:
     def _load(self) -> list[dict]:
         if not self.path.is_file():
             return []
-        text = self.path.read_text()
-        lines = text.split("\n")
-        torn = lines.pop() if lines else ""  # after the last newline: empty, or a torn write
-        records = []
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise ForerunError(
-                    f"{self.path}, line {number}: not valid JSON; remove the line (or the "
-                    "file, to start over) and run again"
-                ) from None
-            self._check_settings(record, number)
-            records.append(record)
+        lines = self.path.read_bytes().split(b"\n")
+        torn = lines.pop() if lines else b""  # after the last newline: empty, or a torn write
+        records, kept = [], []
+        for number, raw in enumerate(lines, 1):
+            line = self._text(raw, number)
+            kept.append(line)
+            if line.strip():
+                records.append(self._record(line, number))
         if torn.strip():
-            files.write_text(self.path, "".join(line + "\n" for line in lines))
+            files.write_text(self.path, "".join(line + "\n" for line in kept))
         return records
+
+    def _text(self, raw: bytes, number: int) -> str:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self._bad_line(number, "not UTF-8 text") from None
+
+    def _record(self, line: str, number: int) -> dict:
+        """Line `number`, read and checked: one result made with this run's settings."""
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise self._bad_line(number, "not valid JSON") from None
+        if not isinstance(record, dict) or any(key not in record for key in RECORD_KEYS):
+            raise self._bad_line(number, f"not a result line (a JSON object with {', '.join(RECORD_KEYS)})")
+        try:
+            record_key(record)
+        except (TypeError, ValueError):
+            raise self._bad_line(number, "not a result line (its k and round are not whole numbers)") from None
+        if not isinstance(record["settings"], dict):
+            raise self._bad_line(number, "not a result line (its settings are not a JSON object)")
+        self._check_settings(record, number)
+        return record
+
+    def _bad_line(self, number: int, what: str) -> ForerunError:
+        return ForerunError(
+            f"{self.path}, line {number}: {what}; remove the line (or the file, to start over) and run again"
+        )
 
     def _check_settings(self, record: dict, number: int) -> None:
         theirs = record.get("settings", {})

@@ -25,11 +25,22 @@ def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def _name_list(text: str) -> list[str]:
+    """A flag's comma-separated names, at least one (`,` alone is a mistake, not "the default")."""
+    names = _names(text)
+    if not names:
+        raise argparse.ArgumentTypeError(f"names nothing ({text!r}): give one or more names separated by commas")
+    return names
+
+
 def _ints(text: str) -> list[int]:
     try:
-        return [int(part) for part in _names(text)]
+        values = [int(part) for part in _names(text)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"names no number ({text!r}): give one or more separated by commas")
+    return values
 
 
 def _add_run_args(g) -> None:
@@ -63,7 +74,7 @@ def register(sub) -> None:
     g = p.add_argument_group("bench")
     g.add_argument(
         "--methods",
-        type=_names,
+        type=_name_list,
         default=None,
         help="comma-separated: plain and registered drafters (draft, ngram, early-exit, lookahead); "
         "METHOD:FORMAT runs a draft-model method with its draft in FORMAT beside the same method in "
@@ -77,7 +88,7 @@ def register(sub) -> None:
     )
     g.add_argument(
         "--categories",
-        type=_names,
+        type=_name_list,
         default=None,
         help="comma-separated categories (or task kinds, e.g. mt_bench) to keep",
     )
@@ -90,7 +101,7 @@ def register(sub) -> None:
     )
     g.add_argument(
         "--peers",
-        type=_names,
+        type=_name_list,
         default=[],
         help="other engines to run beside forerun: transformers (all of its contenders) or some of "
         "hf-plain, hf-assisted, hf-prompt-lookup; llama.cpp (built on first use, ~10 minutes, "
@@ -110,8 +121,38 @@ def _method_options(args: argparse.Namespace, method: str) -> dict:
     options = spec_from_args(args, drafter_of(method))[1]
     fmt, option = draft_format_of(method), option_of(method)
     if option is not None:
-        options = {**options, option[0]: option[1]}
+        options = {**options, option[0]: _option_value(args.bench_parser, method, option[0])}
     return options if fmt is None else {**options, "quantize": fmt}
+
+
+_EXPECTED = {int: "a whole number", float: "a number"}
+
+
+def _option_value(parser: argparse.ArgumentParser, method: str, option: str) -> object:
+    """The VALUE of `METHOD:OPTION=VALUE` as the option's own flag reads it (--draft-branch for auto's
+    branch): a clear error naming the option and the value where that flag would refuse it, before
+    any model loads. (check_methods has made sure the drafter takes `option`.)"""
+    from forerun import drafters
+    from forerun.bench.contenders import drafter_of
+
+    text = method.split("=", 1)[1]
+    dest = next(d for d, kw in drafters.cli_options(drafter_of(method)).items() if kw == option)
+    action = next(a for a in parser._actions if a.dest == dest)
+    flag, convert = max(action.option_strings, key=len), action.type or str
+    many = action.nargs in ("+", "*")  # e.g. early-exit:skip_layers='3 5 7'
+    try:
+        values = [convert(part) for part in (text.split() if many else [text])]
+        if not values:
+            raise ValueError(text)
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+        why = (
+            str(exc) if isinstance(exc, argparse.ArgumentTypeError) else f"expected {_EXPECTED.get(convert, 'a value')}"
+        )
+        raise ForerunError(f"method {method!r}: {option}={text!r} is not a value {flag} takes ({why})") from None
+    if action.choices is not None and any(v not in action.choices for v in values):
+        choices = ", ".join(map(str, action.choices))
+        raise ForerunError(f"method {method!r}: {option}={text!r} is not one of {flag}'s choices ({choices})")
+    return values if many else values[0]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     if args.speculative_method:
         raise ForerunError("forerun bench takes --methods (comma-separated), not --speculative-method")
     heads = heads_by_kind(args.speculative_head)
-    methods = args.methods or default_methods(valid_methods(), args.speculative_model, heads)
+    methods = list(dict.fromkeys(args.methods or default_methods(valid_methods(), args.speculative_model, heads)))
     if "plain" not in methods:
         methods = ["plain"] + methods  # every speedup is a ratio to plain decoding
     check_methods(methods, args.speculative_model)  # before spec_from_args, for the clearer message
@@ -217,7 +258,7 @@ def command_line(args: argparse.Namespace) -> str:
         flag = max(action.option_strings, key=len)
         if action.nargs == 0:  # store_true / store_false
             words.append(flag)
-        elif isinstance(value, (list, tuple)) and action.type in (_names, _ints):
+        elif isinstance(value, (list, tuple)) and action.type in (_name_list, _ints):
             words += [flag, ",".join(map(str, value))]
         elif isinstance(value, (list, tuple)):
             words += [flag, *map(str, value)]

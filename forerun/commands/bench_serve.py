@@ -13,13 +13,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forerun.base.errors import ForerunError
+from forerun.base.files import make_folder
 from forerun.commands.common import positive_int
+from forerun.models.load import QUANTIZATIONS
 
 if TYPE_CHECKING:
     from forerun.bench.serve_load import LevelResult
     from forerun.bench.serve_servers import Process
 
 SETUPS = ("off", "fixed", "auto", "off-whole", "off-uncached")
+LLAMA_PEER = "llama.cpp"  # the one --peers name: llama-server
 # Each set-up: its speculation policy (None: off) and `forerun serve` flags of its own. off-whole
 # prefills each prompt whole before the next step (no chunked prefill), off-uncached keeps no
 # earlier prompt's rows (no prefix cache): the controls for them.
@@ -50,12 +53,7 @@ def register(sub) -> None:
         "llama.cpp's llama-server, send streamed greedy completions at each concurrency, "
         "and write results.json and report.md to --out.",
     )
-    p.add_argument("--model", required=True, help="embedded name, .gguf file or model folder")
-    p.add_argument("--quantization", default="auto", help="the target's numeric format (as forerun serve takes it)")
-    p.add_argument("--speculative-model", default=None, help="draft model for the fixed and auto set-ups")
-    p.add_argument("--speculative-quantization", default="auto")
-    p.add_argument("--draft-vocab", type=positive_int, default=None)
-    p.add_argument("--num-speculative-tokens", type=int, default=5, help="K: fixed K, and auto's most")
+    _add_server_args(p)
     p.add_argument(
         "--setups",
         default="off,fixed,auto",
@@ -71,8 +69,10 @@ def register(sub) -> None:
         default=[1, 2, 4, 8, 16, 32],
         help="comma-separated levels; one given again runs again (a repeat, to see the noise)",
     )
-    p.add_argument("--requests-per-level", type=int, default=2, help="requests sent at level c: this many times c")
-    p.add_argument("--max-tokens", type=int, default=64, help="the longest a request may be")
+    p.add_argument(
+        "--requests-per-level", type=positive_int, default=2, help="requests sent at level c: this many times c"
+    )
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="the longest a request may be")
     p.add_argument(
         "--length-spread",
         type=float,
@@ -80,7 +80,7 @@ def register(sub) -> None:
         help="requests' max tokens are spread evenly over [(1 - this) x --max-tokens, --max-tokens] in a "
         "shuffled order, the same for every server (0: every request --max-tokens long)",
     )
-    p.add_argument("--peers", default="", help="llama.cpp: llama-server with one slot per request in flight")
+    p.add_argument("--peers", default="", help=f"{LLAMA_PEER}: llama-server with one slot per request in flight")
     p.add_argument("--dataset", default="spec-bench")
     p.add_argument("--categories", default=None, help="comma-separated categories or task kinds")
     p.add_argument(
@@ -90,8 +90,29 @@ def register(sub) -> None:
         "level prompts as long on average as it can (an even sample over their lengths); "
         "needs --requests-per-level x the sum of the levels prompts",
     )
-    p.add_argument("--out", required=True, help="folder for results.json, report.md and server logs")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="folder for results.json, report.md and server logs; a later run into it adds its set-ups "
+        "beside the earlier ones' (a set-up run again replaces its own), made with the same settings",
+    )
     p.set_defaults(func=run)
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    """The model flags every forerun server gets, checked here rather than by the child server."""
+    p.add_argument("--model", required=True, help="embedded name, .gguf file or model folder")
+    formats = [*QUANTIZATIONS, "none"]  # as forerun serve takes them
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=formats,
+        help="the target's numeric format (as forerun serve takes it)",
+    )
+    p.add_argument("--speculative-model", default=None, help="draft model for the fixed and auto set-ups")
+    p.add_argument("--speculative-quantization", default="auto", choices=formats)
+    p.add_argument("--draft-vocab", type=positive_int, default=None)
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=5, help="K: fixed K, and auto's most")
 
 
 @dataclass
@@ -99,17 +120,18 @@ class _Server:
     setup: str  # its name in the report: off, fixed, auto#2, llama-server, ...
     process: Process
     port: int
+    speculates: bool = False  # a forerun server with a draft model: its levels' settings name the draft's
 
 
 def run(args: argparse.Namespace) -> int:
     from forerun.base.prompts import load_prompts
-    from forerun.bench.serve_load import level_prompts, shortest
+    from forerun.bench.serve_load import earlier_levels, level_prompts, shortest
     from forerun.models.load import load_tokenizer_of
 
     setups = _check(args)
     shortest(args.max_tokens, args.length_spread)  # a spread out of range: a clear error now
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(Path(args.out), "--out")
+    earlier = earlier_levels(out, _settings(args, any(setup_serve(s)[0] is not None for s in setups)))
     tokenizer = load_tokenizer_of(args.model)  # the servers hold the model; this side only counts tokens
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
     prompts = [
@@ -121,20 +143,48 @@ def run(args: argparse.Namespace) -> int:
     top = max(args.concurrency)
     context = max(len(p) for p in prompts) + args.max_tokens + args.num_speculative_tokens + 8
     servers = _forerun_servers(args, setups, top, out)
-    if "llama.cpp" in args.peers:
+    if LLAMA_PEER in _peers(args.peers):
         servers += _llama_server(args.model, context, top, out)
-    _run_levels(args, servers, sends, out)
+    rerun = {server.setup for server in servers}  # a set-up run again replaces its earlier levels
+    _run_levels(args, servers, sends, out, [level for level in earlier if level.setup not in rerun])
     return 0
 
 
 def _check(args: argparse.Namespace) -> list[str]:
-    """The set-ups asked for, once the flags are known to fit together."""
+    """The set-ups asked for, once the flags are known to fit together (before anything loads)."""
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    if not setups:
+        raise ForerunError(f"--setups {args.setups!r}: no set-ups given; name some of {', '.join(SETUPS)}")
     if any(setup_serve(s)[0] is not None for s in setups) and args.speculative_model is None:
         raise ForerunError("the fixed and auto set-ups draft with a model: give --speculative-model, or --setups off")
-    if args.requests_per_level < 1 or args.max_tokens < 1:
-        raise ForerunError("--requests-per-level and --max-tokens must be at least 1")
+    _peers(args.peers)
     return setups
+
+
+def _peers(text: str) -> list[str]:
+    """--peers' names, each one known."""
+    peers = [p.strip() for p in text.split(",") if p.strip()]
+    for peer in peers:
+        if peer != LLAMA_PEER:
+            raise ForerunError(f"unknown peer {peer!r} in --peers; bench-serve's one peer is {LLAMA_PEER}")
+    return peers
+
+
+def _settings(args: argparse.Namespace, speculates: bool) -> dict:
+    """What shapes a level's numbers (serve_load.run_settings); the draft model's part for a set-up
+    that `speculates`."""
+    from forerun.bench.serve_load import run_settings
+
+    common = {
+        name: getattr(args, name)
+        for name in ("model", "quantization", "dataset", "categories", "concurrency", "requests_per_level")
+        + ("max_tokens", "length_spread", "distinct")
+    }
+    draft = {
+        name: getattr(args, name)
+        for name in ("speculative_model", "speculative_quantization", "draft_vocab", "num_speculative_tokens")
+    }
+    return run_settings(common, draft if speculates else None)
 
 
 def setup_serve(setup: str) -> tuple[str | None, list[str]]:
@@ -179,7 +229,8 @@ def _forerun_servers(args: argparse.Namespace, setups: list[str], top: int, out:
             top,
         )
         health = f"http://127.0.0.1:{port}/health"
-        servers.append(_Server(setup, Process(command + flags, health, out / f"{setup}.log"), port))
+        process = Process(command + flags, health, out / f"{setup}.log")
+        servers.append(_Server(setup, process, port, speculates=policy is not None))
     return servers
 
 
@@ -201,8 +252,11 @@ def _llama_server(model: str, context: int, top: int, out: Path) -> list[_Server
     return [_Server("llama-server", Process(command, health, out / "llama-server.log"), port)]
 
 
-def _run_levels(args: argparse.Namespace, servers: list[_Server], sends: list[list], out: Path) -> None:
-    """Every level on every server, the report rewritten after each; the servers stop on every way out."""
+def _run_levels(
+    args: argparse.Namespace, servers: list[_Server], sends: list[list], out: Path, earlier: list[LevelResult]
+) -> None:
+    """Every level on every server, the report rewritten after each (after `earlier`: the levels an
+    earlier run left in --out, of set-ups not run now); the servers stop on every way out."""
     from forerun.bench.serve_load import request_lengths, running_order, write_report
 
     # Every server is up at once (idle ones cost memory, not time) and each level runs every set-up
@@ -215,8 +269,10 @@ def _run_levels(args: argparse.Namespace, servers: list[_Server], sends: list[li
         for index, (c, sent) in enumerate(zip(args.concurrency, sends)):
             lengths = request_lengths(len(sent), args.max_tokens, args.length_spread, seed=c)
             for server in running_order(servers, index):
-                levels.append(_run_level(server, args.model, sent, c, lengths))
-                write_report(out, levels, _header(args))
+                level = _run_level(server, args.model, sent, c, lengths)
+                level.settings = _settings(args, server.speculates)
+                levels.append(level)
+                write_report(out, earlier + levels, _header(args, earlier))
     finally:
         for server in servers:
             server.process.stop()
@@ -243,10 +299,11 @@ def _run_level(server: _Server, model: str, sent: list, c: int, lengths: list[in
     return level
 
 
-def _header(args: argparse.Namespace) -> str:
+def _header(args: argparse.Namespace, earlier: list[LevelResult]) -> str:
     from forerun.bench.machine import cpu_line
 
     shown = " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench-serve"] else "bench-serve"
+    kept = ", ".join(dict.fromkeys(level.setup for level in earlier))
     return (
         f"# forerun bench-serve\n\nMade with `forerun {shown}` on "
         f"{datetime.now(UTC):%Y-%m-%d}. {cpu_line()}. Greedy, max tokens {_lengths(args)}, "
@@ -254,6 +311,12 @@ def _header(args: argparse.Namespace) -> str:
         f"{', no prompt sent twice' if args.distinct else ''}; streamed completions "
         "with prompt token ids (the chat template applied). The set-ups run one after another at each level, "
         "in the order given on the first level and reversed on every other one."
+        + (
+            f" The rows of {kept} come from an earlier run into this folder, with the same settings "
+            "but not moments apart from the others."
+            if kept
+            else ""
+        )
     )
 
 

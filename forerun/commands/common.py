@@ -115,7 +115,7 @@ def _add_draft_model_args(g: argparse._ArgumentGroup, quantization: str | None) 
     )
     g.add_argument(
         "--draft-branch",
-        type=int,
+        type=at_least(0),
         default=None,
         metavar="N",
         help="greedy: the draft model continues its first second-choice leaf by up to N tokens, in "
@@ -201,15 +201,22 @@ def _choices(text: str) -> list[list[int]]:
     return value
 
 
-def positive_int(text: str) -> int:
-    """A flag's whole number of 1 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def at_least(least: int):
+    """An argparse type: a flag's whole number of `least` or more."""
+
+    def whole(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    return whole
+
+
+positive_int = at_least(1)  # a flag's whole number of 1 or more
 
 
 def spec_from_args(args: argparse.Namespace, method: str | None = None) -> tuple[str | None, dict]:

@@ -146,12 +146,7 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from forerun.models.load import load_model
 
-    try:
-        rows = [int(r) for r in args.rows.split(",") if r.strip()]
-    except ValueError:
-        raise ForerunError(f"--rows takes whole numbers separated by commas, got {args.rows!r}") from None
-    if not rows or min(rows) < 1 or args.steps < 1 or args.context < 0:
-        raise ForerunError("--rows must be at least 1 each, --steps at least 1 and --context at least 0")
+    rows = _check(args)
     model = load_model(
         args.model,
         args.dtype,
@@ -175,6 +170,22 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(render_bound(results))
     return 0
+
+
+def _check(args: argparse.Namespace) -> list[int]:
+    """--rows' row counts, once every number flag is known to be in range (each error names its flag)."""
+    try:
+        rows = [int(r) for r in args.rows.split(",") if r.strip()]
+    except ValueError:
+        raise ForerunError(f"--rows takes whole numbers separated by commas, got {args.rows!r}") from None
+    if not rows:
+        raise ForerunError(f"--rows {args.rows!r} names no row count: give some such as 1,2,4")
+    if min(rows) < 1:
+        raise ForerunError(f"--rows must be at least 1 each, got {args.rows!r}")
+    for flag, value, least in (("--steps", args.steps, 1), ("--top", args.top, 1), ("--context", args.context, 0)):
+        if value < least:
+            raise ForerunError(f"{flag} must be at least {least}, got {value}")
+    return rows
 
 
 def profile_pass(decoder, rows: int, context: int, steps: int, top: int, bound: bool = False) -> Breakdown:

@@ -21,7 +21,9 @@ from forerun.base.errors import ForerunError
 from forerun.base.prompts import load_prompts
 from forerun.commands.common import add_kv_cache_arg
 from forerun.models import linear
+from forerun.models.formats import AUTO, NATIVE
 from forerun.models.load import QUANTIZATIONS
+from forerun.models.source import resolve
 
 
 def register(sub) -> None:
@@ -32,7 +34,7 @@ def register(sub) -> None:
         "--quantization",
         nargs="+",
         default=["w8a8"],
-        choices=[q for q in QUANTIZATIONS if q != "auto"],
+        choices=[q for q in QUANTIZATIONS if q != AUTO],
         help="formats to compare with the reference",
     )
     add_kv_cache_arg(p)  # the compared formats'; the reference keeps its own
@@ -46,6 +48,8 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise ForerunError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    args.quantization = list(dict.fromkeys(args.quantization))  # a format named twice is compared once
+    _check_formats(args.model, args.quantization)
     prompts = load_prompts(args.dataset, limit_per_category=args.limit_per_category)
     reference = LLM(args.model, dtype=args.dtype)
     tok = reference.tokenizer
@@ -72,6 +76,18 @@ def run(args: argparse.Namespace) -> int:
         del model
     print(json.dumps(table, indent=1) if args.json else render(table))
     return 0
+
+
+def _check_formats(model: str, formats: list[str]) -> None:
+    """Every format can compute `model`, checked before the reference writes its continuations."""
+    source = resolve(model)
+    native = [fmt for fmt in formats if fmt in NATIVE]
+    if native and source.kind != "gguf":
+        others = " or ".join(q for q in QUANTIZATIONS if q not in (*NATIVE, AUTO))
+        raise ForerunError(
+            f"--quantization {' '.join(native)} computes a GGUF file's blocks, and {model} is a model folder; "
+            f"compare {others} on it, or give a .gguf file as --model"
+        )
 
 
 @torch.inference_mode()

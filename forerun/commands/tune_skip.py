@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from forerun.api import LLM
 from forerun.base.config import SamplingParams
@@ -15,6 +16,7 @@ from forerun.commands.common import (
     add_model_args,
     add_prompt_args,
     add_sampling_args,
+    positive_int,
     sampling_from_args,
 )
 from forerun.drafters.early_exit import draft_layers
@@ -51,10 +53,10 @@ def register(sub) -> None:
     p = sub.add_parser("tune-skip", help="measure early-exit / skip-layer settings to pick the fastest")
     add_model_args(p)
     add_prompt_args(p, "prompts to measure on (default: a built-in handful)")
-    p.add_argument("--num-speculative-tokens", type=int, default=5, help="K: tokens drafted per step")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=5, help="K: tokens drafted per step")
     p.add_argument(
         "--layers",
-        type=int,
+        type=positive_int,
         nargs="+",
         default=None,
         help="early-exit depths L to try (default: a quarter, half and three quarters of the model)",
@@ -110,9 +112,43 @@ def candidate_settings(
 
 def parse_skip(text: str) -> list[int]:
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        layers = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise ForerunError(f"--skip {text!r}: expected layer numbers separated by commas, e.g. 3,5,7") from None
+    if not layers:
+        raise ForerunError(f"--skip {text!r} names no layer: give layer numbers separated by commas, e.g. 3,5,7")
+    return layers
+
+
+def check_settings(num_layers: int, layers: list[int] | None, skips: list[list[int]] | None) -> None:
+    """--layers and --skip against the model's layers, each error naming tune-skip's own flag (the
+    drafter's checks name --early-exit-layer and --skip-layers, which tune-skip has not)."""
+    n = num_layers
+    for depth in layers or []:
+        if not 1 <= depth <= n:
+            raise ForerunError(f"--layers {depth}: an early-exit depth must be between 1 and the model's {n} layers")
+    for skip in skips or []:
+        outside = [i for i in skip if not 0 <= i < n]
+        if outside:
+            shown = ",".join(map(str, skip))
+            raise ForerunError(
+                f"--skip {shown}: layer {outside[0]} is outside the model's layers 0..{n - 1}; skip some of those"
+            )
+        if set(skip) >= set(range(n)):
+            raise ForerunError(f"--skip {','.join(map(str, skip))} skips every layer of {n}; keep at least one")
+
+
+def _prompts(args: argparse.Namespace) -> list:
+    """The prompts to measure on: --prompt, --prompts-file's, or the built-in handful."""
+    texts = list(args.prompt)
+    if args.prompts_file:
+        if Path(args.prompts_file).is_dir():
+            raise ForerunError(
+                f"--prompts-file {args.prompts_file} is a folder; name a JSONL file with 'prompt' or 'turns' per line"
+            )
+        texts += [r["prompt"] for r in read_prompts_file(args.prompts_file)]
+    texts = texts or DEFAULT_PROMPTS
+    return [[{"role": "user", "content": t}] if args.chat else t for t in texts]
 
 
 def measure(llm: LLM, setting: Setting, prompts: list, params: SamplingParams) -> Measurement:
@@ -127,11 +163,8 @@ def measure(llm: LLM, setting: Setting, prompts: list, params: SamplingParams) -
 
 
 def run(args: argparse.Namespace) -> int:
-    texts = list(args.prompt)
-    if args.prompts_file:
-        texts += [r["prompt"] for r in read_prompts_file(args.prompts_file)]
-    texts = texts or DEFAULT_PROMPTS
-    prompts = [[{"role": "user", "content": t}] if args.chat else t for t in texts]
+    prompts = _prompts(args)
+    skips = [parse_skip(s) for s in args.skip] if args.skip else None  # before the model loads
     params = sampling_from_args(args)
     plain = LLM(
         model=args.model,
@@ -141,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
     )
     target = plain.target
-    skips = [parse_skip(s) for s in args.skip] if args.skip else None
+    check_settings(target.decoder.cfg.num_layers, args.layers, skips)
     settings = candidate_settings(target.decoder.cfg.num_layers, args.layers, skips)
     plain.generate([prompts[0]], SamplingParams(max_tokens=4))  # warm-up: first calls are slow
     rows = [measure(plain, Setting("plain decoding", "", {}), prompts, params)]
