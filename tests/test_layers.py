@@ -34,7 +34,9 @@ def layer_of(module: str) -> int:
     best, best_len = None, -1
     for index, prefixes in enumerate(LAYERS):
         for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+            # "forerun" (the package's face) is a layer of its own name alone, not of every module.
+            inside = module.startswith(prefix + ".") and prefix != "forerun"
+            if (module == prefix or inside) and len(prefix) > best_len:
                 best, best_len = index, len(prefix)
     if best is None:
         raise AssertionError(f"{module} is in no layer: add its package to LAYERS and docs/architecture.md")
@@ -91,6 +93,13 @@ def test_no_import_climbs_a_layer(path: Path):
         if layer_of(name) > layer_of(here)
     ]
     assert not climbing, "\n".join(climbing)
+
+
+def test_a_module_of_no_listed_package_has_no_layer():
+    # The negative control of the test above: a new package must be placed, not fall into the top layer.
+    with pytest.raises(AssertionError, match="forerun.newpkg.x is in no layer"):
+        layer_of("forerun.newpkg.x")
+    assert layer_of("forerun") == layer_of("forerun.cli") == len(LAYERS) - 1
 
 
 def test_the_checker_sees_a_climbing_import():
