@@ -27,13 +27,12 @@ from test_drafters_common import (
     RUNS,
     SAMPLING,
     exact_marginals,
-    keep_every_draft,
+    keep_every_draft_always,
     self_prompt,
     speculative_samples,
     total_variation,
 )
 
-import forerun.engine.engine as engine_module
 from forerun import drafters
 from forerun.api import LLM
 from forerun.base.config import SamplingParams
@@ -117,7 +116,7 @@ def test_sampled_tokens_there_follow_the_targets_distribution(target2, setting) 
 def test_negative_control_there_an_always_accepting_rule_fails_the_same_check(target2, monkeypatch) -> None:
     prompt = self_prompt(target2, 1, 120)
     exact = [p.cpu() for p in exact_marginals(target2, prompt, SAMPLING)]
-    monkeypatch.setattr(engine_module, "accept", keep_every_draft)
+    keep_every_draft_always(monkeypatch)
     samples, _ = speculative_samples(target2, drafters.create("ngram", target2, {}), 2, prompt, CONTROL_RUNS)
     failures = [total_variation([s[i] for s in samples], p) for i, p in enumerate(exact)]
     assert any(tv >= tolerance for tv, tolerance in failures)

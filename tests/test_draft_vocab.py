@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import forerun.engine.engine as engine_module
 from forerun.base.config import SamplingParams
 from forerun.drafters import draft_vocab
 from forerun.drafters.draft_model import DraftModelDrafter
@@ -26,7 +25,7 @@ from tests.test_drafters_common import (
     RUNS,
     SAMPLING,
     exact_marginals,
-    keep_every_draft,
+    keep_every_draft_always,
     self_prompt,
     speculative_samples,
     total_variation,
@@ -129,7 +128,7 @@ def test_negative_control_an_always_accepting_rule_fails_with_the_reduced_vocabu
     target2, case, monkeypatch
 ) -> None:
     prompt, second, third, ids = case
-    monkeypatch.setattr(engine_module, "accept", keep_every_draft)
+    keep_every_draft_always(monkeypatch)
     drafter = restricted_drafter(target2, perturbed(target2, 0.05), ids, monkeypatch)
     samples, _ = speculative_samples(target2, drafter, 2, prompt, CONTROL_RUNS)
     failures = [total_variation([s[i] for s in samples], exact) for i, exact in ((0, second), (1, third))]

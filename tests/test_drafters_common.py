@@ -29,8 +29,9 @@ from forerun.engine.sequence import Sequence
 from forerun.models.load import LoadedModel
 from forerun.models.testing import save_hf_folder, tiny_model
 from forerun.verification.accept import Acceptance
-from forerun.verification.sampling import make_generator, probabilities, sample
+from forerun.verification.sampling import make_generator, position_uniform, probabilities, sample
 from forerun.verification.tree import DraftTree
+from tests.conftest import perturbed
 
 SETTINGS = [
     ("suffix", {}),
@@ -153,7 +154,7 @@ def speculative_samples(
         if drafter.reads_features:
             drafter.features(out.hidden[0])  # as the engine's prefill gives them
         seq.append(int(sample(first, gen)[0]))
-        run = Running(seq, cache, gen, metrics, start=0.0)
+        run = Running(seq, cache, gen, seed, metrics, start=0.0)
         while len(seq.output_ids) < 3:
             engine.step(run)
         samples.append(seq.output_ids[1:3])
@@ -180,6 +181,17 @@ def keep_every_draft(target_probs, tree: DraftTree, generator, greedy: bool) -> 
         path.append(tree.children(path[-1])[0])
     bonus = int(torch.multinomial(target_probs[path[-1] + 1], 1, generator=generator))
     return Acceptance(path, [tree.tokens[i] for i in path] + [bonus])
+
+
+def keep_every_draft_at(target_probs, tree: DraftTree, key: int, position: int) -> Acceptance:
+    """`keep_every_draft` in the place of `accept_one_hot` (deterministic drafts under sampling)."""
+    return keep_every_draft(target_probs, tree, torch.Generator().manual_seed(key + position), False)
+
+
+def keep_every_draft_always(monkeypatch) -> None:
+    """The negative control in the place of both of the engine's sampling rules."""
+    monkeypatch.setattr(engine_module, "accept", keep_every_draft)
+    monkeypatch.setattr(engine_module, "accept_one_hot", keep_every_draft_at)
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +234,7 @@ def test_negative_control_an_always_accepting_rule_fails_the_same_check(
     target2, sampling_case, setting, monkeypatch
 ) -> None:
     prompt, second, third = sampling_case
-    monkeypatch.setattr(engine_module, "accept", keep_every_draft)
+    keep_every_draft_always(monkeypatch)
     samples, _ = speculative_samples(target2, drafters.create(setting[0], target2, setting[1]), 2, prompt, CONTROL_RUNS)
     failures = [total_variation([s[i] for s in samples], exact) for i, exact in ((0, second), (1, third))]
     assert any(tv >= tolerance for tv, tolerance in failures)
@@ -247,7 +259,7 @@ def stop_inside_a_run(steps: list[list[int]]) -> tuple[int, int] | None:
 @pytest.mark.parametrize("setting", ONE_EACH, ids=setting_id)
 def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(target4, setting, temperature) -> None:
     params = SamplingParams(temperature=temperature, max_tokens=30, seed=3)
-    for prompt_seed in (1, 2, 3):
+    for prompt_seed in range(1, 9):
         prompt = self_prompt(target4, prompt_seed, 30)
         engine = Engine(target4, drafters.create(setting[0], target4, setting[1]), 4)
         steps = [step.token_ids for step in engine.stream(prompt, params)]
@@ -268,6 +280,58 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(target4, sett
         plain = Engine(target4)
         plain.stop_ids = frozenset({stop})
         assert plain.generate(prompt, params).token_ids == out.token_ids
+
+
+def auto_drafter(target: LoadedModel) -> Drafter:
+    """`auto` on `target`: suffix drafts on matches of 3 tokens or more, else a draft model that agrees
+    with the target often but not always (its drafts have a distribution; the suffix's do not)."""
+    return drafters.create("auto", target, {"model": perturbed(target, 0.05), "dtype": "float32", "long_match": 3})
+
+
+def test_sampled_tokens_of_auto_follow_the_targets_distribution_from_either_source(target2, sampling_case) -> None:
+    prompt, second, third = sampling_case
+    drafter = auto_drafter(target2)
+    samples, metrics = speculative_samples(target2, drafter, 2, prompt, RUNS)
+    for position, exact in ((0, second), (1, third)):
+        tv, tolerance = total_variation([s[position] for s in samples], exact)
+        assert tv < tolerance, f"token {position + 2}: TV {tv:.4f} >= {tolerance:.4f}"
+    assert min(drafter.steps.values()) > RUNS // 10, drafter.steps  # both rules ran: suffix's and the draft model's
+    assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
+
+
+def test_negative_control_an_always_accepting_rule_fails_auto_too(target2, sampling_case, monkeypatch) -> None:
+    prompt, second, third = sampling_case
+    keep_every_draft_always(monkeypatch)
+    samples, _ = speculative_samples(target2, auto_drafter(target2), 2, prompt, CONTROL_RUNS)
+    failures = [total_variation([s[i] for s in samples], exact) for i, exact in ((0, second), (1, third))]
+    assert any(tv >= tolerance for tv, tolerance in failures)
+
+
+DETERMINISTIC = [s for s in ONE_EACH_SAMPLING if s[0] != "early-exit"]  # drafts without a distribution of theirs
+
+
+@pytest.mark.parametrize("setting", DETERMINISTIC, ids=setting_id)
+def test_a_seeded_sample_is_plain_decodings_with_that_seed_whatever_a_deterministic_drafter_drafts(
+    target2, setting
+) -> None:
+    params = SamplingParams(temperature=1.0, top_k=4, max_tokens=40, seed=11)
+    kept = 0
+    for prompt_seed in range(1, 5):
+        prompt = self_prompt(target2, prompt_seed, 30)
+        plain = Engine(target2).generate(prompt, params)
+        spec = Engine(target2, drafters.create(setting[0], target2, setting[1]), 4).generate(prompt, params)
+        assert spec.token_ids == plain.token_ids, prompt_seed
+        kept += spec.metrics.num_accepted_tokens
+    assert kept > 0  # drafts were kept, and the text is plain decoding's all the same
+
+
+def test_position_draws_are_uniform_and_keyed_by_seed_and_position() -> None:
+    draws = [position_uniform(7, t) for t in range(20000)]
+    assert all(0.0 <= u < 1.0 for u in draws) and abs(sum(draws) / len(draws) - 0.5) < 0.01
+    assert len(set(draws)) == len(draws)  # no repeats over the positions
+    assert position_uniform(7, 3) == position_uniform(7, 3) != position_uniform(8, 3)
+    counts = torch.histc(torch.tensor(draws), bins=10, min=0.0, max=1.0)
+    assert float(counts.min()) > 0.9 * len(draws) / 10  # every tenth of [0, 1) about as full
 
 
 # --- reachable by name ----------------------------------------------------------------------------

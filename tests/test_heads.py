@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import forerun.engine.engine as engine_module
 from forerun import drafters
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
@@ -35,7 +34,7 @@ from tests.test_drafters_common import (
     RUNS,
     SAMPLING,
     exact_marginals,
-    keep_every_draft,
+    keep_every_draft_always,
     speculative_samples,
     total_variation,
 )
@@ -291,7 +290,7 @@ def test_negative_control_an_always_accepting_rule_fails_with_heads(
 ) -> None:
     prompt, second, third = sampling_case
     folder = (medusa_head if which == "medusa" else eagle_head)[0]
-    monkeypatch.setattr(engine_module, "accept", keep_every_draft)
+    keep_every_draft_always(monkeypatch)
     samples, _ = speculative_samples(
         target, drafters.create(which, target, {"head": str(folder)}), 2, prompt, CONTROL_RUNS
     )

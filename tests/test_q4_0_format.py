@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-import forerun.engine.engine as engine_module
 from forerun import drafters, native
 from forerun.api import LLM
 from forerun.base.config import SamplingParams
@@ -21,7 +20,7 @@ from forerun.models.gguf_format import GGUFEmbedding, GGUFLinear
 from forerun.models.load import REBLOCKED, load_model
 from forerun.models.testing import save_hf_folder, tiny_model
 from tests.conftest import perturbed
-from tests.test_drafters_common import exact_marginals, keep_every_draft, speculative_samples, total_variation
+from tests.test_drafters_common import exact_marginals, keep_every_draft_always, speculative_samples, total_variation
 from tests.test_gguf_format import K_SIZES, k_quant_mix, legacy_mix
 from tests.test_load import write_gguf
 
@@ -192,7 +191,7 @@ def test_sampled_tokens_with_a_q4_0_draft_follow_the_targets_distribution(sample
 
 def test_negative_control_an_always_accepting_rule_fails_with_a_q4_0_draft(sampled, monkeypatch) -> None:
     target, drafter, prompt, second, third = sampled
-    monkeypatch.setattr(engine_module, "accept", keep_every_draft)
+    keep_every_draft_always(monkeypatch)
     samples, _ = speculative_samples(target, drafter(), 2, prompt, 150, SAMPLING)
     failures = [total_variation([s[i] for s in samples], exact) for i, exact in ((0, second), (1, third))]
     assert any(tv >= tolerance for tv, tolerance in failures)

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import forerun.engine.engine as engine_module
 from forerun import drafters
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
@@ -30,7 +29,7 @@ from tests.test_drafters_common import (
     RUNS,
     SAMPLING,
     exact_marginals,
-    keep_every_draft,
+    keep_every_draft_always,
     speculative_samples,
     total_variation,
 )
@@ -255,7 +254,7 @@ def test_negative_control_an_always_accepting_rule_fails_with_a_soft_trained_hea
     target, trained, sampling_case, monkeypatch, which
 ) -> None:
     prompt, second, third = sampling_case
-    monkeypatch.setattr(engine_module, "accept", keep_every_draft)
+    keep_every_draft_always(monkeypatch)
     drafter = drafters.create(which, target, {"head": str(trained[which][0])})
     samples, _ = speculative_samples(target, drafter, 2, prompt, CONTROL_RUNS)
     failures = [total_variation([s[i] for s in samples], exact) for i, exact in ((0, second), (1, third))]

@@ -20,9 +20,9 @@ from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
 from forerun.models.prefix_cache import PrefixCache
 from forerun.policy.draft_length import DraftLengthPolicy
-from forerun.verification.accept import accept, accept_greedy
+from forerun.verification.accept import Acceptance, accept, accept_greedy, accept_one_hot
 from forerun.verification.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
-from forerun.verification.sampling import make_generator, probabilities, sample
+from forerun.verification.sampling import draw_key, make_generator, probabilities, sample_at
 from forerun.verification.tree import DraftTree
 from forerun.verification.verify import Verification, verify
 
@@ -119,6 +119,7 @@ class Running:
     seq: Sequence
     cache: KVCache
     gen: torch.Generator
+    key: int  # what keys its tokens' position draws (sampling.position_uniform): its seed, else random
     metrics: SpecMetrics
     start: float  # perf_counter at its prefill
     first_token_s: float = 0.0
@@ -231,10 +232,12 @@ class Engine:
             _check_shareable(like, prompt_ids)
         decoder = self.target.decoder
         seq = Sequence(prompt_ids, params, self.target.tokenizer, self.stop_ids)
+        gen = make_generator(params.seed, decoder.device)
         run = Running(
             seq,
             decoder.new_cache(max_len),
-            make_generator(params.seed, decoder.device),
+            gen,
+            draw_key(params.seed, gen),
             SpecMetrics(num_speculative_tokens=self.k),
             time.perf_counter(),
             logprobs=[] if params.logprobs is not None else None,
@@ -252,7 +255,7 @@ class Engine:
         if self.reads_features:
             self.drafter.features(hidden)  # [T, hidden]
         run.prefill_logits = logits  # [1, vocab]
-        first = int(sample(probabilities(logits, params), run.gen)[0])
+        first = sample_at(probabilities(logits, params)[0], run.key, len(seq.prompt_ids))
         if run.logprobs is not None:
             run.logprobs += token_logprobs(logits, [first], params.logprobs)
         run.metrics.record_step(0, 0, 1)
@@ -386,16 +389,27 @@ class Engine:
         `source` runs a draft model whose forwards a batch pools; None otherwise."""
         return self.drafter.batch_pass_seconds(sequences, source) if self.drafter is not None else None
 
+    @staticmethod
+    def _accept(run: Running, ver: Verification, tree: DraftTree) -> Acceptance:
+        """What the rule keeps of `tree`: greedy's argmax walk; under sampling, deterministic drafts
+        against the target's own draw at each position (the text plain decoding writes with this
+        key), drafts with a distribution by the rejection rule with the request's generator."""
+        if run.seq.params.greedy:
+            return accept_greedy(ver.best, tree)
+        if tree.probs is None:
+            return accept_one_hot(ver.probs, tree, run.key, len(run.seq.context))
+        return accept(ver.probs, tree, run.gen, False)
+
     def finish(self, run: Running, plan: Plan, ver: Verification, timed: bool = True) -> list[int]:
         """Accept from the verified draft, roll the cache back, tell the policy and the drafter,
         emit. Returns the tokens emitted. `timed`: the step's time is this request's alone (not a
         pass shared with other sequences), so the policy may learn pass costs from it."""
         seq, cache, tree = run.seq, run.cache, plan.tree
         if tree is None or len(tree) == 0:
-            first = ver.best[0] if seq.params.greedy else sample(ver.probs[:1], run.gen)[0]
+            first = ver.best[0] if seq.params.greedy else sample_at(ver.probs[0], run.key, len(seq.context))
             tokens, path = [int(first)], []
         else:
-            acc = accept_greedy(ver.best, tree) if seq.params.greedy else accept(ver.probs, tree, run.gen, False)
+            acc = self._accept(run, ver, tree)
             tokens, path = acc.tokens, acc.path
         if self.policy is not None:
             self._tell_policy(plan, path, ver)

@@ -16,7 +16,12 @@ Worked example (chain, K = 3): drafts [a, b, c]; a kept, b rejected -> emit [a, 
 normalize(max(0, p_2 - q_2)); c is never looked at. All kept -> emit [a, b, c, bonus ~ p_4].
 
 A deterministic drafter (prompt lookup) gives q = one-hot(x): x is kept with probability p(x), and
-on rejection the recovered token comes from p with x removed.
+on rejection the recovered token comes from p with x removed. `accept_one_hot` does the same with
+each position's own uniform (`sampling.position_uniform`): the target's sample T at the position is
+drawn first and a draft is kept when it equals T, else T is emitted. x is kept with probability
+p(x) all the same (a sibling x' with p(x'): SpecInfer's p(x) + p(x')), and every emitted token is
+the one plain decoding draws at that position with that uniform, so a seeded request's text does not
+depend on the drafts.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from forerun import native
-from forerun.verification.sampling import sample
+from forerun.verification.sampling import sample, sample_at
 from forerun.verification.tree import DraftTree
 
 
@@ -86,6 +91,20 @@ def accept(target_probs: torch.Tensor, tree: DraftTree, generator: torch.Generat
         n = int(num[0])
         return Acceptance(list(range(n)), tree.tokens[:n] + [int(nxt[0])])
     return _accept_tree(target_probs, tree, generator, greedy)
+
+
+def accept_one_hot(target_probs: torch.Tensor, tree: DraftTree, key: int, position: int) -> Acceptance:
+    """`accept` under sampling for a tree of deterministic drafts (`tree.probs` None) whose root's
+    next token is at `position` of the sequence keyed by `key`: from the root, the target's sample
+    at each depth (`sampling.sample_at`), the child drafting it kept, until no child drafted it."""
+    node, path = -1, []
+    while True:
+        token = sample_at(target_probs[node + 1], key, position + len(path))
+        chosen = next((c for c in tree.children(node) if tree.tokens[c] == token), None)
+        if chosen is None:
+            return Acceptance(path, [tree.tokens[i] for i in path] + [token])
+        path.append(chosen)
+        node = chosen
 
 
 def accept_greedy(best: list[int], tree: DraftTree) -> Acceptance:

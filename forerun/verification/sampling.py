@@ -46,11 +46,44 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     exponential per vocabulary entry (~4 ms for 152k on two cores), this costs a cumulative sum. A
     one-hot row gives its hot index.
     """
-    cdf = probs.double().cumsum(-1)  # [N, V]
     u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
-    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)  # [N]
+    return sample_with(probs, u)
+
+
+def sample_with(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`sample` with its uniforms given: probs [N, V], u [N, 1] float64 in [0, 1) -> token ids [N]."""
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    picked = torch.searchsorted(cdf, u.to(cdf.device) * cdf[:, -1:], right=True).squeeze(-1)  # [N]
     # u * total < total, so a row always lands inside; the clamp guards rounding at the very top.
     return picked.clamp_(max=probs.shape[-1] - 1)
+
+
+_MASK = (1 << 64) - 1
+
+
+def position_uniform(key: int, position: int) -> float:
+    """A uniform in [0, 1) for the token at `position` of a sequence whose draws are keyed by `key`
+    (splitmix64's mix of the two; 53 random bits). The token at a position is drawn with this one
+    number however it is reached: by plain decoding, or as the target's sample that a deterministic
+    draft must equal (`accept.accept_one_hot`), so a seeded request writes the same text with or
+    without such a drafter."""
+    z = (key + (position + 1) * 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
+
+
+def sample_at(probs: torch.Tensor, key: int, position: int) -> int:
+    """The token drawn from one row `probs` [V] for `position` of the sequence keyed by `key`."""
+    u = torch.tensor([[position_uniform(key, position)]], dtype=torch.float64)
+    return int(sample_with(probs[None], u)[0])
+
+
+def draw_key(seed: int | None, generator: torch.Generator) -> int:
+    """What keys a request's position draws: its seed, else a number from its (randomly seeded) generator."""
+    if seed is not None:
+        return seed & _MASK
+    return int(torch.randint(0, 1 << 62, (1,), generator=generator, device=generator.device))
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
