@@ -9,7 +9,7 @@ import torch
 
 from forerun.base.config import SamplingParams, SpeculativeConfig
 from forerun.base.errors import ForerunError
-from forerun.verification.sampling import make_generator, probabilities, sample
+from forerun.verification.sampling import draw_key, make_generator, position_uniform, probabilities, sample
 
 # Hand-made logits whose softmax is exactly [0.4, 0.3, 0.15, 0.1, 0.05] (shuffled).
 P5 = torch.tensor([0.15, 0.4, 0.05, 0.3, 0.1])
@@ -185,8 +185,14 @@ def test_any_top_p_keeps_the_likeliest_token(top_p):
 
 
 def test_seeds_across_the_generator_range_are_taken():
-    for seed in (-(2**63), 2**64 - 1, 0):
-        assert make_generator(SamplingParams(seed=seed).seed) is not None
+    firsts = set()
+    for seed in (-(2**63), 2**64 - 1, 0, 2**32):
+        again = [torch.rand(4, generator=make_generator(SamplingParams(seed=seed).seed)) for _ in range(2)]
+        assert torch.equal(*again)  # the seed is taken: the same draws each time
+        # The tokens' draws are keyed by all 64 bits of it (torch's CPU generator reads 32: seeds 0,
+        # 2**32 and -2**63 give it one stream).
+        firsts.add(position_uniform(draw_key(seed, make_generator(seed)), 0))
+    assert len(firsts) == 4
 
 
 def test_speculative_config_needs_at_least_one_token_when_speculating():

@@ -251,6 +251,7 @@ def test_llm_api_matches_the_engine(target, drafts, plain_greedy):
     [result] = llm.generate(PROMPT, SamplingParams(max_tokens=MAX))
     assert result.token_ids == plain_greedy.token_ids and result.finish_reason == "length"
     assert result.metrics.num_emitted_tokens == MAX
+    assert result.metrics.num_draft_tokens > 0  # the API's engine drafted: not plain against plain
 
 
 # --- the counters on their own -------------------------------------------------------------------

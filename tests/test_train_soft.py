@@ -200,8 +200,10 @@ def test_soft_resume_continues_from_the_checkpoint_as_if_never_stopped(target, l
 
     whole, second = whole_and_resumed(fresh, tmp_path)
     assert second.progress.sequence == whole.progress.sequence > 4  # mid-epoch, in chunks
-    for (name, a), b in zip(whole.head.state_dict().items(), second.head.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+    a, b = whole.head.state_dict(), second.head.state_dict()
+    assert list(a) == list(b)  # the same tensors, then each one equal
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
 
 
 def test_a_soft_checkpoint_is_not_resumed_on_hard_labels(target, labels, tmp_path) -> None:

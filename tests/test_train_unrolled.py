@@ -415,5 +415,7 @@ def test_a_saved_unrolled_head_loads(target, unrolled, tmp_path) -> None:
 
     save_head(tmp_path, head_config(target, "eagle"), unrolled.head)
     _, head = load_head(tmp_path, target, "eagle")
-    for a, b in zip(head.state_dict().values(), unrolled.head.state_dict().values()):
-        torch.testing.assert_close(a, b)
+    loaded, trained = head.state_dict(), unrolled.head.state_dict()
+    assert list(loaded) == list(trained)  # the same tensors, then each one equal
+    for name in loaded:
+        torch.testing.assert_close(loaded[name], trained[name], msg=name)
