@@ -337,9 +337,13 @@ def test_greedy_output_is_plain_under_any_policy(target4, method, options, costs
     policy = DraftLengthPolicy(costs, k_max=5)
     out = Engine(target4, drafters.create(method, target4, options), 5, policy).generate(PROMPT, GREEDY)
     assert out.token_ids == plain
+    if method == "lookahead":
+        return  # (on this prompt lookahead's pool never offers a guess: nothing more to check)
     if costs is LINEAR:
         # Rows that cost a pass each: after the optimistic start only probes are verified.
-        assert out.metrics.num_drafts < 15
+        assert 1 <= out.metrics.num_drafts < 15
+    else:
+        assert out.metrics.num_accepted_tokens > 0  # rows nearly free: it drafts, and drafts are kept
 
 
 def test_the_api_defaults_to_the_adaptive_policy_and_fixed_keeps_k(target4) -> None:

@@ -206,6 +206,7 @@ class TestSpeculativePairIsExact:
             report.append(line + f", first differs at {i}: gap {gap:.3f} between {top.indices.tolist()}")
             assert {want.token_ids[i], got.token_ids[i]} == set(top.indices.tolist()), report[-1]
             assert gap < NEAR_TIE, report[-1]
+        assert identical >= 1, report  # bf16 rows may part at a near tie, but not on every prompt
         fraction = identical / len(PAIR_PROMPTS)
         record_property("identical_fraction", fraction)
         with capsys.disabled():

@@ -19,9 +19,9 @@ A deterministic drafter (prompt lookup) gives q = one-hot(x): x is kept with pro
 on rejection the recovered token comes from p with x removed. `accept_one_hot` does the same with
 each position's own uniform (`sampling.position_uniform`): the target's sample T at the position is
 drawn first and a draft is kept when it equals T, else T is emitted. x is kept with probability
-p(x) all the same (a sibling x' with p(x'): SpecInfer's p(x) + p(x')), and every emitted token is
-the one plain decoding draws at that position with that uniform, so a seeded request's text does not
-depend on the drafts.
+p(x) all the same (siblings x and x' with p(x) + p(x'), as by SpecInfer's rule), and every emitted
+token is the one plain decoding draws at that position with that uniform, so a seeded request's text
+does not depend on the drafts.
 """
 
 from __future__ import annotations
