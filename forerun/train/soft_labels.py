@@ -195,7 +195,9 @@ def stored_tokens(folder: Path, manifest: LabelManifest) -> Iterator[list[int]]:
             yield tokens[a:b]
 
 
-def check_stored(folder: Path, manifest: LabelManifest, expected: Iterable[list[int]], what: str, prefix=False) -> None:
+def check_stored(
+    folder: Path, manifest: LabelManifest, expected: Iterable[list[int]], what: str, prefix: bool = False
+) -> None:
     """A clear error unless the stored chunks are `expected` (with `prefix`: begin with them), one
     for one: a rerun goes on only from labels of what it would label itself."""
     stored, seen = stored_tokens(folder, manifest), 0
