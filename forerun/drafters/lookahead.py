@@ -15,8 +15,9 @@ Every step's single target forward carries two branches:
 
 Aux rows never see draft nodes and nodes never see aux rows, so the draft is verified as if alone.
 The draft is a deterministic function of the past, so it goes to the acceptance rule as one-hot
-drafts: greedy output is identical to the target's, and sampling is exact too (siblings are tried
-in turn, each rejection removing that token from the target's distribution: SpecInfer's rule).
+drafts: greedy output is identical to the target's, and sampling is exact too (the child drafting
+the target's own draw at each depth is kept, `accept.accept_one_hot`: siblings together with the sum
+of their probabilities, as by SpecInfer's rule; a seeded request writes plain decoding's text).
 
 Where it loses: every forward carries W*(N-1) window rows plus up to G*(N-1) draft rows. On a GPU
 at batch 1 those rows are nearly free; on a CPU, or a GPU already busy with a batch, they cost

@@ -9,9 +9,10 @@ occurrence was followed by something else, that continuation becomes a second br
 first branch is the most recent one (text tends to continue as it did lately; the acceptance rule
 tries siblings in order), sharing their common prefix.
 
-The draft is deterministic, so it goes to the acceptance rule as one-hot: x is kept with
-probability p_target(x) and a rejection samples from the target with x removed. That is exact for
-sampling as well as greedy.
+The draft is deterministic, so it goes to the acceptance rule as one-hot: under sampling x is kept
+when it equals the target's own draw at its position (`accept.accept_one_hot`), with probability
+p_target(x). That is exact for sampling as well as greedy, and a seeded request writes the text
+plain decoding writes.
 
 Cost: an index from every n-gram to the positions after its earliest and latest occurrences,
 extended by the tokens that arrived since the last call; a proposal is a few dictionary look-ups,

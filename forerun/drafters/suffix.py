@@ -16,7 +16,8 @@ on the context plus the draft so far. If at some node the runner-up child was se
 `branch_ratio` times as often as the best, the runner-up starts a second branch, walked the same
 way: a two-branch tree, the likelier branch first (the acceptance rule tries siblings in order).
 
-The draft is deterministic, so it is verified as one-hot: exact for greedy and sampling alike.
+The draft is deterministic, so it is verified as one-hot: exact for greedy and sampling alike (and
+a seeded request writes plain decoding's text, `accept.accept_one_hot`).
 
 Cost: appending a token touches one node per depth (`depth` dictionary steps); a proposal walks at
 most `max_match` suffixes of at most `max_match` tokens plus the draft: tens of microseconds. The
