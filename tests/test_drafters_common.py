@@ -50,6 +50,7 @@ ONE_EACH = [("ngram", {}), ("suffix", {}), ("early-exit", {"layer": 3}), ("looka
 ONE_EACH_SAMPLING = [
     ("ngram", {}),
     ("suffix", {"min_match": 1}),
+    ("suffix", {"min_match": 1, "branch_ratio": 0.3, "min_prob": 0.0}),  # two-branch trees
     ("early-exit", {"layer": 1}),
     ("lookahead", {}),
 ]  # on target2
@@ -225,7 +226,7 @@ def test_sampled_tokens_follow_the_targets_distribution(target2, sampling_case, 
     # The check had something to check: drafts were made, some kept and some rejected.
     assert metrics.num_drafts > RUNS // 2
     assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
-    if setting[0] == "lookahead":
+    if setting[0] == "lookahead" or "branch_ratio" in setting[1]:
         assert drafter.branchy > 0  # the tree rule, not only the chain rule, was exercised
 
 
