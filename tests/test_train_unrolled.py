@@ -203,10 +203,19 @@ def test_an_unrolled_head_keeps_deep_chains_on_held_out_answers(unrolled) -> Non
 
 
 def test_the_curves_show_the_held_out_measure(unrolled, tmp_path) -> None:
+    import copy
+
+    import matplotlib.pyplot as plt
+
     from forerun.train.trainer import plot_history
 
     plot_history(unrolled.history, tmp_path / "curves.png", "eagle", "eagle")
-    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    without = copy.deepcopy(unrolled.history)
+    without.eval_kept, without.eval_steps = [], []
+    plot_history(without, tmp_path / "no-held-out.png", "eagle", "eagle")
+    # The held-out measure is a panel of its own: three panels where two would be without it.
+    widths = [plt.imread(tmp_path / name).shape[1] for name in ("curves.png", "no-held-out.png")]
+    assert widths[0] * 2 == widths[1] * 3, widths
 
 
 def test_training_stops_at_its_time_budget_and_measures_there(target, labels, held_out, tmp_path) -> None:
