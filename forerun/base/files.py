@@ -19,9 +19,10 @@ if TYPE_CHECKING:
 _CHUNK = 1 << 20  # bytes read at a time when hashing
 
 
-def make_folder(path: Path, what: str) -> Path:
+def make_folder(path: Path, what: str, writes: tuple[str, ...] = (), writer: str = "forerun") -> Path:
     """`path` as a folder, made with its parents if missing; a clear error naming `what` (a flag, a
-    setting) where it is a file or cannot be made."""
+    setting) where it is a file or cannot be made, or where a folder sits in the place of one of the
+    files `writer` writes into it (`writes`: it would fail only once its work is done)."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
@@ -30,6 +31,12 @@ def make_folder(path: Path, what: str) -> Path:
         raise ForerunError(
             f"{what} {path} cannot be made ({exc.strerror or exc}): name a folder you can write to"
         ) from None
+    for name in writes:
+        if (path / name).is_dir():
+            raise ForerunError(
+                f"{what} {path} holds a folder named {name}, where {writer} writes that file; "
+                f"move it away, or use another {what}"
+            )
     return path
 
 

@@ -126,25 +126,13 @@ def check_config(cfg: BenchConfig) -> None:
 OUTPUTS = ("results.jsonl", "report.md", "run.json", *PLOTS)  # what a run writes into its folder
 
 
-def prepare_out(out: Path) -> None:
-    """The output folder, made; a clear error, before any model loads, where it cannot be, or where a
-    folder sits in the place of a file the run writes (it would fail only after every run)."""
-    files.make_folder(out, "--out")
-    for name in OUTPUTS:
-        if (out / name).is_dir():
-            raise ForerunError(
-                f"--out {out} holds a folder named {name}, where the bench writes that file; "
-                "move it away, or use another --out"
-            )
-
-
 def run_bench(cfg: BenchConfig) -> BenchResult:
     check_config(cfg)
     cfg = replace(cfg, ks=sorted(set(cfg.ks)))
     prompts = load_prompts(cfg.dataset, cfg.categories, cfg.limit_per_category)
     if not prompts:
         raise ForerunError(f"no prompts left in {cfg.dataset} after filtering by category")
-    prepare_out(cfg.out)
+    files.make_folder(cfg.out, "--out", OUTPUTS, "the bench")  # before any model loads
     store = ResultStore(cfg.out / "results.jsonl", settings_of(cfg))
     target = _load_target(cfg)
     notes: list[str] = []

@@ -291,12 +291,6 @@ def earlier_levels(out: Path, settings: dict) -> list[LevelResult]:
     they were made with other settings than `settings` (this run's `run_settings`, its draft part
     None where no set-up speculates) or the file is not one bench-serve wrote."""
     path = out / RESULTS
-    for name in (RESULTS, REPORT):
-        if (out / name).is_dir():
-            raise ForerunError(
-                f"--out {out} holds a folder named {name}, where bench-serve writes that file; "
-                "move it away, or use another --out"
-            )
     if not path.exists():
         return []
     levels = []

@@ -125,12 +125,12 @@ class _Server:
 
 def run(args: argparse.Namespace) -> int:
     from forerun.base.prompts import load_prompts
-    from forerun.bench.serve_load import earlier_levels, level_prompts, shortest
+    from forerun.bench.serve_load import REPORT, RESULTS, earlier_levels, level_prompts, shortest
     from forerun.models.load import load_tokenizer_of
 
     setups = _check(args)
     shortest(args.max_tokens, args.length_spread)  # a spread out of range: a clear error now
-    out = make_folder(Path(args.out), "--out")
+    out = make_folder(Path(args.out), "--out", (RESULTS, REPORT), "bench-serve")
     earlier = earlier_levels(out, _settings(args, any(setup_serve(s)[0] is not None for s in setups)))
     tokenizer = load_tokenizer_of(args.model)  # the servers hold the model; this side only counts tokens
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None

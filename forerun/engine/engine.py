@@ -397,7 +397,7 @@ class Engine:
         if run.seq.params.greedy:
             return accept_greedy(ver.best, tree)
         if tree.probs is None:
-            return accept_one_hot(ver.probs, tree, run.key, len(run.seq.context))
+            return accept_one_hot(ver.probs, tree, run.key, run.seq.length)
         return accept(ver.probs, tree, run.gen, False)
 
     def finish(self, run: Running, plan: Plan, ver: Verification, timed: bool = True) -> list[int]:
@@ -406,7 +406,7 @@ class Engine:
         pass shared with other sequences), so the policy may learn pass costs from it."""
         seq, cache, tree = run.seq, run.cache, plan.tree
         if tree is None or len(tree) == 0:
-            first = ver.best[0] if seq.params.greedy else sample_at(ver.probs[0], run.key, len(seq.context))
+            first = ver.best[0] if seq.params.greedy else sample_at(ver.probs[0], run.key, seq.length)
             tokens, path = [int(first)], []
         else:
             acc = self._accept(run, ver, tree)

@@ -35,6 +35,11 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def length(self) -> int:
+        """len(context), without building it: the position of the next token."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

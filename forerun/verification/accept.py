@@ -26,6 +26,7 @@ does not depend on the drafts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,25 +98,25 @@ def accept_one_hot(target_probs: torch.Tensor, tree: DraftTree, key: int, positi
     """`accept` under sampling for a tree of deterministic drafts (`tree.probs` None) whose root's
     next token is at `position` of the sequence keyed by `key`: from the root, the target's sample
     at each depth (`sampling.sample_at`), the child drafting it kept, until no child drafted it."""
-    node, path = -1, []
-    while True:
-        token = sample_at(target_probs[node + 1], key, position + len(path))
-        chosen = next((c for c in tree.children(node) if tree.tokens[c] == token), None)
-        if chosen is None:
-            return Acceptance(path, [tree.tokens[i] for i in path] + [token])
-        path.append(chosen)
-        node = chosen
+    return _walk(tree, lambda node, depth: sample_at(target_probs[node + 1], key, position + depth))
 
 
 def accept_greedy(best: list[int], tree: DraftTree) -> Acceptance:
     """`accept` under greedy from the target's argmax after the root and each node (`best` [N+1]):
     from the root, the child drafting the argmax is kept, then its child drafting the argmax after
     it, and so on; the first argmax no child drafted ends the step as its bonus token."""
+    return _walk(tree, lambda node, depth: best[node + 1])
+
+
+def _walk(tree: DraftTree, target_token: Callable[[int, int], int]) -> Acceptance:
+    """From the root, the child drafting `target_token(node, depth)` (the target's token after
+    `node`, `depth` nodes below the root) kept, until no child drafted it: that token ends the step."""
     node, path = -1, []
     while True:
-        chosen = next((c for c in tree.children(node) if tree.tokens[c] == best[node + 1]), None)
+        token = target_token(node, len(path))
+        chosen = next((c for c in tree.children(node) if tree.tokens[c] == token), None)
         if chosen is None:
-            return Acceptance(path, [tree.tokens[i] for i in path] + [best[node + 1]])
+            return Acceptance(path, [tree.tokens[i] for i in path] + [token])
         path.append(chosen)
         node = chosen
 
