@@ -231,22 +231,22 @@ def flat_then_linear(rows: int) -> float:
 
 
 def test_speculation_backs_off_as_the_batch_fills() -> None:
-    lanes = [(0.8, 0.001, 1.0)]
+    lanes = [(0.8, 0.001, 1.0, 0.0)]
     ks = [batch_draft_length(lanes * b, flat_then_linear, 5) for b in (1, 2, 4, 8, 16, 64)]
     assert ks[0] >= 4  # rows free: draft long
     assert ks == sorted(ks, reverse=True)  # never more as the batch grows
     assert ks[-1] == 0  # every row dear: plain steps
-    assert batch_draft_length([(0.0, 0.001, 1.0)], flat_then_linear, 5) == 0  # drafts that never hold: none
+    assert batch_draft_length([(0.0, 0.001, 1.0, 0.0)], flat_then_linear, 5) == 0  # drafts that never hold: none
 
 
 def test_the_batch_draft_length_is_the_best_common_length() -> None:
-    lanes = [(0.9, 0.002, 1.0), (0.5, 0.002, 1.0), (0.7, 0.0, 1.0)]
+    lanes = [(0.9, 0.002, 1.0, 0.0), (0.5, 0.002, 1.0, 0.0), (0.7, 0.0, 1.0, 0.0)]
     chosen = batch_draft_length(lanes, flat_then_linear, 6)
 
     def rate(k: int) -> float:
         rows = sum(1 + k for _ in lanes)
-        return sum(expected_tokens(a, k) for a, _, _ in lanes) / (
-            flat_then_linear(rows) + sum(k * c for _, c, _ in lanes)
+        return sum(expected_tokens(a, k) for a, _, _, _ in lanes) / (
+            flat_then_linear(rows) + sum(k * c for _, c, _, _ in lanes)
         )
 
     assert all(rate(chosen) >= rate(k) for k in range(1, 7)) and rate(chosen) > rate(0)
@@ -376,7 +376,7 @@ def test_tries_that_keep_measuring_worse_fade_out_and_one_that_wins_brings_them_
 def test_lanes_that_step_plainly_count_as_plain_rows_in_the_batch_length() -> None:
 
     flat = PassCosts([0.1] * 8 + [0.2] * 8)
-    sure = (0.9, 0.0, 1.0)
+    sure = (0.9, 0.0, 1.0, 0.0)
     assert batch_draft_length([sure], flat, 4) == 4  # 5 rows ride on the flat part
     # Four lanes stepping plainly take four of the eight flat rows: three draft tokens still fit.
     assert batch_draft_length([sure], flat, 4, plain_lanes=4) == 3

@@ -17,7 +17,14 @@ from forerun.engine.engine import Engine
 from forerun.models.load import LoadedModel, load_model
 from forerun.models.testing import save_hf_folder, tiny_model
 from forerun.policy import pass_costs as pass_costs_module
-from forerun.policy.draft_length import LENGTHS_KEPT, DraftLengthPolicy, best_k, expected_tokens
+from forerun.policy.draft_length import (
+    LENGTHS_KEPT,
+    DraftLengthPolicy,
+    batch_draft_length,
+    best_k,
+    draft_rows,
+    expected_tokens,
+)
 from forerun.policy.pass_costs import PassCosts, cached_pass_costs, measure_pass_costs
 from forerun.verification.tree import DraftTree
 from tests.conftest import perturbed
@@ -338,12 +345,26 @@ def test_greedy_output_is_plain_under_any_policy(target4, method, options, costs
     out = Engine(target4, drafters.create(method, target4, options), 5, policy).generate(PROMPT, GREEDY)
     assert out.token_ids == plain
     if method == "lookahead":
-        return  # (on this prompt lookahead's pool never offers a guess: nothing more to check)
+        # Its window rides on every drafting step (12 aux rows by the third step, past FLAT's and
+        # LINEAR's cheap rows) and offers no guess while it warms up: these tables turn it off
+        # (the tests below show it drafting where rows are cheaper).
+        return
     if costs is LINEAR:
         # Rows that cost a pass each: after the optimistic start only probes are verified.
         assert 1 <= out.metrics.num_drafts < 15
     else:
         assert out.metrics.num_accepted_tokens > 0  # rows nearly free: it drafts, and drafts are kept
+
+
+@pytest.mark.parametrize("costs,kept", [(PassCosts([0.100] * 64), 30), (SLOPED, 10)], ids=["free", "sloped"])
+def test_lookahead_drafts_under_the_policy_where_its_window_rows_are_cheap(target4, costs, kept) -> None:
+    """Free rows (a GPU at batch one), or 5 % of a pass each: once its window has warmed up, its
+    guesses pay for the 12 rows it adds (priced once a step, `draft_rows`)."""
+    plain = Engine(target4).generate(PROMPT, GREEDY).token_ids
+    policy = DraftLengthPolicy(costs, k_max=5)
+    out = Engine(target4, drafters.create("lookahead", target4, {}), 5, policy).generate(PROMPT, GREEDY)
+    assert out.token_ids == plain
+    assert out.metrics.num_accepted_tokens > kept  # the Jacobi window warmed up and its n-grams were kept
 
 
 def test_the_api_defaults_to_the_adaptive_policy_and_fixed_keeps_k(target4) -> None:
@@ -460,7 +481,18 @@ def test_aux_rows_count_as_rows_the_draft_adds(target4) -> None:
     policy = DraftLengthPolicy(SLOPED, k_max=2)
     engine = Engine(target4, WindowDrafter(0, stateless=False), 2, policy)
     engine.generate(PROMPT, SamplingParams(max_tokens=3))  # one step: the one-token first draft
-    assert policy.figures().rows_per_token == pytest.approx(9.0)  # its node and the eight aux rows
+    figures = policy.figures()
+    assert (figures.rows_per_token, figures.aux_rows) == (pytest.approx(1.0), pytest.approx(8.0))  # node, window
+    assert draft_rows(3, *figures.rows) == 1 + 3 + 8  # the window rides once, whatever the length
+
+
+def test_rows_that_come_with_every_draft_are_priced_once_not_per_token() -> None:
+    # Each row adds 5 % of a pass: eight aux rows cost 40 % whatever the length, so long drafts pay.
+    assert best_k(0.7, SLOPED, 0.0, 5, rows_per_token=1.0, aux_rows=8.0) == 5
+    assert best_k(0.7, SLOPED, 0.0, 5, rows_per_token=9.0) < 5  # priced per token, nine rows each
+    window = (0.7, 0.0, 1.0, 8.0)  # a batch lane (α, c_draft, rows per token, aux rows)
+    assert batch_draft_length([window], SLOPED, 5) == 5
+    assert batch_draft_length([(0.7, 0.0, 9.0, 0.0)], SLOPED, 5) < 5
 
 
 class GuesslessWindowDrafter(WrongDrafter):

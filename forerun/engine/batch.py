@@ -335,7 +335,7 @@ class BatchEngine:
                 continue
             seen = policy.figures(choice.source)  # of the source this step drafts from
             pooling = engine.batch_pass_seconds(1, choice.source) is not None
-            figures.append((seen.alpha, 0.0 if pooling else seen.draft_cost, seen.rows_per_token))
+            figures.append((seen.alpha, 0.0 if pooling else seen.draft_cost, *seen.rows))
             if pooling:
                 pooled.append((engine, choice.source))
             k_max = max(k_max, engine.k)

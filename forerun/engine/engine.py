@@ -453,10 +453,11 @@ class Engine:
             # tokens is no cost of drafting one more); otherwise the call's time counts.
             per_token = self.drafter.cost_per_token() if tree is not None else None
             priced = per_token * k if per_token is not None else seconds
-            # Every row the proposal adds counts, aux rows too (lookahead's window rides on every
-            # step); None: nothing drafted, nothing to time.
+            # Every row the proposal adds counts, aux rows apart (lookahead's window rides on every
+            # drafting step, whatever its length); None: nothing drafted, nothing to time.
             rows = tree.num_rows - 1 if tree is not None else None
-            self.policy.record_proposal(priced, k, rows, proposer)
+            aux = len(tree.aux_tokens) if tree is not None else 0
+            self.policy.record_proposal(priced, k, rows, proposer, aux)
         return tree, proposer
 
     def _tell_policy(self, plan: Plan, path: list[int], ver: Verification) -> None:

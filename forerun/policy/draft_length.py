@@ -34,16 +34,26 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def best_k(
-    alpha: float, pass_cost: Callable[[int], float], draft_cost: float, k_max: int, rows_per_token: float = 1.0
-) -> int:
-    """The draft length in [0, k_max] with the most expected tokens per second (0: a plain step).
+def draft_rows(k: int, rows_per_token: float = 1.0, aux_rows: float = 0.0) -> int:
+    """Verifier rows of a step that drafts k tokens: the root, the draft's nodes (k * rows_per_token,
+    at least k: more for trees) and the aux rows that ride on every drafting step whatever k is
+    (lookahead's window)."""
+    return 1 + max(k, round(k * rows_per_token)) + round(aux_rows)
 
-    A proposal of k tokens adds about k * rows_per_token verifier rows (more than k for trees and
-    aux rows)."""
+
+def best_k(
+    alpha: float,
+    pass_cost: Callable[[int], float],
+    draft_cost: float,
+    k_max: int,
+    rows_per_token: float = 1.0,
+    aux_rows: float = 0.0,
+) -> int:
+    """The draft length in [0, k_max] with the most expected tokens per second (0: a plain step);
+    a step drafting k tokens verifies `draft_rows(k, rows_per_token, aux_rows)` rows."""
     best, best_rate = 0, MARGIN / pass_cost(1)
     for k in range(1, k_max + 1):
-        rows = 1 + max(k, round(k * rows_per_token))
+        rows = draft_rows(k, rows_per_token, aux_rows)
         rate = expected_tokens(alpha, k) / (pass_cost(rows) + k * draft_cost)
         if rate > best_rate:
             best, best_rate = k, rate
@@ -51,7 +61,7 @@ def best_k(
 
 
 def batch_draft_length(
-    lanes: list[tuple[float, float, float]],
+    lanes: list[tuple[float, float, float, float]],
     pass_cost: Callable[[int], float],
     k_max: int,
     plain_lanes: int = 0,
@@ -59,16 +69,16 @@ def batch_draft_length(
 ) -> int:
     """The draft length K in [0, k_max] that every drafting sequence of a batch drafts this step,
     chosen for the most expected tokens per second of the whole batch. `lanes`: (α, c_draft, rows
-    per token) per drafting sequence; `plain_lanes` more sequences take a plain step anyway. K drafts
-    each cost one pass over Σ (1 + rows_i(K)) rows, Σ K·c_draft_i for the lanes that draft alone, and
-    K·`draft_pass` for those whose draft forwards run as one (a pooled forward's seconds), and emit
-    Σ E(α_i, K): as the batch grows its rows stop being nearly free and K falls to 0."""
+    per token, aux rows) per drafting sequence; `plain_lanes` more sequences take a plain step anyway.
+    K drafts each cost one pass over Σ draft_rows_i(K) rows, Σ K·c_draft_i for the lanes that draft
+    alone, and K·`draft_pass` for those whose draft forwards run as one (a pooled forward's seconds),
+    and emit Σ E(α_i, K): as the batch grows its rows stop being nearly free and K falls to 0."""
     plain_rows = len(lanes) + plain_lanes
     best, best_rate = 0, MARGIN * plain_rows / pass_cost(plain_rows)
     for k in range(1, k_max + 1):
-        rows = plain_lanes + sum(1 + max(k, round(k * per_token)) for _, _, per_token in lanes)
-        seconds = pass_cost(rows) + k * (draft_pass + sum(draft_cost for _, draft_cost, _ in lanes))
-        rate = (plain_lanes + sum(expected_tokens(alpha, k) for alpha, _, _ in lanes)) / seconds
+        rows = plain_lanes + sum(draft_rows(k, per_token, aux) for _, _, per_token, aux in lanes)
+        seconds = pass_cost(rows) + k * (draft_pass + sum(draft_cost for _, draft_cost, _, _ in lanes))
+        rate = (plain_lanes + sum(expected_tokens(alpha, k) for alpha, _, _, _ in lanes)) / seconds
         if rate > best_rate:
             best, best_rate = k, rate
     return best
@@ -97,12 +107,18 @@ class SourceFigures:
     history: DecayedCounts = field(default_factory=DecayedCounts)  # over earlier requests
     current: DecayedCounts = field(default_factory=DecayedCounts)  # this request
     draft_cost: float = 0.0  # seconds per proposed token, running average
-    rows_per_token: float = 1.0  # verifier rows a proposal adds per token asked, running average
+    rows_per_token: float = 1.0  # verifier rows of a proposal's nodes per token asked, running average
+    aux_rows: float = 0.0  # aux rows a proposal adds whatever its length (lookahead's window), running average
     timed: bool = False
 
     @property
     def alpha(self) -> float:
         return self.current.alpha
+
+    @property
+    def rows(self) -> tuple[float, float]:
+        """(rows per token, aux rows): what `draft_rows` prices a proposal's rows by."""
+        return self.rows_per_token, self.aux_rows
 
 
 @dataclass
@@ -164,7 +180,7 @@ class DraftLengthPolicy:
         figures = self.figures(source)
         if not figures.timed:
             return 1, True  # a source's first draft is one token: it times the drafter
-        k = best_k(figures.alpha, self.pass_cost, figures.draft_cost, self.k_max, figures.rows_per_token)
+        k = best_k(figures.alpha, self.pass_cost, figures.draft_cost, self.k_max, *figures.rows)
         if k == 0 and not (can_shadow and self.costless(source)) and self.plain_steps >= self.probe_wait:
             return 1, True  # one draft token to see whether drafts recover
         return k, False
@@ -175,10 +191,10 @@ class DraftLengthPolicy:
         figures = self.figures(source)
         cost = figures.draft_cost if draft_cost is None else draft_cost
         alpha = figures.alpha if alpha is None else alpha
-        k = best_k(alpha, self.pass_cost, cost, self.k_max, figures.rows_per_token)
+        k = best_k(alpha, self.pass_cost, cost, self.k_max, *figures.rows)
         if k == 0:
             return 0.0
-        rows = 1 + max(k, round(k * figures.rows_per_token))
+        rows = draft_rows(k, *figures.rows)
         step = self.pass_cost(rows) + k * cost
         return max(self.pass_cost(1) - step / expected_tokens(alpha, k), 0.0)
 
@@ -214,18 +230,23 @@ class DraftLengthPolicy:
         """A request finished (a stop or its max_tokens) after emitting `emitted` tokens."""
         self.lengths = [*self.lengths, emitted][-LENGTHS_KEPT:]
 
-    def record_proposal(self, seconds: float, asked: int, rows: int | None, source: str | None = None) -> None:
-        """A proposal from `source` of `asked` tokens took `seconds` and added `rows` verifier rows
-        (None: it drafted nothing, so nothing is timed)."""
+    def record_proposal(
+        self, seconds: float, asked: int, rows: int | None, source: str | None = None, aux: int = 0
+    ) -> None:
+        """A proposal from `source` of `asked` tokens took `seconds` and added `rows` verifier rows,
+        `aux` of them aux rows that come whatever the length asked (None: it drafted nothing, so
+        nothing is timed)."""
         self.latest_source = source
         if rows is None or asked <= 0:
             return
         figures = self._kept_figures(source)
-        per_token, ratio = seconds / asked, rows / asked
+        per_token, ratio, fixed = seconds / asked, (rows - aux) / asked, float(aux)
         if figures.timed:
             per_token = 0.8 * figures.draft_cost + 0.2 * per_token
             ratio = 0.8 * figures.rows_per_token + 0.2 * ratio
-        figures.draft_cost, figures.rows_per_token, figures.timed = per_token, ratio, True
+            fixed = 0.8 * figures.aux_rows + 0.2 * fixed
+        figures.draft_cost, figures.rows_per_token, figures.aux_rows = per_token, ratio, fixed
+        figures.timed = True
 
     def record_drafted(self, depth: int, kept: int, probe: bool, source: str | None = None) -> None:
         """A verified draft from `source`, `depth` tokens deep, of which the first `kept` were kept."""
@@ -242,7 +263,7 @@ class DraftLengthPolicy:
         """Plain steps between probes so that a probe costs at most PROBE_SHARE of them: a one-token
         probe costs its draft token and its rows (a tree's or window's too) beyond a plain step."""
         one = self.pass_cost(1)
-        extra = self.pass_cost(1 + max(1, round(figures.rows_per_token))) + figures.draft_cost - one
+        extra = self.pass_cost(draft_rows(1, *figures.rows)) + figures.draft_cost - one
         return math.ceil(max(extra, 0.0) / (PROBE_SHARE * one) - 1e-9)
 
     def record_plain(self) -> None:
