@@ -110,12 +110,12 @@ class Cluster:
     def metrics(self) -> str:
         return httpx.get(self.url + "/metrics", headers=AUTH, timeout=30).text
 
-    def settled_metrics(self) -> str:
-        """/metrics once every replica has reported what it finished (two reports alike)."""
+    def settled_metrics(self, counts_of: str = "forerun:request_success_total") -> str:
+        """/metrics once every replica has reported its latest `counts_of` (two reports alike)."""
         last = None
         for _ in range(60):
             text = self.metrics()
-            counts = [line for line in text.splitlines() if line.startswith("forerun:request_success_total")]
+            counts = [line for line in text.splitlines() if line.startswith(counts_of)]
             if counts == last:
                 return text
             last = counts
@@ -251,11 +251,14 @@ def test_an_answer_given_on_one_replica_drafts_on_the_other(cluster) -> None:
     a, b = replicas
     # A prompt the tiny model answers without looping (a looping answer drafts from itself).
     prompt, fields = "zebra crossing", {"max_tokens": 60, "ignore_eos": True}
-    received = counter(cluster.metrics(), "forerun:shared_answers_received_total", b)
+    # Earlier tests' answers may still be on their way to B (taken every 0.25 s, reported every 1 s):
+    # count from a settled figure, so that the next answer B takes is A's answer to this prompt.
+    shared = "forerun:shared_answers_received_total"
+    received = counter(cluster.settled_metrics(shared), shared, b)
     first = cluster.complete(prompt, key=key_for(a, set(replicas)), **fields)
     assert first.headers["x-forerun-replica"] == a
     deadline = time.monotonic() + 30
-    while counter(cluster.metrics(), "forerun:shared_answers_received_total", b) <= received:
+    while counter(cluster.metrics(), shared, b) <= received:
         assert time.monotonic() < deadline, "replica B never took A's answer"
         time.sleep(0.3)
     again = cluster.complete(prompt, key=key_for(b, set(replicas)), **fields)
