@@ -23,7 +23,6 @@ from forerun.models.testing import tiny_model
 from forerun.models.w8a8 import quantize_decoder_
 from forerun.policy.draft_length import DraftLengthPolicy, batch_draft_length, expected_tokens
 from forerun.policy.pass_costs import PassCosts
-from forerun.verification.sampling import probabilities
 from forerun.verification.tree import DraftTree
 from forerun.verification.verify import VerifyJob, verify, verify_many
 
@@ -71,16 +70,42 @@ def test_a_batched_verification_gives_every_sequence_what_it_gets_alone(quantize
         assert torch.equal(other.v[:, :, :, : other.length], job.cache.v[:, :, :, : other.length])
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_verifications_distribution_is_its_rows_processed(quantized, temperature) -> None:
+def processed_by_hand(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row of logits [V] to its distribution [V] (float64), worked out token by token: the argmax
+    under greedy; else the top_k likeliest, cut to the fewest whose mass (at the temperature) reaches
+    top_p, then softmax at the temperature over those alone."""
+    out = torch.zeros(len(row), dtype=torch.float64)
+    order = sorted(range(len(row)), key=lambda t: -float(row[t]))  # likeliest first
+    if params.greedy:
+        out[order[0]] = 1.0
+        return out
+    kept = order[: params.top_k] if params.top_k > 0 else order
+    scaled = row.double()[kept] / params.temperature
+    weights = (scaled - scaled.max()).exp()
+    mass, size = 0.0, 0
+    for w in (weights / weights.sum()).tolist():
+        if size > 0 and mass >= params.top_p:
+            break
+        mass, size = mass + w, size + 1
+    out[kept[:size]] = weights[:size] / weights[:size].sum()
+    return out
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.6, 0, 1.0), (1.0, 7, 1.0), (0.8, 0, 0.7), (1.5, 12, 0.5)],
+)
+def test_a_verifications_distribution_is_its_rows_processed(quantized, temperature, top_k, top_p) -> None:
     # Under greedy it keeps only each row's argmax; its one-hot rows, made when asked, are the same.
-    params = SamplingParams(temperature=temperature, max_tokens=8, logprobs=1)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=8, logprobs=1)
     decoder = quantized.decoder
     cache = decoder.new_cache(16)
     decoder(torch.tensor([5, 6, 7]), torch.arange(3), cache)
     ver = verify(decoder, cache, 4, DraftTree([8, 9, 10], [-1, 0, -1]), params)
-    assert torch.equal(ver.probs, probabilities(ver.logits, params))
-    assert ver.best == (ver.logits.argmax(-1).tolist() if params.greedy else None)
+    want = torch.stack([processed_by_hand(row, params) for row in ver.logits.float()])  # [4, vocab]
+    assert torch.equal(ver.probs > 0, want > 0)  # the same tokens kept in every row
+    torch.testing.assert_close(ver.probs.double(), want, rtol=1e-5, atol=1e-6)
+    assert ver.best == ([int(row.argmax()) for row in want] if params.greedy else None)
 
 
 # --- the batch engine ------------------------------------------------------------------------------

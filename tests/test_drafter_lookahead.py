@@ -174,13 +174,34 @@ def test_candidates_start_with_the_root_and_are_cut_to_k() -> None:
     assert drafter.max_rows(2) >= len(tree) + len(tree.aux_tokens)
 
 
-def test_the_engine_sizes_the_cache_for_window_and_guesses(target) -> None:
+def test_the_engine_sizes_the_cache_for_window_and_guesses(target, monkeypatch: pytest.MonkeyPatch) -> None:
     # A wide window and many guesses need far more slots per step than K; a short request must fit.
     drafter = drafters.create("lookahead", target, {"window": 8, "ngram": 5, "guesses": 8})
-    params = SamplingParams(max_tokens=4)
+    params, k = SamplingParams(max_tokens=4), 5
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
     plain = Engine(target).generate(prompt, params).token_ids
-    assert Engine(target, drafter, 5).generate(prompt, params).token_ids == plain
+    # G guesses of up to N-1 tokens each (N-1 < K here), and the window: W columns by N-1 levels.
+    needed = 8 * 4 + 8 * 4
+    assert drafter.max_rows(k) == needed
+    asked: list[int] = []  # the slots the engine asks the target's cache for
+    rows: list[int] = []  # each proposal's verifier rows after the root: nodes and window rows
+    new_cache, propose = target.decoder.new_cache, drafter.propose
+
+    def sized(max_len: int):
+        asked.append(max_len)
+        return new_cache(max_len)
+
+    def proposed(*args) -> DraftTree:
+        tree = propose(*args)
+        rows.append(tree.num_rows - 1)
+        return tree
+
+    monkeypatch.setattr(target.decoder, "new_cache", sized)
+    monkeypatch.setattr(drafter, "propose", proposed)
+    assert Engine(target, drafter, k).generate(prompt, params).token_ids == plain
+    # The request's own tokens, every row one step may add after the root, and the root.
+    assert asked == [len(prompt) + params.max_tokens + needed + 1]
+    assert k < max(rows) <= needed  # the window made a step outgrow K, and the cache held it
 
 
 def test_the_jacobi_window_feeds_the_pool_during_generation(target) -> None:
