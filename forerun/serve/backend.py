@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from forerun.base.errors import ForerunError
 from forerun.serve.metrics import ServerMetrics
 from forerun.serve.requests import BadRequest
-from forerun.serve.scheduler import EngineStopped, QueueFull, Request, Scheduler, ShuttingDown
+from forerun.serve.scheduler import EngineStopped, QueueFull, Request, Scheduler, ShuttingDown, TooManySamples
 
 
 class Backend(ABC):
@@ -44,6 +44,8 @@ def refusal(exc: ForerunError) -> BadRequest:
         return BadRequest(str(exc), None, 503, "server_error", "shutting_down")
     if isinstance(exc, EngineStopped):
         return BadRequest(str(exc), None, 503, "server_error", "engine_stopped")
+    if isinstance(exc, TooManySamples):
+        return BadRequest(str(exc), "n")
     return BadRequest(str(exc), "max_tokens")  # Scheduler.submit_group's check: the request does not fit
 
 

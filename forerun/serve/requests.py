@@ -25,6 +25,8 @@ from forerun.base.prompts import in_vocabulary, valid_unicode
 
 MAX_LOGPROBS = 20  # most alternatives a position's logprobs may list
 MAX_N = 16  # most samples one request may ask for
+MAX_STOP = 64  # most stop strings one request may give
+MAX_STOP_CHARS = 1024  # longest stop string
 CHARS_PER_TOKEN = 16  # a prompt longer than max_model_len x this is refused before tokenizing
 
 # Fields each route takes; others are refused by name (a typo or a feature forerun lacks).
@@ -141,6 +143,11 @@ async def read_json(request, max_bytes: int, timeout: float) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    except ValueError:  # Python reads no integer of over sys.get_int_max_str_digits() digits
+        raise BadRequest(
+            "the request body is not valid JSON here: it holds an integer of thousands of digits; "
+            "no field takes one, so send a number that fits its field"
+        ) from None
     except RecursionError:
         raise BadRequest("the request body is nested too deeply to read; send a flat JSON object") from None
     if not isinstance(body, dict):
@@ -151,13 +158,16 @@ async def read_json(request, max_bytes: int, timeout: float) -> dict:
 def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
     """Every field of a completions (`chat` False) or chat request, before any tokenizing."""
     _check_names(body, chat)
+    _check_ignored(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         got = "" if model is None or model == "" else f", not {type(model).__name__}"
         raise BadRequest(f"'model' is required as a string{got}: the name /v1/models lists", "model")
     if model != served_name:
         raise BadRequest(
-            f"model {model!r} is not served here; this server serves {served_name!r}", "model", code="model_not_found"
+            f"model {shown(model)} is not served here; this server serves {served_name!r}",
+            "model",
+            code="model_not_found",
         )
     n = integer(body, "n", 1)
     if not 1 <= n <= limits.max_n:
@@ -169,10 +179,7 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
             "best_of",
         )
     stream = flag(body, "stream")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise BadRequest('stream_options must be an object such as {"include_usage": true}', "stream_options")
-    include_usage = bool((options or {}).get("include_usage"))
+    include_usage = _include_usage(body.get("stream_options"), stream)
     if chat:
         logprobs = integer(body, "top_logprobs", 0 if flag(body, "logprobs") else None)
         if logprobs is not None and not flag(body, "logprobs"):
@@ -187,6 +194,42 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
     return Checked(chat, prompt, n, stream, include_usage, logprobs, echo, body)
 
 
+def _check_ignored(body: dict) -> None:
+    """Fields taken and ignored (they change nothing here) still have OpenAI's types."""
+    for name in ("user", "service_tier"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise BadRequest(f"{name} must be a string, got {shown(body[name])}", name)
+    for name in ("store", "parallel_tool_calls"):
+        flag(body, name)
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise BadRequest('metadata must be an object of strings, such as {"key": "value"}', "metadata")
+
+
+def _include_usage(options, stream: bool) -> bool:
+    """stream_options' include_usage; refused without `stream` (as OpenAI and vLLM do) and by name
+    when it holds anything else (vLLM's continuous_usage_stats only as false)."""
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise BadRequest('stream_options must be an object such as {"include_usage": true}', "stream_options")
+    if options and not stream:
+        raise BadRequest("stream_options is only allowed with stream: true; leave it out", "stream_options")
+    for name, value in options.items():
+        if name not in ("include_usage", "continuous_usage_stats"):
+            raise BadRequest(
+                f"stream_options has an unknown field {shown(name)}: it takes include_usage", "stream_options"
+            )
+        if value is not None and not isinstance(value, bool):
+            raise BadRequest(f"stream_options.{name} must be true or false, got {shown(value)}", "stream_options")
+    if options.get("continuous_usage_stats"):
+        raise BadRequest(
+            "stream_options.continuous_usage_stats is not supported; use include_usage for a last usage chunk",
+            "stream_options",
+        )
+    return bool(options.get("include_usage"))
+
+
 def _check_names(body: dict, chat: bool) -> None:
     taken = _CHAT if chat else _COMPLETIONS
     for name, value in body.items():
@@ -199,7 +242,7 @@ def _check_names(body: dict, chat: bool) -> None:
         other = "/v1/completions" if chat else "/v1/chat/completions"
         if name in (_COMPLETIONS if chat else _CHAT):
             raise BadRequest(f"{name} belongs to {other}, not this route", name)
-        raise BadRequest(f"unknown field {name!r}: this route takes {', '.join(sorted(taken))}", name)
+        raise BadRequest(f"unknown field {shown(name)}: this route takes {', '.join(sorted(taken))}", name)
 
 
 def _completion_prompt(body: dict, limits: Limits) -> str | list[int]:
@@ -260,17 +303,7 @@ def sampling(checked: Checked, prompt_tokens: int, limits: Limits) -> list[Sampl
     seed = integer(body, "seed", None)
     if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1] - (checked.n - 1):
         raise BadRequest(f"seed must be in [-2**63, 2**64 - n), got {seed}", "seed")
-    stop = body.get("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,)
-    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise BadRequest("stop must be a string or a list of strings", "stop")
-    if any(not s for s in stop):
-        raise BadRequest("stop strings must not be empty", "stop")
-    for s in stop:
-        text(s, "stop", limits.max_prompt_chars)
+    stop = _stop_strings(body.get("stop"))
     prompt_logprobs = checked.logprobs if checked.echo and checked.logprobs is not None else None
     try:
         return [
@@ -291,6 +324,26 @@ def sampling(checked: Checked, prompt_tokens: int, limits: Limits) -> list[Sampl
         raise BadRequest(str(exc), None) from None
 
 
+def _stop_strings(stop) -> tuple[str, ...]:
+    """The stop strings, at most MAX_STOP of at most MAX_STOP_CHARS each: every step looks for each
+    one in the text of every running request, so a long list would slow them all."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise BadRequest("stop must be a string or a list of strings", "stop")
+    if len(stop) > MAX_STOP:
+        raise BadRequest(f"stop lists {len(stop)} strings; give at most {MAX_STOP}", "stop")
+    if any(not s for s in stop):
+        raise BadRequest("stop strings must not be empty", "stop")
+    for s in stop:
+        if len(s) > MAX_STOP_CHARS:
+            raise BadRequest(f"a stop string is {len(s)} characters; give at most {MAX_STOP_CHARS}", "stop")
+        text(s, "stop", MAX_STOP_CHARS)
+    return tuple(stop)
+
+
 def _max_tokens(checked: Checked, prompt_tokens: int, limits: Limits) -> tuple[int, str]:
     """The most tokens to generate and the field that said so. `echo` with max_tokens 0 scores the
     prompt alone (evaluation harnesses): one token is generated and left out of the answer."""
@@ -299,6 +352,13 @@ def _max_tokens(checked: Checked, prompt_tokens: int, limits: Limits) -> tuple[i
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = integer(body, name, None)
     if max_tokens is None:
+        if room < 1:
+            where = "messages" if checked.chat else "prompt"
+            raise BadRequest(
+                f"the prompt's {prompt_tokens} tokens fill this server's context of {limits.max_model_len}, "
+                f"leaving no room to generate; shorten the {where}",
+                where,
+            )
         max_tokens = room
     if max_tokens == 0 and checked.echo:
         max_tokens = 1
@@ -346,6 +406,13 @@ def tokenize(checked: Checked, tokenizer) -> list[int]:
 # --- values ----------------------------------------------------------------------------------------
 
 
+def shown(value, most: int = 80) -> str:
+    """`value` as an error message quotes it: its repr, cut to `most` characters (a client's
+    field may be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
 def is_int(value) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
@@ -354,8 +421,13 @@ def number(body: dict, name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(value):
-        raise BadRequest(f"{name} must be a finite number, got {value!r}", name)
+    try:
+        finite = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # an integer too big for a float
+        finite = False
+    if not finite:
+        got = f"an integer of {len(str(abs(value)))} digits" if is_int(value) else shown(value)
+        raise BadRequest(f"{name} must be a finite number, got {got}", name)
     return float(value)
 
 
@@ -364,7 +436,7 @@ def integer(body: dict, name: str, default: int | None) -> int | None:
     if value is None:
         return default
     if not is_int(value):
-        raise BadRequest(f"{name} must be a whole number, got {value!r}", name)
+        raise BadRequest(f"{name} must be a whole number, got {shown(value)}", name)
     return int(value)
 
 
@@ -373,7 +445,7 @@ def flag(body: dict, name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be true or false, got {value!r}", name)
+        raise BadRequest(f"{name} must be true or false, got {shown(value)}", name)
     return value
 
 

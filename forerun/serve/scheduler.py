@@ -97,6 +97,10 @@ class QueueFull(ForerunError):
     pass
 
 
+class TooManySamples(ForerunError):
+    """A group larger than the lanes and the queue together: it could never be taken."""
+
+
 class EngineStopped(ForerunError):
     pass
 
@@ -189,9 +193,15 @@ class Scheduler:
 
     def submit_group(self, requests: list[Request]) -> None:
         """Queue `requests` side by side (the samples of one prompt, admitted together where lanes
-        are open); all or none: QueueFull when they would pass max_waiting."""
+        are open); all or none: QueueFull when more than max_waiting would wait beyond the open
+        lanes, TooManySamples when they outnumber the lanes and max_waiting together."""
         for request in requests:
             self.batch.check_fits(request.prompt_ids, request.params)  # a clear error before queueing
+        if len(requests) > self.batch.max_seqs + self.max_waiting:
+            raise TooManySamples(
+                f"{len(requests)} samples could never be taken: this server runs {self.batch.max_seqs} "
+                f"requests at once and lets {self.max_waiting} wait; ask for fewer"
+            )
         with self._cond:
             if self.draining:
                 raise ShuttingDown(
@@ -201,7 +211,9 @@ class Scheduler:
             if not self.alive:
                 raise EngineStopped(f"the engine loop has stopped and takes no requests: {self.died or 'not started'}")
             self._drop_cancelled()
-            if len(self._waiting) + len(requests) > self.max_waiting:
+            # Waiting requests take the open lanes first; max_waiting counts those beyond them.
+            open_lanes = max(self.batch.max_seqs - len(self._running), 0)
+            if len(self._waiting) + len(requests) > self.max_waiting + open_lanes:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting; try again later")
             self._waiting.extend(requests)
             self._cond.notify()
