@@ -55,10 +55,7 @@ def register(sub) -> None:
         help="most sequences generated at once, all in one target pass per step (others wait)",
     )
     g.add_argument(
-        "--max-waiting",
-        type=int,
-        default=256,
-        help="requests allowed to wait beyond the running ones; beyond it a request gets HTTP 503",
+        "--max-waiting", type=int, default=256, help="requests let wait beyond the running ones; past it HTTP 503"
     )
     g.add_argument(
         "--shutdown-timeout",
