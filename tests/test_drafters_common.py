@@ -29,7 +29,7 @@ from forerun.engine.sequence import Sequence
 from forerun.models.load import LoadedModel
 from forerun.models.testing import save_hf_folder, tiny_model
 from forerun.verification.accept import Acceptance
-from forerun.verification.sampling import make_generator, position_uniform, probabilities, sample
+from forerun.verification.sampling import adjusted, make_generator, position_uniform, probabilities, sample
 from forerun.verification.tree import DraftTree
 from tests.conftest import perturbed
 
@@ -143,7 +143,7 @@ def speculative_samples(
     max_len = engine.check_fits(prompt, params)
     cache = decoder.new_cache(max_len)
     out = decoder.forward_ids(prompt, cache, last_only=True, output_hidden=True, all_hidden=True)
-    first = probabilities(out.logits[0], params)  # [1, V]
+    first = probabilities(adjusted(out.logits[0], params, [[]], prompt), params)  # [1, V]
     prefilled = cache.length
     metrics = SpecMetrics(num_speculative_tokens=k)
     samples = []

@@ -33,8 +33,17 @@ class SamplingParams:
     # none; N gives each generated token's, with the N likeliest tokens at its position beside it.
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first has none)
+    # Adjustments of the target's logits, as in OpenAI's API and vLLM (`sampling.adjusted`; the
+    # greedy argmax, temperature and the cuts after it start from the adjusted logits):
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is taken
+    presence_penalty: float = 0.0  # subtracted once from each token generated so far, in [-2, 2]
+    frequency_penalty: float = 0.0  # subtracted per time each token was generated so far, in [-2, 2]
+    # > 0: each token of the prompt or the output so far has its logit divided by it (above 0) or multiplied
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # in [0, 1]: after temperature, drop tokens below min_p x the likeliest's probability
 
     def __post_init__(self) -> None:
+        _check_adjustments(self)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, (list, tuple)) or self.stop is None:
@@ -73,6 +82,48 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Argmax decoding: temperature 0, or one below GREEDY_BELOW."""
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a presence, frequency or repetition penalty changes the logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the target's raw logits are adjusted (a bias or a penalty) before anything else."""
+        return bool(self.logit_bias) or self.penalized
+
+
+def _check_adjustments(params: SamplingParams) -> None:
+    """The logit bias (a dict made a sorted tuple) and the penalties, each named when wrong."""
+    bias = params.logit_bias
+    if isinstance(bias, dict):
+        bias = tuple(sorted(bias.items()))
+    elif bias is None:
+        bias = ()
+    if not isinstance(bias, tuple) or any(not isinstance(pair, tuple) or len(pair) != 2 for pair in bias):
+        raise ForerunError(f"logit_bias must be a dict of token id -> bias, got {params.logit_bias!r}")
+    for token, value in bias:
+        if not _whole(token) or token < 0:
+            raise ForerunError(f"logit_bias keys must be token ids (whole numbers >= 0), got {token!r}")
+        if not _number(value) or not -100 <= value <= 100:
+            raise ForerunError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+    if len({token for token, _ in bias}) != len(bias):
+        raise ForerunError("logit_bias names a token twice")
+    object.__setattr__(params, "logit_bias", tuple((int(t), float(v)) for t, v in bias))
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not _number(value) or not -2 <= value <= 2:
+            raise ForerunError(f"{name} must be a number in [-2, 2] (0 is off), got {value!r}")
+    if not _number(params.repetition_penalty) or not params.repetition_penalty > 0:
+        raise ForerunError(f"repetition_penalty must be a number > 0 (1 is off), got {params.repetition_penalty!r}")
+    if not _number(params.min_p) or not 0 <= params.min_p <= 1:
+        raise ForerunError(f"min_p must be a number in [0, 1] (0 is off), got {params.min_p!r}")
+
+
+def _number(value: object) -> bool:
+    """A finite real number, not a bool."""
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)

@@ -392,7 +392,7 @@ class BatchEngine:
         carried: list[tuple[Hashable, Prefill, PromptRows]] | None = None,
     ) -> list[Verification | Exception]:
         def job(lane: Lane, plan: Plan) -> VerifyJob:
-            return VerifyJob(lane.run.cache, plan.root, plan.tree, lane.run.seq.params)
+            return VerifyJob(lane.run.cache, plan.root, plan.tree, lane.run.seq.params, lane.run.seq.past)
 
         if carried:
             prompts, target = [prompt for *_, prompt in carried], planned[0][1].engine.target.decoder
@@ -408,7 +408,8 @@ class BatchEngine:
         if len(planned) == 1:
             _, lane, plan = planned[0]
             try:
-                return [verify(lane.engine.target.decoder, lane.run.cache, plan.root, plan.tree, lane.run.seq.params)]
+                seq = lane.run.seq
+                return [verify(lane.engine.target.decoder, lane.run.cache, plan.root, plan.tree, seq.params, seq.past)]
             except Exception as exc:  # noqa: BLE001
                 return [exc]
         target = planned[0][1].engine.target.decoder
@@ -420,7 +421,8 @@ class BatchEngine:
             for (_, lane, plan), length in zip(planned, lengths):
                 lane.run.cache.truncate(min(length, lane.run.cache.length))
                 try:
-                    outcomes.append(verify(target, lane.run.cache, plan.root, plan.tree, lane.run.seq.params))
+                    seq = lane.run.seq
+                    outcomes.append(verify(target, lane.run.cache, plan.root, plan.tree, seq.params, seq.past))
                 except Exception as exc:  # noqa: BLE001
                     outcomes.append(exc)
             return outcomes

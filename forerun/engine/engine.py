@@ -22,7 +22,7 @@ from forerun.models.prefix_cache import PrefixCache
 from forerun.policy.draft_length import DraftLengthPolicy
 from forerun.verification.accept import Acceptance, accept, accept_greedy, accept_one_hot
 from forerun.verification.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
-from forerun.verification.sampling import draw_key, make_generator, probabilities, sample_at
+from forerun.verification.sampling import adjusted, draw_key, make_generator, probabilities, sample_at
 from forerun.verification.tree import DraftTree
 from forerun.verification.verify import Verification, verify
 
@@ -190,7 +190,14 @@ class Engine:
         self.stop_ids = tok.stop_ids if tok is not None else frozenset()
 
     def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Cache slots the request needs; a clear error before any work when it exceeds the context."""
+        """Cache slots the request needs; a clear error before any work when it exceeds the context
+        (or its logit bias names a token the model lacks)."""
+        vocab = self.target.decoder.cfg.vocab_size
+        outside = [token for token, _ in params.logit_bias if token >= vocab]
+        if outside:
+            raise ForerunError(
+                f"logit_bias names token {outside[0]}, beyond the vocabulary of {vocab}: use ids below {vocab}"
+            )
         return check_prompt_fits(self.target.decoder.cfg.max_position, prompt_ids, params.max_tokens) + self.rows + 1
 
     def stream(
@@ -255,7 +262,7 @@ class Engine:
         if self.reads_features:
             self.drafter.features(hidden)  # [T, hidden]
         run.prefill_logits = logits  # [1, vocab]
-        first = sample_at(probabilities(logits, params)[0], run.key, len(seq.prompt_ids))
+        first = sample_at(probabilities(adjusted(logits, params, [[]], seq.prompt_ids), params)[0], run.key, seq.length)
         if run.logprobs is not None:
             run.logprobs += token_logprobs(logits, [first], params.logprobs)
         run.metrics.record_step(0, 0, 1)
@@ -335,7 +342,7 @@ class Engine:
     def step(self, run: Running) -> list[int]:
         """One step of a running request: draft, verify, accept. Returns the tokens it emitted."""
         plan = self.plan(run)
-        ver = verify(self.target.decoder, run.cache, plan.root, plan.tree, run.seq.params)
+        ver = verify(self.target.decoder, run.cache, plan.root, plan.tree, run.seq.params, run.seq.past)
         return self.finish(run, plan, ver)
 
     def choose(self, run: Running) -> Choice:

@@ -7,6 +7,7 @@ import warnings
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.models.tokenizer import Tokenizer
+from forerun.verification.verify import Past
 
 
 class Sequence:
@@ -38,6 +39,11 @@ class Sequence:
     def length(self) -> int:
         """len(context), without building it: the position of the next token."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def past(self) -> Past | None:
+        """What verification needs of this sequence where its logits are adjusted (bias, penalties)."""
+        return Past(self.prompt_ids, self.output_ids) if self.params.adjusts else None
 
     @property
     def finished(self) -> bool:

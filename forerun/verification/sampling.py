@@ -1,10 +1,16 @@
-"""Logits to probabilities (temperature, top-k, top-p) and seeded sampling.
+"""Logits to probabilities (temperature, min-p, top-k, top-p) and seeded sampling.
 
 The target and every drafter go through the same `probabilities`, so the acceptance rule compares
-processed distributions and the output follows the target's processed distribution exactly.
+processed distributions and the output follows the target's processed distribution exactly. The
+target's logits are first `adjusted` (logit bias, then presence, frequency and repetition penalties
+over each row's own history, as vLLM orders them): each verification row as if it were the next
+token of plain decoding. A drafter's distribution need not be adjusted (the rule is exact for any
+proposal distribution); drafts that are, are kept more often.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -17,12 +23,44 @@ def one_hot(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.zeros(*ids.shape, vocab, device=ids.device).scatter_(-1, ids[..., None], 1.0)
 
 
+def adjusted(
+    logits: torch.Tensor, params: SamplingParams, histories: Sequence[Sequence[int]], prompt: Sequence[int] = ()
+) -> torch.Tensor:
+    """logits [N, V] (float32, a new tensor) with `params`' logit bias added, then its penalties:
+    row i's `histories[i]` are the tokens generated before the token row i predicts (presence and
+    frequency count those; repetition those and `prompt`'s). The logits unchanged without either."""
+    if not params.adjusts:
+        return logits.float()
+    logits = logits.float().clone()
+    vocab = logits.shape[-1]
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=logits.device)
+        logits[:, ids] += torch.tensor([b for _, b in params.logit_bias], device=logits.device)
+    if not params.penalized:
+        return logits
+    in_prompt = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+    if params.repetition_penalty != 1 and len(prompt):
+        in_prompt[torch.tensor(list(prompt), dtype=torch.long, device=logits.device)] = True
+    for row, history in zip(logits, histories):
+        counts = torch.bincount(torch.tensor(list(history), dtype=torch.long), minlength=vocab).to(logits.device)
+        seen = counts > 0
+        if params.repetition_penalty != 1:
+            either = seen | in_prompt
+            r = params.repetition_penalty
+            row[either] = torch.where(row[either] > 0, row[either] / r, row[either] * r)
+        row -= params.frequency_penalty * counts + params.presence_penalty * seen
+    return logits
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] (float32). Greedy gives a one-hot at the argmax."""
     logits = logits.float()
     if params.greedy:
         return one_hot(native.argmax(logits), logits.shape[-1])
     logits = logits / params.temperature
+    if params.min_p > 0:  # tokens less likely than min_p x the likeliest, before top-k and top-p
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [N, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

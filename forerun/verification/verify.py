@@ -12,7 +12,7 @@ from forerun.base.config import SamplingParams
 from forerun.models.attention import RowLayout, Segment
 from forerun.models.decoder import Decoder
 from forerun.models.kv_cache import KVCache
-from forerun.verification.sampling import one_hot, probabilities
+from forerun.verification.sampling import adjusted, one_hot, probabilities
 from forerun.verification.tree import DraftTree
 
 
@@ -38,23 +38,57 @@ class Verification:
         return self.dense
 
 
-def target_rows(logits: torch.Tensor, params: SamplingParams, best: torch.Tensor | None = None) -> dict:
-    """A Verification's distribution fields for logits [N+1, vocab]: the argmax under greedy (`best`
-    when the caller has it already), else the processed probabilities."""
+@dataclass
+class Past:
+    """What a sequence has read and written before a verification: the prompt, and the tokens
+    generated so far (the root last). Only the requests whose logits are `adjusted` need it."""
+
+    prompt: Sequence[int]
+    output: Sequence[int]
+
+    def histories(self, tree: DraftTree) -> list[list[int]]:
+        """Each verification row's history: the output, then each node's path down to it."""
+        return [list(self.output)] + [
+            list(self.output) + [tree.tokens[j] for j in tree.path_to(i)] for i in range(len(tree))
+        ]
+
+
+def target_rows(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    best: torch.Tensor | None = None,
+    past: Past | None = None,
+    tree: DraftTree | None = None,
+) -> dict:
+    """A Verification's distribution fields for logits [N+1, vocab] (the root's and `tree`'s nodes'):
+    the argmax under greedy (`best` when the caller has it already), else the processed
+    probabilities; both from the logits `adjusted` by the request's bias and penalties (`past`)."""
+    if params.adjusts:
+        if past is None:
+            raise ValueError("a request with a logit bias or penalties is verified with its past")
+        logits = adjusted(logits, params, past.histories(tree or DraftTree([], [])), past.prompt)
+        best = None
     if params.greedy:
         ids = native.argmax(logits.float()) if best is None else best
         return {"best": ids.tolist(), "vocab_size": logits.shape[-1]}
     return {"dense": probabilities(logits, params)}
 
 
-def verify(target: Decoder, cache: KVCache, root: int, tree: DraftTree | None, params: SamplingParams) -> Verification:
+def verify(
+    target: Decoder,
+    cache: KVCache,
+    root: int,
+    tree: DraftTree | None,
+    params: SamplingParams,
+    past: Past | None = None,
+) -> Verification:
     """Feed the root (last accepted token, at slot and position cache.length), the tree's nodes,
     then its aux rows.
 
     The root and every node are computed row-exactly (each comes out as it would alone, so greedy
     speculation equals plain decoding); aux rows see what the tree's mask allows. Slots past the
     accepted path (aux rows included) are left for the caller to drop with cache.keep /
-    cache.truncate.
+    cache.truncate. `past`: the sequence's, where its logits are adjusted (`target_rows`).
     """
     tree = tree if tree is not None else DraftTree([], [])
     # [R] rows: the root, the nodes, the aux rows; their positions are the layout's
@@ -62,7 +96,7 @@ def verify(target: Decoder, cache: KVCache, root: int, tree: DraftTree | None, p
     n = len(tree) + 1
     logits = out.logits[0]  # [R, vocab]
     return Verification(
-        **target_rows(logits[:n], params),
+        **target_rows(logits[:n], params, None, past, tree),
         hidden=out.hidden[0, :n],
         aux_logits=logits[n:] if tree.aux_tokens else None,
         logits=logits[:n] if params.logprobs is not None else None,
@@ -77,6 +111,7 @@ class VerifyJob:
     root: int
     tree: DraftTree | None
     params: SamplingParams
+    past: Past | None = None  # where the request's logits are adjusted
 
 
 @dataclass
@@ -129,7 +164,7 @@ def verify_many(target: Decoder, jobs: list[VerifyJob], prompts: Sequence[Prompt
         ours = best[seg.start : seg.start + n] if best is not None and job.params.greedy else None
         results.append(
             Verification(
-                **target_rows(rows[:n], job.params, ours),
+                **target_rows(rows[:n], job.params, ours, job.past, tree),
                 hidden=hidden[seg.start : seg.start + n],
                 aux_logits=rows[n:] if tree.aux_tokens else None,
                 logits=rows[:n] if job.params.logprobs is not None else None,

@@ -1,0 +1,192 @@
+"""Logit bias, presence / frequency / repetition penalties and min-p: what they do to a row, and that
+speculation stays exact under them (greedy token for token, sampled in distribution, batched as alone).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forerun import drafters
+from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
+from forerun.engine.batch import BatchEngine
+from forerun.engine.engine import Engine
+from forerun.models.load import LoadedModel
+from forerun.models.testing import tiny_model
+from forerun.verification.sampling import adjusted, probabilities
+from forerun.verification.tree import DraftTree
+from forerun.verification.verify import Past, verify
+from tests.test_batch import run_batched
+from tests.test_drafters_common import (
+    CONTROL_RUNS,
+    ONE_EACH_SAMPLING,
+    RUNS,
+    SETTINGS,
+    keep_every_draft_always,
+    self_prompt,
+    setting_id,
+    speculative_samples,
+    total_variation,
+)
+
+PENALIZED = dict(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.6)
+MILD = dict(presence_penalty=0.2, frequency_penalty=0.1, repetition_penalty=1.1)  # copying drafts still kept
+
+
+def test_a_row_is_biased_then_penalized_for_its_own_history() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 0.0], [2.0, -1.0, 0.5, 3.0, 0.0]])
+    params = SamplingParams(
+        logit_bias={4: 1.5, 0: -0.5}, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0
+    )
+    out = adjusted(logits, params, [[3, 3], [1]], prompt=[2])
+    # Row 0 (token 3 written twice; token 2 in the prompt): bias first, then repetition (2.0 > 0 halved,
+    # 0.5 > 0 halved), then 3 less 0.5 (presence) and 2 x 0.25 (frequency).
+    assert out[0].tolist() == pytest.approx([1.5, -1.0, 0.25, 1.5 - 0.5 - 0.5, 1.5])
+    # Row 1 (token 1 written once): -1 is multiplied by 2, less 0.5 and 0.25.
+    assert out[1].tolist() == pytest.approx([1.5, -2.0 - 0.75, 0.25, 3.0, 1.5])
+    assert logits[0, 0] == 2.0  # the pass's logits are left as they were
+    plain = SamplingParams()
+    assert not plain.adjusts and torch.equal(adjusted(logits, plain, [[3], [1]]), logits)
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.14, 0.06]]))
+    kept = probabilities(logits, SamplingParams(temperature=1.0, min_p=0.25)) > 0  # 0.125 and above
+    assert kept.tolist() == [[True, True, True, False]]
+    assert (probabilities(logits, SamplingParams(temperature=1.0, min_p=1.0)) > 0).sum() == 1
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"logit_bias": {5: 101}}, "logit_bias values must be numbers in"),
+        ({"logit_bias": {-1: 1}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": [1, 2]}, "logit_bias must be a dict"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be a number in"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty must be a number in"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be a number > 0"),
+        ({"min_p": 1.5}, "min_p must be a number in"),
+    ],
+)
+def test_bad_adjustments_are_named(fields, message) -> None:
+    with pytest.raises(ForerunError, match=message):
+        SamplingParams(**fields)
+
+
+def test_a_bias_outside_the_vocabulary_is_refused_before_any_work() -> None:
+    target = tiny_model(0)
+    vocab = target.decoder.cfg.vocab_size
+    with pytest.raises(ForerunError, match=f"logit_bias names token {vocab}, beyond the vocabulary"):
+        Engine(target).generate([5, 6, 7], SamplingParams(logit_bias={vocab: 5.0}))
+
+
+def test_a_verification_row_is_adjusted_as_plain_decoding_adjusts_that_position() -> None:
+    decoder = tiny_model(0).decoder
+    params = SamplingParams(temperature=1.0, logit_bias={9: 2.0}, **PENALIZED)
+    prompt, output, tree = [5, 6, 7], [4, 4, 9], DraftTree([8, 4, 3], [-1, 0, -1])
+    cache = decoder.new_cache(16)
+    decoder(torch.tensor(prompt + output[:-1]), torch.arange(5), cache)
+    ver = verify(decoder, cache, output[-1], tree, params, Past(prompt, output))
+    for row, path in enumerate([[], [8], [8, 4], [3]]):
+        seq = prompt + output + path
+        alone = decoder.forward_ids(seq, decoder.new_cache(len(seq)), last_only=True).logits[0]
+        want = probabilities(adjusted(alone, params, [output + path], prompt), params)[0]
+        torch.testing.assert_close(ver.probs[row], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def target4() -> LoadedModel:
+    return tiny_model(2, name="target4", num_layers=4)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=setting_id)
+def test_greedy_output_under_a_bias_and_penalties_is_plain_decodings(target4, setting) -> None:
+    prompt = self_prompt(target4, 2, 30)
+    params = SamplingParams(max_tokens=32, logit_bias={prompt[-1]: -3.0}, **MILD)  # PENALIZED stops copying
+    plain = Engine(target4).generate(prompt, params).token_ids
+    assert plain != Engine(target4).generate(prompt, SamplingParams(max_tokens=32)).token_ids  # they matter
+    out = Engine(target4, drafters.create(setting[0], target4, setting[1]), 3).generate(prompt, params)
+    assert out.token_ids == plain
+    assert out.metrics.num_accepted_tokens > 0  # drafts were kept under the adjusted rows
+
+
+# The strongest penalties OpenAI allows: a row that misses a draft token of its path is far off, so
+# the negative control below fails plainly; the sampled drafts are still kept at times.
+STRONG = dict(presence_penalty=2.0, frequency_penalty=2.0)
+ADJUSTED = SamplingParams(temperature=1.0, top_k=4, max_tokens=8, min_p=0.05, logit_bias={3: 1.0}, **STRONG)
+
+
+def exact_adjusted_marginals(
+    target: LoadedModel, prompt: list[int], params: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact distributions [V] of the 2nd and 3rd generated tokens, each position adjusted for the
+    tokens generated before it (plain forwards, one sequence at a time)."""
+    decoder = target.decoder
+
+    def next_probs(output: list[int]) -> torch.Tensor:
+        seq = prompt + output
+        logits = decoder.forward_ids(seq, decoder.new_cache(len(seq)), last_only=True).logits[0]
+        return probabilities(adjusted(logits, params, [output], prompt), params)[0]
+
+    p1 = next_probs([])
+    second, third = torch.zeros_like(p1), torch.zeros_like(p1)
+    for t1 in p1.nonzero().flatten().tolist():
+        p2 = next_probs([t1])
+        second += p1[t1] * p2
+        for t2 in p2.nonzero().flatten().tolist():
+            third += p1[t1] * p2[t2] * next_probs([t1, t2])
+    return second, third
+
+
+@pytest.fixture(scope="module")
+def adjusted_case() -> tuple[LoadedModel, list[int], torch.Tensor, torch.Tensor]:
+    target = tiny_model(0, name="target2", num_layers=2)
+    prompt = self_prompt(target, 1, 120)
+    return (target, prompt, *exact_adjusted_marginals(target, prompt, ADJUSTED))
+
+
+@pytest.mark.parametrize("setting", ONE_EACH_SAMPLING, ids=setting_id)
+def test_sampled_tokens_follow_the_adjusted_distribution(adjusted_case, setting) -> None:
+    target, prompt, second, third = adjusted_case
+    drafter = drafters.create(setting[0], target, setting[1])
+    samples, metrics = speculative_samples(target, drafter, 2, prompt, RUNS, ADJUSTED)
+    for position, exact in ((0, second), (1, third)):
+        tv, tolerance = total_variation([s[position] for s in samples], exact)
+        assert tv < tolerance, f"token {position + 2}: TV {tv:.4f} >= {tolerance:.4f}"
+    assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
+
+
+def test_negative_control_unadjusted_targets_rows_fail_the_same_check(adjusted_case, monkeypatch) -> None:
+    # Verification that forgets the request's past (each row adjusted as the root): the check fails.
+    target, prompt, second, third = adjusted_case
+    root_only = Past.histories
+    monkeypatch.setattr(Past, "histories", lambda self, tree: root_only(self, DraftTree([], [])) * (len(tree) + 1))
+    samples, _ = speculative_samples(target, drafters.create("ngram", target, {}), 2, prompt, CONTROL_RUNS, ADJUSTED)
+    failures = [total_variation([s[i] for s in samples], exact) for i, exact in ((0, second), (1, third))]
+    assert any(tv >= tolerance for tv, tolerance in failures)
+
+
+def test_negative_control_an_always_accepting_rule_fails_under_adjustments(adjusted_case, monkeypatch) -> None:
+    target, prompt, second, third = adjusted_case
+    keep_every_draft_always(monkeypatch)
+    samples, _ = speculative_samples(target, drafters.create("ngram", target, {}), 2, prompt, CONTROL_RUNS, ADJUSTED)
+    failures = [total_variation([s[i] for s in samples], exact) for i, exact in ((0, second), (1, third))]
+    assert any(tv >= tolerance for tv, tolerance in failures)
+
+
+def test_batched_requests_with_their_own_adjustments_equal_each_run_alone(target4) -> None:
+    prompt = self_prompt(target4, 2, 30)
+    requests = [
+        (prompt, SamplingParams(max_tokens=20, **PENALIZED)),
+        (prompt, SamplingParams(max_tokens=20)),
+        (prompt[:20], SamplingParams(max_tokens=20, logit_bias={prompt[5]: 4.0})),
+        (prompt, SamplingParams(temperature=0.8, max_tokens=20, seed=4, min_p=0.1, **PENALIZED)),
+    ]
+    alone = [Engine(target4).generate(p, params).token_ids for p, params in requests]
+    assert len({tuple(tokens) for tokens in alone[:3]}) == 3  # the adjustments change what is written
+
+    def new_engine() -> Engine:
+        return Engine(target4, drafters.create("ngram", target4, {}), 3)
+
+    assert run_batched(BatchEngine(new_engine, 4), requests) == alone
