@@ -18,6 +18,7 @@ from forerun.engine.metrics import SpecMetrics
 from forerun.models import formats
 from forerun.models.load import LoadedModel, load_model
 from forerun.models.prefix_cache import PREFIX_CACHE_MB, PrefixCache, token_bytes
+from forerun.models.source import resolve
 from forerun.policy.draft_length import DraftLengthPolicy
 from forerun.policy.pass_costs import cached_pass_costs
 from forerun.verification.logprobs import TokenLogprob
@@ -95,8 +96,13 @@ class LLM:
         speculative_k_policy: str = "adaptive",
         prefix_cache_mb: float = PREFIX_CACHE_MB,
         kv_cache_dtype: str | None = None,
+        **unknown: object,
     ) -> None:
+        _check_unknown_args(unknown)
         _check_llm_args(model, speculative_method, prefix_cache_mb)
+        draft = speculative_model if speculative_model is not None else (speculative_options or {}).get("model")
+        if isinstance(draft, str):
+            resolve(draft)  # a draft model that is not there is named before the target loads (minutes)
         if isinstance(model, LoadedModel):
             self.target = model
             if quantization is not None:
@@ -216,6 +222,18 @@ class LLM:
         completion = CompletionOutput(out.text, out.token_ids, out.finish_reason, out.logprobs)
         return GenerationResult(
             prompt, ids, [completion], out.elapsed_s, out.first_token_s, out.metrics, out.prompt_logprobs
+        )
+
+
+def _check_unknown_args(unknown: dict) -> None:
+    """Name arguments LLM does not take (vLLM's own among them) before any model is loaded."""
+    if unknown:
+        import inspect
+
+        known = [p for p in inspect.signature(LLM.__init__).parameters if p not in ("self", "unknown")]
+        raise ForerunError(
+            f"LLM does not take {', '.join(sorted(unknown))}; it takes {', '.join(known)} "
+            "(SamplingParams takes the sampling settings)"
         )
 
 

@@ -3,6 +3,8 @@ damaged one named, with what to do); their checksums."""
 
 from __future__ import annotations
 
+import errno
+import glob
 import hashlib
 import json
 import os
@@ -17,6 +19,8 @@ if TYPE_CHECKING:
     import torch
 
 _CHUNK = 1 << 20  # bytes read at a time when hashing
+# What a disk or folder answers a write it refuses: full, over quota, read-only, not ours.
+_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 def make_folder(path: Path, what: str, writes: tuple[str, ...] = (), writer: str = "forerun") -> Path:
@@ -40,24 +44,62 @@ def make_folder(path: Path, what: str, writes: tuple[str, ...] = (), writer: str
     return path
 
 
-def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+def write_atomically(path: Path, write: Callable[[Path], None], member: str | None = None) -> None:
     """Run `write(tmp)` on a temporary sibling of `path`, then rename it into place.
 
     A reader sees the old file or the new one, never half of one, and a crash leaves no temporary
-    behind. `tmp` may be a file or a folder; a folder replaces an older folder at `path`.
+    behind; one a killed process left (no clean-up runs then) is removed by the next write of
+    `path`. `tmp` may be a file or a folder; a folder replaces an older folder at `path`. `member`:
+    `write` makes `tmp` a folder holding the file `member`, and that file becomes `path` (for writers
+    that put a temporary of their own beside the file they are given). A write the disk or the
+    folder refuses (full, read-only) is a ForerunError naming `path`.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_orphans(path)
         write(tmp)
-        if tmp.is_dir() and path.is_dir():
+        written = tmp / member if member else tmp
+        if written.is_dir() and path.is_dir():
             shutil.rmtree(path)
-        os.replace(tmp, path)
+        os.replace(written, path)
+    except OSError as exc:
+        if exc.errno not in _WRITE_ERRORS:
+            raise
+        raise _unwritable(path, exc.strerror or str(exc)) from None
     finally:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
+
+
+def _unwritable(path: Path, why: str) -> ForerunError:
+    return ForerunError(
+        f"cannot write {path} ({why}): free some space, or point FORERUN_HOME (or the output folder) "
+        "at a folder you can write to"
+    )
+
+
+def _remove_orphans(path: Path) -> None:
+    """Remove the temporaries of `path` whose writer is no longer running (killed mid-write)."""
+    for orphan in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = orphan.name[len(path.name) + 2 : -len(".tmp")]
+        if pid.isdigit() and not _running(int(pid)):
+            if orphan.is_dir():
+                shutil.rmtree(orphan, ignore_errors=True)
+            else:
+                orphan.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # running, as another user
+        return True
+    return True
 
 
 def write_text(path: Path, text: str) -> None:
@@ -70,9 +112,19 @@ def write_json(path: Path, data: object, indent: int | None = None) -> None:
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """A safetensors file, written atomically (never a pickle)."""
-    from safetensors.torch import save_file
+    import safetensors.torch
+    from safetensors import SafetensorError
 
-    write_atomically(path, lambda tmp: save_file(tensors, str(tmp)))
+    def write(tmp: Path) -> None:
+        # safetensors writes a temporary file of its own beside the file it is given: inside ours,
+        # so that a killed process leaves it where the next write of `path` removes it.
+        tmp.mkdir()
+        try:
+            safetensors.torch.save_file(tensors, str(tmp / path.name))
+        except SafetensorError as exc:  # its I/O errors (a full disk) come as this
+            raise _unwritable(path, str(exc).removeprefix("Error while serializing: ")) from None
+
+    write_atomically(path, write, member=path.name)
 
 
 def load_tensors(path: Path, remedy: str) -> dict[str, torch.Tensor]:

@@ -33,12 +33,26 @@ def build_decoder(
     missing = set(decoder.state_dict()) - set(state)
     if missing:
         raise ForerunError(f"the weights lack {len(missing)} tensors the model needs, e.g. {sorted(missing)[:3]}")
+    _check_all_used(cfg, state, set(decoder.state_dict()))
     try:
         decoder.load_state_dict({k: state[k] for k in decoder.state_dict()}, assign=True, strict=True)
     except RuntimeError as exc:  # shapes that contradict the config
         raise ForerunError(f"the weights do not match the model's configuration: {str(exc).strip()[-300:]}") from None
     decoder.tie_weights()
     return decoder.to(device).eval()
+
+
+def _check_all_used(cfg: DecoderConfig, state: dict[str, torch.Tensor], needed: set[str]) -> None:
+    """Weights the configuration leaves unused mean it describes another model (fewer layers, no
+    biases): dropping them would run a wrong model, so they are refused."""
+    # A rotary table some checkpoints saved is recomputed from rope_theta, not a weight.
+    unused = sorted(k for k in set(state) - needed if not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ForerunError(
+            f"the weights hold {len(unused)} tensors a {cfg.architecture} model of {cfg.num_layers} layers "
+            f"as config.json describes it does not use, e.g. {unused[:3]}: config.json does not describe "
+            "these weights (check num_hidden_layers, attention_bias, tie_word_embeddings); use the model's own"
+        )
 
 
 def build_gguf_decoder(path: Path, cfg: DecoderConfig, device: torch.device, reblock: Path | None = None) -> Decoder:

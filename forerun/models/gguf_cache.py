@@ -39,19 +39,30 @@ def convert_gguf(path: Path, dtype: torch.dtype, with_tokenizer: bool, convert: 
     weights = cache / f"weights-{str(dtype).removeprefix('torch.')}.safetensors"
     config_file = cache / "config.json"
     tok_dir = cache / "tokenizer"
-    if config_file.is_file() and _is_stale(json.loads(config_file.read_text())):
+    cfg = _cached_config(config_file)
+    if cfg is None and config_file.is_file():  # damaged, or from a converter whose weights are wrong
         for old in [config_file, *cache.glob("weights-*.safetensors")]:
             old.unlink(missing_ok=True)
-    if (convert and not weights.is_file()) or not config_file.is_file():
-        _convert(path, dtype, weights if convert else None, config_file)
-    raw = json.loads(config_file.read_text())
-    raw.pop("conversion", None)
+    if (convert and not weights.is_file()) or cfg is None:
+        cfg = _convert(path, dtype, weights if convert else None, config_file)
     if with_tokenizer and not (tok_dir / "tokenizer_config.json").is_file():
         convert_gguf_tokenizer(path, tok_dir)
-    return ConvertedGGUF(DecoderConfig(**raw), weights, tok_dir)
+    return ConvertedGGUF(cfg, weights, tok_dir)
 
 
-def _convert(path: Path, dtype: torch.dtype, weights: Path | None, config_file: Path) -> None:
+def _cached_config(config_file: Path) -> DecoderConfig | None:
+    """The config a conversion wrote, or None where there is none this version can trust."""
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+        if _is_stale(raw):
+            return None
+        raw.pop("conversion", None)
+        return DecoderConfig(**raw)
+    except (OSError, ValueError, TypeError, AttributeError):  # absent, cut short, or not this version's fields
+        return None
+
+
+def _convert(path: Path, dtype: torch.dtype, weights: Path | None, config_file: Path) -> DecoderConfig:
     """Read the config (and, given `weights`, every tensor) from `path` and write them to the cache."""
     from forerun.models import gguf_loader
 
@@ -61,6 +72,7 @@ def _convert(path: Path, dtype: torch.dtype, weights: Path | None, config_file: 
     if weights is not None:
         files.save_tensors(weights, dict(gguf_loader.iter_tensors(reader, cfg, dtype)))
     files.write_json(config_file, {**asdict(cfg), "conversion": _CONVERSION}, indent=1)
+    return cfg
 
 
 def _is_stale(raw: dict) -> bool:
@@ -69,8 +81,13 @@ def _is_stale(raw: dict) -> bool:
 
 def _check_gguf_magic(path: Path) -> None:
     """A cheap first look, before hashing a large file that is not GGUF at all."""
-    with open(path, "rb") as f:
-        head = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as exc:
+        raise ForerunError(
+            f"cannot read {path} ({exc.strerror or exc}): give forerun a GGUF file it can read"
+        ) from None
     if head != b"GGUF":
         raise ForerunError(
             f"{path} is not a GGUF file: it starts with {head!r}, not b'GGUF'. "

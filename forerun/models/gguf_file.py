@@ -31,7 +31,12 @@ _DENSE = {
 
 
 class GGUFFormatError(ValueError):
-    """The file is not a GGUF file this reader understands, or is cut short; the message says where."""
+    """The file is not a GGUF file this reader understands, or is cut short; the message says where,
+    and `remedy` what to do where it is not to download the file again."""
+
+    def __init__(self, message: str, remedy: str | None = None) -> None:
+        super().__init__(message)
+        self.remedy = remedy
 
 
 @dataclass
@@ -68,7 +73,10 @@ class GGUFFile:
             raise GGUFFormatError("it does not start with GGUF")
         version = self._scalar("<I")
         if version not in (2, 3):
-            raise GGUFFormatError(f"GGUF version {version}; forerun reads versions 2 and 3")
+            raise GGUFFormatError(
+                f"GGUF version {version}; forerun reads versions 2 and 3",
+                "write it again with a converter that writes version 3 (llama.cpp's convert_hf_to_gguf.py)",
+            )
         n_tensors, n_fields = self._scalar("<Q"), self._scalar("<Q")
         self.fields: dict[str, Field] = {}
         for _ in range(n_fields):
@@ -79,7 +87,10 @@ class GGUFFile:
             name = self._string()
             dims = [self._scalar("<Q") for _ in range(self._scalar("<I"))]
             infos.append((name, dims, self._scalar("<I"), self._scalar("<Q")))
-        alignment = int(self.fields["general.alignment"].value) if "general.alignment" in self.fields else 32
+        alignment = self.fields["general.alignment"].value if "general.alignment" in self.fields else 32
+        if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+            # Tensors would be read from the wrong offsets: garbage weights, no error (llama.cpp refuses it too).
+            raise GGUFFormatError(f"its general.alignment {alignment} is not a power of two: the file is corrupt")
         start = -(-self._at // alignment) * alignment
         self.tensors: list[Tensor] = [self._tensor(gguf, start, *info) for info in infos]
 

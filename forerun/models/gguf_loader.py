@@ -39,7 +39,7 @@ def open_reader(path: Path):
     try:
         return GGUFFile(path)
     except GGUFFormatError as exc:
-        raise ForerunError(f"{path} is not a readable GGUF file: {exc}; {_REFETCH}") from None
+        raise ForerunError(f"{path} is not a readable GGUF file: {exc}; {exc.remedy or _REFETCH}") from None
     except (OSError, ValueError, UnicodeDecodeError, struct.error) as exc:
         raise ForerunError(
             f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}). "

@@ -108,6 +108,11 @@ def load_model(
             formats.quantize_(decoder, quantization)
     decoder.set_kv_cache_dtype(kv_cache_dtype)
     tokenizer = load_tokenizer(tok_dir, source) if with_tokenizer else None
+    if tokenizer is not None and tokenizer.vocab_size > decoder.cfg.vocab_size:
+        raise ForerunError(
+            f"{spec}'s tokenizer has {tokenizer.vocab_size} tokens, but the model scores only "
+            f"{decoder.cfg.vocab_size}: the tokenizer is not this model's; use the model's own tokenizer files"
+        )
     return LoadedModel(source.name, decoder, tokenizer, source, time.perf_counter() - start)
 
 

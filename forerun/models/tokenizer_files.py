@@ -11,12 +11,23 @@ from forerun.models.source import ModelSource
 from forerun.models.tokenizer import Tokenizer
 
 _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# The files a tokenizer's vocabulary is in (tokenizer_config.json alone has none: transformers then
+# builds an empty tokenizer, and every prompt comes out as no tokens at all).
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 
 
 def convert_gguf_tokenizer(path: Path, tok_dir: Path) -> None:
     """Write the tokenizer held in GGUF file `path` as a tokenizer folder at `tok_dir` (whole or not at all)."""
     from transformers import AutoTokenizer
 
+    from forerun.models.gguf_loader import open_reader
+
+    if "tokenizer.ggml.model" not in open_reader(path).fields:
+        raise ForerunError(
+            f"{path} holds no tokenizer (no tokenizer.ggml.* metadata): use a GGUF file converted with its "
+            "tokenizer, or load it without one (LLM: a LoadedModel from load_model(..., with_tokenizer=False)) "
+            "and give prompts as token ids"
+        )
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
@@ -34,6 +45,11 @@ def load_tokenizer(tok_dir: Path, source: ModelSource) -> Tokenizer:
         declared = json.loads((tok_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError, AttributeError):
         declared = None
+    if not any((tok_dir / name).is_file() for name in VOCABULARY_FILES):
+        raise ForerunError(
+            f"{tok_dir} has no tokenizer files (one of {', '.join(VOCABULARY_FILES)}): copy the model's "
+            f"tokenizer files into it, or load {source.name} without a tokenizer and give prompts as token ids"
+        )
     generic = declared in _GENERIC_TOKENIZER_CLASSES and (tok_dir / "tokenizer.json").is_file()
     try:
         hf = (PreTrainedTokenizerFast if generic else AutoTokenizer).from_pretrained(str(tok_dir))
