@@ -486,7 +486,7 @@ def _choose(lengths: dict[str, int], key: str | None, imbalance: int = 1) -> lis
         return {r.replica_id: lengths[r.replica_id.unique_id] for r in candidates}
 
     router._queue_lengths = queue_lengths
-    args = [Job([1, 2], [SamplingParams()], key)] if key is not None else []
+    args = [Job([[1, 2]], [[SamplingParams()]], key)] if key is not None else []
     pending = PendingRequest.__new__(PendingRequest)
     pending.args = args
     ranks = asyncio.run(router.choose_replicas(list(replicas.values()), pending))

@@ -4,12 +4,12 @@ The same app as `forerun serve` (forerun/serve/app.py: routes, checks, API key, 
 streaming), over a ReplicaBackend instead of a local scheduler. The ingress loads no model: it asks
 a replica for the tokenizer and the model's limits (`Facts`) as it starts.
 
-A request's samples go to a replica as one job through the engine deployment's handle, routed by
-forerun/cluster/router.py; the replica's events are handed to the request as the local scheduler's
-would be. When the replica is lost (killed, its node gone) before any token reached the client, the
-job runs again on another (ATTEMPTS in all; a non-streamed answer is held until complete, so it
-may always run again); a stream that had sent tokens ends with an error event and `[DONE]`, and a
-complete response with a 503 `replica_lost`.
+A request's samples (`n` of each of its prompts) go to a replica as one job through the engine
+deployment's handle, routed by forerun/cluster/router.py; the replica's events are handed to the
+request as the local scheduler's would be. When the replica is lost (killed, its node gone) before
+any token reached the client, the job runs again on another (ATTEMPTS in all; a non-streamed answer
+is held until complete, so it may always run again); a stream that had sent tokens ends with an
+error event and `[DONE]`, and a complete response with a 503 `replica_lost`.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class ReplicaBackend(Backend):
         self._relays: set[asyncio.Task] = set()
 
     async def submit(self, group: list[Request], routing_key: str, whole: bool) -> str | None:
-        job = Job(group[0].prompt_ids, [r.params for r in group], routing_key)
+        job = Job.of(group, routing_key)
         started: asyncio.Future = asyncio.get_running_loop().create_future()
         relay = asyncio.create_task(self._relay(job, group, started, whole))
         self._relays.add(relay)

@@ -7,19 +7,37 @@ Plain records, so Ray pickles them cheaply; the events a job yields are the sche
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from forerun.base.config import SamplingParams
 from forerun.models.tokenizer import Tokenizer
 from forerun.serve.requests import BadRequest
 
+if TYPE_CHECKING:
+    from forerun.serve.scheduler import Request
+
 
 @dataclass
 class Job:
-    """The samples of one prompt, as the ingress hands them to a replica."""
+    """One HTTP request's samples (`n` of each of its prompts: a completions request may batch
+    several), as the ingress hands them to a replica, which takes them all or none."""
 
-    prompt_ids: list[int]
-    params: list[SamplingParams]  # one per sample; the samples after the first share its prefill
+    prompts: list[list[int]]  # each prompt's token ids
+    params: list[list[SamplingParams]]  # per prompt, one per sample; its samples after the first share its prefill
     routing_key: str  # read by the router (forerun/cluster/router.py), not by the replica
+
+    @classmethod
+    def of(cls, group: list[Request], routing_key: str) -> Job:
+        """The job of `group`, in forerun/serve/inflight.new_group's order (each prompt's samples
+        together, its first leading), which the replica's new_group rebuilds index for index."""
+        prompts: list[list[int]] = []
+        params: list[list[SamplingParams]] = []
+        for request in group:
+            if request.like is None:  # a prompt's first sample
+                prompts.append(request.prompt_ids)
+                params.append([])
+            params[-1].append(request.params)
+        return cls(prompts, params, routing_key)
 
 
 @dataclass

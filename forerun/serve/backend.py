@@ -19,7 +19,9 @@ from forerun.serve.scheduler import EngineStopped, QueueFull, Request, Scheduler
 class Backend(ABC):
     @abstractmethod
     async def submit(self, group: list[Request], routing_key: str, whole: bool) -> str | None:
-        """Run `group` (the samples of one prompt); each request's `on_event` gets its events.
+        """Run `group` (one HTTP request's samples: `n` of each of its prompts, as
+        forerun/serve/inflight.new_group orders them), all or none; each request's `on_event` gets
+        its events.
 
         Returns once the group is under way (a remote backend: once its first event arrived), with
         the name of the replica running it (None: this process). BadRequest when refused.

@@ -1,7 +1,8 @@
 """The two generation routes' work: a completions or chat request from its body to its answer.
 
-The body is read and checked, the prompt tokenized (off the event loop: a long prompt takes seconds,
-and every other client would wait), the `n` samples queued as one group, and the answer given as
+The body is read and checked, the prompts tokenized (off the event loop: a long prompt takes seconds,
+and every other client would wait), every prompt checked against the context, the samples (`n` of
+each prompt of a completions batch) queued as one group, all or none, and the answer given as
 one JSON response or as a stream (forerun/serve/stream.py). Anything refused on the way is a 4xx
 or 503 in OpenAI's shape, counted as rejected; a generation the engine fails or a shutdown cuts is
 counted apart (`InFlight.failure`).
@@ -29,7 +30,7 @@ from forerun.serve.requests import (
     scores_prompt_only,
     tokenize,
 )
-from forerun.serve.responses import Reply, echo_text, refused
+from forerun.serve.responses import Reply, echo_texts, refused
 from forerun.serve.scheduler import Failed
 from forerun.serve.state import ServerState
 from forerun.serve.stream import stream
@@ -48,10 +49,10 @@ async def generation(state: ServerState, http: HTTPRequest, chat: bool) -> Respo
         state.check_access(http)
         body = await read_json(http, config.max_body_bytes, config.body_timeout)
         checked = check(body, chat, config.served_model_name, state.limits)
-        prompt_ids = await asyncio.to_thread(tokenize, checked, state.tokenizer)
-        params = sampling(checked, len(prompt_ids), state.limits)
-        run = _in_flight(state, checked, prompt_ids, params)
-        replica = await state.backend.submit(run.requests, routing_key(http, prompt_ids), whole=not checked.stream)
+        prompts = await asyncio.to_thread(tokenize, checked, state.tokenizer)
+        params = sampling(checked, [len(ids) for ids in prompts], state.limits)
+        run = _in_flight(state, checked, prompts, params)
+        replica = await state.backend.submit(run.requests, routing_key(http, prompts[0]), whole=not checked.stream)
         headers = {REPLICA_HEADER: replica} if replica is not None else None
         if checked.stream:
             return StreamingResponse(stream(run), media_type="text/event-stream", headers=headers)
@@ -65,8 +66,8 @@ async def generation(state: ServerState, http: HTTPRequest, chat: bool) -> Respo
 
 def routing_key(http: HTTPRequest, prompt_ids: list[int]) -> str:
     """What places a request among replicas: the client's X-Routing-Key (a session's requests kept
-    together), else the prompt's first ROUTING_PREFIX tokens (a question asked again goes where its
-    answer is remembered)."""
+    together), else the (first) prompt's first ROUTING_PREFIX tokens (a question asked again goes
+    where its answer is remembered)."""
     given = http.headers.get(ROUTING_HEADER)
     if given:
         return given[:256]
@@ -74,12 +75,15 @@ def routing_key(http: HTTPRequest, prompt_ids: list[int]) -> str:
     return hashlib.blake2b(head, digest_size=8).hexdigest()
 
 
-def _in_flight(state: ServerState, checked: Checked, prompt_ids: list[int], params: list[SamplingParams]) -> InFlight:
-    """The request's samples as one group, not yet submitted, with the reply that will answer them."""
+def _in_flight(
+    state: ServerState, checked: Checked, prompts: list[list[int]], params: list[list[SamplingParams]]
+) -> InFlight:
+    """The request's samples (every prompt's) as one group, not yet submitted, with the reply that
+    will answer them."""
     events: asyncio.Queue = asyncio.Queue()
-    group = new_group(prompt_ids, params, events)
-    prompt_text = echo_text(checked, prompt_ids, state.tokenizer)
-    reply = Reply(checked, state.config.served_model_name, prompt_ids, state.tokenizer, prompt_text=prompt_text)
+    group = new_group(prompts, params, events)
+    texts = echo_texts(checked, prompts, state.tokenizer)
+    reply = Reply(checked, state.config.served_model_name, prompts, state.tokenizer, prompt_texts=texts)
     return InFlight(group, events, reply, state.config.spec_stats, scores_prompt_only(checked), state.metrics)
 
 

@@ -1,9 +1,11 @@
 """One generation request's samples in flight: the engine's events gathered into a choice per sample.
 
-The scheduler calls back on its loop thread; each sample's receiver hands its events to the
-request's asyncio queue, tagged with the sample's index, for the route (a complete response) or
-the stream to take in order. Taking an event counts a finished sample in the metrics, so the
-/metrics totals agree with what the answers said.
+A request's samples are one group: `n` of each of its prompts (a completions request may batch
+several), prompt-major, so sample i of prompt p is index p * n + i, its choice's index. The
+scheduler calls back on its loop thread; each sample's receiver hands its events to the request's
+asyncio queue, tagged with the sample's index, for the route (a complete response) or the stream to
+take in order. Taking an event counts a finished sample in the metrics, so the /metrics totals
+agree with what the answers said.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from forerun.serve.responses import Choice, Reply, spec_stats
 from forerun.serve.scheduler import Delta, Event, Failed, Request
 
 
-def new_group(prompt_ids: list[int], params: list[SamplingParams], events: asyncio.Queue) -> list[Request]:
-    """One Request per sample, each putting `(index, event)` on `events` through the running loop;
-    the samples after the first may share its prefill."""
+def new_group(prompts: list[list[int]], params: list[list[SamplingParams]], events: asyncio.Queue) -> list[Request]:
+    """One Request per sample of each prompt (`params[p]`: prompt p's samples), prompt-major, each
+    putting `(index, event)` on `events` through the running loop; a prompt's samples after its
+    first may share that one's prefill."""
     loop = asyncio.get_running_loop()
 
     def receiver(index: int):
@@ -29,13 +32,20 @@ def new_group(prompt_ids: list[int], params: list[SamplingParams], events: async
 
         return on_event
 
-    first = Request(prompt_ids, params[0], receiver(0))
-    return [first] + [Request(prompt_ids, p, receiver(i), like=first) for i, p in enumerate(params[1:], 1)]
+    group: list[Request] = []
+    for prompt_ids, samples in zip(prompts, params, strict=True):
+        first = None
+        for p in samples:
+            request = Request(prompt_ids, p, receiver(len(group)), like=first)
+            group.append(request)
+            first = first or request
+    return group
 
 
 @dataclass
 class InFlight:
-    """One HTTP request's samples in flight: their events and what each choice has so far."""
+    """One HTTP request's samples in flight (every prompt's): their events and what each choice has
+    so far."""
 
     requests: list[Request]
     events: asyncio.Queue  # (sample index, Event), in the order the engine sent them
@@ -46,7 +56,8 @@ class InFlight:
     choices: list[Choice] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.choices = [Choice(i) for i in range(len(self.requests))]
+        n = self.checked.n
+        self.choices = [Choice(i, i // n) for i in range(len(self.requests))]
 
     @property
     def checked(self) -> Checked:

@@ -1,4 +1,4 @@
-"""What a client sends to `forerun serve`: the body read, every field checked, the prompt tokenized.
+"""What a client sends to `forerun serve`: the body read, every field checked, the prompts tokenized.
 
 A request is read and checked before the engine sees it. Anything wrong raises BadRequest (HTTP
 4xx in OpenAI's error shape, naming the field and saying what to send instead): a field of the
@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
@@ -25,6 +27,7 @@ from forerun.base.prompts import in_vocabulary, valid_unicode
 
 MAX_LOGPROBS = 20  # most alternatives a position's logprobs may list
 MAX_N = 16  # most samples one request may ask for
+MAX_PROMPTS = 16  # most prompts one completions request may batch (their samples run as one group)
 MAX_STOP = 64  # most stop strings one request may give
 MAX_STOP_CHARS = 1024  # longest stop string
 CHARS_PER_TOKEN = 16  # a prompt longer than max_model_len x this is refused before tokenizing
@@ -102,6 +105,7 @@ class Limits:
     vocab_size: int  # token ids in a prompt must be below it
     max_body_bytes: int
     max_n: int = MAX_N
+    max_prompts: int = MAX_PROMPTS
 
     @property
     def max_prompt_chars(self) -> int:
@@ -110,10 +114,12 @@ class Limits:
 
 @dataclass
 class Checked:
-    """A request whose fields are all checked; its prompt still to tokenize."""
+    """A request whose fields are all checked; its prompts still to tokenize."""
 
     chat: bool
-    prompt: str | list[int] | list[dict]  # completions text, token ids, or chat turns
+    # Completions: text or token ids, one per prompt of the batch (choice p * n + i is prompt p's
+    # sample i); chat: its turns, one prompt.
+    prompts: list[str | list[int] | list[dict]]
     n: int
     stream: bool
     include_usage: bool
@@ -185,13 +191,13 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
         if logprobs is not None and not flag(body, "logprobs"):
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         name, echo = "top_logprobs", False
-        prompt: str | list[int] | list[dict] = _chat_turns(body, limits)
+        prompts: list[str | list[int] | list[dict]] = [_chat_turns(body, limits)]
     else:
         logprobs, name, echo = integer(body, "logprobs", None), "logprobs", flag(body, "echo")
-        prompt = _completion_prompt(body, limits)
+        prompts = _completion_prompts(body, limits)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise BadRequest(f"{name} must be between 0 and {MAX_LOGPROBS}, got {logprobs}", name)
-    return Checked(chat, prompt, n, stream, include_usage, logprobs, echo, body)
+    return Checked(chat, prompts, n, stream, include_usage, logprobs, echo, body)
 
 
 def _check_ignored(body: dict) -> None:
@@ -245,10 +251,38 @@ def _check_names(body: dict, chat: bool) -> None:
         raise BadRequest(f"unknown field {shown(name)}: this route takes {', '.join(sorted(taken))}", name)
 
 
-def _completion_prompt(body: dict, limits: Limits) -> str | list[int]:
+PROMPT_KINDS = (
+    "prompt must be a string, a list of token ids, or a batch: a list of strings or token-id lists (all of one kind)"
+)
+
+
+def _completion_prompts(body: dict, limits: Limits) -> list[str | list[int]]:
+    """The prompts of a completions request: one (a string, a list of token ids, or a batch of one,
+    as the client libraries send it) or a batch (a list of strings, or of token-id lists, as OpenAI
+    and vLLM take it), every one checked before any runs; a refusal names the prompt of a batch."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # the client libraries' one-prompt batch
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)):
+        return [_one_prompt(prompt, limits)]
+    if not isinstance(prompt, list):
+        raise BadRequest(PROMPT_KINDS, "prompt")
+    if not prompt:
+        raise BadRequest("prompt is empty: give at least one token", "prompt")
+    if not (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        raise BadRequest(PROMPT_KINDS, "prompt")
+    if len(prompt) > limits.max_prompts:
+        raise BadRequest(
+            f"prompt is a batch of {len(prompt)} prompts; send at most {limits.max_prompts} in one request", "prompt"
+        )
+    prompts = []
+    for index, one in enumerate(prompt):
+        with naming_prompt(index, len(prompt)):
+            prompts.append(_one_prompt(one, limits))
+    return prompts
+
+
+def _one_prompt(prompt, limits: Limits) -> str | list[int]:
+    """One prompt of a completions request: text within the characters' cap, or token ids of the
+    vocabulary within the context."""
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("prompt is empty: give at least one character", "prompt")
@@ -265,7 +299,19 @@ def _completion_prompt(body: dict, limits: Limits) -> str | list[int]:
         return ids
     if isinstance(prompt, list) and not prompt:
         raise BadRequest("prompt is empty: give at least one token", "prompt")
-    raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+    raise BadRequest(PROMPT_KINDS, "prompt")
+
+
+@contextmanager
+def naming_prompt(index: int, count: int) -> Iterator[None]:
+    """A refusal of prompt `index` of a batch of `count` names it: "prompt[3]: ..." (a prompt alone
+    keeps its message)."""
+    try:
+        yield
+    except BadRequest as exc:
+        if count == 1:
+            raise
+        raise BadRequest(f"prompt[{index}]: {exc.message}", exc.param, exc.status, exc.kind, exc.code) from None
 
 
 def _chat_turns(body: dict, limits: Limits) -> list[dict]:
@@ -285,8 +331,10 @@ def _chat_turns(body: dict, limits: Limits) -> list[dict]:
     return turns
 
 
-def sampling(checked: Checked, prompt_tokens: int, limits: Limits) -> list[SamplingParams]:
-    """One SamplingParams per choice (seeds seed, seed+1, ... when a seed is given)."""
+def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list[list[SamplingParams]]:
+    """Per prompt (of `prompt_tokens` tokens each), one SamplingParams per choice: the same for every
+    prompt but max_tokens' default (each prompt's room), and with a seed, sample i of every prompt
+    seeded seed + i (as vLLM does)."""
     body = checked.body
     temperature = number(body, "temperature", 1.0)
     if temperature < 0:
@@ -299,7 +347,10 @@ def sampling(checked: Checked, prompt_tokens: int, limits: Limits) -> list[Sampl
         top_k = 0  # vLLM's "off"
     if top_k < 0:
         raise BadRequest(f"top_k must be >= 0 (0 or -1 keep every token), got {top_k}", "top_k")
-    max_tokens, name = _max_tokens(checked, prompt_tokens, limits)
+    max_tokens = []
+    for index, length in enumerate(prompt_tokens):
+        with naming_prompt(index, len(prompt_tokens)):
+            max_tokens.append(_max_tokens(checked, length, limits)[0])
     seed = integer(body, "seed", None)
     if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1] - (checked.n - 1):
         raise BadRequest(f"seed must be in [-2**63, 2**64 - n), got {seed}", "seed")
@@ -307,18 +358,21 @@ def sampling(checked: Checked, prompt_tokens: int, limits: Limits) -> list[Sampl
     prompt_logprobs = checked.logprobs if checked.echo and checked.logprobs is not None else None
     try:
         return [
-            SamplingParams(
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                max_tokens=max_tokens,
-                stop=tuple(stop),
-                seed=None if seed is None else seed + i,
-                ignore_eos=flag(body, "ignore_eos"),
-                logprobs=checked.logprobs,
-                prompt_logprobs=prompt_logprobs,
-            )
-            for i in range(checked.n)
+            [
+                SamplingParams(
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                    max_tokens=most,
+                    stop=tuple(stop),
+                    seed=None if seed is None else seed + i,
+                    ignore_eos=flag(body, "ignore_eos"),
+                    logprobs=checked.logprobs,
+                    prompt_logprobs=prompt_logprobs,
+                )
+                for i in range(checked.n)
+            ]
+            for most in max_tokens
         ]
     except ForerunError as exc:
         raise BadRequest(str(exc), None) from None
@@ -379,15 +433,23 @@ def scores_prompt_only(checked: Checked) -> bool:
     return checked.echo and checked.body.get("max_tokens") == 0
 
 
-def tokenize(checked: Checked, tokenizer) -> list[int]:
-    """The prompt's token ids. Slow for a long prompt: the server runs it on a worker thread."""
-    prompt = checked.prompt
+def tokenize(checked: Checked, tokenizer) -> list[list[int]]:
+    """Each prompt's token ids. Slow for long prompts: the server runs it on a worker thread."""
+    prompts = checked.prompts
+    ids = []
+    for index, prompt in enumerate(prompts):
+        with naming_prompt(index, len(prompts)):
+            ids.append(_tokenize_one(checked.chat, prompt, tokenizer))
+    return ids
+
+
+def _tokenize_one(chat: bool, prompt: str | list[int] | list[dict], tokenizer) -> list[int]:
     if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
         return list(prompt)
     if tokenizer is None:
         raise BadRequest(
             "this model has no tokenizer: send prompt as a list of token ids to /v1/completions",
-            "messages" if checked.chat else "prompt",
+            "messages" if chat else "prompt",
         )
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)

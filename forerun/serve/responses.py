@@ -1,9 +1,11 @@
 """What `forerun serve` answers: OpenAI's response, chunk and error shapes, logprobs, speculation figures.
 
-One `Reply` per HTTP request, one `Choice` per sample (`n`). A streamed choice sends what it has not
-sent yet (text and logprobs) in each chunk; `echo` puts the prompt (and its logprobs) before the
-first. Speculation figures follow vLLM's per-request spec-decode shape, per choice, so tools that
-read vLLM's read these unchanged; summed over every choice they equal the /metrics counters.
+One `Reply` per HTTP request, one `Choice` per sample: `n` of each prompt (a completions request
+may batch several), choice p * n + i being prompt p's sample i, as in vLLM. A streamed choice sends
+what it has not sent yet (text and logprobs) in each chunk; `echo` puts its prompt (and the prompt's
+logprobs) before the first. Usage sums the prompts' tokens and every choice's. Speculation figures
+follow vLLM's per-request spec-decode shape, per choice, so tools that read vLLM's read these
+unchanged; summed over every choice they equal the /metrics counters.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Choice:
     """One sample's text and logprobs so far, and what of them a stream has sent."""
 
     index: int
+    prompt: int = 0  # which prompt of the request's batch it samples
     pieces: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # TokenLogprob per generated token
@@ -54,9 +57,13 @@ class Choice:
 class Reply:
     """OpenAI's response and chunk shapes for one request."""
 
-    def __init__(self, checked: Checked, model: str, prompt_ids: list[int], tokenizer, prompt_text: str) -> None:
+    def __init__(
+        self, checked: Checked, model: str, prompt_ids: list[list[int]], tokenizer, prompt_texts: list[str]
+    ) -> None:
+        """`prompt_ids`: each prompt's tokens; `prompt_texts`: what `echo` puts before each prompt's
+        choices ("" without echo)."""
         self.checked, self.model, self.prompt_ids, self.tokenizer = checked, model, prompt_ids, tokenizer
-        self.prompt_text = prompt_text
+        self.prompt_texts = prompt_texts
         self.chat = checked.chat
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -77,7 +84,7 @@ class Reply:
             else:
                 entry = {
                     "index": choice.index,
-                    "text": self.prompt_text + text,
+                    "text": self.prompt_texts[choice.prompt] + text,
                     "logprobs": self._completion_logprobs(choice, self._echo_entries(choice) + choice.logprobs),
                 }
             entry["finish_reason"] = choice.reason
@@ -106,7 +113,7 @@ class Reply:
         entries = choice.logprobs[choice.sent_logprobs :]
         prefix_text, prefix_entries = "", []
         if not choice.echoed and (text or entries or choice.output is not None):
-            prefix_text, prefix_entries = self.prompt_text, self._echo_entries(choice)
+            prefix_text, prefix_entries = self.prompt_texts[choice.prompt], self._echo_entries(choice)
             choice.echoed = True
         choice.sent_pieces, choice.sent_logprobs = len(choice.pieces), len(choice.logprobs)
         if not (text or entries or prefix_text or choice.output is not None):
@@ -134,9 +141,11 @@ class Reply:
     # --- pieces --------------------------------------------------------------------------------
 
     def usage(self, choices: list[Choice]) -> dict:
+        """Every prompt's tokens once (its samples share them) and every choice's generated tokens."""
         n = sum(len(c.token_ids) for c in choices)
-        prompt = len(self.prompt_ids)
-        cached = choices[0].output.num_cached_tokens if choices and choices[0].output is not None else 0
+        prompt = sum(len(ids) for ids in self.prompt_ids)
+        firsts = choices[:: self.checked.n]  # each prompt's first sample, which ran its prefill
+        cached = sum(c.output.num_cached_tokens for c in firsts if c.output is not None)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": n,
@@ -158,7 +167,7 @@ class Reply:
         """The prompt's logprob entries, echo with logprobs only ([None] * len first when missing)."""
         if not self.checked.echo or self.checked.logprobs is None:
             return []
-        return list(choice.prompt_logprobs or [None] * len(self.prompt_ids))
+        return list(choice.prompt_logprobs or [None] * len(self.prompt_ids[choice.prompt]))
 
     def _completion_logprobs(self, choice: Choice, entries: list) -> dict | None:
         """The completions shape: tokens, token_logprobs, top_logprobs and text offsets."""
@@ -168,7 +177,8 @@ class Reply:
         offset = choice.text_offset
         for i, entry in enumerate(entries):
             if entry is None:  # the prompt's first token: nothing before it
-                token = self.tokenizer.piece(self.prompt_ids[i]) if self.tokenizer is not None else ""
+                prompt_ids = self.prompt_ids[choice.prompt]
+                token = self.tokenizer.piece(prompt_ids[i]) if self.tokenizer is not None else ""
                 tokens.append(token)
                 token_logprobs.append(None)
                 top.append(None)
@@ -200,13 +210,14 @@ class Reply:
         return self.tokenizer.piece(token_id) if self.tokenizer is not None else f"<{token_id}>"
 
 
-def echo_text(checked: Checked, prompt_ids: list[int], tokenizer) -> str:
-    """What `echo` puts before the completion: the prompt as sent (token ids decoded)."""
+def echo_texts(checked: Checked, prompt_ids: list[list[int]], tokenizer) -> list[str]:
+    """What `echo` puts before each prompt's completions: the prompt as sent (token ids decoded)."""
     if not checked.echo:
-        return ""
-    if isinstance(checked.prompt, str):
-        return checked.prompt
-    return tokenizer.decode(prompt_ids) if tokenizer is not None else ""
+        return [""] * len(prompt_ids)
+    return [
+        prompt if isinstance(prompt, str) else tokenizer.decode(ids) if tokenizer is not None else ""
+        for prompt, ids in zip(checked.prompts, prompt_ids)
+    ]
 
 
 def error_body(exc: BadRequest) -> dict:

@@ -27,8 +27,9 @@ waiting end at once with a "shutdown" failure (a client may send them elsewhere)
 go on until they finish or the grace period ends, when each left is cut with a "shutdown" failure
 (named in `cut`); then the loop returns.
 
-A request of a group (the `n` samples of one prompt) names the group's first request in `like`:
-started while that one still prefills, it copies its prefill once done instead of running its own.
+A group is one HTTP request's samples: `n` of each of its prompts (a completions request may batch
+several), queued all or none. A sample after its prompt's first names that one in `like`: started
+while that one still prefills, it copies its prefill once done instead of running its own.
 """
 
 from __future__ import annotations
@@ -192,15 +193,16 @@ class Scheduler:
         self.submit_group([request])
 
     def submit_group(self, requests: list[Request]) -> None:
-        """Queue `requests` side by side (the samples of one prompt, admitted together where lanes
-        are open); all or none: QueueFull when more than max_waiting would wait beyond the open
-        lanes, TooManySamples when they outnumber the lanes and max_waiting together."""
+        """Queue `requests` side by side (one HTTP request's samples, of each of its prompts,
+        admitted together where lanes are open); all or none: QueueFull when more than max_waiting
+        would wait beyond the open lanes, TooManySamples when they outnumber the lanes and
+        max_waiting together."""
         for request in requests:
             self.batch.check_fits(request.prompt_ids, request.params)  # a clear error before queueing
         if len(requests) > self.batch.max_seqs + self.max_waiting:
             raise TooManySamples(
-                f"{len(requests)} samples could never be taken: this server runs {self.batch.max_seqs} "
-                f"requests at once and lets {self.max_waiting} wait; ask for fewer"
+                f"{len(requests)} samples (n of each prompt) could never be taken: this server runs "
+                f"{self.batch.max_seqs} requests at once and lets {self.max_waiting} wait; ask for fewer"
             )
         with self._cond:
             if self.draining:

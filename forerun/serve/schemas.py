@@ -7,14 +7,14 @@ only point the schema here (`request_body`).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
 from forerun.base.config import SEED_RANGE
-from forerun.serve.requests import MAX_LOGPROBS, MAX_N
+from forerun.serve.requests import MAX_LOGPROBS, MAX_N, MAX_PROMPTS
 
 
 class _Request(BaseModel):
@@ -34,7 +34,12 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] = Field(description="text, or token ids")
+    prompt: (
+        str
+        | list[int]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    ) = Field(description="text, or token ids; or a batch of either (choice p * n + i: prompt p's sample i)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives listed per token")
     echo: bool | None = Field(None, description="the prompt leads the text (max_tokens 0: the prompt alone)")
 
