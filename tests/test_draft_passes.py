@@ -160,9 +160,9 @@ def test_shared_draft_forwards_let_a_batch_draft_where_one_after_another_would_n
     def flat(rows: int) -> float:  # the target: rows free up to 16
         return 0.1 * max(1, rows / 16)
 
-    one_after_another = [(0.8, 0.05, 1.0)] * 4
+    one_after_another = [(0.8, 0.05, 1.0, 0.0)] * 4
     assert batch_draft_length(one_after_another, flat, 4) == 0
-    shared = [(0.8, 0.0, 1.0)] * 4
+    shared = [(0.8, 0.0, 1.0, 0.0)] * 4
     assert batch_draft_length(shared, flat, 4, draft_pass=0.05) >= 2
     assert batch_draft_length(shared, flat, 4, draft_pass=0.5) == 0  # a dear shared forward: none
 
