@@ -4,16 +4,21 @@ speculation stays exact under them (greedy token for token, sampled in distribut
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from forerun import drafters
+from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
+from forerun.cli import main
 from forerun.engine.batch import BatchEngine
 from forerun.engine.engine import Engine
 from forerun.models.load import LoadedModel
-from forerun.models.testing import tiny_model
+from forerun.models.testing import save_hf_folder, tiny_model
 from forerun.verification.sampling import adjusted, probabilities
 from forerun.verification.tree import DraftTree
 from forerun.verification.verify import Past, verify
@@ -23,6 +28,7 @@ from tests.test_drafters_common import (
     ONE_EACH_SAMPLING,
     RUNS,
     SETTINGS,
+    _cli,
     keep_every_draft_always,
     self_prompt,
     setting_id,
@@ -190,3 +196,51 @@ def test_batched_requests_with_their_own_adjustments_equal_each_run_alone(target
         return Engine(target4, drafters.create("ngram", target4, {}), 3)
 
     assert run_batched(BatchEngine(new_engine, 4), requests) == alone
+
+
+# --- the command line ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hf_folder(tiny_model(seed=0, num_layers=3), tmp_path_factory.mktemp("adjust") / "tiny")
+
+
+def test_generate_takes_the_adjustments_and_writes_what_the_api_writes(folder) -> None:
+    flags = ["--presence-penalty", "0.5", "--frequency-penalty", "0.2", "--repetition-penalty", "1.2"]
+    flags += ["--min-p", "0.05", "--logit-bias", "7=-100", "9=2.5"]
+    argv = ["generate", "--model", str(folder), "--dtype", "float32", "--prompt", "abcabcabc", "--max-tokens", "16"]
+    (line,) = _cli([*argv, "--ignore-eos", "--json", *flags, "--speculative-method", "ngram"])
+    params = SamplingParams(
+        max_tokens=16,
+        ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=0.2,
+        repetition_penalty=1.2,
+        min_p=0.05,
+        logit_bias={7: -100.0, 9: 2.5},
+    )
+    want = LLM(str(folder), dtype="float32").generate("abcabcabc", params)[0]
+    assert json.loads(line)["token_ids"] == want.token_ids and 7 not in want.token_ids
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--logit-bias", "x=1"], "is not ID=BIAS"),
+        (["--presence-penalty", "3"], "presence_penalty must be a number in"),
+        (["--logit-bias", "5=200"], "logit_bias values must be numbers in"),
+    ],
+)
+def test_generate_names_a_bad_adjustment(folder, argv, message, capsys) -> None:
+    try:
+        code = main(["generate", "--model", str(folder), "--dtype", "float32", "--prompt", "abc", *argv])
+    except SystemExit as exc:  # argparse's refusal of a flag's value
+        code = exc.code
+    assert code != 0 and message in capsys.readouterr().err
+
+
+def test_bench_refuses_adjustments_its_peers_would_not_be_sent(folder, capsys) -> None:
+    argv = ["bench", "--model", str(folder), "--peers", "llama-plain", "--presence-penalty", "0.5"]
+    assert main(argv) != 0
+    assert "the peers are sent temperature, top-k and top-p only" in capsys.readouterr().err

@@ -241,3 +241,24 @@ def test_without_the_flag_responses_carry_no_figures(target_tok) -> None:
         assert "speculative_decoding_stats" not in out and "speculative_decoding_stats" not in out["choices"][0]
     finally:
         served.stop()
+
+
+# --- logit bias and penalties ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fixture", ["plain", "speculative"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_logit_bias_and_penalties_write_what_the_engine_writes_with_them(request, fixture, temperature) -> None:
+    served = request.getfixturevalue(fixture)
+    banned = alone(served.llm, "abc", max_tokens=12).token_ids[1]  # the greedy answer's second token
+    fields = {"presence_penalty": 0.4, "frequency_penalty": 0.3, "repetition_penalty": 1.2, "min_p": 0.05}
+    body = {"model": NAME, "prompt": "abc", "max_tokens": 12, "temperature": temperature, "seed": 5}
+    out = post(served, {**body, **fields, "logit_bias": {str(banned): -100}})
+    text = out["choices"][0]["text"]
+    want = alone(served.llm, "abc", max_tokens=12, temperature=temperature, seed=5, logit_bias={banned: -100}, **fields)
+    assert text == want.text and banned not in want.token_ids
+    assert text != alone(served.llm, "abc", max_tokens=12, temperature=temperature, seed=5).text  # they matter
+    streamed = "".join(
+        c["choices"][0]["text"] for c in stream(served, {**body, **fields, "logit_bias": {banned: -100}})
+    )
+    assert streamed == text

@@ -60,11 +60,19 @@ CLIENT_MISTAKES = [
     ({"prompt": [2**64]}, "prompt"),
     ({"prompt": "x\udfff"}, "prompt"),
     ({"stop": ["\ud800"]}, "stop"),
-    ({"logit_bias": {"5": 1}}, "logit_bias"),
+    ({"logit_bias": {"1000000": 1}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"logit_bias": [5]}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": "x"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_tokens": 3}, "min_tokens"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"best_of": 3}, "best_of"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"tempreature": 0.5}, "tempreature"),  # a typo is named, not ignored
     ({"\udfff": 1}, "\\udfff"),  # a field's name with a lone surrogate: named, escaped
     ({"messages": [{"role": "user", "content": "a"}]}, "messages"),  # the chat route's field

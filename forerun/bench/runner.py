@@ -412,6 +412,18 @@ def _settings_lines(cfg: BenchConfig, cases: list[Case], contenders: list[Conten
     sampling = (
         "greedy (temperature 0)" if s.greedy else f"temperature {s.temperature}, top-p {s.top_p}, top-k {s.top_k}"
     )
+    adjustments = [
+        f"{name} {value}"
+        for name, value, off in (
+            ("min-p", s.min_p, 0),
+            ("presence penalty", s.presence_penalty, 0),
+            ("frequency penalty", s.frequency_penalty, 0),
+            ("repetition penalty", s.repetition_penalty, 1),
+            ("logit bias", dict(s.logit_bias), {}),
+        )
+        if value != off
+    ]
+    sampling = ", ".join([sampling, *adjustments])
     rounds = [("rounds", f"{cfg.rounds}: every run on a prompt repeated back to back; per-prompt medians")]
     llms = [c.llm for c in contenders if getattr(c, "llm", None) is not None]
     kv_cache = [("KV cache", str(llms[0].target.decoder.cache_dtype).removeprefix("torch."))] if llms else []

@@ -165,6 +165,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.speculative_method:
         raise ForerunError("forerun bench takes --methods (comma-separated), not --speculative-method")
+    sampling = sampling_from_args(args)
+    if args.peers and (sampling.adjusts or sampling.min_p):
+        raise ForerunError(
+            "the peers are sent temperature, top-k and top-p only: leave out --logit-bias, the penalties and "
+            "--min-p, or --peers"
+        )
     heads = heads_by_kind(args.speculative_head)
     methods = list(dict.fromkeys(args.methods or default_methods(valid_methods(), args.speculative_model, heads)))
     if "plain" not in methods:
@@ -189,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         dataset=args.dataset,
         categories=args.categories,
         limit_per_category=args.limit_per_category,
-        sampling=sampling_from_args(args),
+        sampling=sampling,
         ks=args.sweep_k or [args.num_speculative_tokens],
         k_policy=args.speculative_k_policy,
         peers=args.peers,

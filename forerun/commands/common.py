@@ -250,6 +250,26 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", nargs="+", default=[], help="stop strings")
     g.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens regardless of stop tokens")
+    g.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens below this share of the likeliest's probability"
+    )
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]: less of every token generated")
+    g.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="in [-2, 2]: less per time a token was generated"
+    )
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0: a seen token's logit divided by it")
+    g.add_argument(
+        "--logit-bias", nargs="+", default=[], type=_bias, metavar="ID=BIAS", help="add BIAS in [-100, 100] to token ID"
+    )
+
+
+def _bias(text: str) -> tuple[int, float]:
+    """--logit-bias's ID=BIAS."""
+    token, _, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ID=BIAS (a token id and a number, e.g. 15043=-5)") from None
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -261,4 +281,9 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         stop=tuple(args.stop),
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logit_bias=dict(args.logit_bias),
     )

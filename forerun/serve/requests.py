@@ -50,17 +50,17 @@ _COMMON = {
     "store",
     "metadata",
     "service_tier",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
 }
 _COMPLETIONS = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls"}
 # Fields of OpenAI's or vLLM's API that forerun cannot honour, with the values that ask for nothing.
 _NEUTRAL: dict[str, tuple] = {
     "best_of": (None, 1),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "min_p": (None, 0),
     "min_tokens": (None, 0),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -355,6 +355,7 @@ def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list
     if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1] - (checked.n - 1):
         raise BadRequest(f"seed must be in [-2**63, 2**64 - n), got {seed}", "seed")
     stop = _stop_strings(body.get("stop"))
+    adjustments = _adjustments(body, limits.vocab_size)
     prompt_logprobs = checked.logprobs if checked.echo and checked.logprobs is not None else None
     try:
         return [
@@ -369,6 +370,7 @@ def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list
                     ignore_eos=flag(body, "ignore_eos"),
                     logprobs=checked.logprobs,
                     prompt_logprobs=prompt_logprobs,
+                    **adjustments,
                 )
                 for i in range(checked.n)
             ]
@@ -376,6 +378,43 @@ def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list
         ]
     except ForerunError as exc:
         raise BadRequest(str(exc), None) from None
+
+
+def _adjustments(body: dict, vocab_size: int) -> dict:
+    """logit_bias (token ids as strings or numbers, to a bias in [-100, 100]), the presence and
+    frequency penalties (in [-2, 2]), repetition_penalty (> 0) and min_p (in [0, 1]), as
+    SamplingParams' fields; each named when wrong."""
+    fields = {}
+    for name, low, high in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("min_p", 0, 1)):
+        fields[name] = number(body, name, 0.0)
+        if not low <= fields[name] <= high:
+            raise BadRequest(f"{name} must be in [{low}, {high}], got {fields[name]}", name)
+    fields["repetition_penalty"] = number(body, "repetition_penalty", 1.0)
+    if fields["repetition_penalty"] <= 0:
+        raise BadRequest(
+            f"repetition_penalty must be > 0 (1 is off), got {fields['repetition_penalty']}", "repetition_penalty"
+        )
+    bias = body.get("logit_bias")
+    if bias is None:
+        return fields
+    if not isinstance(bias, dict):
+        raise BadRequest('logit_bias must be an object of token id to bias, such as {"50256": -100}', "logit_bias")
+    fields["logit_bias"] = {}
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdigit() else None  # JSON's keys are strings
+        if token is None or token >= vocab_size:
+            raise BadRequest(
+                f"logit_bias key {shown(key)} is no token id of this model (whole numbers below {vocab_size})",
+                "logit_bias",
+            )
+        try:
+            value = number(bias, key, 0.0)
+        except BadRequest:
+            value = None
+        if value is None or not -100 <= value <= 100:
+            raise BadRequest(f"logit_bias values must be numbers in [-100, 100], got {shown(bias[key])}", "logit_bias")
+        fields["logit_bias"][token] = value
+    return fields
 
 
 def _stop_strings(stop) -> tuple[str, ...]:

@@ -31,6 +31,11 @@ class _Request(BaseModel):
     stream_options: dict | None = Field(None, description='{"include_usage": true}')
     ignore_eos: bool | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) to a bias in [-100, 100]")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_p: float | None = Field(None, ge=0, le=1)
 
 
 class CompletionRequest(_Request):
