@@ -7,17 +7,20 @@ the target likes tokens the draft cannot propose.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
+from forerun import drafters
 from forerun.base.config import SamplingParams
+from forerun.base.errors import ForerunError
 from forerun.drafters import draft_vocab
 from forerun.drafters.draft_model import DraftModelDrafter
 from forerun.engine.engine import Engine
 from forerun.models.load import LoadedModel
-from forerun.models.testing import tiny_model
+from forerun.models.testing import TINY_VOCAB, tiny_decoder, tiny_model
 from forerun.models.w8a8 import quantize_decoder_
 from tests.conftest import perturbed
 from tests.test_drafters_common import (
@@ -150,3 +153,58 @@ def test_greedy_output_with_a_reduced_draft_vocabulary_equals_plain(quantize, mo
     assert out.token_ids == plain
     assert 0 < out.metrics.num_accepted_tokens < out.metrics.num_draft_tokens
     assert set(plain) - set(ids), "some of the target's tokens lie outside the draft vocabulary"
+
+
+# --- heads of different sizes (a family pads its vocabulary differently by size) --------------------
+
+
+def padded(model: LoadedModel, rows: int, name: str) -> LoadedModel:
+    """`model` with its embedding and head grown to `rows` rows: the first as they were, the rest
+    padding rows no tokenizer token names, as a larger sibling's head has (random embeddings, zero
+    head rows: a logit of 0, below the likeliest real token's)."""
+    decoder = tiny_decoder(dataclasses.replace(model.decoder.cfg, vocab_size=rows), seed=7)
+    state = decoder.state_dict()
+    state["lm_head.weight"].zero_()
+    for key, value in model.decoder.state_dict().items():
+        state[key][: value.shape[0]] = value
+    decoder.load_state_dict(state)
+    return LoadedModel(name, decoder, model.tokenizer, model.source)
+
+
+@pytest.mark.filterwarnings("ignore:draft draft is larger than target")  # its padding rows make it so here
+@pytest.mark.parametrize("larger", ["target", "draft"])
+@pytest.mark.parametrize("method", ["draft", "auto"])
+def test_a_draft_whose_head_has_other_rows_drafts_and_greedy_output_is_plain(tokenizer, larger, method) -> None:
+    target = tiny_model(seed=2, tokenizer=tokenizer, name="target", num_layers=4)
+    draft = perturbed(tiny_model(seed=2, tokenizer=tokenizer, name="draft", num_layers=4), 0.1)
+    if larger == "target":
+        target = padded(target, TINY_VOCAB + 13, "target")
+    else:
+        draft = padded(draft, TINY_VOCAB + 13, "draft")
+    prompt = self_prompt(target, 1, 30)
+    params = SamplingParams(max_tokens=32)
+    plain = Engine(target).generate(prompt, params).token_ids
+    drafter = drafters.create(
+        method, target, {"model": draft, "long_match": 3} if method == "auto" else {"model": draft}
+    )
+    out = Engine(target, drafter, 3).generate(prompt, params)
+    assert out.token_ids == plain
+    assert out.metrics.num_accepted_tokens > 0
+    sampled = SamplingParams(max_tokens=32, temperature=1.0, seed=3, ignore_eos=True)
+    assert len(Engine(target, drafter, 3).generate(prompt, sampled).token_ids) == 32
+
+
+def test_a_token_only_the_targets_larger_head_has_leaves_the_draft_model_out_not_failing(tokenizer) -> None:
+    target = padded(tiny_model(seed=2, tokenizer=tokenizer, name="target", num_layers=4), TINY_VOCAB + 13, "target")
+    draft = perturbed(tiny_model(seed=2, tokenizer=tokenizer, name="draft", num_layers=4), 0.1)
+    prompt = self_prompt(target, 1, 30) + [TINY_VOCAB + 5]  # a padding row's id, as a client may send
+    params = SamplingParams(max_tokens=16)
+    out = Engine(target, DraftModelDrafter(target, draft), 3).generate(prompt, params)
+    assert out.token_ids == Engine(target).generate(prompt, params).token_ids
+    assert out.metrics.num_drafts == 0  # the draft model cannot read that token
+
+
+def test_heads_of_other_sizes_without_tokenizers_to_compare_are_refused() -> None:
+    target = padded(tiny_model(seed=2, name="target"), TINY_VOCAB + 13, "target")
+    with pytest.raises(ForerunError, match="without both tokenizers forerun cannot tell whether their tokens agree"):
+        DraftModelDrafter(target, tiny_model(seed=3, name="draft"))

@@ -144,6 +144,8 @@ class DraftModelDrafter(Drafter):
         """`propose` as draft forwards yielded one by one (passes.py: a batch runs several
         sequences' forwards as one)."""
         pending = self._roll_back(context)
+        if max(pending) >= self.model.decoder.cfg.vocab_size:
+            return None  # a token only the target's larger head has (one of its padding rows): no draft
         # The root is read on every proposal; only what lies before it is catch-up.
         admitted, self.admitted = self.admitted, False
         if len(pending) - 1 > CATCH_UP_UNASKED and not admitted and not self._pays(len(pending) - 1, context, params):

@@ -11,7 +11,7 @@ from torch import nn
 
 from forerun.base.errors import ForerunError
 from forerun.drafters.draft_vocab import draft_vocabulary, reduced_head
-from forerun.drafters.vocabulary import check_same_vocabulary
+from forerun.drafters.vocabulary import check_same_vocabulary, shared_rows
 from forerun.models.decoder import Decoder
 from forerun.models.load import LoadedModel
 from forerun.policy.pass_costs import PassCosts
@@ -48,7 +48,12 @@ def draft_setup(target: LoadedModel, draft: LoadedModel, draft_vocab: int | None
         setups = by_target[target.decoder] = {}
     if draft_vocab not in setups:
         vocab = draft_vocabulary(target, draft_vocab) if draft_vocab else None  # [N] token ids
-        # The draft model keeps its full head; drafters with a reduced vocabulary score with its rows.
-        head = reduced_head(draft.decoder.lm_head, vocab) if vocab is not None else None
+        shared = shared_rows(target, draft)  # heads of different sizes: the rows both have
+        if shared is not None:
+            vocab = shared if vocab is None else vocab[vocab < len(shared)]
+        # The draft model keeps its full head; drafters with a reduced vocabulary score with its rows
+        # (its own head where those are all its rows).
+        whole = vocab is shared and shared is not None and len(shared) == draft.decoder.cfg.vocab_size
+        head = reduced_head(draft.decoder.lm_head, vocab) if vocab is not None and not whole else None
         setups[draft_vocab] = DraftSetup(vocab, head)
     return setups[draft_vocab]

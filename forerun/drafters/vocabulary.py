@@ -11,16 +11,33 @@ from forerun.models.tokenizer import Tokenizer
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
-    """Draft and target must agree token for token; say exactly where they differ."""
+    """Draft and target must agree token for token; say exactly where they differ. Their heads may
+    have different numbers of rows (a family's sizes pad the vocabulary differently: Qwen2.5's 0.5B
+    has 151,936 rows, its 7B 152,064) where both tokenizers are there to show that every token is
+    the same; the draft then scores the rows both have (`shared_rows`)."""
     t_rows, d_rows = target.decoder.cfg.vocab_size, draft.decoder.cfg.vocab_size
-    if t_rows != d_rows:
+    tokenizers = target.tokenizer is not None and draft.tokenizer is not None
+    if t_rows != d_rows and not tokenizers:
         raise ForerunError(
-            f"draft {draft.name} has {d_rows} vocabulary rows, target {target.name} has {t_rows}; "
-            "speculation needs the same tokenizer: pick a draft of the same model family"
+            f"draft {draft.name} has {d_rows} vocabulary rows, target {target.name} has {t_rows}, and without "
+            "both tokenizers forerun cannot tell whether their tokens agree: load both with their tokenizers, "
+            "or pick a draft of the same size of vocabulary"
         )
-    if target.tokenizer is None or draft.tokenizer is None:
+    if not tokenizers:
         return
     _compare_tokenizers(target.tokenizer, draft.tokenizer, target.name, draft.name)
+    tokens = max(target.tokenizer.vocabulary(), default=-1) + 1
+    if tokens > min(t_rows, d_rows):
+        raise ForerunError(
+            f"the tokenizer has {tokens} tokens, more than the {min(t_rows, d_rows)} vocabulary rows of "
+            f"{draft.name if d_rows < t_rows else target.name}: pick a draft of the same model family"
+        )
+
+
+def shared_rows(target: LoadedModel, draft: LoadedModel) -> torch.Tensor | None:
+    """Token ids [N] of the rows both heads have, where their row counts differ (None: they agree)."""
+    t_rows, d_rows = target.decoder.cfg.vocab_size, draft.decoder.cfg.vocab_size
+    return torch.arange(min(t_rows, d_rows)) if t_rows != d_rows else None
 
 
 def _compare_tokenizers(t: Tokenizer, d: Tokenizer, t_name: str, d_name: str) -> None:
