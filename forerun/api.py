@@ -193,13 +193,32 @@ class LLM:
         return [self._run(p, params) for p in prompts]
 
     def chat(
-        self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[GenerationResult]:
-        """One conversation (a list of {"role", "content"}) or a list of them."""
+        """One conversation (a list of {"role", "content"}) or a list of them; as in vLLM, the
+        assistant's turn is opened, or with `continue_final_message` (and `add_generation_prompt`
+        False) the last, assistant's message is left open for the answer to go on."""
         if not isinstance(messages, (list, tuple)) or not all(isinstance(c, (list, tuple, dict)) for c in messages):
             raise ForerunError('messages are a list of {"role", "content"} objects, or a list of such lists')
+        if continue_final_message and add_generation_prompt:
+            raise ForerunError("continue_final_message continues the last message: pass add_generation_prompt=False")
+        if self.tokenizer is None:
+            raise ForerunError("this model has no tokenizer (and no chat template): pass token ids to generate")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return [self._run(chat_turns(c), params or SamplingParams()) for c in conversations]
+        results = []
+        for conversation in conversations:
+            turns = chat_turns(conversation)
+            if continue_final_message and turns[-1]["role"] != "assistant":
+                raise ForerunError(
+                    f"continue_final_message needs the assistant's message last, not {turns[-1]['role']!r}"
+                )
+            ids = self.tokenizer.apply_chat(turns, add_generation_prompt, continue_final_message)
+            results.append(self._run(turns, params or SamplingParams(), ids))
+        return results
 
     def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None) -> Iterator[str]:
         """Text pieces as they become final; the finished result is then in `last_result`."""
@@ -211,9 +230,10 @@ class LLM:
                 yield step.text
         self.last_result = self._result(prompt, ids, done[0])
 
-    def _run(self, prompt, params: SamplingParams) -> GenerationResult:
+    def _run(self, prompt, params: SamplingParams, ids: list[int] | None = None) -> GenerationResult:
+        """`prompt` generated from (`ids`: its tokens, where the caller made them)."""
         _check_params(params)
-        ids = self._prompt_ids(prompt)
+        ids = self._prompt_ids(prompt) if ids is None else ids
         self.last_result = self._result(prompt, ids, self.engine.generate(ids, params))
         return self.last_result
 

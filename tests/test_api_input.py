@@ -63,6 +63,20 @@ def test_chat_checks_its_messages_and_joins_text_parts(llm: LLM) -> None:
     assert joined.token_ids == plain.token_ids and joined.prompt_token_ids == plain.prompt_token_ids
 
 
+def test_chat_continues_the_assistants_last_message_as_vllm_does(llm: LLM) -> None:
+    turns = [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "xy"}]
+    out = llm.chat(turns, PARAMS, add_generation_prompt=False, continue_final_message=True)[0]
+    ids = llm.tokenizer.apply_chat(turns, False, True)
+    assert out.prompt_token_ids == ids and llm.tokenizer.decode(ids).endswith("xy")
+    assert out.token_ids == llm.generate(ids, PARAMS)[0].token_ids
+    closed = llm.chat(turns, PARAMS, add_generation_prompt=False)[0]
+    assert closed.prompt_token_ids == llm.tokenizer.apply_chat(turns, False) != ids
+    with pytest.raises(ForerunError, match="pass add_generation_prompt=False"):
+        llm.chat(turns, PARAMS, continue_final_message=True)
+    with pytest.raises(ForerunError, match="needs the assistant's message last"):
+        llm.chat(turns[:1], PARAMS, add_generation_prompt=False, continue_final_message=True)
+
+
 def test_params_that_are_not_sampling_params_are_named(llm: LLM) -> None:
     for call in (lambda: llm.generate("hi", {"max_tokens": 3}), lambda: list(llm.stream("hi", 3))):
         with pytest.raises(ForerunError, match="params must be a SamplingParams"):

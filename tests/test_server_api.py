@@ -262,3 +262,40 @@ def test_a_logit_bias_and_penalties_write_what_the_engine_writes_with_them(reque
         c["choices"][0]["text"] for c in stream(served, {**body, **fields, "logit_bias": {banned: -100}})
     )
     assert streamed == text
+
+
+# --- the chat template's options -------------------------------------------------------------------
+
+
+def test_chat_can_leave_the_assistants_turn_closed_or_continue_its_last_message(plain) -> None:
+    tok = plain.llm.tokenizer
+    body = {"model": NAME, "max_tokens": 8, "temperature": 0}
+    turns = [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "xy"}]
+    for fields, ids in (
+        ({}, tok.apply_chat(turns)),
+        ({"add_generation_prompt": False}, tok.apply_chat(turns, False)),
+        ({"add_generation_prompt": False, "continue_final_message": True}, tok.apply_chat(turns, False, True)),
+    ):
+        out = post(plain, {**body, **fields, "messages": turns}, "/v1/chat/completions")
+        want = Engine(plain.llm.target).generate(ids, SamplingParams(max_tokens=8))
+        assert out["usage"]["prompt_tokens"] == len(ids)
+        assert out["choices"][0]["message"]["content"] == tok.decode(want.token_ids)
+    opened, closed, continued = tok.apply_chat(turns), tok.apply_chat(turns, False), tok.apply_chat(turns, False, True)
+    assert len(continued) < len(closed) < len(opened)  # the turn's end left off; the assistant's opening left off
+    assert tok.decode(continued).endswith("xy") and closed[: len(continued)] == continued
+
+
+@pytest.mark.parametrize(
+    "fields, last",
+    [
+        ({"continue_final_message": True}, "assistant"),  # the assistant's turn would be opened too
+        ({"add_generation_prompt": False, "continue_final_message": True}, "user"),
+        ({"add_generation_prompt": "no"}, "assistant"),
+    ],
+)
+def test_chat_template_options_that_do_not_fit_are_400s(plain, fields, last) -> None:
+    turns = [{"role": "user", "content": "abc"}] + ([{"role": "assistant", "content": "x"}] if last != "user" else [])
+    body = {"model": NAME, "max_tokens": 4, "messages": turns, **fields}
+    r = httpx.post(plain.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] in fields

@@ -53,10 +53,19 @@ class Tokenizer:
             text = self._pieces[token_id] = self.hf.decode([token_id], skip_special_tokens=False)
         return text
 
-    def apply_chat(self, messages: list[dict]) -> list[int]:
+    def apply_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final: bool = False
+    ) -> list[int]:
+        """The chat template's tokens for `messages`, opening the assistant's turn (`add_generation_prompt`)
+        or, with `continue_final`, leaving the last (assistant) message open for the answer to continue."""
         if not getattr(self.hf, "chat_template", None):
             raise ForerunError("this model has no chat template; pass a plain prompt instead of messages (drop --chat)")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.hf.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final,
+        )
         text = valid_unicode(text, "the chat prompt (the messages in the chat template)")
         return list(self.hf.encode(text, add_special_tokens=False))
 

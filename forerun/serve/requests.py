@@ -57,7 +57,14 @@ _COMMON = {
     "min_p",
 }
 _COMPLETIONS = _COMMON | {"prompt", "echo"}
-_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls"}
+_CHAT = _COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "parallel_tool_calls",
+    "add_generation_prompt",
+    "continue_final_message",
+}
 # Fields of OpenAI's or vLLM's API that forerun cannot honour, with the values that ask for nothing.
 _NEUTRAL: dict[str, tuple] = {
     "best_of": (None, 1),
@@ -192,12 +199,32 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
         name, echo = "top_logprobs", False
         prompts: list[str | list[int] | list[dict]] = [_chat_turns(body, limits)]
+        _template_options(body, prompts[0])
     else:
         logprobs, name, echo = integer(body, "logprobs", None), "logprobs", flag(body, "echo")
         prompts = _completion_prompts(body, limits)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise BadRequest(f"{name} must be between 0 and {MAX_LOGPROBS}, got {logprobs}", name)
     return Checked(chat, prompts, n, stream, include_usage, logprobs, echo, body)
+
+
+def _template_options(body: dict, turns: list[dict]) -> tuple[bool, bool]:
+    """Chat's (add_generation_prompt, continue_final_message), as vLLM takes them: the assistant's turn
+    opened (the default), or the last message, the assistant's, left open for the answer to go on."""
+    open_turn = flag(body, "add_generation_prompt") if body.get("add_generation_prompt") is not None else True
+    continue_final = flag(body, "continue_final_message")
+    if continue_final and open_turn:
+        raise BadRequest(
+            "continue_final_message continues the last message, so it needs add_generation_prompt: false",
+            "continue_final_message",
+        )
+    if continue_final and turns[-1]["role"] != "assistant":
+        raise BadRequest(
+            f"continue_final_message continues the last message, which must be the assistant's, not "
+            f"{turns[-1]['role']!r}",
+            "continue_final_message",
+        )
+    return open_turn, continue_final
 
 
 def _check_ignored(body: dict) -> None:
@@ -478,11 +505,12 @@ def tokenize(checked: Checked, tokenizer) -> list[list[int]]:
     ids = []
     for index, prompt in enumerate(prompts):
         with naming_prompt(index, len(prompts)):
-            ids.append(_tokenize_one(checked.chat, prompt, tokenizer))
+            ids.append(_tokenize_one(checked, prompt, tokenizer))
     return ids
 
 
-def _tokenize_one(chat: bool, prompt: str | list[int] | list[dict], tokenizer) -> list[int]:
+def _tokenize_one(checked: Checked, prompt: str | list[int] | list[dict], tokenizer) -> list[int]:
+    chat = checked.chat
     if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
         return list(prompt)
     if tokenizer is None:
@@ -494,7 +522,7 @@ def _tokenize_one(chat: bool, prompt: str | list[int] | list[dict], tokenizer) -
         ids = tokenizer.encode(prompt)
     else:
         try:
-            ids = tokenizer.apply_chat(prompt)
+            ids = tokenizer.apply_chat(prompt, *_template_options(checked.body, prompt))
         except ForerunError as exc:
             raise BadRequest(str(exc), "messages") from None
         except Exception as exc:  # noqa: BLE001 - a template that rejects these turns

@@ -59,6 +59,10 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool | None = Field(None, description="open the assistant's turn (default true)")
+    continue_final_message: bool | None = Field(
+        None, description="leave the last (assistant) message open to continue it; needs add_generation_prompt false"
+    )
 
 
 def request_body(model: type[BaseModel]) -> dict:
