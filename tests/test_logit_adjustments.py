@@ -17,6 +17,7 @@ from forerun.base.errors import ForerunError
 from forerun.cli import main
 from forerun.engine.batch import BatchEngine
 from forerun.engine.engine import Engine
+from forerun.engine.sequence import Sequence
 from forerun.models.load import LoadedModel
 from forerun.models.testing import save_hf_folder, tiny_model
 from forerun.verification.sampling import adjusted, probabilities
@@ -208,7 +209,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_generate_takes_the_adjustments_and_writes_what_the_api_writes(folder) -> None:
     flags = ["--presence-penalty", "0.5", "--frequency-penalty", "0.2", "--repetition-penalty", "1.2"]
-    flags += ["--min-p", "0.05", "--logit-bias", "7=-100", "9=2.5"]
+    flags += ["--min-p", "0.05", "--min-tokens", "4", "--logit-bias", "7=-100", "9=2.5"]
     argv = ["generate", "--model", str(folder), "--dtype", "float32", "--prompt", "abcabcabc", "--max-tokens", "16"]
     (line,) = _cli([*argv, "--ignore-eos", "--json", *flags, "--speculative-method", "ngram"])
     params = SamplingParams(
@@ -218,6 +219,7 @@ def test_generate_takes_the_adjustments_and_writes_what_the_api_writes(folder) -
         frequency_penalty=0.2,
         repetition_penalty=1.2,
         min_p=0.05,
+        min_tokens=4,
         logit_bias={7: -100.0, 9: 2.5},
     )
     want = LLM(str(folder), dtype="float32").generate("abcabcabc", params)[0]
@@ -244,3 +246,42 @@ def test_bench_refuses_adjustments_its_peers_would_not_be_sent(folder, capsys) -
     argv = ["bench", "--model", str(folder), "--peers", "llama-plain", "--presence-penalty", "0.5"]
     assert main(argv) != 0
     assert "the peers are sent temperature, top-k and top-p only" in capsys.readouterr().err
+
+
+# --- min_tokens ------------------------------------------------------------------------------------
+
+
+def test_rows_before_min_tokens_cannot_give_a_stop_token() -> None:
+    logits = torch.zeros(3, 6)
+    out = adjusted(logits, SamplingParams(min_tokens=2), [[4], [4, 5], [4, 5, 1]], stop_ids={0, 3})
+    assert torch.isinf(out[0, [0, 3]]).all() and torch.isfinite(out[0, [1, 2, 4, 5]]).all()
+    assert torch.isfinite(out[1:]).all()  # rows predicting the third token and later: stops allowed
+
+
+@pytest.mark.parametrize("setting", [("ngram", {}), ("suffix", {}), ("lookahead", {}), ("early-exit", {"layer": 1})])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_min_tokens_holds_off_a_stop_token_and_speculation_writes_what_plain_does(
+    target_tok, setting, temperature
+) -> None:
+    prompt = target_tok.tokenizer.encode("abc")
+    eager = {2: 7.0}  # the end-of-text token's logit raised: plain decoding stops at once
+    stop = Engine(target_tok).generate(prompt, SamplingParams(max_tokens=40, logit_bias=eager))
+    assert stop.finish_reason == "stop" and len(stop.token_ids) <= 2
+    params = SamplingParams(max_tokens=40, logit_bias=eager, min_tokens=6, temperature=temperature, seed=2)
+    plain = Engine(target_tok).generate(prompt, params)
+    assert len(plain.token_ids) > 6 and not set(plain.token_ids[:6]) & target_tok.tokenizer.stop_ids
+    out = Engine(target_tok, drafters.create(setting[0], target_tok, setting[1]), 3).generate(prompt, params)
+    if temperature == 0 or setting[0] != "early-exit":  # deterministic drafts: plain decoding's draws
+        assert out.token_ids == plain.token_ids
+    assert not set(out.token_ids[:6]) & target_tok.tokenizer.stop_ids
+    assert out.metrics.num_accepted_tokens > 0
+
+
+def test_a_stop_string_ending_before_min_tokens_does_not_end_the_output(tokenizer) -> None:
+    ids = tokenizer.encode("abxabyy")
+    seq = Sequence([1], SamplingParams(max_tokens=20, stop=("ab",), min_tokens=4), tokenizer, frozenset())
+    appended = 0
+    while not seq.append(ids[appended]):
+        appended += 1
+    # "ab" ends at the 2nd token, then at the 5th: only the second, past min_tokens, ends it.
+    assert appended + 1 == 5 and seq.text == "abx" and seq.finish_reason == "stop"

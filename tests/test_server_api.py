@@ -251,7 +251,13 @@ def test_without_the_flag_responses_carry_no_figures(target_tok) -> None:
 def test_a_logit_bias_and_penalties_write_what_the_engine_writes_with_them(request, fixture, temperature) -> None:
     served = request.getfixturevalue(fixture)
     banned = alone(served.llm, "abc", max_tokens=12).token_ids[1]  # the greedy answer's second token
-    fields = {"presence_penalty": 0.4, "frequency_penalty": 0.3, "repetition_penalty": 1.2, "min_p": 0.05}
+    fields = {
+        "presence_penalty": 0.4,
+        "frequency_penalty": 0.3,
+        "repetition_penalty": 1.2,
+        "min_p": 0.05,
+        "min_tokens": 3,
+    }
     body = {"model": NAME, "prompt": "abc", "max_tokens": 12, "temperature": temperature, "seed": 5}
     out = post(served, {**body, **fields, "logit_bias": {str(banned): -100}})
     text = out["choices"][0]["text"]

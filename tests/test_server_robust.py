@@ -69,7 +69,8 @@ CLIENT_MISTAKES = [
     ({"frequency_penalty": "x"}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_p": -0.1}, "min_p"),
-    ({"min_tokens": 3}, "min_tokens"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),  # above max_tokens
+    ({"min_tokens": -1}, "min_tokens"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"best_of": 3}, "best_of"),

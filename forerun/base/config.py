@@ -41,6 +41,7 @@ class SamplingParams:
     # > 0: each token of the prompt or the output so far has its logit divided by it (above 0) or multiplied
     repetition_penalty: float = 1.0
     min_p: float = 0.0  # in [0, 1]: after temperature, drop tokens below min_p x the likeliest's probability
+    min_tokens: int = 0  # no stop token (and no stop string) before this many tokens, as in vLLM
 
     def __post_init__(self) -> None:
         _check_adjustments(self)
@@ -90,8 +91,9 @@ class SamplingParams:
 
     @property
     def adjusts(self) -> bool:
-        """Whether the target's raw logits are adjusted (a bias or a penalty) before anything else."""
-        return bool(self.logit_bias) or self.penalized
+        """Whether the target's raw logits are adjusted (a bias, a penalty, stop tokens held off)
+        before anything else."""
+        return bool(self.logit_bias) or self.penalized or self.min_tokens > 0
 
 
 def _check_adjustments(params: SamplingParams) -> None:
@@ -117,6 +119,8 @@ def _check_adjustments(params: SamplingParams) -> None:
             raise ForerunError(f"{name} must be a number in [-2, 2] (0 is off), got {value!r}")
     if not _number(params.repetition_penalty) or not params.repetition_penalty > 0:
         raise ForerunError(f"repetition_penalty must be a number > 0 (1 is off), got {params.repetition_penalty!r}")
+    if not _whole(params.min_tokens) or not 0 <= params.min_tokens <= params.max_tokens:
+        raise ForerunError(f"min_tokens must be a whole number from 0 to max_tokens, got {params.min_tokens!r}")
     if not _number(params.min_p) or not 0 <= params.min_p <= 1:
         raise ForerunError(f"min_p must be a number in [0, 1] (0 is off), got {params.min_p!r}")
 

@@ -416,6 +416,7 @@ def _settings_lines(cfg: BenchConfig, cases: list[Case], contenders: list[Conten
         f"{name} {value}"
         for name, value, off in (
             ("min-p", s.min_p, 0),
+            ("min-tokens", s.min_tokens, 0),
             ("presence penalty", s.presence_penalty, 0),
             ("frequency penalty", s.frequency_penalty, 0),
             ("repetition penalty", s.repetition_penalty, 1),

@@ -168,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     if args.peers and (sampling.adjusts or sampling.min_p):
         raise ForerunError(
-            "the peers are sent temperature, top-k and top-p only: leave out --logit-bias, the penalties and "
-            "--min-p, or --peers"
+            "the peers are sent temperature, top-k and top-p only: leave out --logit-bias, the penalties, "
+            "--min-p and --min-tokens, or --peers"
         )
     heads = heads_by_kind(args.speculative_head)
     methods = list(dict.fromkeys(args.methods or default_methods(valid_methods(), args.speculative_model, heads)))

@@ -250,6 +250,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", nargs="+", default=[], help="stop strings")
     g.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens regardless of stop tokens")
+    g.add_argument("--min-tokens", type=int, default=0, help="no stop token or stop string before this many tokens")
     g.add_argument(
         "--min-p", type=float, default=0.0, help="drop tokens below this share of the likeliest's probability"
     )
@@ -282,6 +283,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         min_p=args.min_p,
+        min_tokens=args.min_tokens,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,

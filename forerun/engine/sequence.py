@@ -22,6 +22,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text = ""  # decoded output, cut before a stop string
         self._streamed = 0  # characters of `text` already handed out
+        self._stops_from = 0  # text before min_tokens' last token: a stop string must end past it
         # The output decoded a token at a time (None: decoded whole after every token); a trailing
         # part of a character waits in it, and the finished text is one whole decode.
         self._stream = tokenizer.stream() if tokenizer is not None else None
@@ -43,7 +44,7 @@ class Sequence:
     @property
     def past(self) -> Past | None:
         """What verification needs of this sequence where its logits are adjusted (bias, penalties)."""
-        return Past(self.prompt_ids, self.output_ids) if self.params.adjusts else None
+        return Past(self.prompt_ids, self.output_ids, tuple(self.stop_ids)) if self.params.adjusts else None
 
     @property
     def finished(self) -> bool:
@@ -83,7 +84,10 @@ class Sequence:
     def _check_stop_strings(self) -> None:
         # Only the tail can hold a new match: the text before it was checked at the last token.
         longest = max((len(s) for s in self.params.stop), default=0)
-        tail_from = max(0, self._streamed - longest)
+        if len(self.output_ids) < self.params.min_tokens:
+            self._stops_from = len(self.text)  # no stop string yet, nor one that ends in this text
+            return
+        tail_from = max(0, self._streamed - longest, self._stops_from - longest + 1)
         hits = [i for i in (self.text.find(s, tail_from) for s in self.params.stop) if i >= 0]
         if hits:
             self.text = self.text[: min(hits)]

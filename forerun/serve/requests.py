@@ -55,6 +55,7 @@ _COMMON = {
     "frequency_penalty",
     "repetition_penalty",
     "min_p",
+    "min_tokens",
 }
 _COMPLETIONS = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {
@@ -68,7 +69,6 @@ _CHAT = _COMMON | {
 # Fields of OpenAI's or vLLM's API that forerun cannot honour, with the values that ask for nothing.
 _NEUTRAL: dict[str, tuple] = {
     "best_of": (None, 1),
-    "min_tokens": (None, 0),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
@@ -383,6 +383,8 @@ def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list
         raise BadRequest(f"seed must be in [-2**63, 2**64 - n), got {seed}", "seed")
     stop = _stop_strings(body.get("stop"))
     adjustments = _adjustments(body, limits.vocab_size)
+    if adjustments["min_tokens"] > min(max_tokens):
+        raise BadRequest(f"min_tokens {adjustments['min_tokens']} is above max_tokens {min(max_tokens)}", "min_tokens")
     prompt_logprobs = checked.logprobs if checked.echo and checked.logprobs is not None else None
     try:
         return [
@@ -416,6 +418,9 @@ def _adjustments(body: dict, vocab_size: int) -> dict:
         fields[name] = number(body, name, 0.0)
         if not low <= fields[name] <= high:
             raise BadRequest(f"{name} must be in [{low}, {high}], got {fields[name]}", name)
+    fields["min_tokens"] = integer(body, "min_tokens", 0)
+    if fields["min_tokens"] < 0:
+        raise BadRequest(f"min_tokens must be >= 0, got {fields['min_tokens']}", "min_tokens")
     fields["repetition_penalty"] = number(body, "repetition_penalty", 1.0)
     if fields["repetition_penalty"] <= 0:
         raise BadRequest(

@@ -36,6 +36,7 @@ class _Request(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     min_p: float | None = Field(None, ge=0, le=1)
+    min_tokens: int | None = Field(None, ge=0, description="no stop token or stop string before this many tokens")
 
 
 class CompletionRequest(_Request):

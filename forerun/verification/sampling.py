@@ -24,15 +24,25 @@ def one_hot(ids: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def adjusted(
-    logits: torch.Tensor, params: SamplingParams, histories: Sequence[Sequence[int]], prompt: Sequence[int] = ()
+    logits: torch.Tensor,
+    params: SamplingParams,
+    histories: Sequence[Sequence[int]],
+    prompt: Sequence[int] = (),
+    stop_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """logits [N, V] (float32, a new tensor) with `params`' logit bias added, then its penalties:
     row i's `histories[i]` are the tokens generated before the token row i predicts (presence and
-    frequency count those; repetition those and `prompt`'s). The logits unchanged without either."""
+    frequency count those; repetition those and `prompt`'s); a row predicting one of the first
+    min_tokens tokens cannot give `stop_ids`. The logits unchanged without any of these."""
     if not params.adjusts:
         return logits.float()
     logits = logits.float().clone()
     vocab = logits.shape[-1]
+    if params.min_tokens and stop_ids:
+        early = [row for row, history in enumerate(histories) if len(history) < params.min_tokens]
+        if early:
+            stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
+            logits[torch.tensor(early, device=logits.device)[:, None], stops] = float("-inf")
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=logits.device)
         logits[:, ids] += torch.tensor([b for _, b in params.logit_bias], device=logits.device)

@@ -45,6 +45,7 @@ class Past:
 
     prompt: Sequence[int]
     output: Sequence[int]
+    stop_ids: Sequence[int] = ()  # held off while fewer than min_tokens are out
 
     def histories(self, tree: DraftTree) -> list[list[int]]:
         """Each verification row's history: the output, then each node's path down to it."""
@@ -66,7 +67,7 @@ def target_rows(
     if params.adjusts:
         if past is None:
             raise ValueError("a request with a logit bias or penalties is verified with its past")
-        logits = adjusted(logits, params, past.histories(tree or DraftTree([], [])), past.prompt)
+        logits = adjusted(logits, params, past.histories(tree or DraftTree([], [])), past.prompt, past.stop_ids)
         best = None
     if params.greedy:
         ids = native.argmax(logits.float()) if best is None else best
