@@ -143,7 +143,7 @@ def speculative_samples(
     max_len = engine.check_fits(prompt, params)
     cache = decoder.new_cache(max_len)
     out = decoder.forward_ids(prompt, cache, last_only=True, output_hidden=True, all_hidden=True)
-    first = probabilities(adjusted(out.logits[0], params, [[]], prompt), params)  # [1, V]
+    first = probabilities(adjusted(out.logits[0], params, [], [[]], prompt), params)  # [1, V]
     prefilled = cache.length
     metrics = SpecMetrics(num_speculative_tokens=k)
     samples = []

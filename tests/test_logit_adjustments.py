@@ -46,7 +46,7 @@ def test_a_row_is_biased_then_penalized_for_its_own_history() -> None:
     params = SamplingParams(
         logit_bias={4: 1.5, 0: -0.5}, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0
     )
-    out = adjusted(logits, params, [[3, 3], [1]], prompt=[2])
+    out = adjusted(logits, params, [], [[3, 3], [1]], prompt=[2])
     # Row 0 (token 3 written twice; token 2 in the prompt): bias first, then repetition (2.0 > 0 halved,
     # 0.5 > 0 halved), then 3 less 0.5 (presence) and 2 x 0.25 (frequency).
     assert out[0].tolist() == pytest.approx([1.5, -1.0, 0.25, 1.5 - 0.5 - 0.5, 1.5])
@@ -54,7 +54,7 @@ def test_a_row_is_biased_then_penalized_for_its_own_history() -> None:
     assert out[1].tolist() == pytest.approx([1.5, -2.0 - 0.75, 0.25, 3.0, 1.5])
     assert logits[0, 0] == 2.0  # the pass's logits are left as they were
     plain = SamplingParams()
-    assert not plain.adjusts and torch.equal(adjusted(logits, plain, [[3], [1]]), logits)
+    assert not plain.adjusts and torch.equal(adjusted(logits, plain, [], [[3], [1]]), logits)
 
 
 def test_min_p_drops_tokens_below_its_share_of_the_likeliest() -> None:
@@ -98,7 +98,7 @@ def test_a_verification_row_is_adjusted_as_plain_decoding_adjusts_that_position(
     for row, path in enumerate([[], [8], [8, 4], [3]]):
         seq = prompt + output + path
         alone = decoder.forward_ids(seq, decoder.new_cache(len(seq)), last_only=True).logits[0]
-        want = probabilities(adjusted(alone, params, [output + path], prompt), params)[0]
+        want = probabilities(adjusted(alone, params, output + path, [[]], prompt), params)[0]
         torch.testing.assert_close(ver.probs[row], want, rtol=1e-5, atol=1e-6)
 
 
@@ -134,7 +134,7 @@ def exact_adjusted_marginals(
     def next_probs(output: list[int]) -> torch.Tensor:
         seq = prompt + output
         logits = decoder.forward_ids(seq, decoder.new_cache(len(seq)), last_only=True).logits[0]
-        return probabilities(adjusted(logits, params, [output], prompt), params)[0]
+        return probabilities(adjusted(logits, params, output, [[]], prompt), params)[0]
 
     p1 = next_probs([])
     second, third = torch.zeros_like(p1), torch.zeros_like(p1)
@@ -167,8 +167,7 @@ def test_sampled_tokens_follow_the_adjusted_distribution(adjusted_case, setting)
 def test_negative_control_unadjusted_targets_rows_fail_the_same_check(adjusted_case, monkeypatch) -> None:
     # Verification that forgets the request's past (each row adjusted as the root): the check fails.
     target, prompt, second, third = adjusted_case
-    root_only = Past.histories
-    monkeypatch.setattr(Past, "histories", lambda self, tree: root_only(self, DraftTree([], [])) * (len(tree) + 1))
+    monkeypatch.setattr(Past, "paths", staticmethod(lambda tree: [[]] * (len(tree) + 1)))
     samples, _ = speculative_samples(target, drafters.create("ngram", target, {}), 2, prompt, CONTROL_RUNS, ADJUSTED)
     failures = [total_variation([s[i] for s in samples], exact) for i, exact in ((0, second), (1, third))]
     assert any(tv >= tolerance for tv, tolerance in failures)
@@ -253,7 +252,7 @@ def test_bench_refuses_adjustments_its_peers_would_not_be_sent(folder, capsys) -
 
 def test_rows_before_min_tokens_cannot_give_a_stop_token() -> None:
     logits = torch.zeros(3, 6)
-    out = adjusted(logits, SamplingParams(min_tokens=2), [[4], [4, 5], [4, 5, 1]], stop_ids={0, 3})
+    out = adjusted(logits, SamplingParams(min_tokens=2), [4], [[], [5], [5, 1]], stop_ids={0, 3})
     assert torch.isinf(out[0, [0, 3]]).all() and torch.isfinite(out[0, [1, 2, 4, 5]]).all()
     assert torch.isfinite(out[1:]).all()  # rows predicting the third token and later: stops allowed
 
@@ -277,11 +276,18 @@ def test_min_tokens_holds_off_a_stop_token_and_speculation_writes_what_plain_doe
     assert out.metrics.num_accepted_tokens > 0
 
 
-def test_a_stop_string_ending_before_min_tokens_does_not_end_the_output(tokenizer) -> None:
+@pytest.mark.parametrize("stop", [("ab",), ("ab", "zzzzzz")], ids=["one", "with-a-longer-one"])
+def test_a_stop_string_ending_before_min_tokens_does_not_end_the_output(tokenizer, stop) -> None:
     ids = tokenizer.encode("abxabyy")
-    seq = Sequence([1], SamplingParams(max_tokens=20, stop=("ab",), min_tokens=4), tokenizer, frozenset())
+    seq = Sequence([1], SamplingParams(max_tokens=20, stop=stop, min_tokens=4), tokenizer, frozenset())
     appended = 0
     while not seq.append(ids[appended]):
         appended += 1
     # "ab" ends at the 2nd token, then at the 5th: only the second, past min_tokens, ends it.
     assert appended + 1 == 5 and seq.text == "abx" and seq.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("max_tokens", [None, "5", 0])
+def test_a_bad_max_tokens_is_named_before_min_tokens_is_compared_with_it(max_tokens) -> None:
+    with pytest.raises(ForerunError, match="max_tokens must be a whole number >= 1"):
+        SamplingParams(max_tokens=max_tokens, min_tokens=2)

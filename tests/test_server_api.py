@@ -305,3 +305,12 @@ def test_chat_template_options_that_do_not_fit_are_400s(plain, fields, last) -> 
     r = httpx.post(plain.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] in fields
+
+
+def test_min_tokens_holds_off_the_end_of_text_over_the_server(plain) -> None:
+    body = {"model": NAME, "prompt": "abc", "max_tokens": 20, "temperature": 0, "logit_bias": {"2": 7.0}}
+    assert post(plain, body)["choices"][0]["finish_reason"] == "stop"  # the raised end-of-text comes at once
+    out = post(plain, {**body, "min_tokens": 6})
+    want = alone(plain.llm, "abc", max_tokens=20, logit_bias={2: 7.0}, min_tokens=6)
+    assert out["usage"]["completion_tokens"] == len(want.token_ids) >= 6
+    assert out["choices"][0]["text"] == want.text

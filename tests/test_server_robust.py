@@ -65,6 +65,9 @@ CLIENT_MISTAKES = [
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"5": "1"}}, "logit_bias"),
     ({"logit_bias": [5]}, "logit_bias"),
+    ({"logit_bias": {"1" * 5000: 1}}, "logit_bias"),  # more digits than Python reads as a number
+    ({"logit_bias": {"5": None}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": "x"}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),

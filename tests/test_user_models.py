@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -135,7 +136,7 @@ def test_a_tokenizer_with_more_tokens_than_the_model_has_rows_is_refused(folder:
     ("changes", "needle"),
     [
         ({"rope_theta": "abc"}, "rope_theta"),
-        ({"rms_norm_eps": None}, "rms_norm_eps"),
+        ({"rms_norm_eps": 0}, "rms_norm_eps"),
         ({"rope_scaling": "linear"}, "rope_scaling"),
         ({"head_dim": -4}, "head_dim"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
@@ -267,20 +268,23 @@ def dead_pid() -> int:
 
 
 def test_a_killed_writers_temporaries_are_removed_by_the_next_write(tmp_path: Path) -> None:
-    target = tmp_path / "weights.safetensors"
-    dead = dead_pid()
-    orphan_file = tmp_path / f".weights.safetensors.{dead}.tmp"
+    target, host = tmp_path / "weights.safetensors", socket.gethostname()
+    dead, dead_too = dead_pid(), dead_pid()
+    orphan_file = tmp_path / f".weights.safetensors.{host}-{dead}.tmp"
     orphan_file.write_bytes(b"\0" * 1000)
-    orphan_folder = tmp_path / f".weights.safetensors.{dead + 1 if dead + 1 != os.getpid() else dead + 2}.tmp"
+    orphan_folder = tmp_path / f".weights.safetensors.{host}-{dead_too}.tmp"
     (orphan_folder).mkdir()
     (orphan_folder / "part").write_bytes(b"\0")
-    live = tmp_path / f".weights.safetensors.{os.getppid()}.tmp"  # another process writing now
+    live = tmp_path / f".weights.safetensors.{host}-{os.getppid()}.tmp"  # another process writing now
     live.write_bytes(b"\0")
-    other = tmp_path / f".other.{dead}.tmp"  # another file's: left to its own next write
+    elsewhere = tmp_path / f".weights.safetensors.other-host-{dead}.tmp"  # a machine sharing FORERUN_HOME
+    elsewhere.write_bytes(b"\0")
+    other = tmp_path / f".other.{host}-{dead}.tmp"  # another file's: left to its own next write
     other.write_bytes(b"\0")
     files.save_tensors(target, {"x": torch.ones(3)})
     assert torch.equal(load_file(target)["x"], torch.ones(3))
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, live.name, other.name])
+    kept = [target.name, live.name, elsewhere.name, other.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
 
 
 def test_safetensors_own_temporary_file_is_made_inside_the_writers_temporary(tmp_path: Path, monkeypatch) -> None:

@@ -44,7 +44,6 @@ class SamplingParams:
     min_tokens: int = 0  # no stop token (and no stop string) before this many tokens, as in vLLM
 
     def __post_init__(self) -> None:
-        _check_adjustments(self)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, (list, tuple)) or self.stop is None:
@@ -78,6 +77,7 @@ class SamplingParams:
                     f"{name} must be a whole number from 0 to {MAX_LOGPROBS} (alternatives per "
                     f"token), or None for no log probabilities, got {value!r}"
                 )
+        _check_adjustments(self)
 
     @property
     def greedy(self) -> bool:
@@ -120,7 +120,9 @@ def _check_adjustments(params: SamplingParams) -> None:
     if not _number(params.repetition_penalty) or not params.repetition_penalty > 0:
         raise ForerunError(f"repetition_penalty must be a number > 0 (1 is off), got {params.repetition_penalty!r}")
     if not _whole(params.min_tokens) or not 0 <= params.min_tokens <= params.max_tokens:
-        raise ForerunError(f"min_tokens must be a whole number from 0 to max_tokens, got {params.min_tokens!r}")
+        raise ForerunError(
+            f"min_tokens must be a whole number from 0 to max_tokens ({params.max_tokens}), got {params.min_tokens!r}"
+        )
     if not _number(params.min_p) or not 0 <= params.min_p <= 1:
         raise ForerunError(f"min_p must be a number in [0, 1] (0 is off), got {params.min_p!r}")
 

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,7 +55,7 @@ def write_atomically(path: Path, write: Callable[[Path], None], member: str | No
     that put a temporary of their own beside the file they are given). A write the disk or the
     folder refuses (full, read-only) is a ForerunError naming `path`.
     """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{_writer()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _remove_orphans(path)
@@ -81,15 +82,27 @@ def _unwritable(path: Path, why: str) -> ForerunError:
     )
 
 
+def _writer() -> str:
+    """This process as a temporary's name gives it: host and process id (a FORERUN_HOME may be shared
+    by several machines, whose process ids this one cannot see)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
 def _remove_orphans(path: Path) -> None:
-    """Remove the temporaries of `path` whose writer is no longer running (killed mid-write)."""
+    """Remove the temporaries of `path` that a process of this host left when it was killed
+    mid-write; another host's are left alone (whether it still writes cannot be seen from here)."""
+    host = socket.gethostname()
     for orphan in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        pid = orphan.name[len(path.name) + 2 : -len(".tmp")]
-        if pid.isdigit() and not _running(int(pid)):
+        owner, _, pid = orphan.name[len(path.name) + 2 : -len(".tmp")].rpartition("-")
+        if owner != host or not pid.isdigit() or _running(int(pid)):
+            continue
+        try:
             if orphan.is_dir():
-                shutil.rmtree(orphan, ignore_errors=True)
+                shutil.rmtree(orphan)
             else:
                 orphan.unlink(missing_ok=True)
+        except OSError:
+            pass  # not ours to remove after all: the write goes on beside it
 
 
 def _running(pid: int) -> bool:

@@ -53,7 +53,8 @@ def draft_setup(target: LoadedModel, draft: LoadedModel, draft_vocab: int | None
             vocab = shared if vocab is None else vocab[vocab < len(shared)]
         # The draft model keeps its full head; drafters with a reduced vocabulary score with its rows
         # (its own head where those are all its rows).
-        whole = vocab is shared and shared is not None and len(shared) == draft.decoder.cfg.vocab_size
+        rows = draft.decoder.cfg.vocab_size
+        whole = vocab is not None and len(vocab) == rows and bool((vocab == torch.arange(rows)).all())
         head = reduced_head(draft.decoder.lm_head, vocab) if vocab is not None and not whole else None
         setups[draft_vocab] = DraftSetup(vocab, head)
     return setups[draft_vocab]

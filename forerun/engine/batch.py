@@ -28,6 +28,7 @@ from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.drafters.passes import run_passes
 from forerun.engine.engine import Choice, ChunkDone, Engine, Plan, PromptChunk, RequestOutput, Running, StepOutput
+from forerun.models.decoder import Decoder
 from forerun.policy.batch_rates import Rates
 from forerun.policy.draft_length import batch_draft_length
 from forerun.policy.pass_costs import PassCosts, cached_pass_costs
@@ -405,14 +406,9 @@ class BatchEngine:
                     prompt.logits = None
                 for cache, length in zip(caches, before):
                     cache.truncate(min(length, cache.length))
-        if len(planned) == 1:
-            _, lane, plan = planned[0]
-            try:
-                seq = lane.run.seq
-                return [verify(lane.engine.target.decoder, lane.run.cache, plan.root, plan.tree, seq.params, seq.past)]
-            except Exception as exc:  # noqa: BLE001
-                return [exc]
         target = planned[0][1].engine.target.decoder
+        if len(planned) == 1:
+            return [_verify_alone(target, job(planned[0][1], planned[0][2]))]
         lengths = [lane.run.cache.length for _, lane, _ in planned]
         try:
             return list(verify_many(target, [job(lane, plan) for _, lane, plan in planned]))
@@ -420,14 +416,18 @@ class BatchEngine:
             outcomes: list[Verification | Exception] = []
             for (_, lane, plan), length in zip(planned, lengths):
                 lane.run.cache.truncate(min(length, lane.run.cache.length))
-                try:
-                    seq = lane.run.seq
-                    outcomes.append(verify(target, lane.run.cache, plan.root, plan.tree, seq.params, seq.past))
-                except Exception as exc:  # noqa: BLE001
-                    outcomes.append(exc)
+                outcomes.append(_verify_alone(target, job(lane, plan)))
             return outcomes
 
 
 def _lane_rows(planned: list[tuple[Hashable, Lane, Plan]]) -> int:
     """The rows the lanes' plans put in a step's pass: each lane's root and its draft's nodes."""
     return sum(1 + (len(plan.tree.tokens) + len(plan.tree.aux_tokens) if plan.tree else 0) for *_, plan in planned)
+
+
+def _verify_alone(target: Decoder, job: VerifyJob) -> Verification | Exception:
+    """One sequence's verification on its own, or what it raised."""
+    try:
+        return verify(target, job.cache, job.root, job.tree, job.params, job.past)
+    except Exception as exc:  # noqa: BLE001 - the lane ends alone; the others go on
+        return exc

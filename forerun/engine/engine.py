@@ -262,9 +262,8 @@ class Engine:
         if self.reads_features:
             self.drafter.features(hidden)  # [T, hidden]
         run.prefill_logits = logits  # [1, vocab]
-        first = sample_at(
-            probabilities(adjusted(logits, params, [[]], seq.prompt_ids, seq.stop_ids), params)[0], run.key, seq.length
-        )
+        first_logits = adjusted(logits, params, [], [[]], seq.prompt_ids, seq.stop_ids)
+        first = sample_at(probabilities(first_logits, params)[0], run.key, seq.length)
         if run.logprobs is not None:
             run.logprobs += token_logprobs(logits, [first], params.logprobs)
         run.metrics.record_step(0, 0, 1)

@@ -87,8 +87,10 @@ class Sequence:
         if len(self.output_ids) < self.params.min_tokens:
             self._stops_from = len(self.text)  # no stop string yet, nor one that ends in this text
             return
-        tail_from = max(0, self._streamed - longest, self._stops_from - longest + 1)
-        hits = [i for i in (self.text.find(s, tail_from) for s in self.params.stop) if i >= 0]
+        tail_from = max(0, self._streamed - longest)
+        # A match must end past the text written before min_tokens: each string from its own start.
+        found = (self.text.find(s, max(tail_from, self._stops_from - len(s) + 1)) for s in self.params.stop)
+        hits = [i for i in found if i >= 0]
         if hits:
             self.text = self.text[: min(hits)]
             self.finish_reason = "stop"

@@ -62,7 +62,7 @@ def _check_computable(raw: dict) -> None:
     if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
         raise ForerunError(f"rope scaling {scaling!r} is not supported yet; use a model without rope_scaling")
     act = raw.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' names for the same function
         raise ForerunError(
             f"config.json's hidden_act {act!r} is not supported: forerun's decoder computes silu (SwiGLU) "
             "MLPs only; use a model whose hidden_act is silu"
@@ -101,8 +101,10 @@ def _whole(raw: dict, key: str, default: int | None) -> int | None:
 
 
 def _number(raw: dict, key: str, default: float) -> float:
-    """A positive finite number of config.json's (absent: `default`)."""
-    value = raw.get(key, default)
+    """A positive finite number of config.json's (absent or null: `default`)."""
+    value = raw.get(key)
+    if value is None:
+        return default
     if not isinstance(value, Real) or isinstance(value, bool) or not 0 < value < float("inf"):
         raise ForerunError(f"config.json's {key} must be a positive number, got {value!r}: {_OWN_CONFIG}")
     return float(value)

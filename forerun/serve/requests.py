@@ -29,6 +29,7 @@ MAX_LOGPROBS = 20  # most alternatives a position's logprobs may list
 MAX_N = 16  # most samples one request may ask for
 MAX_PROMPTS = 16  # most prompts one completions request may batch (their samples run as one group)
 MAX_STOP = 64  # most stop strings one request may give
+MAX_LOGIT_BIAS = 300  # most tokens a logit_bias may name (OpenAI's limit; each step adds every one)
 MAX_STOP_CHARS = 1024  # longest stop string
 CHARS_PER_TOKEN = 16  # a prompt longer than max_model_len x this is refused before tokenizing
 
@@ -432,15 +433,19 @@ def _adjustments(body: dict, vocab_size: int) -> dict:
     if not isinstance(bias, dict):
         raise BadRequest('logit_bias must be an object of token id to bias, such as {"50256": -100}', "logit_bias")
     fields["logit_bias"] = {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"logit_bias names {len(bias)} tokens; give at most {MAX_LOGIT_BIAS}", "logit_bias")
     for key, value in bias.items():
-        token = int(key) if key.isascii() and key.isdigit() else None  # JSON's keys are strings
+        # JSON's keys are strings; a token id has at most as many digits as the vocabulary's size
+        whole = key.isascii() and key.isdigit() and len(key) <= len(str(vocab_size))
+        token = int(key) if whole else None
         if token is None or token >= vocab_size:
             raise BadRequest(
                 f"logit_bias key {shown(key)} is no token id of this model (whole numbers below {vocab_size})",
                 "logit_bias",
             )
         try:
-            value = number(bias, key, 0.0)
+            value = number(bias, key, None)
         except BadRequest:
             value = None
         if value is None or not -100 <= value <= 100:
@@ -551,7 +556,7 @@ def is_int(value) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
-def number(body: dict, name: str, default: float) -> float:
+def number(body: dict, name: str, default: float | None) -> float | None:
     value = body.get(name)
     if value is None:
         return default

@@ -1,11 +1,13 @@
-"""Logits to probabilities (temperature, min-p, top-k, top-p) and seeded sampling.
+"""Logits adjusted (logit bias, penalties, min-tokens) and made probabilities (temperature, min-p,
+top-k, top-p); seeded sampling.
 
 The target and every drafter go through the same `probabilities`, so the acceptance rule compares
 processed distributions and the output follows the target's processed distribution exactly. The
-target's logits are first `adjusted` (logit bias, then presence, frequency and repetition penalties
-over each row's own history, as vLLM orders them): each verification row as if it were the next
-token of plain decoding. A drafter's distribution need not be adjusted (the rule is exact for any
-proposal distribution); drafts that are, are kept more often.
+target's logits are first `adjusted` (stop tokens held off before min_tokens, the logit bias, then
+the repetition, presence and frequency penalties over each row's own history, as vLLM orders them):
+each verification row as if it were the next token of plain decoding. A drafter's distribution
+need not be adjusted (the rule is exact for any proposal distribution); drafts that are, are kept
+more often.
 """
 
 from __future__ import annotations
@@ -26,40 +28,53 @@ def one_hot(ids: torch.Tensor, vocab: int) -> torch.Tensor:
 def adjusted(
     logits: torch.Tensor,
     params: SamplingParams,
-    histories: Sequence[Sequence[int]],
+    output: Sequence[int],
+    paths: Sequence[Sequence[int]],
     prompt: Sequence[int] = (),
     stop_ids: Sequence[int] = (),
 ) -> torch.Tensor:
-    """logits [N, V] (float32, a new tensor) with `params`' logit bias added, then its penalties:
-    row i's `histories[i]` are the tokens generated before the token row i predicts (presence and
-    frequency count those; repetition those and `prompt`'s); a row predicting one of the first
-    min_tokens tokens cannot give `stop_ids`. The logits unchanged without any of these."""
+    """logits [N, V] (float32, a new tensor) adjusted as `params` asks, row i for the token after
+    `output` + `paths[i]` (its history: the tokens generated before the one it predicts): a row
+    predicting one of the first min_tokens tokens cannot give `stop_ids`; then the logit bias;
+    then the repetition penalty over the history's and `prompt`'s tokens; then the presence and
+    frequency penalties over the history's. The logits unchanged without any of these."""
     if not params.adjusts:
         return logits.float()
     logits = logits.float().clone()
-    vocab = logits.shape[-1]
+    device = logits.device
     if params.min_tokens and stop_ids:
-        early = [row for row, history in enumerate(histories) if len(history) < params.min_tokens]
+        early = [row for row, path in enumerate(paths) if len(output) + len(path) < params.min_tokens]
         if early:
-            stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
-            logits[torch.tensor(early, device=logits.device)[:, None], stops] = float("-inf")
+            stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+            logits[torch.tensor(early, device=device)[:, None], stops] = float("-inf")
     if params.logit_bias:
-        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=logits.device)
-        logits[:, ids] += torch.tensor([b for _, b in params.logit_bias], device=logits.device)
-    if not params.penalized:
-        return logits
-    in_prompt = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=device)
+        logits[:, ids] += torch.tensor([b for _, b in params.logit_bias], device=device)
+    if params.penalized:
+        _penalize(logits, params, output, paths, prompt)
+    return logits
+
+
+def _penalize(
+    logits: torch.Tensor, params: SamplingParams, output: Sequence[int], paths: Sequence[Sequence[int]], prompt
+) -> None:
+    """The repetition, presence and frequency penalties, in place; the output's counts made once."""
+    vocab, device = logits.shape[-1], logits.device
+    base = torch.bincount(torch.tensor(list(output), dtype=torch.long, device=device), minlength=vocab)
+    in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
     if params.repetition_penalty != 1 and len(prompt):
-        in_prompt[torch.tensor(list(prompt), dtype=torch.long, device=logits.device)] = True
-    for row, history in zip(logits, histories):
-        counts = torch.bincount(torch.tensor(list(history), dtype=torch.long), minlength=vocab).to(logits.device)
+        in_prompt[torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
+    for row, path in zip(logits, paths):
+        counts = base
+        if path:
+            ids = torch.tensor(list(path), dtype=torch.long, device=device)
+            counts = base.index_add(0, ids, torch.ones_like(ids))
         seen = counts > 0
         if params.repetition_penalty != 1:
             either = seen | in_prompt
             r = params.repetition_penalty
             row[either] = torch.where(row[either] > 0, row[either] / r, row[either] * r)
         row -= params.frequency_penalty * counts + params.presence_penalty * seen
-    return logits
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -47,11 +47,11 @@ class Past:
     output: Sequence[int]
     stop_ids: Sequence[int] = ()  # held off while fewer than min_tokens are out
 
-    def histories(self, tree: DraftTree) -> list[list[int]]:
-        """Each verification row's history: the output, then each node's path down to it."""
-        return [list(self.output)] + [
-            list(self.output) + [tree.tokens[j] for j in tree.path_to(i)] for i in range(len(tree))
-        ]
+    @staticmethod
+    def paths(tree: DraftTree) -> list[list[int]]:
+        """What each verification row's history holds beyond the output: nothing for the root's,
+        each node's path down to it (itself included) for the node's."""
+        return [[]] + [[tree.tokens[j] for j in tree.path_to(i)] for i in range(len(tree))]
 
 
 def target_rows(
@@ -67,7 +67,8 @@ def target_rows(
     if params.adjusts:
         if past is None:
             raise ValueError("a request with a logit bias or penalties is verified with its past")
-        logits = adjusted(logits, params, past.histories(tree or DraftTree([], [])), past.prompt, past.stop_ids)
+        paths = Past.paths(tree or DraftTree([], []))
+        logits = adjusted(logits, params, past.output, paths, past.prompt, past.stop_ids)
         best = None
     if params.greedy:
         ids = native.argmax(logits.float()) if best is None else best
