@@ -44,7 +44,8 @@ def _free_port() -> int:
 
 
 class Cluster:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, extra: tuple[str, ...] = ()) -> None:
+        """`extra`: more `forerun serve` flags."""
         self.folder = folder
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -80,6 +81,7 @@ class Cluster:
                 "summary",
                 "--port",
                 str(port),
+                *extra,
             ],
             stderr=subprocess.PIPE,
             text=True,

@@ -16,16 +16,21 @@ SIGTERM or SIGINT.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import signal
 import socket
 import sys
 import threading
+import time
 
 from forerun.base.errors import ForerunError
 
 RAY_INSTALL = "pip install 'ray[serve]==2.60.0'"
 APP_NAME = "forerun"
+DRAIN_MARGIN_S = 5.0  # past the grace: every replica hearing of the drain, the last events relayed
+RELAY_S = 0.5  # the replicas idle: their last events on their way through the ingress and the proxy
 
 
 def _serve():
@@ -73,15 +78,36 @@ def application(args: argparse.Namespace):
     return ingress.bind(options, engine.bind(options, hub_app), hub_app)
 
 
-def _scaling(args: argparse.Namespace) -> dict:
-    """A fixed number of replicas, or Ray Serve's autoscaling between --min- and --max-replicas."""
+def check_replicas(args: argparse.Namespace) -> None:
+    """A clear error for replica flags that do not go together, before Ray starts (`forerun serve`'s
+    own `check` has the ranges of each)."""
+    if not math.isfinite(args.replica_cpus):
+        raise ForerunError(f"--replica-cpus must be a number of CPUs, got {args.replica_cpus}")
     if args.min_replicas is None and args.max_replicas is None:
-        return {"num_replicas": args.num_replicas}
+        if args.target_ongoing_requests is not None:
+            raise ForerunError("--target-ongoing-requests is for autoscaling: add --min-replicas and --max-replicas")
+        return
+    if args.num_replicas != 1:
+        raise ForerunError(
+            "--num-replicas is a fixed number of replicas: with autoscaling give --min-replicas and --max-replicas only"
+        )
     if args.min_replicas is None or args.max_replicas is None or not 0 <= args.min_replicas <= args.max_replicas:
         raise ForerunError(
             "autoscaling needs both --min-replicas and --max-replicas, with 0 <= min <= max; "
             f"got {args.min_replicas} and {args.max_replicas}"
         )
+    if args.max_replicas < 1:
+        raise ForerunError(f"--max-replicas must be at least 1, got {args.max_replicas}")
+    target = args.target_ongoing_requests
+    if target is not None and not 0 < target < math.inf:
+        raise ForerunError(f"--target-ongoing-requests must be above 0, got {target}")
+
+
+def _scaling(args: argparse.Namespace) -> dict:
+    """A fixed number of replicas, or Ray Serve's autoscaling between --min- and --max-replicas."""
+    check_replicas(args)
+    if args.min_replicas is None:
+        return {"num_replicas": args.num_replicas}
     target = args.target_ongoing_requests or args.max_num_seqs
     return {
         "autoscaling_config": {
@@ -114,6 +140,7 @@ def build_app(config_args: dict):
             f"the application's args are not forerun serve's flags: {config_args} (see forerun serve --help)"
         ) from None
     check(args)
+    check_replicas(args)
     return application(args)
 
 
@@ -122,6 +149,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     serve = _serve()
     import ray
 
+    check_replicas(args)
     _check_port_free(args.host, args.port)
     joined = args.ray_address is not None
     ray.init(
@@ -131,12 +159,14 @@ def run_cluster(args: argparse.Namespace) -> int:
         logging_level="WARNING",
         log_to_driver=not joined,
     )
-    stop = threading.Event()
-    for name in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(name, lambda signum, frame: stop.set())
     try:
+        if not joined:  # a cluster that may grow later is left to place the replicas when it can
+            _check_cpus(args, ray.cluster_resources())
+        stop = threading.Event()
+        for name in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(name, lambda signum, frame: stop.set())
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(application(args), name=APP_NAME, route_prefix="/", blocking=False)
+        _deploy(serve, args)
         where = ray.get_runtime_context().gcs_address
         print(
             f"forerun: serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1 "
@@ -145,7 +175,13 @@ def run_cluster(args: argparse.Namespace) -> int:
             flush=True,
         )
         stop.wait()
-        print("forerun: stopping the application", file=sys.stderr, flush=True)
+        print(
+            f"forerun: stopping the application: taking no new requests; the running ones get up to "
+            f"{args.shutdown_timeout:g} s to finish",
+            file=sys.stderr,
+            flush=True,
+        )
+        _drain(serve, args.shutdown_timeout)
     finally:
         if joined:
             serve.delete(APP_NAME)
@@ -153,6 +189,55 @@ def run_cluster(args: argparse.Namespace) -> int:
             serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _check_cpus(args: argparse.Namespace, resources: dict) -> None:
+    """The replicas fit the local cluster's CPUs (else Ray Serve waits for CPUs that never come)."""
+    replicas = args.num_replicas if args.min_replicas is None else max(args.min_replicas, 1)
+    need, have = replicas * args.replica_cpus, resources.get("CPU", 0.0)
+    if need > have + 1e-9:
+        raise ForerunError(
+            f"{replicas} replica{'s' if replicas != 1 else ''} x {args.replica_cpus:g} CPU each need {need:g} "
+            f"CPUs and the local Ray cluster has {have:g}: ask for fewer (--num-replicas, --replica-cpus), "
+            "or join a larger cluster with --ray-address"
+        )
+
+
+def _deploy(serve, args: argparse.Namespace) -> None:
+    """Run the application, or say why its replicas did not start (a model that does not load)."""
+    try:
+        serve.run(application(args), name=APP_NAME, route_prefix="/", blocking=False)
+    except RuntimeError as exc:  # Serve's "Deploying application forerun failed", the reason in its status
+        raise ForerunError(f"the replicas did not start: {_why_not_started(serve) or exc}") from None
+
+
+def _why_not_started(serve) -> str | None:
+    """The last error named in the application's deployments' status (a replica's constructor's)."""
+    try:
+        deployments = serve.status().applications[APP_NAME].deployments.values()
+    except Exception:  # noqa: BLE001 - no status to read: the caller says what Serve said
+        return None
+    for deployment in deployments:
+        found = re.findall(r"(\w+(?:Error|Exception)): (.+)$", deployment.message or "", re.MULTILINE)
+        if found:
+            kind, message = found[-1]
+            return message if kind == "ForerunError" else f"{kind}: {message}"
+    return None
+
+
+def _drain(serve, grace: float) -> None:
+    """Stop as `forerun serve` does, while Serve's proxy still relays: every replica refuses new
+    requests (503 shutting_down) and gives its running ones `grace` seconds, then cuts them with an
+    error event; returns once none is busy (the hub hears each replica's state every second)."""
+    try:
+        hub = serve.get_deployment_handle("ForerunHub", app_name=APP_NAME)
+        hub.drain.remote(grace).result(timeout_s=10)
+        deadline = time.monotonic() + grace + DRAIN_MARGIN_S
+        while time.monotonic() < deadline and hub.busy.remote().result(timeout_s=10):
+            time.sleep(0.2)
+        time.sleep(RELAY_S)
+    except Exception as exc:  # noqa: BLE001 - Serve's own shutdown ends the requests then
+        print(f"forerun: could not drain the replicas ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
 
 
 def _replicas_said(args: argparse.Namespace) -> str:

@@ -9,15 +9,20 @@ in tokens, oldest out first; a replica that starts (or restarts) takes all that 
 Metrics: each replica pushes its Prometheus text every second; the ingress merges them at its
 /metrics with a `replica` label (forerun/cluster/metrics.py). A report not renewed for
 REPORT_TTL seconds (a replica gone) is dropped.
+
+Shutdown: `forerun serve --ray` tells the hub (`drain`); each replica hears it with its next report
+and drains its scheduler as `forerun serve` does, and the command waits until none is `busy`.
 """
 
 from __future__ import annotations
 
 import collections
 import time
+import uuid
 from dataclasses import dataclass
 
 REPORT_TTL = 120.0  # seconds a replica's last metrics stay after it stopped reporting
+DRAIN_LIVE_S = 3.0  # a replica silent this long is not waited for by a shutdown (it is gone)
 
 
 @dataclass
@@ -52,29 +57,59 @@ class SharedAnswers:
         return self.seq, fresh
 
 
+@dataclass
+class Report:
+    when: float  # time.monotonic() when it came
+    text: str  # the replica's Prometheus text
+    busy: int = 0  # its requests running or waiting
+    draining: bool = False  # it heard of the shutdown
+
+
 class Hub:
-    """The shared answers and the replicas' metrics reports (deployed by forerun/cluster/app.py)."""
+    """The shared answers, the replicas' metrics reports, and the shutdown they hear of (deployed by
+    forerun/cluster/app.py)."""
 
     def __init__(self, max_tokens: int) -> None:
         self.answers = SharedAnswers(max_tokens)
-        self.reports: dict[str, tuple[float, str]] = {}  # replica -> (when, Prometheus text)
+        self.epoch = uuid.uuid4().hex  # this hub's life: a replica's cursor from another life starts over
+        self.reports: dict[str, Report] = {}  # replica -> its last report
+        self.grace: float | None = None  # set by `drain`: the seconds running requests get
 
     async def publish(self, origin: str, token_ids: list[int]) -> None:
         self.answers.publish(origin, token_ids)
 
-    async def since(self, reader: str, cursor: int) -> tuple[int, list[list[int]]]:
-        return self.answers.since(reader, cursor)
+    async def since(self, reader: str, cursor: tuple[str, int] | None) -> tuple[tuple[str, int], list[list[int]]]:
+        """(the new cursor, the answers other replicas gave after `cursor`); a cursor None, or from
+        before the hub restarted, takes all that is kept."""
+        seq = cursor[1] if cursor is not None and cursor[0] == self.epoch else 0
+        seq, fresh = self.answers.since(reader, seq)
+        return (self.epoch, seq), fresh
 
-    async def report(self, replica: str, text: str) -> None:
-        self.reports[replica] = (time.monotonic(), text)
+    async def report(self, replica: str, text: str, busy: int = 0, draining: bool = False) -> float | None:
+        """A replica's metrics and state; the grace it should drain with once the app is stopping."""
+        self.reports[replica] = Report(time.monotonic(), text, busy, draining)
+        return self.grace
 
     async def live(self, within_s: float) -> list[str]:
         """The replicas that reported within the last `within_s` seconds."""
         now = time.monotonic()
-        return sorted(r for r, (t, _) in self.reports.items() if now - t < within_s)
+        return sorted(r for r, report in self.reports.items() if now - report.when < within_s)
 
     async def collected(self) -> dict[str, str]:
         """Every live replica's last metrics text."""
         now = time.monotonic()
-        self.reports = {r: (t, text) for r, (t, text) in self.reports.items() if now - t < REPORT_TTL}
-        return {r: text for r, (_, text) in self.reports.items()}
+        self.reports = {r: report for r, report in self.reports.items() if now - report.when < REPORT_TTL}
+        return {r: report.text for r, report in self.reports.items()}
+
+    async def drain(self, grace: float) -> None:
+        """The app is stopping: each replica hears it with its next report and drains."""
+        self.grace = grace
+
+    async def stopping(self) -> bool:
+        return self.grace is not None
+
+    async def busy(self) -> int:
+        """Requests the replicas reporting lately still run or hold, and those not yet draining."""
+        now = time.monotonic()
+        live = [report for report in self.reports.values() if now - report.when < DRAIN_LIVE_S]
+        return sum(report.busy + (not report.draining) for report in live)

@@ -73,9 +73,11 @@ class ReplicaBackend(Backend):
 
     async def health(self) -> tuple[int, dict]:
         """200 while some replica reported within LIVE_S seconds (a balancer in front of several
-        ingresses skips one whose replicas are all gone), with how many did."""
+        ingresses skips one whose replicas are all gone), with how many did; 503 once stopping."""
         try:
             live = await self.hub.live.remote(LIVE_S)
+            if await self.hub.stopping.remote():
+                return 503, {"status": "shutting down"}
         except Exception as exc:  # noqa: BLE001 - the hub restarting: say so rather than guess
             return 503, {"status": "replica state unknown", "detail": f"the hub did not answer: {exc}"}
         if not live:

@@ -139,7 +139,7 @@ class EngineReplica:
             self.memory.remember(self.inbox.popleft())
 
     async def _take_answers(self) -> None:
-        cursor = 0
+        cursor = None  # the hub's (life, last answer seen): all that is kept at first
         while True:
             try:
                 cursor, fresh = await self.hub.since.remote(self.name, cursor)
@@ -150,11 +150,17 @@ class EngineReplica:
             await asyncio.sleep(ANSWERS_PERIOD)
 
     async def _report_metrics(self) -> None:
-        metrics = self.engine.metrics
+        """Every METRICS_PERIOD: this replica's metrics and state to the hub; once the app is
+        stopping (the hub says with what grace), the scheduler drains as `forerun serve`'s does."""
+        metrics, scheduler = self.engine.metrics, self.engine.scheduler
         while True:
-            metrics.set_queue(*self.engine.scheduler.counts())
+            running, waiting = scheduler.counts()
+            metrics.set_queue(running, waiting)
             try:
-                await self.hub.report.remote(self.name, metrics.render()[0].decode())
+                text = metrics.render()[0].decode()
+                grace = await self.hub.report.remote(self.name, text, running + waiting, scheduler.draining)
+                if grace is not None and not scheduler.draining:
+                    scheduler.drain(grace)
             except Exception as exc:  # noqa: BLE001 - the hub restarting: report again later
                 log.warning("forerun: could not report metrics to the hub: %s", exc)
             await asyncio.sleep(METRICS_PERIOD)
