@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
-from forerun.base.errors import ForerunError
+from forerun.base.errors import FieldError, ForerunError
 
 # A temperature below this samples as greedy (as vLLM does): dividing logits by it overflows float32,
 # and the distribution is a one-hot at the argmax to every digit a float holds anyway.
@@ -49,33 +49,36 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)) or self.stop is None:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         else:
-            raise ForerunError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise FieldError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
         for name in ("temperature", "top_p"):
             if not isinstance(getattr(self, name), Real) or isinstance(getattr(self, name), bool):
-                raise ForerunError(f"{name} must be a number, got {getattr(self, name)!r}")
+                raise FieldError(name, f"{name} must be a number, got {getattr(self, name)!r}")
         if not isinstance(self.ignore_eos, bool):
-            raise ForerunError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+            raise FieldError("ignore_eos", f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ForerunError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
+            raise FieldError(
+                "temperature", f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
-            raise ForerunError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise FieldError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and (not _whole(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
-            raise ForerunError(f"seed must be a whole number in [-2**63, 2**64), got {self.seed!r}")
+            raise FieldError("seed", f"seed must be a whole number in [-2**63, 2**64), got {self.seed!r}")
         # Whole numbers only: a float slips past `< 0` (NaN always does) and fails deep in torch later.
         if not _whole(self.top_k) or self.top_k < 0:
-            raise ForerunError(f"top_k must be a whole number >= 0 (0 keeps every token), got {self.top_k!r}")
+            raise FieldError("top_k", f"top_k must be a whole number >= 0 (0 keeps every token), got {self.top_k!r}")
         if not _whole(self.max_tokens) or self.max_tokens < 1:
-            raise ForerunError(f"max_tokens must be a whole number >= 1, got {self.max_tokens!r}")
+            raise FieldError("max_tokens", f"max_tokens must be a whole number >= 1, got {self.max_tokens!r}")
         if any(not isinstance(s, str) for s in self.stop):
-            raise ForerunError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise FieldError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(not s for s in self.stop):
-            raise ForerunError("stop strings must not be empty")
+            raise FieldError("stop", "stop strings must not be empty")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _whole(value) or not 0 <= value <= MAX_LOGPROBS):
-                raise ForerunError(
+                raise FieldError(
+                    name,
                     f"{name} must be a whole number from 0 to {MAX_LOGPROBS} (alternatives per "
-                    f"token), or None for no log probabilities, got {value!r}"
+                    f"token), or None for no log probabilities, got {value!r}",
                 )
         _check_adjustments(self)
 
@@ -104,27 +107,33 @@ def _check_adjustments(params: SamplingParams) -> None:
     elif bias is None:
         bias = ()
     if not isinstance(bias, tuple) or any(not isinstance(pair, tuple) or len(pair) != 2 for pair in bias):
-        raise ForerunError(f"logit_bias must be a dict of token id -> bias, got {params.logit_bias!r}")
+        raise FieldError("logit_bias", f"logit_bias must be a dict of token id -> bias, got {params.logit_bias!r}")
     for token, value in bias:
         if not _whole(token) or token < 0:
-            raise ForerunError(f"logit_bias keys must be token ids (whole numbers >= 0), got {token!r}")
+            raise FieldError("logit_bias", f"logit_bias keys must be token ids (whole numbers >= 0), got {token!r}")
         if not _number(value) or not -100 <= value <= 100:
-            raise ForerunError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+            raise FieldError(
+                "logit_bias", f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}"
+            )
     if len({token for token, _ in bias}) != len(bias):
-        raise ForerunError("logit_bias names a token twice")
+        raise FieldError("logit_bias", "logit_bias names a token twice")
     object.__setattr__(params, "logit_bias", tuple((int(t), float(v)) for t, v in bias))
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(params, name)
         if not _number(value) or not -2 <= value <= 2:
-            raise ForerunError(f"{name} must be a number in [-2, 2] (0 is off), got {value!r}")
+            raise FieldError(name, f"{name} must be a number in [-2, 2] (0 is off), got {value!r}")
     if not _number(params.repetition_penalty) or not params.repetition_penalty > 0:
-        raise ForerunError(f"repetition_penalty must be a number > 0 (1 is off), got {params.repetition_penalty!r}")
+        raise FieldError(
+            "repetition_penalty",
+            f"repetition_penalty must be a number > 0 (1 is off), got {params.repetition_penalty!r}",
+        )
     if not _whole(params.min_tokens) or not 0 <= params.min_tokens <= params.max_tokens:
-        raise ForerunError(
-            f"min_tokens must be a whole number from 0 to max_tokens ({params.max_tokens}), got {params.min_tokens!r}"
+        raise FieldError(
+            "min_tokens",
+            f"min_tokens must be a whole number from 0 to max_tokens ({params.max_tokens}), got {params.min_tokens!r}",
         )
     if not _number(params.min_p) or not 0 <= params.min_p <= 1:
-        raise ForerunError(f"min_p must be a number in [0, 1] (0 is off), got {params.min_p!r}")
+        raise FieldError("min_p", f"min_p must be a number in [0, 1] (0 is off), got {params.min_p!r}")
 
 
 def _number(value: object) -> bool:

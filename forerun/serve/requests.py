@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 
 from forerun.base.chat import chat_turns
 from forerun.base.config import SEED_RANGE, SamplingParams
-from forerun.base.errors import ForerunError
+from forerun.base.errors import FieldError, ForerunError
 from forerun.base.prompts import in_vocabulary, valid_unicode
 
 MAX_LOGPROBS = 20  # most alternatives a position's logprobs may list
@@ -364,12 +364,7 @@ def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list
     prompt but max_tokens' default (each prompt's room), and with a seed, sample i of every prompt
     seeded seed + i (as vLLM does)."""
     body = checked.body
-    temperature = number(body, "temperature", 1.0)
-    if temperature < 0:
-        raise BadRequest(f"temperature must be >= 0 (0 is greedy), got {temperature}", "temperature")
-    top_p = number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    temperature, top_p = number(body, "temperature", 1.0), number(body, "top_p", 1.0)
     top_k = integer(body, "top_k", 0)
     if top_k == -1:
         top_k = 0  # vLLM's "off"
@@ -384,8 +379,6 @@ def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list
         raise BadRequest(f"seed must be in [-2**63, 2**64 - n), got {seed}", "seed")
     stop = _stop_strings(body.get("stop"))
     adjustments = _adjustments(body, limits.vocab_size)
-    if adjustments["min_tokens"] > min(max_tokens):
-        raise BadRequest(f"min_tokens {adjustments['min_tokens']} is above max_tokens {min(max_tokens)}", "min_tokens")
     prompt_logprobs = checked.logprobs if checked.echo and checked.logprobs is not None else None
     try:
         return [
@@ -406,27 +399,18 @@ def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list
             ]
             for most in max_tokens
         ]
+    except FieldError as exc:  # SamplingParams' own ranges, the field named
+        raise BadRequest(str(exc), exc.field) from None
     except ForerunError as exc:
         raise BadRequest(str(exc), None) from None
 
 
 def _adjustments(body: dict, vocab_size: int) -> dict:
-    """logit_bias (token ids as strings or numbers, to a bias in [-100, 100]), the presence and
-    frequency penalties (in [-2, 2]), repetition_penalty (> 0) and min_p (in [0, 1]), as
-    SamplingParams' fields; each named when wrong."""
-    fields = {}
-    for name, low, high in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("min_p", 0, 1)):
-        fields[name] = number(body, name, 0.0)
-        if not low <= fields[name] <= high:
-            raise BadRequest(f"{name} must be in [{low}, {high}], got {fields[name]}", name)
-    fields["min_tokens"] = integer(body, "min_tokens", 0)
-    if fields["min_tokens"] < 0:
-        raise BadRequest(f"min_tokens must be >= 0, got {fields['min_tokens']}", "min_tokens")
+    """logit_bias (token ids as strings, each in the vocabulary, to a number), the penalties,
+    min_p and min_tokens, read as SamplingParams' fields (which check their ranges)."""
+    fields = {name: number(body, name, 0.0) for name in ("presence_penalty", "frequency_penalty", "min_p")}
     fields["repetition_penalty"] = number(body, "repetition_penalty", 1.0)
-    if fields["repetition_penalty"] <= 0:
-        raise BadRequest(
-            f"repetition_penalty must be > 0 (1 is off), got {fields['repetition_penalty']}", "repetition_penalty"
-        )
+    fields["min_tokens"] = integer(body, "min_tokens", 0)
     bias = body.get("logit_bias")
     if bias is None:
         return fields
@@ -448,7 +432,7 @@ def _adjustments(body: dict, vocab_size: int) -> dict:
             value = number(bias, key, None)
         except BadRequest:
             value = None
-        if value is None or not -100 <= value <= 100:
+        if value is None:
             raise BadRequest(f"logit_bias values must be numbers in [-100, 100], got {shown(bias[key])}", "logit_bias")
         fields["logit_bias"][token] = value
     return fields
