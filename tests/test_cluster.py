@@ -8,6 +8,7 @@ merged metrics, the flags) are tested on their own below.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -404,11 +405,12 @@ def test_ingress_metrics_label_each_source_and_count_only_lost_requests() -> Non
     metrics = IngressMetrics()
     metrics.failed("engine")  # the replica counted it
     metrics.failed("replica")
+    metrics.failed("relay")  # the ingress's call failed: no replica had it to count
     metrics.rejected(400)
     replica = 'forerun:request_success_total{finished_reason="stop"} 3.0\n'
     body, _ = metrics.merged({"r1": "# TYPE forerun:request_success_total counter\n" + replica})
     text = body.decode()
-    assert 'forerun:request_failure_total{replica="ingress"} 1.0' in text
+    assert 'forerun:request_failure_total{replica="ingress"} 2.0' in text
     assert 'forerun:request_rejected_total{replica="ingress",status="400"} 1.0' in text
     assert 'forerun:request_success_total{finished_reason="stop",replica="r1"} 3.0' in text
     assert text.count("# TYPE forerun:request_success_total counter") == 1
@@ -506,3 +508,22 @@ def test_the_router_prefers_the_keys_replica_until_it_is_busier_than_the_imbalan
     assert len(busy) == 1 and len(busy[0]) == 2
     assert _choose({**idle, first: 5}, key, imbalance=8)[0] == [first]  # a looser bound keeps it
     assert len(_choose(idle, None)[0]) == 2  # no key: two at random
+
+
+def test_a_job_refused_by_the_next_replica_after_its_first_was_lost_is_a_503_to_send_again() -> None:
+    from forerun.cluster.ingress import _Relayed
+    from forerun.cluster.jobs import Refused, Started
+    from forerun.serve.scheduler import Failed
+
+    events = []
+    request = type("R", (), {"on_event": staticmethod(lambda r, event: events.append(event))})()
+    loop = asyncio.new_event_loop()
+    try:
+        relayed = _Relayed([request], loop.create_future(), whole=True)
+        relayed.take(Started("r1"))  # the first replica took it, then was lost; the next refuses:
+        relayed.take(Refused("12 requests are already waiting", None, 503, "server_error", "queue_full"))
+    finally:
+        loop.close()
+    (failed,) = events
+    assert isinstance(failed, Failed) and failed.reason == "replica"  # 503 replica_lost, counted by the ingress
+    assert "another refused it (12 requests are already waiting); send it again" in failed.message

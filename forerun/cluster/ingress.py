@@ -108,7 +108,7 @@ class ReplicaBackend(Backend):
                 log.warning("forerun: a replica was lost before request's first token; trying another (%s)", exc)
             except Exception as exc:  # noqa: BLE001 - a failure of the call itself: the request ends with it
                 log.error("forerun: a request to the replicas failed: %s: %s", type(exc).__name__, exc)
-                relayed.fail(f"{type(exc).__name__}: {exc}", "engine")
+                relayed.fail(f"{type(exc).__name__}: {exc}", "relay")  # no replica counted it
                 return
 
     async def _attempt(self, job: Job, relayed: _Relayed) -> None:
@@ -137,8 +137,9 @@ class _Relayed:
         elif isinstance(item, Refused):
             if not self.started.done():
                 self.started.set_exception(item.error())
-            else:  # a second replica refused a job the first had taken
-                self._hand(0, Failed(item.message))
+            else:  # the first replica was lost, and the next would not take the job (queue full, ...)
+                message = f"the replica running this request was lost and another refused it ({item.message})"
+                self._hand(0, Failed(f"{message}; send it again", "replica"))
         else:
             index, event = item
             if self.whole:

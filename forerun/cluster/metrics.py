@@ -31,7 +31,9 @@ class IngressMetrics(ServerMetrics):
         pass  # counted by the replica that ran it
 
     def failed(self, reason: str = "engine") -> None:
-        if reason == "replica":  # the replica is gone and could not count it; it counted the others
+        # A replica lost could not count it, nor one the ingress's call failed before a replica had
+        # it ("relay"); a replica counted its own engine failures.
+        if reason in ("replica", "relay"):
             self.failures.inc()
 
     def merged(self, reports: dict[str, str]) -> tuple[bytes, str]:

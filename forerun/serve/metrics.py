@@ -116,8 +116,9 @@ class ServerMetrics:
 
     def failed(self, reason: str = "engine") -> None:
         """A request ended by a failure (scheduler.Failed's reason): "shutdown" (cut by a shutdown,
-        counted as vLLM counts an abort), else "engine" or "replica" (the replica running it was
-        lost: forerun/cluster), counted in request_failure."""
+        counted as vLLM counts an abort), else "engine", "replica" (the replica running it was
+        lost: forerun/cluster) or "relay" (the ingress's call to the replicas failed), counted in
+        request_failure."""
         if reason == "shutdown":
             self.requests.labels(finished_reason="abort").inc()
         else:

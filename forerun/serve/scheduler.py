@@ -65,7 +65,7 @@ class Done:
 class Failed:
     message: str
     # "engine": the engine failed; "shutdown": the server is stopping; "replica": the replica running
-    # it was lost (forerun/cluster)
+    # it was lost; "relay": the ingress's call to the replicas failed (both forerun/cluster)
     reason: str = "engine"
 
 
