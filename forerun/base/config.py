@@ -15,7 +15,7 @@ SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes (end ex
 MAX_LOGPROBS = 20  # most alternatives a token's log probability comes with (OpenAI's limit)
 
 
-def _whole(value: object) -> bool:
+def is_whole(value: object) -> bool:
     """A whole number, and not a bool (True is an int to Python, never a count or a seed here)."""
     return isinstance(value, Integral) and not isinstance(value, bool)
 
@@ -61,12 +61,12 @@ class SamplingParams:
             )
         if not 0 < self.top_p <= 1:
             raise FieldError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and (not _whole(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+        if self.seed is not None and (not is_whole(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             raise FieldError("seed", f"seed must be a whole number in [-2**63, 2**64), got {self.seed!r}")
         # Whole numbers only: a float slips past `< 0` (NaN always does) and fails deep in torch later.
-        if not _whole(self.top_k) or self.top_k < 0:
+        if not is_whole(self.top_k) or self.top_k < 0:
             raise FieldError("top_k", f"top_k must be a whole number >= 0 (0 keeps every token), got {self.top_k!r}")
-        if not _whole(self.max_tokens) or self.max_tokens < 1:
+        if not is_whole(self.max_tokens) or self.max_tokens < 1:
             raise FieldError("max_tokens", f"max_tokens must be a whole number >= 1, got {self.max_tokens!r}")
         if any(not isinstance(s, str) for s in self.stop):
             raise FieldError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
@@ -74,7 +74,7 @@ class SamplingParams:
             raise FieldError("stop", "stop strings must not be empty")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _whole(value) or not 0 <= value <= MAX_LOGPROBS):
+            if value is not None and (not is_whole(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise FieldError(
                     name,
                     f"{name} must be a whole number from 0 to {MAX_LOGPROBS} (alternatives per "
@@ -109,7 +109,7 @@ def _check_adjustments(params: SamplingParams) -> None:
     if not isinstance(bias, tuple) or any(not isinstance(pair, tuple) or len(pair) != 2 for pair in bias):
         raise FieldError("logit_bias", f"logit_bias must be a dict of token id -> bias, got {params.logit_bias!r}")
     for token, value in bias:
-        if not _whole(token) or token < 0:
+        if not is_whole(token) or token < 0:
             raise FieldError("logit_bias", f"logit_bias keys must be token ids (whole numbers >= 0), got {token!r}")
         if not _number(value) or not -100 <= value <= 100:
             raise FieldError(
@@ -127,7 +127,7 @@ def _check_adjustments(params: SamplingParams) -> None:
             "repetition_penalty",
             f"repetition_penalty must be a number > 0 (1 is off), got {params.repetition_penalty!r}",
         )
-    if not _whole(params.min_tokens) or not 0 <= params.min_tokens <= params.max_tokens:
+    if not is_whole(params.min_tokens) or not 0 <= params.min_tokens <= params.max_tokens:
         raise FieldError(
             "min_tokens",
             f"min_tokens must be a whole number from 0 to max_tokens ({params.max_tokens}), got {params.min_tokens!r}",
@@ -150,7 +150,7 @@ class SpeculativeConfig:
     k_policy: str = "adaptive"  # adaptive: each step's length from costs and acceptance; fixed: always K
 
     def __post_init__(self) -> None:
-        if not _whole(self.num_speculative_tokens):
+        if not is_whole(self.num_speculative_tokens):
             raise ForerunError(f"num_speculative_tokens must be a whole number, got {self.num_speculative_tokens!r}")
         if self.method is not None and self.num_speculative_tokens < 1:
             raise ForerunError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")

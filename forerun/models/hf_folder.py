@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
-from numbers import Integral, Real
+from numbers import Real
 from pathlib import Path
 
 import torch
 
+from forerun.base.config import is_whole
 from forerun.base.errors import ForerunError
 from forerun.base.files import load_tensors
 from forerun.models.decoder import SUPPORTED_ARCHITECTURES, DecoderConfig
@@ -25,7 +26,7 @@ def config_from_hf(raw: dict) -> DecoderConfig:
             f"unsupported architecture {arch!r} in config.json; forerun supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     _check_computable(raw)
-    missing = [key for key in REQUIRED if not _is_whole(raw.get(key)) or raw[key] < 1]
+    missing = [key for key in REQUIRED if not is_whole(raw.get(key)) or raw[key] < 1]
     if missing:
         raise ForerunError(
             f"config.json lacks a positive whole number for {', '.join(map(repr, missing))} (a {arch} model "
@@ -86,16 +87,12 @@ def _context(raw: dict, arch: str) -> int:
     return window
 
 
-def _is_whole(value: object) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
 def _whole(raw: dict, key: str, default: int | None) -> int | None:
     """A positive whole number of config.json's (absent or null: `default`)."""
     value = raw.get(key)
     if value is None:
         return default
-    if not _is_whole(value) or value < 1:
+    if not is_whole(value) or value < 1:
         raise ForerunError(f"config.json's {key} must be a positive whole number, got {value!r}: {_OWN_CONFIG}")
     return int(value)
 

@@ -16,12 +16,12 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from numbers import Integral, Real
+from numbers import Real
 
 from starlette.requests import ClientDisconnect
 
 from forerun.base.chat import chat_turns
-from forerun.base.config import SEED_RANGE, SamplingParams
+from forerun.base.config import SEED_RANGE, SamplingParams, is_whole
 from forerun.base.errors import FieldError, ForerunError
 from forerun.base.prompts import in_vocabulary, valid_unicode
 
@@ -289,7 +289,7 @@ def _completion_prompts(body: dict, limits: Limits) -> list[str | list[int]]:
     as the client libraries send it) or a batch (a list of strings, or of token-id lists, as OpenAI
     and vLLM take it), every one checked before any runs; a refusal names the prompt of a batch."""
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)):
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_whole(t) for t in prompt)):
         return [_one_prompt(prompt, limits)]
     if not isinstance(prompt, list):
         raise BadRequest(PROMPT_KINDS, "prompt")
@@ -315,7 +315,7 @@ def _one_prompt(prompt, limits: Limits) -> str | list[int]:
         if not prompt:
             raise BadRequest("prompt is empty: give at least one character", "prompt")
         return text(prompt, "prompt", limits.max_prompt_chars)
-    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_whole(t) for t in prompt):
         try:
             ids = in_vocabulary(prompt, limits.vocab_size)
         except ForerunError as exc:
@@ -536,10 +536,6 @@ def shown(value, most: int = 80) -> str:
     return text if len(text) <= most else text[: most - 3] + "..."
 
 
-def is_int(value) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
 def number(body: dict, name: str, default: float | None) -> float | None:
     value = body.get(name)
     if value is None:
@@ -549,7 +545,7 @@ def number(body: dict, name: str, default: float | None) -> float | None:
     except OverflowError:  # an integer too big for a float
         finite = False
     if not finite:
-        got = f"an integer of {len(str(abs(value)))} digits" if is_int(value) else shown(value)
+        got = f"an integer of {len(str(abs(value)))} digits" if is_whole(value) else shown(value)
         raise BadRequest(f"{name} must be a finite number, got {got}", name)
     return float(value)
 
@@ -558,7 +554,7 @@ def integer(body: dict, name: str, default: int | None) -> int | None:
     value = body.get(name)
     if value is None:
         return default
-    if not is_int(value):
+    if not is_whole(value):
         raise BadRequest(f"{name} must be a whole number, got {shown(value)}", name)
     return int(value)
 
