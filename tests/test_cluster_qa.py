@@ -343,3 +343,21 @@ def test_the_hub_waits_a_shutdown_for_replicas_busy_or_not_yet_draining() -> Non
     assert asyncio.run(hub.busy()) == 1
     asyncio.run(hub.report("r1", "", 0, True))
     assert asyncio.run(hub.busy()) == 0
+
+
+def test_a_second_signal_cuts_the_drain_at_once() -> None:
+    import threading
+    from types import SimpleNamespace
+
+    from forerun.cluster.app import _drain
+
+    def call(value):
+        return SimpleNamespace(remote=lambda *args: SimpleNamespace(result=lambda timeout_s: value))
+
+    hub = SimpleNamespace(drain=call(None), busy=call(1))  # a replica that stays busy
+    serve = SimpleNamespace(get_deployment_handle=lambda name, app_name: hub)
+    cut = threading.Event()
+    threading.Timer(0.5, cut.set).start()  # the second signal, half a second into a 60-second grace
+    began = time.monotonic()
+    _drain(serve, 60.0, cut)
+    assert time.monotonic() - began < 5

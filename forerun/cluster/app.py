@@ -162,9 +162,13 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         if not joined:  # a cluster that may grow later is left to place the replicas when it can
             _check_cpus(args, ray.cluster_resources())
-        stop = threading.Event()
+        stop, again = threading.Event(), threading.Event()  # a first signal drains, a second cuts
+
+        def on_signal(signum, frame) -> None:
+            (again if stop.is_set() else stop).set()
+
         for name in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(name, lambda signum, frame: stop.set())
+            signal.signal(name, on_signal)
         serve.start(http_options={"host": args.host, "port": args.port})
         _deploy(serve, args)
         where = ray.get_runtime_context().gcs_address
@@ -181,7 +185,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        _drain(serve, args.shutdown_timeout)
+        _drain(serve, args.shutdown_timeout, again)
     finally:
         if joined:
             serve.delete(APP_NAME)
@@ -225,16 +229,20 @@ def _why_not_started(serve) -> str | None:
     return None
 
 
-def _drain(serve, grace: float) -> None:
+def _drain(serve, grace: float, cut: threading.Event) -> None:
     """Stop as `forerun serve` does, while Serve's proxy still relays: every replica refuses new
     requests (503 shutting_down) and gives its running ones `grace` seconds, then cuts them with an
-    error event; returns once none is busy (the hub hears each replica's state every second)."""
+    error event; returns once none is busy (the hub hears each replica's state every second), or at
+    once when `cut` is set (a second signal)."""
     try:
         hub = serve.get_deployment_handle("ForerunHub", app_name=APP_NAME)
         hub.drain.remote(grace).result(timeout_s=10)
         deadline = time.monotonic() + grace + DRAIN_MARGIN_S
-        while time.monotonic() < deadline and hub.busy.remote().result(timeout_s=10):
+        while time.monotonic() < deadline and not cut.is_set() and hub.busy.remote().result(timeout_s=10):
             time.sleep(0.2)
+        if cut.is_set():
+            print("forerun: a second signal: cutting the running requests now", file=sys.stderr, flush=True)
+            return
         time.sleep(RELAY_S)
     except Exception as exc:  # noqa: BLE001 - Serve's own shutdown ends the requests then
         print(f"forerun: could not drain the replicas ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
