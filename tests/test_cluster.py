@@ -9,6 +9,7 @@ merged metrics, the flags) are tested on their own below.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -159,15 +161,22 @@ def folder(tmp_path_factory) -> Path:
     return save_hf_folder(tiny_model(seed=0), tmp_path_factory.mktemp("cluster") / "tiny")
 
 
-@pytest.fixture(scope="module")
-def cluster(folder):
-    running = Cluster(folder)
+@contextlib.contextmanager
+def two_replicas(folder: Path, extra: tuple[str, ...] = ()) -> Iterator[Cluster]:
+    """A cluster of two replicas on `folder`'s model, stopped cleanly (exit 0) at the end."""
+    running = Cluster(folder, extra=extra)
     try:
         running.wait_replicas(2)
         yield running
     finally:
         code = running.stop()
         assert code == 0, "".join(running.log[-40:])
+
+
+@pytest.fixture(scope="module")
+def cluster(folder):
+    with two_replicas(folder) as running:
+        yield running
 
 
 def key_for(replica: str, replicas: set[str], avoid: set[str] = frozenset()) -> str:

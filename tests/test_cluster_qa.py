@@ -21,7 +21,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="make test installs ray[serve] (requirements.txt)")
 
-from test_cluster import AUTH, KEY, RAY_ENV, Cluster, counter, key_for  # noqa: E402
+from test_cluster import AUTH, KEY, RAY_ENV, Cluster, counter, key_for, two_replicas  # noqa: E402
 from test_cluster import folder as folder  # noqa: E402, F401 - the module's tiny model folder
 
 from forerun.base.errors import ForerunError  # noqa: E402
@@ -34,13 +34,8 @@ LONG = {"max_tokens": 900, "ignore_eos": True}  # an answer that outlasts the te
 
 @pytest.fixture(scope="module")
 def qa(folder):
-    running = Cluster(folder, extra=("--max-waiting", "8"))
-    try:
-        running.wait_replicas(2)
+    with two_replicas(folder, ("--max-waiting", "8")) as running:
         yield running
-    finally:
-        code = running.stop()
-        assert code == 0, "".join(running.log[-40:])
 
 
 def _wait_for(predicate, seconds: float, what: str) -> None:

@@ -77,6 +77,27 @@ class Served:
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, **kw)
 
+    def send_raw(self, body: dict) -> socket.socket:
+        """A completions request sent whole on a connection of its own, left open: closing it is the
+        client going away."""
+        data = json.dumps(body).encode()
+        host, port = self.url.removeprefix("http://").split(":")
+        conn = socket.create_connection((host, int(port)), timeout=5)
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + KEY.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data)
+            + data
+        )
+        return conn
+
+    def wait_counts(self, counts: tuple[int, int], within_s: float, what: str = "") -> None:
+        """Wait until the scheduler runs and holds `counts` (running, waiting), at most `within_s`."""
+        deadline = time.monotonic() + within_s
+        while self.scheduler.counts() != counts:
+            assert time.monotonic() < deadline, f"{what}{self.scheduler.counts()}"
+            time.sleep(0.02)
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
@@ -209,10 +230,7 @@ def test_cancelled_requests_leave_nothing_behind(served) -> None:
     out = served.client(timeout=30).completions.create(model=NAME, prompt="abc", max_tokens=8, temperature=0)
     assert out.choices[0].text == alone(served.llm, "abc", max_tokens=8)
     assert time.monotonic() - start < 5
-    deadline = time.monotonic() + 5
-    while served.scheduler.counts() != (0, 0):
-        assert time.monotonic() < deadline, f"left in the scheduler: {served.scheduler.counts()}"
-        time.sleep(0.05)
+    served.wait_counts((0, 0), 5, "left in the scheduler: ")
 
 
 BAD = [

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 
@@ -230,10 +229,7 @@ def test_a_batch_s_samples_are_one_group_taken_all_or_none(target_tok) -> None:
         long = {"prompt": ["abc", "def"], "max_tokens": 500, "ignore_eos": True}
         thread = threading.Thread(target=send, args=(served, long))
         thread.start()  # both lanes taken
-        deadline = time.monotonic() + 20
-        while served.scheduler.counts() != (2, 0):
-            assert time.monotonic() < deadline, served.scheduler.counts()
-            time.sleep(0.01)
+        served.wait_counts((2, 0), 20)
         r = send(served, {"prompt": PROMPTS[:2], "max_tokens": 3})  # two would wait: one may
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
         assert served.scheduler.counts() == (2, 0)  # neither prompt was queued
@@ -249,33 +245,10 @@ def test_a_batch_s_samples_are_one_group_taken_all_or_none(target_tok) -> None:
 def test_a_client_gone_mid_batch_frees_every_prompt_s_samples(plain, monkeypatch, streamed) -> None:
     step = plain.batch.step
     monkeypatch.setattr(plain.batch, "step", lambda *a: time.sleep(0.02) or step(*a))  # 500 tokens: 10 s
-    body = json.dumps(
-        {
-            "model": NAME,
-            "prompt": PROMPTS,
-            "n": 2,
-            "max_tokens": 500,
-            "ignore_eos": True,
-            "temperature": 0,
-            "stream": streamed,
-        }
-    ).encode()
-    host, port = plain.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
-            + KEY.encode()
-            + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
-            + body
-        )
-        deadline = time.monotonic() + 20
-        while plain.scheduler.counts() != (6, 0):  # every prompt's samples running
-            assert time.monotonic() < deadline, plain.scheduler.counts()
-            time.sleep(0.01)
-    deadline = time.monotonic() + 3
-    while plain.scheduler.counts() != (0, 0):
-        assert time.monotonic() < deadline, f"left running for nobody: {plain.scheduler.counts()}"
-        time.sleep(0.02)
+    body = {"model": NAME, "prompt": PROMPTS, "n": 2, "max_tokens": 500, "ignore_eos": True, "temperature": 0}
+    with plain.send_raw({**body, "stream": streamed}):
+        plain.wait_counts((6, 0), 20, "not every prompt's samples running: ")
+    plain.wait_counts((0, 0), 3, "left running for nobody: ")
 
 
 # --- the replicas' job ---------------------------------------------------------------------------

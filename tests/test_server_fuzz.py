@@ -61,7 +61,4 @@ def test_no_request_the_fuzzer_makes_gets_a_5xx(served, mode) -> None:
         call()
     # Each mode reaches what it aims at: the engine (positive), the checks (negative).
     assert (200 if mode == GenerationMode.POSITIVE else 400) in statuses, statuses
-    deadline = time.monotonic() + 10
-    while served.scheduler.counts() != (0, 0):  # nothing left running or waiting
-        assert time.monotonic() < deadline, served.scheduler.counts()
-        time.sleep(0.05)
+    served.wait_counts((0, 0), 10, "left running or waiting: ")

@@ -5,7 +5,6 @@ stream_options of the wrong shape, and a queue that refused what it could take (
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -149,10 +148,7 @@ def test_n_beyond_max_waiting_runs_in_open_lanes_and_a_full_queue_is_a_503(targe
         long = {"model": NAME, "prompt": "abc", "max_tokens": 500, "ignore_eos": True, "n": 3}
         thread = threading.Thread(target=post, args=(served, long))
         thread.start()  # two running, one waiting
-        deadline = time.monotonic() + 20
-        while served.scheduler.counts() != (2, 1):
-            assert time.monotonic() < deadline, served.scheduler.counts()
-            time.sleep(0.01)
+        served.wait_counts((2, 1), 20)
         r = post(served, {"model": NAME, "prompt": "abc", "max_tokens": 3})
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
         thread.join(120)
@@ -170,23 +166,11 @@ def test_a_client_gone_before_its_answer_starts_leaves_nothing_running(served, m
     monkeypatch.setattr(tok, "encode", lambda text: time.sleep(1.0) or encode(text))
     step = served.batch.step
     monkeypatch.setattr(served.batch, "step", lambda *a: time.sleep(0.02) or step(*a))  # 500 tokens: 10 s
-    body = json.dumps(
-        {"model": NAME, "prompt": "abc", "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": stream}
-    ).encode()
-    host, port = served.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
-            + KEY.encode()
-            + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
-            + body
-        )
+    body = {"model": NAME, "prompt": "abc", "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": stream}
+    with served.send_raw(body):
         time.sleep(0.3)  # the body is read; the prompt is tokenizing
     time.sleep(1.2)  # the tokenizing is over: the request was queued, and its client is gone
-    deadline = time.monotonic() + 1.0
-    while served.scheduler.counts() != (0, 0):
-        assert time.monotonic() < deadline, f"left running for nobody: {served.scheduler.counts()}"
-        time.sleep(0.02)
+    served.wait_counts((0, 0), 1.0, "left running for nobody: ")
 
 
 def test_an_error_quotes_a_huge_value_cut_short(served) -> None:

@@ -92,6 +92,7 @@ class DraftModelDrafter(Drafter):
         self.setup = draft_setup(target, self.model, draft_vocab)
         self.vocab, self.head = self.setup.vocab, self.setup.head
         self.vocab_size = target.decoder.cfg.vocab_size
+        self.rows_short = self.model.decoder.cfg.vocab_size < self.vocab_size  # the target's head is larger
         self.cache: KVCache | None = None
         self.max_len = 0  # slots this request's cache needs
         self.prompt_len = 0  # the request's prompt tokens (what the context holds beyond them is output)
@@ -144,7 +145,7 @@ class DraftModelDrafter(Drafter):
         """`propose` as draft forwards yielded one by one (passes.py: a batch runs several
         sequences' forwards as one)."""
         pending = self._roll_back(context)
-        if max(pending) >= self.model.decoder.cfg.vocab_size:
+        if self.rows_short and max(pending) >= self.model.decoder.cfg.vocab_size:
             return None  # a token only the target's larger head has (one of its padding rows): no draft
         # The root is read on every proposal; only what lies before it is catch-up.
         admitted, self.admitted = self.admitted, False
