@@ -457,6 +457,12 @@ def test_spec_bench_is_bundled_with_its_licence_and_filters_by_task_kind() -> No
     two_each = load_prompts("spec-bench", ["translation", "writing"], limit_per_category=2)
     assert [p.category for p in two_each] == ["writing", "writing", "translation", "translation"]
     assert two_each[0].prompt_id == "81"  # Spec-Bench's own question_id
+    # An MT-bench category asked for by name reports as itself; the rest of MT-bench stays folded.
+    assert {p.task for p in load_prompts("spec-bench", ["coding"])} == {"coding"}
+    mixed = load_prompts("spec-bench", [MT_BENCH, "coding"])
+    assert len(mixed) == 80 and {p.task for p in mixed if p.category == "coding"} == {"coding"}
+    assert {p.task for p in mixed if p.category != "coding"} == {MT_BENCH}
+    assert {p.task for p in two_each} == {"writing", "translation"}
 
 
 def test_summary_takes_median_speedup_and_pools_acceptance() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from forerun.base.errors import ForerunError
@@ -21,7 +21,7 @@ DEFAULT_CATEGORY = "default"  # for prompts whose line has no `category`
 class Prompt:
     prompt_id: str  # stable across runs of the same file: the question_id, else the record number
     category: str  # as written in the file
-    task: str  # the task kind reports group by (Spec-Bench folds MT-bench into one)
+    task: str  # the task kind reports group by (Spec-Bench folds MT-bench into one, unless one is asked for)
     text: str  # the first user turn
 
 
@@ -31,7 +31,8 @@ def load_prompts(
     """Prompts of `dataset` ("spec-bench" or a JSONL path), in file order.
 
     `categories` keeps only those categories; a task kind (e.g. mt_bench) names all of its
-    categories. `limit_per_category` keeps the first N prompts of each category.
+    categories. A category asked for by its own name is its prompts' task kind (`coding` reports as
+    coding, not as mt_bench). `limit_per_category` keeps the first N prompts of each category.
     """
     is_spec_bench = dataset == SPEC_BENCH
     path = SPEC_BENCH_FILE if is_spec_bench else Path(dataset).expanduser()
@@ -43,8 +44,8 @@ def load_prompts(
         Prompt(ids[i], _category(r), _task(_category(r), is_spec_bench), r["prompt"]) for i, r in enumerate(records)
     ]
     if categories:
-        wanted = _expand_categories(categories, prompts)
-        prompts = [p for p in prompts if p.category in wanted]
+        wanted, named = _expand_categories(categories, prompts), set(categories)
+        prompts = [replace(p, task=p.category) if p.category in named else p for p in prompts if p.category in wanted]
     if limit_per_category is not None:
         if limit_per_category < 1:
             raise ForerunError(f"--limit-per-category must be at least 1, got {limit_per_category}")

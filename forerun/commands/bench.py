@@ -90,7 +90,8 @@ def register(sub) -> None:
         "--categories",
         type=_name_list,
         default=None,
-        help="comma-separated categories (or task kinds, e.g. mt_bench) to keep",
+        help="comma-separated categories (or task kinds, e.g. mt_bench) to keep; a category named here is "
+        "reported as its own task kind (coding, not mt_bench)",
     )
     g.add_argument("--limit-per-category", type=int, default=None, help="first N prompts of each category")
     g.add_argument(
