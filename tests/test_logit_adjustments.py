@@ -74,6 +74,10 @@ def test_min_p_drops_tokens_below_its_share_of_the_likeliest() -> None:
         ({"frequency_penalty": float("nan")}, "frequency_penalty must be a number in"),
         ({"repetition_penalty": 0}, "repetition_penalty must be a number > 0"),
         ({"min_p": 1.5}, "min_p must be a number in"),
+        # Integers too big for a float: named like any other number out of range, not an OverflowError.
+        ({"logit_bias": {5: 10**400}}, "logit_bias values must be numbers in"),
+        ({"min_p": 10**400}, "min_p must be a number in"),
+        ({"temperature": 10**400}, "temperature must be a finite number"),
     ],
 )
 def test_bad_adjustments_are_named(fields, message) -> None:

@@ -136,6 +136,7 @@ def test_a_tokenizer_with_more_tokens_than_the_model_has_rows_is_refused(folder:
     ("changes", "needle"),
     [
         ({"rope_theta": "abc"}, "rope_theta"),
+        ({"rope_theta": 10**400}, "rope_theta"),  # too big for a float: named, not an OverflowError
         ({"rms_norm_eps": 0}, "rms_norm_eps"),
         ({"rope_scaling": "linear"}, "rope_scaling"),
         ({"head_dim": -4}, "head_dim"),

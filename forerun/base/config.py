@@ -20,6 +20,16 @@ def is_whole(value: object) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
+def is_finite(value: object) -> bool:
+    """A real number a float holds finitely, not a bool (an integer too big for a float is not)."""
+    if not isinstance(value, Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 means greedy (argmax)
@@ -55,7 +65,7 @@ class SamplingParams:
                 raise FieldError(name, f"{name} must be a number, got {getattr(self, name)!r}")
         if not isinstance(self.ignore_eos, bool):
             raise FieldError("ignore_eos", f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+        if not (is_finite(self.temperature) and self.temperature >= 0):
             raise FieldError(
                 "temperature", f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}"
             )
@@ -111,7 +121,7 @@ def _check_adjustments(params: SamplingParams) -> None:
     for token, value in bias:
         if not is_whole(token) or token < 0:
             raise FieldError("logit_bias", f"logit_bias keys must be token ids (whole numbers >= 0), got {token!r}")
-        if not _number(value) or not -100 <= value <= 100:
+        if not is_finite(value) or not -100 <= value <= 100:
             raise FieldError(
                 "logit_bias", f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}"
             )
@@ -120,9 +130,9 @@ def _check_adjustments(params: SamplingParams) -> None:
     object.__setattr__(params, "logit_bias", tuple((int(t), float(v)) for t, v in bias))
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(params, name)
-        if not _number(value) or not -2 <= value <= 2:
+        if not is_finite(value) or not -2 <= value <= 2:
             raise FieldError(name, f"{name} must be a number in [-2, 2] (0 is off), got {value!r}")
-    if not _number(params.repetition_penalty) or not params.repetition_penalty > 0:
+    if not is_finite(params.repetition_penalty) or not params.repetition_penalty > 0:
         raise FieldError(
             "repetition_penalty",
             f"repetition_penalty must be a number > 0 (1 is off), got {params.repetition_penalty!r}",
@@ -132,13 +142,8 @@ def _check_adjustments(params: SamplingParams) -> None:
             "min_tokens",
             f"min_tokens must be a whole number from 0 to max_tokens ({params.max_tokens}), got {params.min_tokens!r}",
         )
-    if not _number(params.min_p) or not 0 <= params.min_p <= 1:
+    if not is_finite(params.min_p) or not 0 <= params.min_p <= 1:
         raise FieldError("min_p", f"min_p must be a number in [0, 1] (0 is off), got {params.min_p!r}")
-
-
-def _number(value: object) -> bool:
-    """A finite real number, not a bool."""
-    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
-from numbers import Real
 from pathlib import Path
 
 import torch
 
-from forerun.base.config import is_whole
+from forerun.base.config import is_finite, is_whole
 from forerun.base.errors import ForerunError
 from forerun.base.files import load_tensors
 from forerun.models.decoder import SUPPORTED_ARCHITECTURES, DecoderConfig
@@ -102,7 +101,7 @@ def _number(raw: dict, key: str, default: float) -> float:
     value = raw.get(key)
     if value is None:
         return default
-    if not isinstance(value, Real) or isinstance(value, bool) or not 0 < value < float("inf"):
+    if not is_finite(value) or not value > 0:
         raise ForerunError(f"config.json's {key} must be a positive number, got {value!r}: {_OWN_CONFIG}")
     return float(value)
 

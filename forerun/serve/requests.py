@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from numbers import Real
 
 from starlette.requests import ClientDisconnect
 
 from forerun.base.chat import chat_turns
-from forerun.base.config import SEED_RANGE, SamplingParams, is_whole
+from forerun.base.config import SEED_RANGE, SamplingParams, is_finite, is_whole
 from forerun.base.errors import FieldError, ForerunError
 from forerun.base.prompts import in_vocabulary, valid_unicode
 
@@ -540,11 +538,7 @@ def number(body: dict, name: str, default: float | None) -> float | None:
     value = body.get(name)
     if value is None:
         return default
-    try:
-        finite = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
-    except OverflowError:  # an integer too big for a float
-        finite = False
-    if not finite:
+    if not is_finite(value):
         got = f"an integer of {len(str(abs(value)))} digits" if is_whole(value) else shown(value)
         raise BadRequest(f"{name} must be a finite number, got {got}", name)
     return float(value)
