@@ -122,7 +122,9 @@ def test_auto_picks_q4_0_for_a_gguf_draft_and_gguf_for_the_target(monkeypatch, c
     monkeypatch.setattr(native, "available", lambda: False)
     monkeypatch.setattr(native, "problem", lambda: "no compiler")
     assert formats.resolve("q4_0", "cpu", "gguf", draft=True) == "w8a8"
-    assert "--quantization q4_0: no compiler; using w8a8 instead" in capsys.readouterr().err
+    assert "--speculative-quantization q4_0: no compiler; using w8a8 instead" in capsys.readouterr().err
+    assert formats.resolve("gguf", "cpu", "gguf") == "w8a8"  # the flag the user gave, named
+    assert "--quantization gguf: no compiler; using w8a8 instead" in capsys.readouterr().err
 
 
 def test_a_model_folder_cannot_take_q4_0(tmp_path: Path) -> None:

@@ -152,13 +152,13 @@ def resolve(
     """`name` with "auto" replaced by the choice for `device` and a model from `source_kind` ("gguf"
     for a GGUF file; `draft`: a draft model's), said on stderr once; `gguf` or `q4_0` where the native
     kernels cannot run here becomes w8a8, said once."""
+    flag = "--speculative-quantization" if draft else "--quantization"
     if name in NATIVE and torch.device(device).type == "cpu" and not native.available():
-        _say_once(f"--quantization {name}: {native.problem()}; using w8a8 instead")
+        _say_once(f"{flag} {name}: {native.problem()}; using w8a8 instead")
         return "w8a8"
     if name != AUTO:
         return name
     chosen, why = choose_auto(device, source_kind, draft)
-    flag = "--speculative-quantization" if draft else "--quantization"
     _say_once(f"{flag} auto: {chosen or 'none'} ({why})")
     return chosen
 

@@ -125,7 +125,7 @@ def main() -> int:
         path = build(verbose="-v" in sys.argv)
     except BuildError as exc:
         print(
-            f"forerun: the native kernels did not build ({exc}); --quantization gguf falls back to w8a8",
+            f"forerun: the native kernels did not build ({exc}); the gguf and q4_0 formats fall back to w8a8",
             file=sys.stderr,
         )
         return 0  # never fails an install: the formats that need no kernels still work
