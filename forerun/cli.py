@@ -22,10 +22,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def handler(args: argparse.Namespace):
+    """The function that runs the parsed command: `forerun serve --ray` goes to the replicas under Ray
+    Serve (forerun/cluster/app.py), which build on `forerun serve`'s own pieces."""
+    if args.command == "serve" and args.ray:
+        from forerun.cluster.app import run_cluster
+
+        return run_cluster
+    return args.func
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        return int(handler(args)(args) or 0)
     except ForerunError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

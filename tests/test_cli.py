@@ -11,7 +11,7 @@ import torch
 from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
-from forerun.cli import main
+from forerun.cli import build_parser, handler, main
 from forerun.models import decoder as decoder_module
 from forerun.models.embedded import EMBEDDED
 from forerun.models.testing import save_hf_folder, tiny_model
@@ -346,3 +346,13 @@ def test_malformed_flags_exit_2_through_argparse(capsys, folder: Path) -> None:
         main(["generate", "--model", str(folder), "--temperature", "hot"])
     assert exit_info.value.code == 2
     assert "--temperature" in capsys.readouterr().err
+
+
+def test_serve_with_ray_goes_to_the_cluster_and_without_it_to_one_engine() -> None:
+    from forerun.cluster.app import run_cluster
+    from forerun.commands import serve
+
+    parser = build_parser()
+    assert handler(parser.parse_args(["serve", "--model", "m", "--ray"])) is run_cluster
+    assert handler(parser.parse_args(["serve", "--model", "m"])) is serve.run
+    assert handler(parser.parse_args(["models", "list"])) is not run_cluster

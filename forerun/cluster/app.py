@@ -146,6 +146,9 @@ def build_app(config_args: dict):
 
 def run_cluster(args: argparse.Namespace) -> int:
     """Start (or join) Ray, run the application on --host/--port, serve until SIGTERM or SIGINT."""
+    from forerun.commands.serve import check
+
+    check(args)
     serve = _serve()
     import ray
 

@@ -133,13 +133,11 @@ def _add_ray_args(p) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """One engine behind the HTTP app (`forerun serve --ray` is forerun/cluster's, which cli.py hands
+    the same flags: the cluster builds on this module's pieces, never the other way)."""
     from forerun.serve.app import create_app
 
     check(args)
-    if args.ray:
-        from forerun.cluster.app import run_cluster
-
-        return run_cluster(args)
     engine = start_engine(args)
     config = server_config(args, engine.llm.target.decoder.cfg.max_position)
     app = create_app(engine.llm, engine.scheduler, config, engine.metrics)
