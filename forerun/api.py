@@ -6,11 +6,11 @@ import dataclasses
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from numbers import Integral, Real
+from numbers import Integral
 
 from forerun import drafters
 from forerun.base.chat import chat_turns
-from forerun.base.config import SamplingParams, SpeculativeConfig
+from forerun.base.config import SamplingParams, SpeculativeConfig, is_finite
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import in_vocabulary
 from forerun.engine.engine import Engine, RequestOutput
@@ -23,7 +23,11 @@ from forerun.policy.draft_length import DraftLengthPolicy
 from forerun.policy.pass_costs import cached_pass_costs
 from forerun.verification.logprobs import TokenLogprob
 
-PROMPT_FORMS = 'a prompt is a string, a list of token ids or a list of chat messages ({"role", "content"})'
+PROMPT_FORMS = (
+    'a prompt is a string, a list of token ids, a list of chat messages ({"role", "content"}) '
+    'or vLLM\'s {"prompt": text} or {"prompt_token_ids": ids}'
+)
+VLLM_PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 @dataclass
@@ -99,7 +103,8 @@ class LLM:
         **unknown: object,
     ) -> None:
         _check_unknown_args(unknown)
-        _check_llm_args(model, speculative_method, prefix_cache_mb)
+        _check_llm_args(model, speculative_method, prefix_cache_mb, device)
+        _check_speculative_args(speculative_model, speculative_method, speculative_options)
         draft = speculative_model if speculative_model is not None else (speculative_options or {}).get("model")
         if isinstance(draft, str):
             resolve(draft)  # a draft model that is not there is named before the target loads (minutes)
@@ -166,7 +171,9 @@ class LLM:
     def tokenizer(self):
         return self.target.tokenizer
 
-    def _prompt_ids(self, prompt: str | list[int] | list[dict]) -> list[int]:
+    def _prompt_ids(self, prompt: str | list[int] | list[dict] | dict) -> list[int]:
+        if isinstance(prompt, dict):
+            return self._prompt_ids(_vllm_prompt(prompt))
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ForerunError("this model has no tokenizer: pass token ids instead of text")
@@ -182,20 +189,27 @@ class LLM:
             raise ForerunError(f"{PROMPT_FORMS}, not a list of {' and '.join(kinds)}")
         return in_vocabulary(prompt, self.target.decoder.cfg.vocab_size)
 
-    def generate(self, prompts: str | Sequence, params: SamplingParams | None = None) -> list[GenerationResult]:
-        """Prompts are strings, token-id lists, or chat message lists."""
-        params = params or SamplingParams()
-        if not isinstance(prompts, (str, list, tuple)):
-            kind = type(prompts).__name__
-            raise ForerunError(f"prompts are one prompt or a list of them ({PROMPT_FORMS}), not a {kind}")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
-            prompts = [prompts]
-        return [self._run(p, params) for p in prompts]
+    def check_prompt(self, prompt: str | list[int] | list[dict], params: SamplingParams) -> list[int]:
+        """The prompt's token ids; a clear error where it cannot run with `params` (empty, beyond the
+        context, a logit bias beyond the vocabulary). A caller checks every prompt before generating any."""
+        ids = self._prompt_ids(prompt)
+        self.engine.check_fits(ids, params)
+        return ids
+
+    def generate(
+        self, prompts: str | Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Prompts are strings, token-id lists, or chat message lists; `params` is one SamplingParams
+        for all or, as in vLLM, a list of one per prompt. Every prompt is checked before any runs."""
+        prompts = _prompt_list(prompts)
+        each = _params_per_prompt(params, len(prompts), "prompts")
+        ids = [self.check_prompt(p, one) for p, one in zip(prompts, each)]
+        return [self._run(p, one, i) for p, one, i in zip(prompts, each, ids)]
 
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
-        params: SamplingParams | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
     ) -> list[GenerationResult]:
@@ -204,36 +218,43 @@ class LLM:
         False) the last, assistant's message is left open for the answer to go on."""
         if not isinstance(messages, (list, tuple)) or not all(isinstance(c, (list, tuple, dict)) for c in messages):
             raise ForerunError('messages are a list of {"role", "content"} objects, or a list of such lists')
+        for name, value in (
+            ("add_generation_prompt", add_generation_prompt),
+            ("continue_final_message", continue_final_message),
+        ):
+            if not isinstance(value, bool):
+                raise ForerunError(f"{name} must be True or False, got {value!r}")
         if continue_final_message and add_generation_prompt:
             raise ForerunError("continue_final_message continues the last message: pass add_generation_prompt=False")
         if self.tokenizer is None:
             raise ForerunError("this model has no tokenizer (and no chat template): pass token ids to generate")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        results = []
-        for conversation in conversations:
+        each = _params_per_prompt(params, len(conversations), "conversations")
+        runs = []  # every conversation checked before any runs
+        for conversation, one in zip(conversations, each):
             turns = chat_turns(conversation)
             if continue_final_message and turns[-1]["role"] != "assistant":
                 raise ForerunError(
                     f"continue_final_message needs the assistant's message last, not {turns[-1]['role']!r}"
                 )
             ids = self.tokenizer.apply_chat(turns, add_generation_prompt, continue_final_message)
-            results.append(self._run(turns, params or SamplingParams(), ids))
-        return results
+            self.engine.check_fits(ids, one)
+            runs.append((turns, one, ids))
+        return [self._run(turns, one, ids) for turns, one, ids in runs]
 
     def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None) -> Iterator[str]:
         """Text pieces as they become final; the finished result is then in `last_result`."""
         _check_params(params)
-        ids = self._prompt_ids(prompt)
+        params = params or SamplingParams()
+        ids = self.check_prompt(prompt, params)
         done: list[RequestOutput] = []
-        for step in self.engine.stream(ids, params or SamplingParams(), done):
+        for step in self.engine.stream(ids, params, done):
             if step.text:
                 yield step.text
         self.last_result = self._result(prompt, ids, done[0])
 
-    def _run(self, prompt, params: SamplingParams, ids: list[int] | None = None) -> GenerationResult:
-        """`prompt` generated from (`ids`: its tokens, where the caller made them)."""
-        _check_params(params)
-        ids = self._prompt_ids(prompt) if ids is None else ids
+    def _run(self, prompt, params: SamplingParams, ids: list[int]) -> GenerationResult:
+        """`prompt` generated from `ids`, its tokens."""
         self.last_result = self._result(prompt, ids, self.engine.generate(ids, params))
         return self.last_result
 
@@ -257,20 +278,93 @@ def _check_unknown_args(unknown: dict) -> None:
         )
 
 
-def _check_llm_args(model: object, method: object, prefix_cache_mb: object) -> None:
-    if not isinstance(prefix_cache_mb, Real) or not prefix_cache_mb >= 0:
+def _check_llm_args(model: object, method: object, prefix_cache_mb: object, device: object) -> None:
+    # Finite: an infinite budget has no size in bytes.
+    if not is_finite(prefix_cache_mb) or not prefix_cache_mb >= 0:
         raise ForerunError(f"prefix_cache_mb must be a number, 0 (none) or more, got {prefix_cache_mb!r}")
     if not isinstance(model, (str, os.PathLike, LoadedModel)):
         raise ForerunError(f"model must be a name, a path or a LoadedModel, not {type(model).__name__}")
     if method is not None and (not isinstance(method, str) or not method):
         raise ForerunError(f"speculative_method must name a drafter, or be None for none; got {method!r}")
+    if not isinstance(device, str):
+        raise ForerunError(f"device must be a string (cpu or cuda), got {device!r}")
 
 
-def _check_params(params: object) -> None:
+def _check_speculative_args(draft: object, method: object, options: object) -> None:
+    """The draft model and the drafter's options of the right kind, and options only with a drafter."""
+    if options is not None and not isinstance(options, dict):
+        raise ForerunError(
+            f"speculative_options must be a dict of the drafter's settings (e.g. {{'ngram_max': 3}}), "
+            f"not a {type(options).__name__}"
+        )
+    for name, value in (("speculative_model", draft), ('speculative_options["model"]', (options or {}).get("model"))):
+        if value is not None and not isinstance(value, (str, os.PathLike, LoadedModel)):
+            raise ForerunError(f"{name} must be a name, a path or a LoadedModel, not {type(value).__name__}")
+    if options and method is None and draft is None:
+        raise ForerunError(
+            f"speculative_options ({', '.join(map(str, options))}) go to a drafter, but none is named: "
+            "give speculative_method (or speculative_model), or leave the options out"
+        )
+
+
+def _check_params(params: object, what: str = "params") -> None:
     if params is not None and not isinstance(params, SamplingParams):
         raise ForerunError(
-            f"params must be a SamplingParams (e.g. SamplingParams(max_tokens=64)), not a {type(params).__name__}"
+            f"{what} must be a SamplingParams (e.g. SamplingParams(max_tokens=64)), not a {type(params).__name__}"
         )
+
+
+def _params_per_prompt(params: object, count: int, what: str) -> list[SamplingParams]:
+    """One SamplingParams for each of `count` prompts: `params` for all, or (vLLM's form) a list of
+    one per prompt."""
+    if not isinstance(params, (list, tuple)):
+        _check_params(params)
+        return [params if params is not None else SamplingParams()] * count
+    if len(params) != count:
+        raise ForerunError(
+            f"params is a list of {len(params)} SamplingParams for {count} {what}: "
+            "give one per prompt, or a single SamplingParams for all"
+        )
+    for index, one in enumerate(params):
+        _check_params(one, f"params[{index}]")
+    return list(params)
+
+
+def _prompt_list(prompts: object) -> list:
+    """`prompts` as a list of prompts: one prompt (text, token ids, messages, a vLLM prompt dict) is a
+    list of one."""
+    if _is_vllm_prompt(prompts):
+        return [prompts]
+    if not isinstance(prompts, (str, list, tuple)):
+        raise ForerunError(f"prompts are one prompt or a list of them ({PROMPT_FORMS}), not a {type(prompts).__name__}")
+    # Integral, not int: a numpy integer is a token id too.
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], Integral)):
+        return [prompts]
+    if prompts and isinstance(prompts[0], dict) and not _is_vllm_prompt(prompts[0]):
+        return [prompts]  # one conversation's messages
+    return list(prompts)
+
+
+def _is_vllm_prompt(prompt: object) -> bool:
+    """vLLM's {"prompt": text} or {"prompt_token_ids": ids}: a dict that is no chat message."""
+    return isinstance(prompt, dict) and "role" not in prompt and any(key in prompt for key in VLLM_PROMPT_KEYS)
+
+
+def _vllm_prompt(prompt: dict) -> str | list:
+    """The text or the token ids of a vLLM prompt dict, a clear error for any other dict."""
+    given = [key for key in VLLM_PROMPT_KEYS if key in prompt]
+    others = sorted(map(str, set(prompt) - set(VLLM_PROMPT_KEYS)))
+    if len(given) != 1 or others:
+        why = f"it has {', '.join(others)}" if others else "it has " + (" and ".join(given) or "neither")
+        raise ForerunError(f"{PROMPT_FORMS}; a prompt dict holds exactly one of prompt and prompt_token_ids: {why}")
+    value = prompt[given[0]]
+    if given[0] == "prompt" and not isinstance(value, str):
+        raise ForerunError(f'a prompt dict\'s "prompt" is text, not a {type(value).__name__}')
+    if given[0] == "prompt_token_ids" and (
+        not isinstance(value, (list, tuple)) or any(isinstance(t, (dict, list, tuple)) for t in value)
+    ):
+        raise ForerunError(f'a prompt dict\'s "prompt_token_ids" is a list of token ids, got {value!r:.80}')
+    return value
 
 
 def _with_draft_loaded(options: dict, dtype: str, device: str) -> dict:

@@ -47,7 +47,7 @@ def test_a_wrong_prompt_is_named_before_any_model_work(llm: LLM, prompt, needle:
     assert needle in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("prompts", [None, 5, {"prompt": "hi"}])
+@pytest.mark.parametrize("prompts", [None, 5, {"text": "hi"}])  # ({"prompt": ...} is vLLM's form)
 def test_prompts_that_are_no_prompt_at_all_are_named(llm: LLM, prompts) -> None:
     with pytest.raises(ForerunError, match=f"not a {type(prompts).__name__}"):
         llm.generate(prompts, PARAMS)

@@ -101,7 +101,7 @@ def _add_draft_model_args(g: argparse._ArgumentGroup, quantization: str | None) 
     )
     g.add_argument(
         "--draft-min-confidence",
-        type=float,
+        type=fraction,
         default=0.0,
         help="end a draft early when the draft model's top probability falls below this",
     )
@@ -219,14 +219,31 @@ def at_least(least: int):
 positive_int = at_least(1)  # a flag's whole number of 1 or more
 
 
+def fraction(text: str) -> float:
+    """An argparse type: a flag's probability, a number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0 <= value <= 1:  # NaN too, which no comparison passes
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text}")
+    return value
+
+
 def spec_from_args(args: argparse.Namespace, method: str | None = None) -> tuple[str | None, dict]:
     """(method, that method's options) from parsed flags; `method` overrides --speculative-method."""
+    named = method is None  # the method is the flags' own, not the caller's
     method = method or args.speculative_method or ("auto" if args.speculative_model else None)
     if method is None:
         return None, {}
     drafters.lookup(method)  # an unknown name is refused before any model loads
     if drafters.needs_draft_model(method) and not args.speculative_model:
         raise ForerunError(f"--speculative-method {method} needs --speculative-model")
+    if named and args.speculative_model and not drafters.needs_draft_model(method):
+        raise ForerunError(
+            f"--speculative-model is a draft model, but --speculative-method {method} runs none; "
+            f"use --speculative-method {' or '.join(drafters.draft_model_methods())}, or leave one of the two out"
+        )
     names = drafters.cli_options(method)  # each method's own flags: a drafter receives only its own
     # "none" (a format flag's own dtype) is no option at all.
     options = {kw: getattr(args, dest) for dest, kw in names.items() if getattr(args, dest, None) not in (None, "none")}
@@ -274,6 +291,10 @@ def _bias(text: str) -> tuple[int, float]:
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    tokens = [token for token, _ in args.logit_bias]
+    twice = next((token for token in tokens if tokens.count(token) > 1), None)
+    if twice is not None:  # a dict would keep the last silently
+        raise ForerunError(f"--logit-bias names token {twice} twice: give each token one bias")
     return SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,

@@ -7,6 +7,7 @@ import json
 import sys
 
 from forerun.api import LLM
+from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import read_prompts_file, valid_unicode
 from forerun.commands.common import (
@@ -55,10 +56,10 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     llm = build_llm(args)
     speculative = llm.spec.method is not None
-    for index, text in enumerate(prompts):
-        prompt = [{"role": "user", "content": text}] if args.chat else text
+    prompts = [[{"role": "user", "content": text}] if args.chat else text for text in prompts]
+    for index, ids in enumerate(checked_prompts(llm, prompts, params)):
         if args.json:
-            result = llm.generate([prompt], params)[0]
+            result = llm.generate([ids], params)[0]
             record = {
                 "prompt_index": index,
                 "text": result.text,
@@ -76,13 +77,27 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(record), flush=True)
             continue
         result = None
-        for piece in llm.stream(prompt, params):
+        for piece in llm.stream(ids, params):
             sys.stdout.write(piece)
             sys.stdout.flush()
         result = llm.last_result
         print()
         print(summary_line(result, speculative), file=sys.stderr)
     return 0
+
+
+def checked_prompts(llm: LLM, prompts: list, params: SamplingParams) -> list[list[int]]:
+    """Each prompt's token ids, every one checked before the first is generated (a bad later prompt
+    must not stop the command halfway through its output)."""
+    ids = []
+    for index, prompt in enumerate(prompts):
+        try:
+            ids.append(llm.check_prompt(prompt, params))
+        except ForerunError as exc:
+            raise ForerunError(
+                f"prompt {index + 1} of {len(prompts)}: {exc}" if len(prompts) > 1 else str(exc)
+            ) from None
+    return ids
 
 
 def summary_line(result, speculative: bool) -> str:
