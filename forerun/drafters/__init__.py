@@ -7,6 +7,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from forerun.base.config import is_finite, is_whole
 from forerun.base.errors import ForerunError
 from forerun.drafters.base import Drafter
 
@@ -95,6 +96,26 @@ def _check_options(name: str, factory, options: dict) -> None:
             f"speculative method {name!r} takes no option {', '.join(map(repr, unknown))}; "
             f"its options: {', '.join(takes) or 'none'}"
         )
+    for key, value in options.items():
+        _check_kind(name, key, value, params[key].default)
+
+
+def _check_kind(name: str, key: str, value: object, default: object) -> None:
+    """An option of the kind its default is: a whole number or a finite number (none of a drafter's
+    counts, lengths, shares or thresholds is below 0), True or False, text. Options without a
+    default of one of those kinds are the drafter's own to check."""
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, bool), "True or False"
+    elif isinstance(default, int):
+        ok, kind = is_whole(value) and value >= 0, "a whole number >= 0"
+    elif isinstance(default, float):
+        ok, kind = is_finite(value) and value >= 0, "a finite number >= 0"
+    elif isinstance(default, str):
+        ok, kind = isinstance(value, str), "text"
+    else:
+        return
+    if not ok:
+        raise ForerunError(f"speculative method {name!r}: option {key} must be {kind}, got {value!r}")
 
 
 def _import_all() -> None:
