@@ -275,6 +275,14 @@ def test_prompts_file_with_invalid_json_or_missing_file_exits_2(capsys, folder: 
     assert_user_error(*generate(capsys, folder, "--prompts-file", str(tmp_path / "none.jsonl"))[::2], "does not exist")
     prompts.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
     assert_user_error(*generate(capsys, folder, "--prompts-file", str(prompts))[::2], "not UTF-8")
+    assert_user_error(*generate(capsys, folder, "--prompts-file", str(tmp_path))[::2], "is a folder", ".jsonl")
+
+
+def test_a_prompts_file_with_a_byte_order_mark_is_read(capsys, folder: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "bom.jsonl"
+    prompts.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "ab"}).encode() + b"\n")
+    code, out, _ = generate(capsys, folder, "--prompts-file", str(prompts), "--json", "--max-tokens", "2")
+    assert code == 0 and json.loads(out.splitlines()[0])["num_generated_tokens"] >= 1
 
 
 def test_a_prompt_that_is_not_valid_unicode_exits_2_naming_the_character(capsys, folder: Path, tmp_path: Path) -> None:

@@ -88,10 +88,12 @@ def in_vocabulary(ids: list[int], vocab_size: int) -> list[int]:
 def read_prompts_file(path: str | Path) -> list[dict]:
     """JSONL records with `prompt` (or `turns`, whose first item is used); other fields are kept."""
     path = Path(path)
+    if path.is_dir():
+        raise ForerunError(f"prompts file {path} is a folder: give a .jsonl file, one JSON object a line")
     if not path.is_file():
         raise ForerunError(f"prompts file {path} does not exist")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is no text
     except UnicodeDecodeError as exc:
         raise ForerunError(f"prompts file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     records = []
