@@ -288,6 +288,16 @@ def test_a_killed_writers_temporaries_are_removed_by_the_next_write(tmp_path: Pa
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
 
 
+def test_a_folder_where_a_file_is_written_is_named_not_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "weights.safetensors").mkdir()
+    with pytest.raises(ForerunError, match="a folder stands where the file goes; move it away"):
+        files.save_tensors(tmp_path / "weights.safetensors", {"x": torch.ones(3)})
+    (tmp_path / "plain").write_bytes(b"\0")
+    with pytest.raises(ForerunError, match="a file stands in its path"):
+        files.save_tensors(tmp_path / "plain" / "weights.safetensors", {"x": torch.ones(3)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain", "weights.safetensors"]  # no temporary left
+
+
 def test_safetensors_own_temporary_file_is_made_inside_the_writers_temporary(tmp_path: Path, monkeypatch) -> None:
     """safetensors writes a temporary of its own (`.tmpXXXXXX`) beside the file it is given and
     renames it: a process killed then leaves it where the next write finds it, not in the cache."""

@@ -65,13 +65,20 @@ def write_atomically(path: Path, write: Callable[[Path], None], member: str | No
             shutil.rmtree(path)
         os.replace(written, path)
     except OSError as exc:
+        in_path = exc.errno == errno.ENOTDIR or (exc.errno == errno.EEXIST and not path.parent.is_dir())
+        if exc.errno == errno.EISDIR or in_path:
+            what = "a file stands in its path" if in_path else "a folder stands where the file goes"
+            raise ForerunError(
+                f"cannot write {path}: {what}; move it away, or point FORERUN_HOME (or the output folder) "
+                "at another folder"
+            ) from None
         if exc.errno not in _WRITE_ERRORS:
             raise
         raise _unwritable(path, exc.strerror or str(exc)) from None
     finally:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
-        else:
+        elif path.parent.is_dir():  # (a file in the path: no temporary could be made)
             tmp.unlink(missing_ok=True)
 
 

@@ -96,6 +96,8 @@ def read_prompts_file(path: str | Path) -> list[dict]:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is no text
     except UnicodeDecodeError as exc:
         raise ForerunError(f"prompts file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:  # unreadable: its permissions, a device error
+        raise ForerunError(f"prompts file {path} cannot be read ({exc.strerror or exc})") from None
     records = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from forerun.models.embedded import EMBEDDED
-from forerun.models.fetch import fetch, list_models
+from forerun.base.errors import ForerunError
+from forerun.models.embedded import EMBEDDED, EmbeddedModel
+from forerun.models.fetch import fetch, list_models, model_file
 
 
 def register(sub) -> None:
@@ -34,6 +35,25 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    for name in args.names or list(EMBEDDED):
-        print(fetch(name, force=args.force))
+    for model in _to_fetch(args.names or list(EMBEDDED)):
+        print(fetch(model.name, force=args.force))
     return 0
+
+
+def _to_fetch(names: list[str]) -> list[EmbeddedModel]:
+    """The models named, each once, checked before any download starts: a typo in the last name
+    must not cost the download of the first, nor a folder in a model file's place its download."""
+    known = ", ".join(EMBEDDED)
+    for name in names:
+        if name not in EMBEDDED:
+            raise ForerunError(
+                f"unknown model name {name!r}; embedded models are: {known} (`forerun models list` shows them)"
+            )
+    models = [EMBEDDED[name] for name in dict.fromkeys(names)]
+    for model in models:
+        if model_file(model).is_dir():
+            raise ForerunError(
+                f"{model_file(model)} is a folder, where `forerun models fetch` writes {model.name}; "
+                "move it away, or point FORERUN_HOME at another folder"
+            )
+    return models

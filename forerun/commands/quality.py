@@ -18,8 +18,9 @@ from tqdm import tqdm
 from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
-from forerun.base.prompts import load_prompts
+from forerun.base.prompts import Prompt, load_prompts
 from forerun.commands.common import add_kv_cache_arg
+from forerun.engine.engine import check_prompt_fits
 from forerun.models import linear
 from forerun.models.formats import AUTO, NATIVE
 from forerun.models.load import QUANTIZATIONS
@@ -55,10 +56,9 @@ def run(args: argparse.Namespace) -> int:
     tok = reference.tokenizer
     if tok is None:
         raise ForerunError(f"model {args.model} has no tokenizer; the quality check needs one to encode its prompts")
-    chat = bool(getattr(tok.hf, "chat_template", None))
+    encoded = _encode(prompts, tok, args.max_tokens, reference.target.decoder.cfg.max_position)
     texts = []  # (task, prompt ids, continuation ids)
-    for p in tqdm(prompts, desc="reference continuations", unit="prompt", file=sys.stderr):
-        ids = tok.apply_chat([{"role": "user", "content": p.text}]) if chat else tok.encode(p.text)
+    for p, ids in tqdm(list(zip(prompts, encoded)), desc="reference continuations", unit="prompt", file=sys.stderr):
         out = reference.generate([ids], SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))[0]
         texts.append((p.task, ids, out.token_ids))
     ref_logits = [continuation_logits(reference, ids, cont) for _, ids, cont in texts]
@@ -76,6 +76,21 @@ def run(args: argparse.Namespace) -> int:
         del model
     print(json.dumps(table, indent=1) if args.json else render(table))
     return 0
+
+
+def _encode(prompts: list[Prompt], tok, max_tokens: int, limit: int) -> list[list[int]]:
+    """Every prompt's ids, each checked to fit the model's context of `limit` with `max_tokens` after
+    it before the reference writes any continuation; an error names the dataset's prompt."""
+    chat = bool(getattr(tok.hf, "chat_template", None))
+    encoded = []
+    for p in prompts:
+        ids = tok.apply_chat([{"role": "user", "content": p.text}]) if chat else tok.encode(p.text)
+        try:
+            check_prompt_fits(limit, ids, max_tokens)
+        except ForerunError as exc:
+            raise ForerunError(f"--dataset prompt {p.prompt_id} (category {p.category}): {exc}") from None
+        encoded.append(ids)
+    return encoded
 
 
 def _check_formats(model: str, formats: list[str]) -> None:

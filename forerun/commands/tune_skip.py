@@ -19,6 +19,7 @@ from forerun.commands.common import (
     positive_int,
     sampling_from_args,
 )
+from forerun.commands.generate import checked_prompts
 from forerun.drafters.early_exit import draft_layers
 from forerun.engine.metrics import SpecMetrics
 
@@ -79,6 +80,11 @@ def candidate_settings(
     """The settings to try: the user's, or prefixes at 1/4, 1/2, 3/4 depth and skip sets that keep
     the first and last layers (which matter most) and drop middle ones, as SWIFT finds works."""
     n = num_layers
+    if n < 2:  # --layers 1 is the whole model, and --skip leaves no layer
+        raise ForerunError(
+            f"early exit drafts with part of a model's layers, and this model has only {n}: there is no setting "
+            "to try; give a model of 2 layers or more"
+        )
     if layers is None and skips is None:
         layers = sorted({d for d in (n // 4, n // 2, 3 * n // 4) if 1 <= d < n})
         inner = range(1, n - 1)  # the first and last layers always run
@@ -176,7 +182,9 @@ def run(args: argparse.Namespace) -> int:
     target = plain.target
     check_settings(target.decoder.cfg.num_layers, args.layers, skips)
     settings = candidate_settings(target.decoder.cfg.num_layers, args.layers, skips)
-    plain.generate([prompts[0]], SamplingParams(max_tokens=4))  # warm-up: first calls are slow
+    checked_prompts(plain, prompts, params)  # every prompt can run, before any is measured
+    # Warm-up (first calls are slow), no longer than the measured runs: a prompt that fits those fits it.
+    plain.generate([prompts[0]], SamplingParams(max_tokens=min(4, params.max_tokens)))
     rows = [measure(plain, Setting("plain decoding", "", {}), prompts, params)]
     for setting in settings:
         llm = LLM(
