@@ -105,6 +105,7 @@ class LLM:
         _check_unknown_args(unknown)
         _check_llm_args(model, speculative_method, prefix_cache_mb, device)
         _check_speculative_args(speculative_model, speculative_method, speculative_options)
+        speculative_model, speculative_options = _named_by_text(speculative_model, speculative_options)
         draft = speculative_model if speculative_model is not None else (speculative_options or {}).get("model")
         if isinstance(draft, str):
             resolve(draft)  # a draft model that is not there is named before the target loads (minutes)
@@ -119,19 +120,9 @@ class LLM:
         self.last_result: GenerationResult | None = None
         options = dict(speculative_options or {})
         if speculative_model is not None:
-            if speculative_method is not None and not drafters.needs_draft_model(speculative_method):
-                methods = drafters.draft_model_methods()
-                raise ForerunError(
-                    f"speculative_model is a draft model, but speculative_method {speculative_method!r} "
-                    f"runs none; use {' or '.join(methods)}, or leave it out"
-                )
-            speculative_method = speculative_method or "auto"
-            options.setdefault("model", speculative_model)
+            speculative_method = _with_draft_model(options, speculative_model, speculative_method, quantization)
             options.setdefault("dtype", dtype)
             options.setdefault("device", device)
-            if quantization is not None and not isinstance(speculative_model, LoadedModel):
-                # A draft named by path takes the target's format ("auto": the choice for a draft).
-                options.setdefault("quantize", quantization)
         if kv_cache_dtype is not None and "model" in options:  # a draft model's caches too
             options.setdefault("kv_cache_dtype", kv_cache_dtype)
         if drafters.needs_draft_model(speculative_method) and "model" not in options:
@@ -365,6 +356,29 @@ def _vllm_prompt(prompt: dict) -> str | list:
     ):
         raise ForerunError(f'a prompt dict\'s "prompt_token_ids" is a list of token ids, got {value!r:.80}')
     return value
+
+
+def _named_by_text(draft: object, options: dict | None) -> tuple[object, dict | None]:
+    """A draft model given as a path object (pathlib.Path) as the text of its path, like a name."""
+    if isinstance(draft, os.PathLike):
+        draft = os.fspath(draft)
+    if options is not None and isinstance(options.get("model"), os.PathLike):
+        options = {**options, "model": os.fspath(options["model"])}
+    return draft, options
+
+
+def _with_draft_model(options: dict, draft: object, method: str | None, quantization: str | None) -> str:
+    """`options` given the draft model `draft` (and, for one named by path, the target's format:
+    "auto" is the choice for a draft); the method that runs it ("auto" unless one is named)."""
+    if method is not None and not drafters.needs_draft_model(method):
+        raise ForerunError(
+            f"speculative_model is a draft model, but speculative_method {method!r} runs none; "
+            f"use {' or '.join(drafters.draft_model_methods())}, or leave it out"
+        )
+    options.setdefault("model", draft)
+    if quantization is not None and not isinstance(draft, LoadedModel):
+        options.setdefault("quantize", quantization)
+    return method or "auto"
 
 
 def _with_draft_loaded(options: dict, dtype: str, device: str) -> dict:

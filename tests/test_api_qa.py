@@ -191,3 +191,13 @@ def test_a_draft_min_confidence_outside_0_to_1_exits_2_through_argparse(capsys, 
         )
     assert exit_info.value.code == 2
     assert f"--draft-min-confidence: must be a number from 0 to 1, got {value}" in capsys.readouterr().err
+
+
+def test_a_draft_model_given_as_a_path_object_is_loaded_once_and_checked_first(folder: Path, tmp_path: Path) -> None:
+    from forerun.models.load import LoadedModel
+
+    llm = LLM(str(folder), dtype="float32", speculative_model=folder)  # a pathlib.Path, as a name would be
+    assert isinstance(llm.spec.options["model"], LoadedModel)  # loaded here, shared by every engine
+    assert llm.spec.method == "auto"
+    with pytest.raises(ForerunError, match="missing"):
+        LLM(str(folder), dtype="float32", speculative_model=tmp_path / "missing")
