@@ -180,7 +180,7 @@ class LLM:
             raise ForerunError(f"{PROMPT_FORMS}, not a list of {' and '.join(kinds)}")
         return in_vocabulary(prompt, self.target.decoder.cfg.vocab_size)
 
-    def check_prompt(self, prompt: str | list[int] | list[dict], params: SamplingParams) -> list[int]:
+    def check_prompt(self, prompt: str | list[int] | list[dict] | dict, params: SamplingParams) -> list[int]:
         """The prompt's token ids; a clear error where it cannot run with `params` (empty, beyond the
         context, a logit bias beyond the vocabulary). A caller checks every prompt before generating any."""
         ids = self._prompt_ids(prompt)
@@ -190,8 +190,9 @@ class LLM:
     def generate(
         self, prompts: str | Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[GenerationResult]:
-        """Prompts are strings, token-id lists, or chat message lists; `params` is one SamplingParams
-        for all or, as in vLLM, a list of one per prompt. Every prompt is checked before any runs."""
+        """Prompts are strings, token-id lists, chat message lists or vLLM's prompt dicts; `params` is
+        one SamplingParams for all or, as in vLLM, a list of one per prompt. Every prompt is checked
+        before any runs."""
         prompts = _prompt_list(prompts)
         each = _params_per_prompt(params, len(prompts), "prompts")
         ids = [self.check_prompt(p, one) for p, one in zip(prompts, each)]
