@@ -189,10 +189,13 @@ def test_seeds_across_the_generator_range_are_taken():
     for seed in (-(2**63), 2**64 - 1, 0, 2**32):
         again = [torch.rand(4, generator=make_generator(SamplingParams(seed=seed).seed)) for _ in range(2)]
         assert torch.equal(*again)  # the seed is taken: the same draws each time
-        # The tokens' draws are keyed by all 64 bits of it (torch's CPU generator reads 32: seeds 0,
-        # 2**32 and -2**63 give it one stream).
+        # The tokens' draws are keyed by all 64 bits of it.
         firsts.add(position_uniform(draw_key(seed, make_generator(seed)), 0))
     assert len(firsts) == 4
+    # So are the generator's own draws (speculation's acceptance uniforms): torch's CPU generator
+    # reads 32 bits of its seed, so seeds 0, 2**32 and -2**63 once gave it one stream.
+    streams = {tuple(torch.rand(4, generator=make_generator(seed)).tolist()) for seed in (0, 2**32, -(2**63), 1)}
+    assert len(streams) == 4
 
 
 def test_speculative_config_needs_at_least_one_token_when_speculating():

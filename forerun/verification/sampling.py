@@ -130,10 +130,15 @@ def position_uniform(key: int, position: int) -> float:
     number however it is reached: by plain decoding, or as the target's sample that a deterministic
     draft must equal (`accept.accept_one_hot`), so a seeded request writes the same text with or
     without such a drafter."""
-    z = (key + (position + 1) * 0x9E3779B97F4A7C15) & _MASK
+    return (_mix64(key + (position + 1) * 0x9E3779B97F4A7C15) >> 11) * 2.0**-53
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer: every output bit depends on every bit of z (taken mod 2**64)."""
+    z &= _MASK
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
+    return z ^ (z >> 31)
 
 
 def sample_at(probs: torch.Tensor, key: int, position: int) -> int:
@@ -154,5 +159,7 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     if seed is None:
         gen.seed()
     else:
-        gen.manual_seed(seed)
+        # A CPU generator (mt19937) reads only the low 32 bits of its seed: the seed is mixed first,
+        # so that seeds differing only in their high bits draw differently.
+        gen.manual_seed(_mix64(seed))
     return gen
