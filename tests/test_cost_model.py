@@ -322,8 +322,17 @@ PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
 GREEDY = SamplingParams(max_tokens=60)
 
 
+def steady_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's clock advances 0.1 ms a reading: every measured draft costs the same small time,
+    so a policy's choices follow its tables, not a pause of the machine's (one slow draft once turned
+    early exit off here before its first kept token, which comes at about its tenth draft)."""
+    readings = itertools.count()
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: next(readings) * 1e-4))
+
+
 @pytest.mark.parametrize("stateless", [False, True])
-def test_the_engine_stops_verifying_drafts_that_keep_failing(target4, stateless) -> None:
+def test_the_engine_stops_verifying_drafts_that_keep_failing(target4, stateless, monkeypatch) -> None:
+    steady_clock(monkeypatch)
     plain = Engine(target4).generate(PROMPT, GREEDY).token_ids
     unused = next(t for t in range(target4.decoder.cfg.vocab_size) if t not in plain)
     drafter = WrongDrafter(unused, stateless)
@@ -338,14 +347,6 @@ def test_the_engine_stops_verifying_drafts_that_keep_failing(target4, stateless)
     assert policy.figures().alpha < 0.2
     if stateless:
         assert drafter.calls > 50  # still proposing, in the shadow of plain steps
-
-
-def steady_clock(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine's clock advances 0.1 ms a reading: every measured draft costs the same small time,
-    so a policy's choices follow its tables, not a pause of the machine's (one slow draft once turned
-    early exit off here before its first kept token, which comes at about its tenth draft)."""
-    readings = itertools.count()
-    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: next(readings) * 1e-4))
 
 
 @pytest.mark.parametrize("method,options", [("ngram", {}), ("early-exit", {"layer": 3}), ("lookahead", {})])
@@ -369,9 +370,10 @@ def test_greedy_output_is_plain_under_any_policy(target4, method, options, costs
 
 
 @pytest.mark.parametrize("costs,kept", [(PassCosts([0.100] * 64), 30), (SLOPED, 10)], ids=["free", "sloped"])
-def test_lookahead_drafts_under_the_policy_where_its_window_rows_are_cheap(target4, costs, kept) -> None:
+def test_lookahead_drafts_under_the_policy_where_its_window_rows_are_cheap(target4, costs, kept, monkeypatch) -> None:
     """Free rows (a GPU at batch one), or 5 % of a pass each: once its window has warmed up, its
     guesses pay for the 12 rows it adds (priced once a step, `draft_rows`)."""
+    steady_clock(monkeypatch)
     plain = Engine(target4).generate(PROMPT, GREEDY).token_ids
     policy = DraftLengthPolicy(costs, k_max=5)
     out = Engine(target4, drafters.create("lookahead", target4, {}), 5, policy).generate(PROMPT, GREEDY)
