@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -232,3 +235,20 @@ def test_every_supported_architecture_decodes_consistently(architecture):
     dec(torch.tensor(SEQ[:4]), torch.arange(4), cache)
     last = dec(torch.tensor(SEQ[4:5]), torch.tensor([4]), cache).logits[0, 0]
     torch.testing.assert_close(last, full[-1], atol=ATOL, rtol=0)
+
+
+def test_building_a_model_on_the_meta_device_does_not_import_torchs_compiler():
+    """Every load builds the Decoder on the meta device; a random initialisation there (the embedding's)
+    imports torch._dynamo, 1.3-1.7 s of every start (a fresh process: this one may have imported it)."""
+    code = (
+        "import sys, torch\n"
+        "from forerun.models.decoder import Decoder\n"
+        "from forerun.models.testing import tiny_config\n"
+        "with torch.device('meta'):\n"
+        "    decoder = Decoder(tiny_config())\n"
+        "assert decoder.embed_tokens.weight.is_meta\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"

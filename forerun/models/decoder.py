@@ -219,7 +219,11 @@ class Decoder(nn.Module):
                 f"unsupported architecture {cfg.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given its weight, the embedding skips its random initialisation (weights are loaded after),
+        # which on the meta device would import torch's compiler, seconds of every model load.
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -19,6 +19,7 @@ import numpy as np
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")  # a string's byte count
 _DENSE = {
     "F32": np.float32,
     "F16": np.float16,
@@ -137,6 +138,17 @@ class GGUFFile:
     def _string(self) -> str:
         return self._take(self._scalar("<Q")).decode("utf-8", errors="replace")
 
+    def _skip_strings(self, count: int) -> None:
+        """Step over `count` strings (a vocabulary's hundreds of thousands) without decoding them."""
+        at, size, length = self._at, self.size, _LENGTH.unpack_from
+        for _ in range(count):
+            if at + 8 > size:
+                raise GGUFFormatError("a string in its header runs past the end: the file is truncated")
+            at += 8 + length(self._map, at)[0]
+        if at > size:
+            raise GGUFFormatError("a string in its header runs past the end: the file is truncated")
+        self._at = at
+
     def _value(self, kind: int, keep: bool = True):
         if kind in _SCALARS:
             return self._scalar(_SCALARS[kind])
@@ -154,6 +166,9 @@ class GGUFFile:
                 self._at += struct.calcsize(_SCALARS[item]) * count
                 if self._at > self.size:
                     raise GGUFFormatError("an array in its header runs past the end: the file is truncated")
+                return None
+            if item == _STRING and not keep:
+                self._skip_strings(count)
                 return None
             values = [self._value(item, keep) for _ in range(count)]
             return values if keep else None
