@@ -220,7 +220,7 @@ class Decoder(nn.Module):
             )
         self.cfg = cfg
         # Given its weight, the embedding skips its random initialisation (weights are loaded after),
-        # which on the meta device would import torch's compiler, seconds of every model load.
+        # which on the meta device imports torch's compiler: over a second of every start.
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
         )
