@@ -169,12 +169,8 @@ def test_each_pass_is_set_against_the_read_taken_beside_it() -> None:
 
 def test_the_command_prints_one_line_per_row_count(folder: Path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("FORERUN_HOME", str(folder.parent / "home"))
-    assert (
-        main(
-            ["profile", "--model", str(folder), "--dtype", "float32", "--rows", "1,2", "--steps", "1", "--context", "8"]
-        )
-        == 0
-    )
+    flags = "--dtype float32 --rows 1,2,1 --steps 1 --context 8".split()
+    assert main(["profile", "--model", str(folder), *flags]) == 0
     out = capsys.readouterr().out
     assert "| rows | pass | native layers | products |" in out
     assert out.startswith(f"CPU: {cpu.describe()}; forerun kernels: ")  # the figures say what they ran on
@@ -182,7 +178,7 @@ def test_the_command_prints_one_line_per_row_count(folder: Path, capsys, monkeyp
         line.split("|")[1].strip()
         for line in out.splitlines()
         if line.startswith("| ") and line.split("|")[1].strip().isdigit()
-    ] == ["1", "2"]
+    ] == ["1", "2"]  # a row count named twice is profiled once
 
 
 def test_bad_rows_are_a_clear_error(folder: Path, capsys) -> None:

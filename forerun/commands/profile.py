@@ -173,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> list[int]:
-    """--rows' row counts, once every number flag is known to be in range (each error names its flag)."""
+    """--rows' row counts in the order given, each once, after every number flag is known to be in range
+    (each error names its flag)."""
     try:
         rows = [int(r) for r in args.rows.split(",") if r.strip()]
     except ValueError:
@@ -185,7 +186,7 @@ def _check(args: argparse.Namespace) -> list[int]:
     for flag, value, least in (("--steps", args.steps, 1), ("--top", args.top, 1), ("--context", args.context, 0)):
         if value < least:
             raise ForerunError(f"{flag} must be at least {least}, got {value}")
-    return rows
+    return list(dict.fromkeys(rows))  # a row count named twice is profiled once
 
 
 def profile_pass(decoder, rows: int, context: int, steps: int, top: int, bound: bool = False) -> Breakdown:
