@@ -76,7 +76,6 @@ def run(args: argparse.Namespace) -> int:
                 record["spec"] = result.metrics.to_dict()
             print(json.dumps(record), flush=True)
             continue
-        result = None
         for piece in llm.stream(ids, params):
             sys.stdout.write(piece)
             sys.stdout.flush()

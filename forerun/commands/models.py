@@ -51,9 +51,9 @@ def _to_fetch(names: list[str]) -> list[EmbeddedModel]:
             )
     models = [EMBEDDED[name] for name in dict.fromkeys(names)]
     for model in models:
-        if model_file(model).is_dir():
+        if (path := model_file(model)).is_dir():
             raise ForerunError(
-                f"{model_file(model)} is a folder, where `forerun models fetch` writes {model.name}; "
+                f"{path} is a folder, where `forerun models fetch` writes {model.name}; "
                 "move it away, or point FORERUN_HOME at another folder"
             )
     return models
