@@ -132,7 +132,7 @@ class LLM:
             raise ForerunError(f"num_speculative_tokens {num_speculative_tokens} is beyond the model's context")
         # A draft model named by path is loaded once here, so every engine's drafter (one per
         # batched sequence) shares the weights.
-        self.spec = dataclasses.replace(spec, options=_with_draft_loaded(options, dtype, device))
+        self.spec = dataclasses.replace(spec, options=_with_draft_loaded(options, dtype, device, self.target))
         self.drafter_memory: object | None = None  # what the drafters remember, shared by every engine's
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None
         self.draft_prefix_cache: PrefixCache | None = None  # a draft model's own, shared by every engine's drafter
@@ -382,9 +382,10 @@ def _with_draft_model(options: dict, draft: object, method: str | None, quantiza
     return method or "auto"
 
 
-def _with_draft_loaded(options: dict, dtype: str, device: str) -> dict:
+def _with_draft_loaded(options: dict, dtype: str, device: str, target: LoadedModel) -> dict:
     """`options` with a draft model named by path loaded (in its `quantize` format, which the
-    drafter then does not apply again, its caches in `kv_cache_dtype`)."""
+    drafter then does not apply again, its caches in `kv_cache_dtype`; the target's tokenizer where
+    its files are the target's)."""
     kv_cache_dtype = options.get("kv_cache_dtype")
     loaded = {key: value for key, value in options.items() if key != "kv_cache_dtype"}
     if isinstance(options.get("model"), LoadedModel) and kv_cache_dtype is not None:
@@ -399,5 +400,6 @@ def _with_draft_loaded(options: dict, dtype: str, device: str) -> dict:
         quantization=options.get("quantize"),
         draft=True,
         kv_cache_dtype=kv_cache_dtype or "auto",
+        tokens_like=target,
     )
     return loaded

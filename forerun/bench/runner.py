@@ -268,7 +268,9 @@ def _contenders(cfg: BenchConfig, target: LoadedModel, notes: list[str], context
         # drafter must not quantize it again, but the record keeps the setting.
         quantize = draft_opts.pop("quantize", None)
         if quantize not in loaded:
-            draft = load_model(cfg.speculative_model, cfg.dtype, cfg.device, quantization=quantize, draft=True)
+            draft = load_model(
+                cfg.speculative_model, cfg.dtype, cfg.device, quantization=quantize, draft=True, tokens_like=target
+            )
             draft.decoder.set_kv_cache_dtype(cfg.kv_cache_dtype)
             loaded[quantize] = draft
         draft_opts["model"] = loaded[quantize]

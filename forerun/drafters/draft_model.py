@@ -346,7 +346,8 @@ def _draft_model(
         if quantize:
             formats.quantize_(model.decoder, quantize)
     else:
-        model = load_model(model, dtype, device or str(target.decoder.device), quantization=quantize, draft=True)
+        device = device or str(target.decoder.device)
+        model = load_model(model, dtype, device, quantization=quantize, draft=True, tokens_like=target)
     if _num_weights(model.decoder) > _num_weights(target.decoder):
         warnings.warn(
             f"draft {model.name} is larger than target {target.name}: "

@@ -25,7 +25,8 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
         )
     if not tokenizers:
         return
-    _compare_tokenizers(target.tokenizer, draft.tokenizer, target.name, draft.name)
+    if draft.tokenizer is not target.tokenizer:  # one Tokenizer: their files were the same (load_model)
+        _compare_tokenizers(target.tokenizer, draft.tokenizer, target.name, draft.name)
     tokens = max(target.tokenizer.vocabulary(), default=-1) + 1
     if tokens > min(t_rows, d_rows):
         raise ForerunError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -23,7 +24,7 @@ from forerun.models.gguf_cache import cached_decoder, convert_gguf
 from forerun.models.hf_folder import read_hf_folder
 from forerun.models.source import ModelSource, resolve
 from forerun.models.tokenizer import Tokenizer
-from forerun.models.tokenizer_files import load_tokenizer
+from forerun.models.tokenizer_files import load_tokenizer, same_tokens
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 QUANTIZATIONS = (*formats.FORMATS, formats.AUTO)
@@ -37,6 +38,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     source: ModelSource
     load_seconds: float = 0.0
+    tokenizer_dir: Path | None = None  # the folder its tokenizer was read from
 
 
 def model_identity(model: LoadedModel) -> str | None:
@@ -73,11 +75,14 @@ def load_model(
     quantization: str | None = None,
     draft: bool = False,
     kv_cache_dtype: str = "auto",
+    tokens_like: LoadedModel | None = None,
 ) -> LoadedModel:
     """`quantization` (see forerun/models/formats.py) stores every product in that format; for a
     GGUF source the quantized weights are cached beside the converted ones, so only the first such
     load pays for it. `draft`: the model drafts for another (its "auto" format may differ).
-    `kv_cache_dtype`: what its KV caches store (Decoder.cache_dtype)."""
+    `kv_cache_dtype`: what its KV caches store (Decoder.cache_dtype). `tokens_like`: a loaded model
+    whose Tokenizer this one takes where its tokenizer files are that model's (a draft model of the
+    target's family: the same tokens, no second tokenizer to load or compare)."""
     start = time.perf_counter()
     check_kv_cache_dtype(kv_cache_dtype)  # before any work
     if quantization not in (None, formats.AUTO):
@@ -107,13 +112,22 @@ def load_model(
         if quantization:
             formats.quantize_(decoder, quantization)
     decoder.set_kv_cache_dtype(kv_cache_dtype)
-    tokenizer = load_tokenizer(tok_dir, source) if with_tokenizer else None
+    tokenizer = _tokenizer(tok_dir, source, tokens_like) if with_tokenizer else None
     if tokenizer is not None and tokenizer.vocab_size > decoder.cfg.vocab_size:
         raise ForerunError(
             f"{spec}'s tokenizer has {tokenizer.vocab_size} tokens, but the model scores only "
             f"{decoder.cfg.vocab_size}: the tokenizer is not this model's; use the model's own tokenizer files"
         )
-    return LoadedModel(source.name, decoder, tokenizer, source, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return LoadedModel(source.name, decoder, tokenizer, source, seconds, tok_dir if with_tokenizer else None)
+
+
+def _tokenizer(tok_dir: Path, source: ModelSource, like: LoadedModel | None) -> Tokenizer:
+    """The tokenizer in `tok_dir`: `like`'s own where its files make the same tokens, else loaded."""
+    if like is not None and like.tokenizer is not None and like.tokenizer_dir is not None:
+        if same_tokens(tok_dir, like.tokenizer_dir):
+            return like.tokenizer
+    return load_tokenizer(tok_dir, source)
 
 
 def load_tokenizer_of(spec: str) -> Tokenizer:

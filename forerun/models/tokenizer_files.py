@@ -1,4 +1,5 @@
-"""A model's Tokenizer from files: a tokenizer folder, or one converted once from a GGUF file's vocabulary."""
+"""A model's Tokenizer from files: a tokenizer folder, or one converted once from a GGUF file's vocabulary;
+whether two folders make the same tokens (`same_tokens`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,16 @@ _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # The files a tokenizer's vocabulary is in (tokenizer_config.json alone has none: transformers then
 # builds an empty tokenizer, and every prompt comes out as no tokens at all).
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+# Every file of a folder that makes its Tokenizer's tokens and stop ids, the chat template's own
+# file aside (a family's sizes ship the same tokenizer with templates that differ in a line).
+_TOKEN_FILES = (
+    *VOCABULARY_FILES,
+    "merges.txt",
+    "added_tokens.json",
+    "special_tokens_map.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
 
 
 def convert_gguf_tokenizer(path: Path, tok_dir: Path) -> None:
@@ -33,6 +44,24 @@ def convert_gguf_tokenizer(path: Path, tok_dir: Path) -> None:
     except Exception as exc:
         raise ForerunError(f"cannot build a tokenizer from {path} ({type(exc).__name__}: {exc})") from None
     files.write_atomically(tok_dir, lambda tmp: tok.save_pretrained(str(tmp)))
+
+
+def same_tokens(a: Path, b: Path) -> bool:
+    """Whether tokenizer folders `a` and `b` make the same tokens and stop ids: each of their token
+    files the same bytes in both (or in neither), and a tokenizer class that their shared
+    tokenizer_config.json names (without one, transformers would pick it from each model's config)."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        if not json.loads((a / "tokenizer_config.json").read_text()).get("tokenizer_class"):
+            return False
+        return all(_bytes_or_none(a / name) == _bytes_or_none(b / name) for name in _TOKEN_FILES)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _bytes_or_none(path: Path) -> bytes | None:
+    return path.read_bytes() if path.is_file() else None
 
 
 def load_tokenizer(tok_dir: Path, source: ModelSource) -> Tokenizer:
