@@ -765,6 +765,83 @@ def test_a_request_with_its_first_token_out_does_not_wait_for_a_whole_burst_of_l
     assert later[:3] == [("add", 0), ("add", 1), ("step", 2)], later
 
 
+class _LongPrompt(_Recorded):
+    """Each prompt takes `chunks` prefill calls of `chunk_s` seconds, oldest first."""
+
+    def __init__(self, chunks: int, chunk_s: float) -> None:
+        super().__init__(None)
+        self.chunks, self.chunk_s = chunks, chunk_s
+        self.left: dict[int, int] = {}
+
+    def start(self, key, prompt_ids, params, like=None) -> None:
+        super().start(key, prompt_ids, params)
+        self.left[key] = self.chunks
+
+    def prefill(self, budget_s):
+        time.sleep(self.chunk_s)
+        key = self.started[0]
+        self.log.append(("chunk", key))
+        self.left[key] -= 1
+        if self.left[key]:
+            return {}
+        self.started.pop(0)
+        return {key: self.bring_in(key)}
+
+    def remove(self, key):
+        super().remove(key)
+        if key in self.started:
+            self.started.remove(key)
+            self.log.append(("dropped", key))
+
+
+def _long_prompt_running(batch: _LongPrompt) -> tuple[Scheduler, object, list]:
+    """A started scheduler over `batch` with one request whose prompt is being prefilled; its events."""
+    from forerun.serve.scheduler import Request
+
+    events: list = []
+    scheduler = Scheduler(batch)
+    scheduler.start()
+    request = Request([1, 2, 3], SamplingParams(max_tokens=2), lambda r, e: events.append(e))
+    scheduler.submit(request)
+    deadline = time.monotonic() + 10
+    while ("chunk", request.id) not in batch.log and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return scheduler, request, events
+
+
+def test_a_client_gone_during_its_long_prompt_stops_the_prefill_at_the_next_chunk() -> None:
+    batch = _LongPrompt(chunks=1000, chunk_s=0.01)  # ten seconds of prefill
+    scheduler, request, _ = _long_prompt_running(batch)
+    try:
+        request.cancel()
+        deadline = time.monotonic() + 10
+        while ("dropped", request.id) not in batch.log and time.monotonic() < deadline:
+            time.sleep(0.005)
+        chunks = sum(entry == ("chunk", request.id) for entry in batch.log)
+        assert ("dropped", request.id) in batch.log and chunks < 100, chunks
+        assert scheduler.counts() == (0, 0) and not batch.started
+    finally:
+        scheduler.stop()
+
+
+@pytest.mark.parametrize("grace", [0.2, 0.0])
+def test_a_drain_cuts_a_long_prompt_at_the_end_of_its_grace_not_after_the_prefill(grace) -> None:
+    """A drain's grace (and a second signal: grace 0) holds during a burst of prefill chunks too."""
+    from forerun.serve.scheduler import Failed
+
+    batch = _LongPrompt(chunks=1000, chunk_s=0.01)
+    scheduler, request, events = _long_prompt_running(batch)
+    try:
+        scheduler.drain(grace)
+        scheduler._thread.join(10)  # the loop ends once nothing runs
+        assert not scheduler._thread.is_alive()
+        chunks = sum(entry == ("chunk", request.id) for entry in batch.log)
+        assert chunks < 100 and ("dropped", request.id) in batch.log, chunks
+        assert scheduler.cut == [request.id] and [e.reason for e in events if isinstance(e, Failed)] == ["shutdown"]
+    finally:
+        scheduler.stop()
+
+
 def test_bench_serve_runs_a_set_up_named_twice_as_a_control_beside_it(tmp_path, monkeypatch) -> None:
     from forerun.cli import main
     from forerun.models.testing import save_hf_folder, tiny_model

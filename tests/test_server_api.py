@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 from test_logprobs import direct_logprobs
-from test_server import KEY, NAME, Served, _metric
+from test_server import CONTEXT, KEY, NAME, Served, _metric
 
 from forerun.api import LLM
 from forerun.base.config import SamplingParams
@@ -177,6 +177,58 @@ def test_echo_scores_the_prompt(plain) -> None:
         for t in c["choices"][0]["logprobs"]["token_logprobs"]
     ]
     assert streamed[0] is None and streamed[1:5] == pytest.approx(lp["token_logprobs"][1:], abs=1e-6)
+
+
+def test_echo_scoring_takes_a_prompt_one_token_short_of_the_context_and_names_the_limit_beyond(plain) -> None:
+    body = {"model": NAME, "max_tokens": 0, "echo": True, "logprobs": 1}
+    out = post(plain, {**body, "prompt": "a" * (CONTEXT - 1)})
+    assert out["usage"] == {
+        "prompt_tokens": CONTEXT - 1,
+        "completion_tokens": 0,
+        "total_tokens": CONTEXT - 1,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    r = httpx.post(plain.url + "/v1/completions", json={**body, "prompt": "a" * CONTEXT}, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    message = r.json()["error"]["message"]
+    assert f"echo with max_tokens 0 scores a prompt of at most {CONTEXT - 1} tokens" in message, message
+    assert f"this one has {CONTEXT}" in message and "max_tokens (1)" not in message
+
+
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_the_chosen_token_is_always_among_the_completion_top_logprobs(plain, count) -> None:
+    """As OpenAI and vLLM give them: up to logprobs + 1 entries where the chosen token is not among
+    the likeliest (here a logit bias forces one the target itself ranks low)."""
+    tok = plain.llm.tokenizer
+    raw = direct_logprobs(plain.llm.target, tok.encode("abc"))[-1]
+    forced = int(raw.argmin())
+    body = {"model": NAME, "prompt": "abc", "max_tokens": 1, "temperature": 0, "logprobs": count}
+    body["logit_bias"] = {str(forced): 100}
+    lp = post(plain, body)["choices"][0]["logprobs"]
+    assert lp["tokens"] == [tok.piece(forced)]
+    top = lp["top_logprobs"][0]
+    likeliest = [tok.piece(int(t)) for t in raw.topk(count).indices] if count else []
+    assert list(top) == [*likeliest, tok.piece(forced)]
+    assert top[tok.piece(forced)] == lp["token_logprobs"][0] == pytest.approx(float(raw[forced]), abs=1e-4)
+    greedy = post(plain, {**body, "logit_bias": {}})["choices"][0]["logprobs"]
+    assert len(greedy["top_logprobs"][0]) == max(count, 1)  # the chosen token is the likeliest: no entry added
+
+
+def test_token_metrics_rise_by_the_usage_of_echo_scoring_and_of_n_samples(plain) -> None:
+    def totals() -> tuple[float, float]:
+        text = httpx.get(plain.url + "/metrics", headers=AUTH).text
+        return _metric(text, "forerun:generation_tokens_total"), _metric(text, "forerun:prompt_tokens_total")
+
+    before = totals()
+    bodies = (
+        {"model": NAME, "prompt": "hello", "max_tokens": 0, "echo": True, "logprobs": 1},
+        {"model": NAME, "prompt": "abc", "max_tokens": 4, "n": 3, "temperature": 0},
+        {"model": NAME, "prompt": ["ab", "xyz"], "max_tokens": 3, "n": 2, "temperature": 1.0, "seed": 5},
+    )
+    usages = [post(plain, body)["usage"] for body in bodies]
+    after = totals()
+    assert after[0] - before[0] == sum(u["completion_tokens"] for u in usages) > 0
+    assert after[1] - before[1] == sum(u["prompt_tokens"] for u in usages) == 5 + 3 + 5
 
 
 # --- speculation figures -------------------------------------------------------------------------

@@ -254,19 +254,21 @@ def test_a_client_gone_mid_batch_frees_every_prompt_s_samples(plain, monkeypatch
 # --- the replicas' job ---------------------------------------------------------------------------
 
 
-def test_a_replica_job_carries_every_prompt_and_rebuilds_the_same_indices() -> None:
+@pytest.mark.parametrize("prompt_only", [False, True])
+def test_a_replica_job_carries_every_prompt_and_rebuilds_the_same_indices(prompt_only) -> None:
     async def build() -> tuple[list, list]:
         queue: asyncio.Queue = asyncio.Queue()
         params = [[SamplingParams(seed=s + i) for i in range(2)] for s in (10, 20, 30)]
-        group = new_group([[1, 2], [3], [4, 5, 6]], params, queue)
+        group = new_group([[1, 2], [3], [4, 5, 6]], params, queue, prompt_only)
         job = Job.of(group, "key")
-        return group, new_group(job.prompts, job.params, queue)
+        return group, new_group(job.prompts, job.params, queue, job.prompt_only)
 
     group, again = asyncio.run(build())
     assert len(group) == len(again) == 6
     for a, b in zip(group, again):
         assert (a.prompt_ids, a.params.seed) == (b.prompt_ids, b.params.seed)
         assert (a.like is None) == (b.like is None)
+        assert a.prompt_only == b.prompt_only == prompt_only  # the replica counts no token for echo's scoring
     assert [r.params.seed for r in group] == [10, 11, 20, 21, 30, 31]
     assert [r.like is None for r in group] == [True, False] * 3
     assert group[3].like is group[2]  # a prompt's samples share its own prefill

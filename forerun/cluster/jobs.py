@@ -25,6 +25,7 @@ class Job:
     prompts: list[list[int]]  # each prompt's token ids
     params: list[list[SamplingParams]]  # per prompt, one per sample; its samples after the first share its prefill
     routing_key: str  # read by the router (forerun/cluster/router.py), not by the replica
+    prompt_only: bool = False  # echo with max_tokens 0 (forerun/serve/scheduler.Request.prompt_only)
 
     @classmethod
     def of(cls, group: list[Request], routing_key: str) -> Job:
@@ -37,7 +38,7 @@ class Job:
                 prompts.append(request.prompt_ids)
                 params.append([])
             params[-1].append(request.params)
-        return cls(prompts, params, routing_key)
+        return cls(prompts, params, routing_key, group[0].prompt_only)
 
 
 @dataclass

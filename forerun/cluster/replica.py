@@ -93,7 +93,7 @@ class EngineReplica:
         until every sample is done or one failed; Refused instead when the scheduler will not take
         the job. Cancelled (the client left): the samples are freed."""
         events: asyncio.Queue = asyncio.Queue()
-        group = new_group(job.prompts, job.params, events)
+        group = new_group(job.prompts, job.params, events, job.prompt_only)
         try:
             self.engine.scheduler.submit_group(group)
         except Exception as exc:  # noqa: BLE001 - ForerunError from the scheduler's checks

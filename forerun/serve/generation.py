@@ -81,10 +81,10 @@ def _in_flight(
     """The request's samples (every prompt's) as one group, not yet submitted, with the reply that
     will answer them."""
     events: asyncio.Queue = asyncio.Queue()
-    group = new_group(prompts, params, events)
+    group = new_group(prompts, params, events, scores_prompt_only(checked))
     texts = echo_texts(checked, prompts, state.tokenizer)
     reply = Reply(checked, state.config.served_model_name, prompts, state.tokenizer, prompt_texts=texts)
-    return InFlight(group, events, reply, state.config.spec_stats, scores_prompt_only(checked), state.metrics)
+    return InFlight(group, events, reply, state.config.spec_stats, state.metrics)
 
 
 async def _complete_response(http: HTTPRequest, run: InFlight, headers: dict | None) -> Response:

@@ -20,10 +20,12 @@ from forerun.serve.responses import Choice, Reply, spec_stats
 from forerun.serve.scheduler import Delta, Event, Failed, Request
 
 
-def new_group(prompts: list[list[int]], params: list[list[SamplingParams]], events: asyncio.Queue) -> list[Request]:
+def new_group(
+    prompts: list[list[int]], params: list[list[SamplingParams]], events: asyncio.Queue, prompt_only: bool = False
+) -> list[Request]:
     """One Request per sample of each prompt (`params[p]`: prompt p's samples), prompt-major, each
     putting `(index, event)` on `events` through the running loop; a prompt's samples after its
-    first may share that one's prefill."""
+    first may share that one's prefill. `prompt_only`: echo with max_tokens 0 (Request.prompt_only)."""
     loop = asyncio.get_running_loop()
 
     def receiver(index: int):
@@ -36,7 +38,7 @@ def new_group(prompts: list[list[int]], params: list[list[SamplingParams]], even
     for prompt_ids, samples in zip(prompts, params, strict=True):
         first = None
         for p in samples:
-            request = Request(prompt_ids, p, receiver(len(group)), like=first)
+            request = Request(prompt_ids, p, receiver(len(group)), like=first, prompt_only=prompt_only)
             group.append(request)
             first = first or request
     return group
@@ -51,7 +53,6 @@ class InFlight:
     events: asyncio.Queue  # (sample index, Event), in the order the engine sent them
     reply: Reply
     spec_stats: str  # per-choice speculation figures: none, summary or detailed
-    prompt_only: bool  # echo with max_tokens 0: the generated token is dropped
     metrics: ServerMetrics
     choices: list[Choice] = field(init=False)
 
@@ -62,6 +63,11 @@ class InFlight:
     @property
     def checked(self) -> Checked:
         return self.reply.checked
+
+    @property
+    def prompt_only(self) -> bool:
+        """Echo with max_tokens 0: the generated token is dropped."""
+        return self.requests[0].prompt_only
 
     @property
     def done(self) -> bool:

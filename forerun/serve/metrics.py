@@ -1,7 +1,9 @@
 """The server's Prometheus metrics, under vLLM's names with the `forerun:` prefix.
 
-Counted when a request finishes (its speculation counters come from the engine's SpecMetrics), so
-the totals agree with what the responses said; queue gauges are read when /metrics is scraped.
+Counted when a request's sample finishes (its speculation counters come from the engine's
+SpecMetrics), so the token totals agree with what the responses' usage said (a prompt's tokens once
+for its n samples, no token for echo's prompt scoring); `request_success` counts samples, as the
+engine runs them. Queue gauges are read when /metrics is scraped.
 Engine failures (`request_failure`), requests cut by a shutdown (`request_success` with reason
 "abort", as vLLM counts them) and requests refused before the engine saw them (`request_rejected`,
 by HTTP status: client mistakes, a full queue, a wrong key) are kept apart.
@@ -95,6 +97,9 @@ class ServerMetrics:
             self.draft_length.set(last)
 
     def finished(self, request: Request, output: RequestOutput) -> None:
+        """One sample ended: its prompt's tokens count with its prompt's first sample (the others
+        share that prefill, as the answer's usage counts them), and its tokens as the answer
+        reports them (echo with max_tokens 0: none)."""
         now = time.perf_counter()
         m = output.metrics
         self.drafts.inc(m.num_drafts)
@@ -105,10 +110,11 @@ class ServerMetrics:
         self.accepted.inc(m.num_accepted_tokens)
         for position, kept in enumerate(m.accepted_per_position, 1):
             self.accepted_per_pos.labels(position=str(position)).inc(kept)
-        self.prompt_tokens.inc(len(output.prompt_ids))
-        self.prefix_queries.inc(len(output.prompt_ids))
-        self.prefix_hits.inc(output.num_cached_tokens)
-        self.generation_tokens.inc(len(output.token_ids))
+        if request.like is None:
+            self.prompt_tokens.inc(len(output.prompt_ids))
+            self.prefix_queries.inc(len(output.prompt_ids))
+            self.prefix_hits.inc(output.num_cached_tokens)
+        self.generation_tokens.inc(0 if request.prompt_only else len(output.token_ids))
         self.requests.labels(finished_reason=output.finish_reason).inc()
         waited = max((now - request.arrival) - output.elapsed_s, 0.0)
         self.ttft.observe(waited + output.first_token_s)

@@ -472,10 +472,17 @@ def _max_tokens(checked: Checked, prompt_tokens: int, limits: Limits) -> tuple[i
                 where,
             )
         max_tokens = room
-    if max_tokens == 0 and checked.echo:
+    scoring = max_tokens == 0 and checked.echo
+    if scoring:
         max_tokens = 1
     elif max_tokens < 1:
         raise BadRequest(f"{name} must be >= 1 (0 only with echo), got {max_tokens}", name)
+    if scoring and room < 1:
+        raise BadRequest(
+            f"echo with {name} 0 scores a prompt of at most {limits.max_model_len - 1} tokens on this "
+            f"server (its context is {limits.max_model_len}), and this one has {prompt_tokens}; shorten the prompt",
+            "prompt",
+        )
     if prompt_tokens + max_tokens > limits.max_model_len:
         raise BadRequest(
             f"the prompt ({prompt_tokens} tokens) plus {name} ({max_tokens}) is "

@@ -186,7 +186,10 @@ class Reply:
                 token = self._piece(entry.token_id)
                 tokens.append(token)
                 token_logprobs.append(_floor(entry.logprob))
-                top.append({self._piece(t): _floor(lp) for t, lp in entry.top})
+                # The chosen token's logprob always among them, as OpenAI and vLLM give it: up to
+                # logprobs + 1 entries where it is not among the likeliest (sampled, or a logit bias).
+                likeliest = {self._piece(t): _floor(lp) for t, lp in entry.top}
+                top.append(likeliest | {token: likeliest.get(token, _floor(entry.logprob))})
             offsets.append(offset)
             offset += len(token)
         choice.text_offset = offset

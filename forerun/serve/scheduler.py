@@ -81,6 +81,7 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     like: Request | None = None  # the group's first request, whose prefill this one may share
+    prompt_only: bool = False  # echo with max_tokens 0: its one token scores the prompt; the answer leaves it out
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -383,14 +384,21 @@ class Scheduler:
     def _burst(self) -> dict:
         """Prefill a chunk at a time while no request decodes, until every prompt is in or a request
         with its first token out has waited the prefill share of the last step (a chunk's time at
-        least: a chunk is not cut)."""
+        least: a chunk is not cut). A request whose client left stops at the next chunk, and the
+        burst ends there once the server stops or its drain's grace is over."""
         results = {}
-        while self.batch.prefilling and not self._burst_waited():
+        while self.batch.prefilling and not self._burst_waited() and not self._ending():
             done = self.batch.prefill(ONE_CHUNK)
             if self._fresh_since is None and any(r.error is None for r in done.values()):
                 self._fresh_since = time.perf_counter()
             results.update(done)
+            self._leave_cancelled()
         return results
+
+    def _ending(self) -> bool:
+        """Whether the loop must stop working on prompts: stopped, or past a drain's deadline."""
+        deadline = self._drain_deadline
+        return self._stop or not self._keep_going() or (deadline is not None and time.perf_counter() >= deadline)
 
     def _burst_waited(self) -> bool:
         """Whether a request with its first token out has waited the prefill share of the last step
