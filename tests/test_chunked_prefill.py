@@ -95,6 +95,26 @@ def test_a_request_removed_while_prefilling_frees_its_lane(quantized) -> None:
     assert batch.size == 0 and not batch.prefilling
 
 
+def test_waiting_prompts_take_their_chunks_in_turn_so_a_short_one_waits_a_chunk_not_a_long_prefill(
+    quantized,
+) -> None:
+    batch = BatchEngine(lambda: Engine(quantized), 3)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    short = [5, 6, 7, 8]
+    batch.start("long", LONG, params)
+    batch.start("other", LONG[:100], params)
+    batch.prefill(1e-9)  # the long prompt's first chunk
+    batch.start("short", short, params)
+    done = [sorted(batch.prefill(1e-9)) for _ in range(3)]
+    assert done == [[], [], ["short"]]  # the other's first chunk, the long one's second, the short prompt whole
+    assert list(batch.prefilling) == ["other", "long"]  # in turn still
+    firsts = {"short": None}
+    while batch.prefilling:
+        firsts |= {key: r.output.token_ids for key, r in batch.prefill(1e-9).items()}
+    for key, prompt in (("long", LONG), ("other", LONG[:100])):
+        assert firsts[key] == Engine(quantized).begin(prompt, params)[1].token_ids
+
+
 def test_followers_share_the_prefill_once_it_is_done(quantized) -> None:
     batch = BatchEngine(lambda: Engine(quantized), 3)
     params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s) for s in (1, 2, 3)]

@@ -766,7 +766,8 @@ def test_a_request_with_its_first_token_out_does_not_wait_for_a_whole_burst_of_l
 
 
 class _LongPrompt(_Recorded):
-    """Each prompt takes `chunks` prefill calls of `chunk_s` seconds, oldest first."""
+    """A prompt takes a prefill call of `chunk_s` seconds a token, `chunks` at most; the waiting
+    prompts take them in turn, as BatchEngine's do."""
 
     def __init__(self, chunks: int, chunk_s: float) -> None:
         super().__init__(None)
@@ -775,16 +776,16 @@ class _LongPrompt(_Recorded):
 
     def start(self, key, prompt_ids, params, like=None) -> None:
         super().start(key, prompt_ids, params)
-        self.left[key] = self.chunks
+        self.left[key] = min(len(prompt_ids), self.chunks)
 
     def prefill(self, budget_s):
         time.sleep(self.chunk_s)
-        key = self.started[0]
+        key = self.started.pop(0)
         self.log.append(("chunk", key))
         self.left[key] -= 1
         if self.left[key]:
+            self.started.append(key)
             return {}
-        self.started.pop(0)
         return {key: self.bring_in(key)}
 
     def remove(self, key):
@@ -801,7 +802,7 @@ def _long_prompt_running(batch: _LongPrompt) -> tuple[Scheduler, object, list]:
     events: list = []
     scheduler = Scheduler(batch)
     scheduler.start()
-    request = Request([1, 2, 3], SamplingParams(max_tokens=2), lambda r, e: events.append(e))
+    request = Request(list(range(batch.chunks)), SamplingParams(max_tokens=2), lambda r, e: events.append(e))
     scheduler.submit(request)
     deadline = time.monotonic() + 10
     while ("chunk", request.id) not in batch.log and time.monotonic() < deadline:
@@ -820,6 +821,24 @@ def test_a_client_gone_during_its_long_prompt_stops_the_prefill_at_the_next_chun
         chunks = sum(entry == ("chunk", request.id) for entry in batch.log)
         assert ("dropped", request.id) in batch.log and chunks < 100, chunks
         assert scheduler.counts() == (0, 0) and not batch.started
+    finally:
+        scheduler.stop()
+
+
+def test_a_short_request_that_comes_during_a_server_s_first_long_prefill_is_answered_before_it_ends() -> None:
+    """It starts at the next chunk, takes chunks in turn with the long prompt, and steps once it has
+    waited about a chunk with its first token out: no step has been timed yet."""
+    from forerun.serve.scheduler import Done, Request
+
+    batch = _LongPrompt(chunks=1000, chunk_s=0.01)  # ten seconds of prefill
+    scheduler, long_request, _ = _long_prompt_running(batch)
+    answered = threading.Event()
+    try:
+        short = Request([1, 2], SamplingParams(max_tokens=2), lambda r, e: isinstance(e, Done) and answered.set())
+        scheduler.submit(short)
+        assert answered.wait(10)
+        chunks = sum(entry == ("chunk", long_request.id) for entry in batch.log)
+        assert chunks < 100 and long_request.id in batch.started, chunks  # the long prompt still prefilling
     finally:
         scheduler.stop()
 

@@ -71,7 +71,7 @@ class BatchEngine:
         self.new_engine = new_engine
         self.max_seqs = max_seqs
         self.lanes: dict[Hashable, Lane] = {}
-        self.prefilling: dict[Hashable, Prefill] = {}  # started, prompt not through yet (oldest first)
+        self.prefilling: dict[Hashable, Prefill] = {}  # started, prompt not through yet (in turn: `_take_turn`)
         self.idle: list[Engine] = list(engines)
         self._checker: Engine | None = engines[0] if engines else None  # answers check_fits; may also run a lane
         self.last_k: int | None = None  # the draft length the last step allowed (None: no drafter)
@@ -143,10 +143,10 @@ class BatchEngine:
         self._queue_prefill(key, list(prompt_ids), params)
 
     def prefill(self, budget_s: float) -> dict[Hashable, StepResult]:
-        """Prefill chunks of the started requests, oldest first, for about `budget_s` seconds (at
-        least one chunk when the budget is above 0). Returns the first step of each request whose
-        prefill completed (its followers' too), or the error that ended it; those run from the
-        next `step`."""
+        """Prefill chunks of the started requests, a chunk each in turn (`_take_turn`), for about
+        `budget_s` seconds (at least one chunk when the budget is above 0). Returns the first step
+        of each request whose prefill completed (its followers' too), or the error that ended it;
+        those run from the next `step`."""
         results: dict[Hashable, StepResult] = {}
         started, chunks = time.perf_counter(), 0
         while self.prefilling and budget_s > 0 and (not chunks or time.perf_counter() - started < budget_s):
@@ -154,7 +154,15 @@ class BatchEngine:
             key, job = next(iter(self.prefilling.items()))
             if self._next_chunk(key, job, results):
                 self._feed(key, job, job.chunk.alone(job.engine.target.decoder), results)
+            self._take_turn(key)
         return results
+
+    def _take_turn(self, key: Hashable) -> None:
+        """`key`'s prompt, if not through yet, goes behind the other waiting prompts: they take
+        chunks (and a step's carried rows) in turn, so a short prompt that comes during a long
+        one's prefill waits a chunk for each prompt ahead of it, not their whole prefills."""
+        if key in self.prefilling:
+            self.prefilling[key] = self.prefilling.pop(key)
 
     def _next_chunk(self, key: Hashable, job: Prefill, results: dict[Hashable, StepResult]) -> bool:
         """Whether `job` has a chunk to run (its set-up run first: a prefill shared with another
@@ -216,8 +224,8 @@ class BatchEngine:
 
     def step(self, prefill_share: float = 0.0) -> dict[Hashable, StepResult]:
         """One step of every running request; finished ones stay until `remove`d. With
-        `prefill_share` above 0 the step's pass also carries the waiting prompts' next rows, oldest
-        first, as many as add about that many one-row passes' time to it (`_carry`); a prompt that
+        `prefill_share` above 0 the step's pass also carries the waiting prompts' next rows, in
+        turn, as many as add about that many one-row passes' time to it (`_carry`); a prompt that
         gets through has its first step in the results."""
         lanes = [(key, lane) for key, lane in self.lanes.items() if not lane.run.seq.finished]
         if not lanes:
@@ -261,6 +269,7 @@ class BatchEngine:
         for key, job, prompt in carried:
             if prompt.logits is not None:
                 self._feed(key, job, ChunkDone(len(prompt.tokens), prompt.logits), results)
+            self._take_turn(key)
         if cap is not None:
             emitted = sum(len(r.output.token_ids) for r in results.values() if r.output is not None)
             seconds = self._lanes_seconds(time.perf_counter() - started, planned)
@@ -348,7 +357,7 @@ class BatchEngine:
     def _carry(
         self, planned: list[tuple[Hashable, Lane, Plan]], share: float, results: dict[Hashable, StepResult]
     ) -> list[tuple[Hashable, Prefill, PromptRows]]:
-        """The waiting prompts' next rows for this step's pass, oldest first (a prompt's rest, then
+        """The waiting prompts' next rows for this step's pass, in their turn (a prompt's rest, then
         the next prompt's): as many as add at most `share` one-row passes' time to it by the
         target's measured pass costs (`cached_pass_costs`), so the decoding requests' time per
         token grows by at most `share` times its one-request figure, and a batch of few lanes

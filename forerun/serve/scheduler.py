@@ -5,13 +5,15 @@ come first served, while fewer than its max_seqs run, drops the cancelled ones (
 away), prefills, then steps every running request in one target pass. With max_seqs 1 requests
 run one after another.
 
-Prefills run a chunk of the prompt at a time (chunked prefill, `BatchEngine.prefill`). While no
-request is decoding, a burst of requests is prefilled, those that arrive during these prefills too,
-and then steps as one batch rather than the first stepping alone while the rest wait; but once a
-request of the burst has its first token out, the rest of the burst goes on only while that request
-has waited less than the prefill share of a step (unknown before the first step: the first burst
-runs whole), so a client never waits for a whole queue of long prompts between its first and
-second tokens. While requests decode, a step's pass carries the waiting prompts' next rows, as many
+Prefills run a chunk of the prompt at a time (chunked prefill, `BatchEngine.prefill`), the waiting
+prompts a chunk each in turn. While no request is decoding, a burst of requests is prefilled, those
+that arrive during these prefills too (started at the next chunk), and then steps as one batch
+rather than the first stepping alone while the rest wait; but once a request of the burst has its
+first token out, the rest of the burst goes on only while that request has waited less than the
+prefill share of a step (of a chunk before the first step), so a client never waits for a whole
+queue of long prompts between its first and second tokens, nor a short prompt for a long one's
+whole prefill. A client gone, a stop or a drain's deadline takes effect at the next chunk. While
+requests decode, a step's pass carries the waiting prompts' next rows, as many
 as add PREFILL_SHARE one-row passes' time (where the target's prefill is a chain of exact rows:
 `BatchEngine.step`); elsewhere prefill gets PREFILL_SHARE seconds per second of steps as chunks
 alone (a chunk at least, a step's worth saved up at most). Either way a long prompt slows the
@@ -147,6 +149,7 @@ class Scheduler:
         self._fresh: set[int] = set()  # prefilled since the last step
         self._fresh_since: float | None = None  # when the first of them had its first token out
         self._step_s: float | None = None  # the last step's seconds
+        self._chunk_s: float | None = None  # the last burst chunk's seconds (a step's stand-in before the first)
 
     # --- the caller's side ---------------------------------------------------------------------
 
@@ -384,15 +387,21 @@ class Scheduler:
     def _burst(self) -> dict:
         """Prefill a chunk at a time while no request decodes, until every prompt is in or a request
         with its first token out has waited the prefill share of the last step (a chunk's time at
-        least: a chunk is not cut). A request whose client left stops at the next chunk, and the
-        burst ends there once the server stops or its drain's grace is over."""
+        least: a chunk is not cut). Between chunks, a request whose client left stops, those that
+        came meanwhile start (their chunks in turn with the others': a short prompt does not wait
+        for a long one's whole prefill), and the burst ends once the server stops or its drain's
+        grace is over."""
         results = {}
         while self.batch.prefilling and not self._burst_waited() and not self._ending():
+            started = time.perf_counter()
             done = self.batch.prefill(ONE_CHUNK)
+            self._chunk_s = time.perf_counter() - started
             if self._fresh_since is None and any(r.error is None for r in done.values()):
                 self._fresh_since = time.perf_counter()
             results.update(done)
             self._leave_cancelled()
+            for request in self._admit(wait=False) or []:
+                self._begin(request)
         return results
 
     def _ending(self) -> bool:
@@ -402,10 +411,12 @@ class Scheduler:
 
     def _burst_waited(self) -> bool:
         """Whether a request with its first token out has waited the prefill share of the last step
-        (never before the first step, nor while none has its first token out)."""
-        if self._fresh_since is None or self._step_s is None:
+        (before the first step, of the last chunk: a server's first long prompt does not hold up
+        a short one that came during its prefill; never while none has its first token out)."""
+        step = self._step_s if self._step_s is not None else self._chunk_s
+        if self._fresh_since is None or step is None:
             return False
-        return time.perf_counter() - self._fresh_since >= self.prefill_share * self._step_s
+        return time.perf_counter() - self._fresh_since >= self.prefill_share * step
 
     def _leave_cancelled(self) -> None:
         with self._cond:
