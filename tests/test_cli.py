@@ -315,6 +315,37 @@ def test_an_unknown_speculative_method_exits_2_before_loading_naming_the_known_o
     assert_user_error(code, err, "'bogus'", "ngram", "eagle", "auto")
 
 
+@pytest.mark.parametrize(
+    ("flags", "needles"),
+    [
+        (["--speculative-head", "heads/eagle"], ["--speculative-head is a flag of", "eagle", "no speculative method"]),
+        (
+            ["--speculative-method", "ngram", "--speculative-head", "h"],
+            ["--speculative-head", "--speculative-method ngram does not use it"],
+        ),
+        (["--draft-vocab", "100"], ["--draft-vocab is a flag of --speculative-method auto or draft"]),
+        (["--speculative-quantization", "q4_0"], ["--speculative-quantization is a flag of"]),
+        (["--speculative-method", "suffix", "--lookahead-window", "5"], ["--lookahead-window", "suffix does not"]),
+        (["--speculative-method", "eagle", "--medusa-choices", "[[0]]"], ["--medusa-choices", "eagle does not"]),
+        (["--speculative-model", ""], ["--speculative-model is empty"]),
+    ],
+)
+def test_a_drafter_flag_the_method_in_use_does_not_take_exits_2_before_loading(
+    capsys, folder: Path, monkeypatch, flags, needles
+) -> None:
+    """Not silently dropped: the run it names is not the run it would get."""
+    monkeypatch.setattr(LLM, "__init__", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert_user_error(*generate(capsys, folder, "--prompt", "x", *flags)[::2], *needles)
+
+
+def test_drafter_flags_at_their_defaults_or_of_the_method_in_use_are_taken(capsys, folder: Path) -> None:
+    code, _, err = generate(capsys, folder, "--prompt", "x", "--max-tokens", "2", "--lookahead-window", "4")
+    assert code == 0, err  # its default: not a flag given
+    flags = ["--speculative-method", "lookahead", "--lookahead-window", "5", "--max-tokens", "2"]
+    code, _, err = generate(capsys, folder, "--prompt", "x", *flags)
+    assert code == 0, err
+
+
 def test_negative_temperature_names_temperature(capsys, folder: Path) -> None:
     code, out, err = generate(capsys, folder, "--prompt", "x", "--temperature", "-1")
     assert_user_error(code, err, "temperature", "-1")

@@ -223,3 +223,14 @@ def test_the_jacobi_window_feeds_the_pool_during_generation(target) -> None:
 def test_bad_settings_name_the_flag(target, options, flag) -> None:
     with pytest.raises(ForerunError, match=flag):
         drafters.create("lookahead", target, options)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"window": 10**6}, {"window": 338, "ngram": 4, "guesses": 4}, {"guesses": 10**6}, {"window": 4, "ngram": 10**4}],
+)
+def test_settings_that_verify_more_rows_a_step_than_the_context_holds_are_refused(target, options) -> None:
+    """(window + guesses) x (ngram - 1) rows at most a step: from the model's context of 1024 on, refused."""
+    with pytest.raises(ForerunError, match=r"rows a step, more than the model's context of 1024 tokens"):
+        drafters.create("lookahead", target, options)
+    drafters.create("lookahead", target, {"window": 337, "ngram": 4, "guesses": 4})  # 1023 rows: taken

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -355,6 +356,23 @@ def test_a_head_trained_for_another_target_is_refused(medusa_head, eagle_head, o
     folder = (medusa_head if which == "medusa" else eagle_head)[0]
     with pytest.raises(ForerunError, match="trained on looper.*not on this target target4"):
         drafters.create(which, other_target, {"head": str(folder)})
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"nodes": 10**9}, "--eagle-nodes 1000000000 verifies more rows a step than the model's context of 1024"),
+        ({"nodes": 1024}, "--eagle-nodes 1024 verifies more rows"),
+        ({"nodes": 8, "branch": 9}, "--eagle-branch 9 is more than --eagle-nodes 8"),
+        ({"branch": 10**5}, "--eagle-branch 100000 is more than --eagle-nodes 16"),
+    ],
+)
+def test_an_eagle_tree_beyond_the_context_or_branches_beyond_its_nodes_are_refused(
+    target, eagle_head, options, message
+) -> None:
+    with pytest.raises(ForerunError, match=re.escape(message)):
+        drafters.create("eagle", target, {"head": str(eagle_head[0]), **options})
+    drafters.create("eagle", target, {"head": str(eagle_head[0]), "nodes": 1023, "branch": 1023})  # the most
 
 
 def test_a_head_of_the_other_kind_or_no_head_is_a_clear_error(target, medusa_head, tmp_path) -> None:

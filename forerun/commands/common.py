@@ -234,6 +234,8 @@ def spec_from_args(args: argparse.Namespace, method: str | None = None) -> tuple
     """(method, that method's options) from parsed flags; `method` overrides --speculative-method."""
     named = method is None  # the method is the flags' own, not the caller's
     method = method or args.speculative_method or ("auto" if args.speculative_model else None)
+    if named:
+        _check_flags_used(args, method)
     if method is None:
         return None, {}
     drafters.lookup(method)  # an unknown name is refused before any model loads
@@ -250,6 +252,36 @@ def spec_from_args(args: argparse.Namespace, method: str | None = None) -> tuple
     if drafters.needs_draft_model(method):
         options.update(dtype=args.dtype, device=args.device)
     return method, options
+
+
+def _check_flags_used(args: argparse.Namespace, method: str | None) -> None:
+    """A drafter's flag set away from its default where the method in use takes none of it is an
+    error, not silently dropped."""
+    if getattr(args, "speculative_model", None) == "":
+        raise ForerunError("--speculative-model is empty: name a draft model, or leave the flag out")
+    used = drafters.cli_options(method) if method is not None else {}
+    defaults = _spec_defaults()
+    owners: dict[str, list[str]] = {}
+    for name in drafters.available():
+        for dest in drafters.cli_options(name):
+            if dest != "speculative_model":  # it names the method itself, or spec_from_args says why not
+                owners.setdefault(dest, []).append(name)
+    for dest, methods in owners.items():
+        if dest in used or getattr(args, dest, None) == defaults.get(dest):
+            continue
+        flag = "--" + dest.replace("_", "-")
+        which = f"--speculative-method {method} does not use it" if method else "no speculative method is given"
+        raise ForerunError(
+            f"{flag} is a flag of --speculative-method {' or '.join(methods)}, and {which}: "
+            f"add --speculative-method {methods[0]}, or leave {flag} out"
+        )
+
+
+def _spec_defaults() -> dict:
+    """The speculation flags' defaults in `forerun generate` and `forerun serve`."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_spec_args(parser, quantization="auto")
+    return vars(parser.parse_args([]))
 
 
 def add_prompt_args(p: argparse.ArgumentParser, prompt_help: str = "one or more prompts") -> None:

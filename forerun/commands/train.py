@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from forerun.base import files
+from forerun.base.config import SEED_RANGE
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import SPEC_BENCH
 from forerun.commands.common import positive_int
@@ -592,6 +593,8 @@ def _check(args: argparse.Namespace) -> None:
             )
     if not (math.isfinite(args.checkpoint_minutes) and args.checkpoint_minutes >= 0):
         raise ForerunError(f"--checkpoint-minutes must be 0 or more minutes, got {args.checkpoint_minutes}")
+    if not SEED_RANGE[0] <= args.seed < SEED_RANGE[1]:
+        raise ForerunError(f"--seed must be a whole number in [-2**63, 2**64), got {args.seed}")
 
 
 def _check_prompts_left(args: argparse.Namespace, prompts: Prompts) -> None:

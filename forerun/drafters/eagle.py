@@ -56,6 +56,17 @@ class EagleDrafter(Drafter):
             )
         if nodes < 1 or branch < 1:
             raise ForerunError(f"EAGLE's tree needs at least one node and one branch, got {nodes} and {branch}")
+        context = target.decoder.cfg.max_position
+        if nodes >= context:
+            raise ForerunError(
+                f"--eagle-nodes {nodes} verifies more rows a step than the model's context of {context} tokens "
+                f"holds; use fewer (the default is {DEFAULT_NODES})"
+            )
+        if branch > nodes:
+            raise ForerunError(
+                f"--eagle-branch {branch} is more than --eagle-nodes {nodes}: a step keeps {nodes} nodes at most, "
+                "so no node keeps more children than that; use at most as many branches as nodes"
+            )
         self.config, self.head = shared_head(head, target, "eagle")
         self.vocab = self.head.vocab  # [N] token ids
         self.vocab_size = target.decoder.cfg.vocab_size

@@ -96,6 +96,13 @@ class LookaheadDrafter(Drafter):
             raise ForerunError(f"--lookahead-ngram must be at least 2 (a token and its continuation), got {ngram}")
         if guesses < 1:
             raise ForerunError(f"--lookahead-guesses must be at least 1, got {guesses}")
+        context = target.decoder.cfg.max_position if target is not None else None
+        if context is not None and (window + guesses) * (ngram - 1) >= context:
+            raise ForerunError(
+                f"--lookahead-window {window} and --lookahead-guesses {guesses} with --lookahead-ngram {ngram} "
+                f"verify up to ({window} + {guesses}) x {ngram - 1} rows a step, more than the model's context of "
+                f"{context} tokens holds; use a smaller window, fewer guesses or shorter n-grams"
+            )
         self.window, self.n, self.guesses = window, ngram, guesses
         self.pool = NgramPool(guesses)
         self.levels: list[list[int]] = []  # the Jacobi window, oldest level first, each [W]
