@@ -113,11 +113,11 @@ def test_speculative_settings_of_the_wrong_kind_are_named(folder: Path, llm: LLM
         LLM(llm.target, speculative_method="ngram", speculative_options={"bogus": 1})
     # An option of the wrong kind, or below 0, is named before the drafter is built.
     for method, options, needle in [
-        ("ngram", {"ngram_max": "3"}, "option ngram_max must be a whole number >= 0, got '3'"),
-        ("ngram", {"ngram_max": True}, "option ngram_max must be a whole number >= 0, got True"),
-        ("suffix", {"branch_ratio": -1.0}, "option branch_ratio must be a finite number >= 0, got -1.0"),
-        ("suffix", {"min_prob": float("nan")}, "option min_prob must be a finite number >= 0, got nan"),
-        ("lookahead", {"window": -2}, "option window must be a whole number >= 0, got -2"),
+        ("ngram", {"ngram_max": "3"}, "option ngram_max (--ngram-max) must be a whole number >= 0, got '3'"),
+        ("ngram", {"ngram_max": True}, "option ngram_max (--ngram-max) must be a whole number >= 0, got True"),
+        ("suffix", {"branch_ratio": -1.0}, "option branch_ratio (--suffix-branch-ratio) must be a finite number >= 0"),
+        ("suffix", {"min_prob": float("nan")}, "option min_prob (--suffix-min-prob) must be a finite number >= 0"),
+        ("lookahead", {"window": -2}, "option window (--lookahead-window) must be a whole number >= 0, got -2"),
     ]:
         with pytest.raises(ForerunError, match=re.escape(needle)):
             LLM(llm.target, speculative_method=method, speculative_options=options)

@@ -335,6 +335,16 @@ def test_unknown_model_name_lists_the_embedded_ones(home: Path) -> None:
         assert name in str(err.value)
 
 
+@pytest.mark.parametrize("spec", ["", "  "])
+def test_an_empty_model_name_is_refused_not_read_as_the_current_folder(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: str
+) -> None:
+    (tmp_path / "config.json").write_text("{}")  # a model folder as the current folder
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ForerunError, match="the model name is empty"):
+        load_model(spec)
+
+
 @pytest.mark.parametrize("spec", ["/no/such/dir/model.gguf", "models/model.gguf", "./model-folder"])
 def test_missing_file_says_so_and_never_tries_the_hub(home: Path, monkeypatch: pytest.MonkeyPatch, spec: str) -> None:
     import huggingface_hub

@@ -115,7 +115,9 @@ def _check_kind(name: str, key: str, value: object, default: object) -> None:
     else:
         return
     if not ok:
-        raise ForerunError(f"speculative method {name!r}: option {key} must be {kind}, got {value!r}")
+        flags = [f"--{dest.replace('_', '-')}" for dest, kw in cli_options(name).items() if kw == key]
+        said = f"option {key} ({flags[0]})" if flags else f"option {key}"
+        raise ForerunError(f"speculative method {name!r}: {said} must be {kind}, got {value!r}")
 
 
 def _import_all() -> None:

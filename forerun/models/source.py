@@ -21,6 +21,11 @@ def resolve(spec: str) -> ModelSource:
     """Find the weights behind `spec`, fetching an embedded model if needed."""
     if spec in EMBEDDED:
         return ModelSource("gguf", fetching.fetch(spec), spec)
+    if not spec.strip():  # Path("") is the current folder: never what an empty name meant
+        raise ForerunError(
+            f"the model name is empty: pass a .gguf file, a model folder or an embedded model name "
+            f"({', '.join(sorted(EMBEDDED))})"
+        )
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":

@@ -3,6 +3,8 @@ output's text a token at a time."""
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Sequence
 
 from forerun.base.errors import ForerunError
@@ -10,6 +12,7 @@ from forerun.base.prompts import valid_unicode
 
 # Special tokens that end a turn or a document in the common families; llama.cpp stops on the same.
 _STOP_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>", "<|EOT|>"}
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece vocabulary's byte fallback
 
 
 class Tokenizer:
@@ -53,6 +56,25 @@ class Tokenizer:
             text = self._pieces[token_id] = self.hf.decode([token_id], skip_special_tokens=False)
         return text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: part of a character where it holds only part of one (`piece` shows
+        that as U+FFFD), so a client joins a character split over tokens (OpenAI's `bytes`). From
+        the vocabulary's byte-level alphabet or byte fallback; else the piece's UTF-8."""
+        raw = self.hf.convert_ids_to_tokens(int(token_id))
+        if isinstance(raw, str):
+            table = _byte_of_char() if self._byte_level() else {}
+            if table and all(c in table for c in raw):
+                return bytes(table[c] for c in raw)
+            if match := _BYTE_TOKEN.fullmatch(raw):
+                return bytes([int(match.group(1), 16)])
+        return self.piece(token_id).encode("utf-8")
+
+    def _byte_level(self) -> bool:
+        from tokenizers import decoders
+
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        return isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
+
     def apply_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, continue_final: bool = False
     ) -> list[int]:
@@ -72,6 +94,17 @@ class Tokenizer:
     def vocabulary(self) -> dict[int, str]:
         """id -> token string, for comparing two tokenizers."""
         return {i: t for t, i in self.hf.get_vocab().items()}
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """A byte-level BPE vocabulary's alphabet (GPT-2's) reversed: every byte is one printable
+    character there, the printable Latin-1 bytes as themselves, the others from U+0100 on in order."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    char = {b: chr(b) for b in kept}
+    for i, b in enumerate(b for b in range(256) if b not in char):
+        char[b] = chr(0x100 + i)
+    return {c: b for b, c in char.items()}
 
 
 class TextStream:

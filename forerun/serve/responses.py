@@ -207,7 +207,8 @@ class Reply:
 
     def _token(self, token_id: int, logprob: float) -> dict:
         piece = self._piece(token_id)
-        return {"token": piece, "logprob": _floor(logprob), "bytes": list(piece.encode("utf-8", "replace"))}
+        raw = self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else piece.encode("utf-8", "replace")
+        return {"token": piece, "logprob": _floor(logprob), "bytes": list(raw)}
 
     def _piece(self, token_id: int) -> str:
         return self.tokenizer.piece(token_id) if self.tokenizer is not None else f"<{token_id}>"
