@@ -178,3 +178,9 @@ def test_a_catch_up_the_gate_paid_for_waits_through_plain_steps_until_it_is_made
     assert max(tree.depths) == 3 and auto.steps == {"suffix": 0, "draft": 1}
     auto.start(prompt, None, 64)  # a new request asks afresh
     assert auto.next_source(prompt, GREEDY) == "suffix" and len(asked) == 2
+
+
+def test_a_match_longer_than_the_trie_is_deep_names_the_longest_allowed() -> None:
+    with pytest.raises(ForerunError, match=r"--suffix-max-match 16 is too long .* depth of 16: use at most 15"):
+        SuffixDrafter(None, max_match=16, depth=16)
+    assert SuffixDrafter(None, max_match=15, depth=16).max_match == 15

@@ -332,11 +332,19 @@ def test_the_tree_built_from_medusa_choices_matches_a_hand_built_mask() -> None:
 
 @pytest.mark.parametrize(
     "choices,message",
-    [([[0], [0, 0, 0]], "lacks its parent"), ([[0, 0, 0, 0]], "4 deep"), ([[-1]], "not a path"), ([], "empty")],
+    [
+        ([[0], [0, 0, 0]], "lacks its parent"),
+        ([[0, 0, 0, 0]], "4 deep"),
+        ([[-1]], "not a path"),
+        ([], "empty"),
+        ([[True]], "not True or False"),
+        ([[0], [0, 50]], r"names rank 50, but the heads score 50 tokens"),
+    ],
 )
 def test_malformed_medusa_choices_are_refused(choices, message) -> None:
     with pytest.raises(ForerunError, match=message):
-        check_choices(choices, num_heads=3)
+        check_choices(choices, num_heads=3, ranks=50)
+    assert check_choices([[0], [49]], num_heads=3, ranks=50) == [(0,), (49,)]
 
 
 # --- heads belong to their target -----------------------------------------------------------------

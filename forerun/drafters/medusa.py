@@ -34,8 +34,11 @@ from forerun.verification.tree import DraftTree
 DEFAULT_CHOICES: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 0), (2,), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0))
 
 
-def check_choices(choices, num_heads: int) -> list[tuple[int, ...]]:
-    """Paths as tuples, parents before children; a clear error for a malformed tree."""
+def check_choices(choices, num_heads: int, ranks: int | None = None) -> list[tuple[int, ...]]:
+    """Paths as tuples, parents before children; a clear error for a malformed tree (`ranks`: the
+    heads' vocabulary, which no rank may reach: such a node would never draft)."""
+    if any(isinstance(r, bool) for c in choices for r in c):
+        raise ForerunError("Medusa choices are paths of ranks (whole numbers from 0), not True or False")
     paths = [tuple(int(r) for r in c) for c in choices]
     if not paths:
         raise ForerunError("Medusa choices are empty: give at least one path, e.g. [[0]]")
@@ -43,6 +46,11 @@ def check_choices(choices, num_heads: int) -> list[tuple[int, ...]]:
     for path in paths:
         if not path or min(path) < 0:
             raise ForerunError(f"Medusa choice {list(path)} is not a path of ranks (whole numbers from 0)")
+        if ranks is not None and max(path) >= ranks:
+            raise ForerunError(
+                f"Medusa choice {list(path)} names rank {max(path)}, but the heads score {ranks} tokens: "
+                f"use ranks below {ranks}"
+            )
         if len(path) > num_heads:
             raise ForerunError(f"Medusa choice {list(path)} is {len(path)} deep, but the head has {num_heads} heads")
         if len(path) > 1 and path[:-1] not in seen:
@@ -72,7 +80,7 @@ class MedusaDrafter(Drafter):
         self.vocab_size = target.decoder.cfg.vocab_size
         if choices is None:  # the default tree, cut to the heads there are
             choices = [c for c in DEFAULT_CHOICES if len(c) <= self.heads.num_heads]
-        self.choices = check_choices(choices, self.heads.num_heads)
+        self.choices = check_choices(choices, self.heads.num_heads, len(self.vocab))
         self.feature: torch.Tensor | None = None  # [hidden] of the last kept row
 
     def max_rows(self, k: int) -> int:

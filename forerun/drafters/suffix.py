@@ -168,7 +168,10 @@ class SuffixDrafter(Drafter):
         if max_match < min_match:
             raise ForerunError(f"--suffix-max-match ({max_match}) must be at least --suffix-min-match ({min_match})")
         if depth <= max_match:
-            raise ForerunError(f"the suffix trie's depth ({depth}) must exceed --suffix-max-match ({max_match})")
+            raise ForerunError(
+                f"--suffix-max-match {max_match} is too long for the suffix trie's depth of {depth}: "
+                f"use at most {depth - 1}"
+            )
         if not 0 <= min_prob <= 1:
             raise ForerunError(f"--suffix-min-prob must be in [0, 1], got {min_prob}")
         self.max_match, self.min_match, self.depth = max_match, min_match, depth
