@@ -52,6 +52,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0  # in [0, 1]: after temperature, drop tokens below min_p x the likeliest's probability
     min_tokens: int = 0  # no stop token (and no stop string) before this many tokens, as in vLLM
+    # Tokens that end generation besides the model's own stop tokens, as in vLLM: kept with
+    # ignore_eos, and their text stays in the output (a special token has none).
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +94,7 @@ class SamplingParams:
                     f"token), or None for no log probabilities, got {value!r}",
                 )
         _check_adjustments(self)
+        _check_stop_token_ids(self)
 
     @property
     def greedy(self) -> bool:
@@ -107,6 +111,16 @@ class SamplingParams:
         """Whether the target's raw logits are adjusted (a bias, a penalty, stop tokens held off)
         before anything else."""
         return bool(self.logit_bias) or self.penalized or self.min_tokens > 0
+
+
+def _check_stop_token_ids(params: SamplingParams) -> None:
+    """stop_token_ids as a sorted tuple of distinct token ids; named when it is anything else."""
+    ids = () if params.stop_token_ids is None else params.stop_token_ids
+    if not isinstance(ids, (list, tuple, set, frozenset)) or any(not is_whole(t) or t < 0 for t in ids):
+        raise FieldError(
+            "stop_token_ids", f"stop_token_ids must be a list of token ids (whole numbers >= 0), got {ids!r}"
+        )
+    object.__setattr__(params, "stop_token_ids", tuple(sorted({int(t) for t in ids})))
 
 
 def _check_adjustments(params: SamplingParams) -> None:

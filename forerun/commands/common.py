@@ -298,6 +298,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", nargs="+", default=[], help="stop strings")
+    g.add_argument(
+        "--stop-token-ids", nargs="+", type=int, default=[], metavar="ID", help="token ids that end generation (kept)"
+    )
     g.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens regardless of stop tokens")
     g.add_argument("--min-tokens", type=int, default=0, help="no stop token or stop string before this many tokens")
     g.add_argument(
@@ -333,6 +336,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         top_k=args.top_k,
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
+        stop_token_ids=tuple(args.stop_token_ids),
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         min_p=args.min_p,

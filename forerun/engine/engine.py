@@ -191,13 +191,15 @@ class Engine:
 
     def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Cache slots the request needs; a clear error before any work when it exceeds the context
-        (or its logit bias names a token the model lacks)."""
+        (or its logit bias or stop token ids name a token the model lacks)."""
         vocab = self.target.decoder.cfg.vocab_size
-        outside = [token for token, _ in params.logit_bias if token >= vocab]
-        if outside:
-            raise ForerunError(
-                f"logit_bias names token {outside[0]}, beyond the vocabulary of {vocab}: use ids below {vocab}"
-            )
+        named = (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids))
+        for name, tokens in named:
+            outside = [token for token in tokens if token >= vocab]
+            if outside:
+                raise ForerunError(
+                    f"{name} names token {outside[0]}, beyond the vocabulary of {vocab}: use ids below {vocab}"
+                )
         return check_prompt_fits(self.target.decoder.cfg.max_position, prompt_ids, params.max_tokens) + self.rows + 1
 
     def stream(

@@ -18,7 +18,8 @@ class Sequence:
         self.output_ids: list[int] = []
         self.params = params
         self.tokenizer = tokenizer
-        self.stop_ids = frozenset() if params.ignore_eos else stop_ids
+        # The model's stop tokens (none with ignore_eos), and the request's own (`stop_token_ids`).
+        self.stop_ids = (frozenset() if params.ignore_eos else stop_ids) | frozenset(params.stop_token_ids)
         self.finish_reason: str | None = None
         self.text = ""  # decoded output, cut before a stop string
         self._streamed = 0  # characters of `text` already handed out
@@ -53,15 +54,19 @@ class Sequence:
     def append(self, token: int) -> bool:
         """Add one token; returns True when it ends the sequence (then nothing more may be appended)."""
         self.output_ids.append(token)
-        if token in self.stop_ids:
+        own = token in self.params.stop_token_ids
+        if token in self.stop_ids and not own:
             self.finish_reason = "stop"
-            self._whole_text(self.output_ids[:-1])  # the stop token is no text
+            self._whole_text(self.output_ids[:-1])  # the model's stop token is no text
         elif self.tokenizer is not None:
             if self._stream is not None:
                 self.text += self._stream.step(token)
             else:
                 self.text = self.tokenizer.decode(self.output_ids)
             self._check_stop_strings()
+        if own and self.finish_reason is None:  # the request's stop token: its text kept, as in vLLM
+            self.finish_reason = "stop"
+            self._whole_text(self.output_ids)
         if self.finish_reason is None and len(self.output_ids) >= self.params.max_tokens:
             self.finish_reason = "length"
             self._whole_text(self.output_ids)

@@ -55,6 +55,7 @@ _COMMON = {
     "repetition_penalty",
     "min_p",
     "min_tokens",
+    "stop_token_ids",
 }
 _COMPLETIONS = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {
@@ -389,6 +390,7 @@ def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list
                     stop=tuple(stop),
                     seed=None if seed is None else seed + i,
                     ignore_eos=flag(body, "ignore_eos"),
+                    stop_token_ids=_stop_token_ids(body.get("stop_token_ids"), limits.vocab_size),
                     logprobs=checked.logprobs,
                     prompt_logprobs=prompt_logprobs,
                     **adjustments,
@@ -434,6 +436,23 @@ def _adjustments(body: dict, vocab_size: int) -> dict:
             raise BadRequest(f"logit_bias values must be numbers in [-100, 100], got {shown(bias[key])}", "logit_bias")
         fields["logit_bias"][token] = value
     return fields
+
+
+def _stop_token_ids(ids, vocab_size: int) -> tuple[int, ...]:
+    """vLLM's stop_token_ids: token ids of this model, at most MAX_LOGIT_BIAS of them."""
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or any(not is_whole(t) for t in ids):
+        raise BadRequest("stop_token_ids must be a list of token ids, such as [151643]", "stop_token_ids")
+    if len(ids) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"stop_token_ids lists {len(ids)} tokens; give at most {MAX_LOGIT_BIAS}", "stop_token_ids")
+    outside = [t for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        raise BadRequest(
+            f"stop_token_ids names {outside[0]}, no token id of this model (whole numbers below {vocab_size})",
+            "stop_token_ids",
+        )
+    return tuple(ids)
 
 
 def _stop_strings(stop) -> tuple[str, ...]:

@@ -37,6 +37,7 @@ class _Request(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0)
     min_p: float | None = Field(None, ge=0, le=1)
     min_tokens: int | None = Field(None, ge=0, description="no stop token or stop string before this many tokens")
+    stop_token_ids: list[int] | None = Field(None, description="vLLM's: tokens that end generation, their text kept")
 
 
 class CompletionRequest(_Request):
