@@ -131,3 +131,12 @@ def test_an_llm_of_the_wrong_kind_of_thing_is_named(llm: LLM) -> None:
     for method in ("", 3):
         with pytest.raises(ForerunError, match="speculative_method must name a drafter"):
             LLM(llm.target, speculative_method=method)
+
+
+def test_chat_messages_for_a_model_without_a_chat_template_are_refused_naming_both_ways(tmp_path) -> None:
+    from forerun.models.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(tmp_path)
+    tok.hf.chat_template = None
+    with pytest.raises(ForerunError, match=r"no chat template: pass a plain prompt .*leave out --chat"):
+        tok.apply_chat([{"role": "user", "content": "hi"}])

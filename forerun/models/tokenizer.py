@@ -81,7 +81,10 @@ class Tokenizer:
         """The chat template's tokens for `messages`, opening the assistant's turn (`add_generation_prompt`)
         or, with `continue_final`, leaving the last (assistant) message open for the answer to continue."""
         if not getattr(self.hf, "chat_template", None):
-            raise ForerunError("this model has no chat template; pass a plain prompt instead of messages (drop --chat)")
+            raise ForerunError(
+                "this model has no chat template: pass a plain prompt instead of messages "
+                "(on the command line, leave out --chat)"
+            )
         text = self.hf.apply_chat_template(
             messages,
             tokenize=False,

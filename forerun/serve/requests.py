@@ -377,6 +377,7 @@ def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list
     if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1] - (checked.n - 1):
         raise BadRequest(f"seed must be in [-2**63, 2**64 - n), got {seed}", "seed")
     stop = _stop_strings(body.get("stop"))
+    stop_token_ids = _stop_token_ids(body.get("stop_token_ids"), limits.vocab_size)
     adjustments = _adjustments(body, limits.vocab_size)
     prompt_logprobs = checked.logprobs if checked.echo and checked.logprobs is not None else None
     try:
@@ -390,7 +391,7 @@ def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list
                     stop=tuple(stop),
                     seed=None if seed is None else seed + i,
                     ignore_eos=flag(body, "ignore_eos"),
-                    stop_token_ids=_stop_token_ids(body.get("stop_token_ids"), limits.vocab_size),
+                    stop_token_ids=stop_token_ids,
                     logprobs=checked.logprobs,
                     prompt_logprobs=prompt_logprobs,
                     **adjustments,
