@@ -303,6 +303,7 @@ def test_the_api_key_guards_every_route_but_health(served) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+    assert httpx.head(served.url + "/health").status_code == 200  # a load balancer's probe
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:

@@ -214,6 +214,16 @@ def test_the_chosen_token_is_always_among_the_completion_top_logprobs(plain, cou
     assert len(greedy["top_logprobs"][0]) == max(count, 1)  # the chosen token is the likeliest: no entry added
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_with_include_usage_every_chunk_before_the_usage_chunk_has_a_null_usage(plain, path) -> None:
+    body = {"model": NAME, "max_tokens": 6, "temperature": 0}
+    body |= {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "abc"}
+    chunks = stream(plain, {**body, "stream_options": {"include_usage": True}}, path)
+    assert chunks[-1]["usage"]["completion_tokens"] > 0 and chunks[-1]["choices"] == []
+    assert len(chunks) > 2 and all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    assert all("usage" not in c for c in stream(plain, body, path))  # not asked: no usage field
+
+
 def test_token_metrics_rise_by_the_usage_of_echo_scoring_and_of_n_samples(plain) -> None:
     def totals() -> tuple[float, float]:
         text = httpx.get(plain.url + "/metrics", headers=AUTH).text

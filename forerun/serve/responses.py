@@ -159,6 +159,8 @@ class Reply:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         if usage is not None:
             out["usage"] = usage
+        elif self.checked.include_usage and obj.endswith(".chunk"):
+            out["usage"] = None  # OpenAI's: with include_usage, every chunk before the usage chunk says null
         if stats is not None and len(stats) == 1 and stats[0] is not None:
             out["speculative_decoding_stats"] = stats[0]  # where a reader of the whole response looks
         return out
