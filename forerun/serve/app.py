@@ -55,7 +55,8 @@ def app_for(state: ServerState) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, routes.unknown_route)
     app.add_exception_handler(Exception, routes.server_error)
     summary = "200 while the engine runs; 503 once it stopped or is shutting down"
-    app.add_api_route("/health", routes.health, methods=["GET", "HEAD"], summary=summary)  # HEAD: load balancers
+    app.add_api_route("/health", routes.health, methods=["GET"], summary=summary)
+    app.add_api_route("/health", routes.health, methods=["HEAD"], include_in_schema=False)  # load balancers' probes
     app.add_api_route("/v1/models", routes.models, methods=["GET"], summary="the served model (and its speculator)")
     app.add_api_route("/metrics", routes.prometheus, methods=["GET"], summary="Prometheus metrics")
     app.add_api_route(
