@@ -62,14 +62,16 @@ class Tokenizer:
         the vocabulary's byte-level alphabet or byte fallback; else the piece's UTF-8."""
         raw = self.hf.convert_ids_to_tokens(int(token_id))
         if isinstance(raw, str):
-            table = _byte_of_char() if self._byte_level() else {}
+            table = _byte_of_char() if self._byte_level else {}
             if table and all(c in table for c in raw):
                 return bytes(table[c] for c in raw)
             if match := _BYTE_TOKEN.fullmatch(raw):
                 return bytes([int(match.group(1), 16)])
         return self.piece(token_id).encode("utf-8")
 
+    @functools.cached_property
     def _byte_level(self) -> bool:
+        """Whether the vocabulary spells bytes in the byte-level alphabet (asked once)."""
         from tokenizers import decoders
 
         backend = getattr(self.hf, "backend_tokenizer", None)
