@@ -239,7 +239,6 @@ BAD = [
     ({"top_p": 1.5}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": "ten"}, "max_tokens"),
-    ({"model": "other-model"}, "model"),
     ({"max_tokens": CONTEXT}, "max_tokens"),  # with the prompt, beyond the context
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),

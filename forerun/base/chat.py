@@ -6,6 +6,12 @@ from __future__ import annotations
 from forerun.base.errors import ForerunError
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}  # developer: OpenAI's newer name for system
+# A message's fields beside role and content that go on to the chat template as given (OpenAI's
+# participant name, a tool result's call id).
+PASSED = ("name", "tool_call_id")
+# Fields of an answer's message that a client sends back with the conversation: taken while they
+# are empty (null, "" or []), refused by name when they ask for something (forerun calls no tools).
+EMPTY_ONLY = ("tool_calls", "function_call", "refusal", "audio", "annotations", "reasoning_content")
 
 
 def chat_turns(messages: object) -> list[dict]:
@@ -25,8 +31,31 @@ def chat_turns(messages: object) -> list[dict]:
             content = _text_parts(content, i)
         if not isinstance(content, str):
             raise ForerunError(f"messages[{i}].content must be a string (or a list of text parts)")
-        turns.append({"role": "system" if role == "developer" else role, "content": content})
+        turn = {"role": "system" if role == "developer" else role, "content": content}
+        turns.append(turn | _other_fields(m, i))
     return turns
+
+
+def _other_fields(message: dict, i: int) -> dict:
+    """A message's fields beside role and content: PASSED ones (strings) for the template, EMPTY_ONLY
+    ones dropped while empty; any other refused by name."""
+    passed = {}
+    for name, value in message.items():
+        if name in ("role", "content") or (name in EMPTY_ONLY and value in (None, "", [])):
+            continue
+        if name in EMPTY_ONLY:
+            raise ForerunError(
+                f"messages[{i}].{name} is not supported (this server calls no tools and takes text only); "
+                "leave it out or send it empty"
+            )
+        if name not in PASSED:
+            raise ForerunError(
+                f"messages[{i}] has an unknown field {name[:40]!r}: a message takes role, content, {', '.join(PASSED)}"
+            )
+        if not isinstance(value, str):
+            raise ForerunError(f"messages[{i}].{name} must be a string")
+        passed[name] = value
+    return passed
 
 
 def _text_parts(parts: list, i: int) -> str:

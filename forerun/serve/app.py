@@ -1,7 +1,7 @@
 """`forerun serve`'s HTTP app: OpenAI's completions and chat routes over the scheduler, wired.
 
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events ending in
-`data: [DONE]`, or whole), GET /v1/models, /health, /metrics (Prometheus text), /openapi.json and
+`data: [DONE]`, or whole), GET /v1/models and /v1/models/{id}, /health, /metrics (Prometheus text), /openapi.json and
 /docs. Fields are OpenAI's (checked in forerun/serve/requests.py) plus `top_k` and `ignore_eos`;
 `n` samples share the prompt's prefill; `logprobs` are the target's own; with speculation each
 choice can carry its speculation figures in vLLM's per-request shape. Anything wrong gets an HTTP
@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from forerun.serve.backend import LocalBackend
 from forerun.serve.generation import generation
 from forerun.serve.metrics import ServerMetrics
-from forerun.serve.requests import BadRequest
+from forerun.serve.requests import BadRequest, not_served
 from forerun.serve.responses import model_list, refused
 from forerun.serve.scheduler import Scheduler
 from forerun.serve.schemas import ChatCompletionRequest, CompletionRequest, openapi_schema, request_body
@@ -58,6 +58,7 @@ def app_for(state: ServerState) -> FastAPI:
     app.add_api_route("/health", routes.health, methods=["GET"], summary=summary)
     app.add_api_route("/health", routes.health, methods=["HEAD"], include_in_schema=False)  # load balancers' probes
     app.add_api_route("/v1/models", routes.models, methods=["GET"], summary="the served model (and its speculator)")
+    app.add_api_route("/v1/models/{model:path}", routes.model, methods=["GET"], summary="one served model, by id")
     app.add_api_route("/metrics", routes.prometheus, methods=["GET"], summary="Prometheus metrics")
     app.add_api_route(
         "/v1/completions",
@@ -90,10 +91,21 @@ class _Routes:
     async def models(self, request: HTTPRequest) -> Response:
         if (denied := self.state.refusal(request)) is not None:
             return denied
+        return JSONResponse(self._listed())
+
+    async def model(self, request: HTTPRequest, model: str) -> Response:
+        """/v1/models/{id}: the served model's entry of /v1/models; 404 for any other id."""
+        if (denied := self.state.refusal(request)) is not None:
+            return denied
         config = self.state.config
-        return JSONResponse(
-            model_list(config.served_model_name, self.state.created, config.max_model_len, config.speculative_model)
-        )
+        if model != config.served_model_name:
+            self.state.metrics.rejected(404)
+            return refused(not_served(model, config.served_model_name))
+        return JSONResponse(self._listed()["data"][0])
+
+    def _listed(self) -> dict:
+        config = self.state.config
+        return model_list(config.served_model_name, self.state.created, config.max_model_len, config.speculative_model)
 
     async def prometheus(self, request: HTTPRequest) -> Response:
         if (denied := self.state.refusal(request)) is not None:

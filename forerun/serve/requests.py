@@ -30,6 +30,9 @@ MAX_STOP = 64  # most stop strings one request may give
 MAX_LOGIT_BIAS = 300  # most tokens a logit_bias may name (OpenAI's limit; each step adds every one)
 MAX_STOP_CHARS = 1024  # longest stop string
 CHARS_PER_TOKEN = 16  # a prompt longer than max_model_len x this is refused before tokenizing
+# A completion's max_tokens when the request gives none (OpenAI's and vLLM's); chat's is the room left.
+COMPLETION_MAX_TOKENS = 16
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")  # OpenAI's; taken, one tier served
 
 # Fields each route takes; others are refused by name (a typo or a feature forerun lacks).
 _COMMON = {
@@ -67,7 +70,7 @@ _CHAT = _COMMON | {
     "continue_final_message",
 }
 # Fields of OpenAI's or vLLM's API that forerun cannot honour, with the values that ask for nothing.
-_NEUTRAL: dict[str, tuple] = {
+NEUTRAL: dict[str, tuple] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -168,6 +171,16 @@ async def read_json(request, max_bytes: int, timeout: float) -> dict:
     return body
 
 
+def not_served(model: str, served_name: str) -> BadRequest:
+    """404 for a model this server does not serve, as OpenAI and vLLM answer it."""
+    return BadRequest(
+        f"model {shown(model)} is not served here; this server serves {served_name!r}",
+        "model",
+        status=404,
+        code="model_not_found",
+    )
+
+
 def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
     """Every field of a completions (`chat` False) or chat request, before any tokenizing."""
     _check_names(body, chat)
@@ -177,11 +190,7 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
         got = "" if model is None or model == "" else f", not {type(model).__name__}"
         raise BadRequest(f"'model' is required as a string{got}: the name /v1/models lists", "model")
     if model != served_name:
-        raise BadRequest(
-            f"model {shown(model)} is not served here; this server serves {served_name!r}",
-            "model",
-            code="model_not_found",
-        )
+        raise not_served(model, served_name)
     n = integer(body, "n", 1)
     if not 1 <= n <= limits.max_n:
         raise BadRequest(f"n must be between 1 and {limits.max_n}, got {n}", "n")
@@ -232,6 +241,11 @@ def _check_ignored(body: dict) -> None:
     for name in ("user", "service_tier"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise BadRequest(f"{name} must be a string, got {shown(body[name])}", name)
+    if body.get("service_tier") is not None and body["service_tier"] not in SERVICE_TIERS:
+        raise BadRequest(
+            f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {shown(body['service_tier'])}",
+            "service_tier",
+        )
     for name in ("store", "parallel_tool_calls"):
         flag(body, name)
     metadata = body.get("metadata")
@@ -268,8 +282,8 @@ def _check_names(body: dict, chat: bool) -> None:
     for name, value in body.items():
         if name in taken:
             continue
-        if name in _NEUTRAL:
-            if name == "best_of" or any(value == neutral for neutral in _NEUTRAL[name]):
+        if name in NEUTRAL:
+            if name == "best_of" or any(value == neutral for neutral in NEUTRAL[name]):
                 continue  # asks for nothing (best_of is checked against n)
             raise BadRequest(f"{name} is not supported by this server; leave it out", name)
         other = "/v1/completions" if chat else "/v1/chat/completions"
@@ -360,8 +374,8 @@ def _chat_turns(body: dict, limits: Limits) -> list[dict]:
 
 def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list[list[SamplingParams]]:
     """Per prompt (of `prompt_tokens` tokens each), one SamplingParams per choice: the same for every
-    prompt but max_tokens' default (each prompt's room), and with a seed, sample i of every prompt
-    seeded seed + i (as vLLM does)."""
+    prompt but max_tokens' default (a completion's 16, chat's the room left, each within its prompt's
+    room), and with a seed, sample i of every prompt seeded seed + i (as vLLM does)."""
     body = checked.body
     temperature, top_p = number(body, "temperature", 1.0), number(body, "top_p", 1.0)
     top_k = integer(body, "top_k", 0)
@@ -491,12 +505,12 @@ def _max_tokens(checked: Checked, prompt_tokens: int, limits: Limits) -> tuple[i
                 f"leaving no room to generate; shorten the {where}",
                 where,
             )
-        max_tokens = room
+        max_tokens = room if checked.chat else min(COMPLETION_MAX_TOKENS, room)
     scoring = max_tokens == 0 and checked.echo
     if scoring:
         max_tokens = 1
     elif max_tokens < 1:
-        raise BadRequest(f"{name} must be >= 1 (0 only with echo), got {max_tokens}", name)
+        raise BadRequest(f"{name} must be >= 1{'' if checked.chat else ' (0 only with echo)'}, got {max_tokens}", name)
     if scoring and room < 1:
         raise BadRequest(
             f"echo with {name} 0 scores a prompt of at most {limits.max_model_len - 1} tokens on this "

@@ -68,6 +68,9 @@ class Reply:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
+        # A streamed chunk's object: chat's has its own name, a completion's is the whole response's
+        # (as OpenAI and vLLM send them).
+        self.chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
 
     # --- not streamed --------------------------------------------------------------------------
 
@@ -91,7 +94,7 @@ class Reply:
             if figures is not None:
                 entry["speculative_decoding_stats"] = figures
             shaped.append(entry)
-        return self._top(self.object, shaped, usage=self.usage(choices), stats=stats)
+        return self._top(shaped, usage=self.usage(choices), stats=stats)
 
     # --- streamed ------------------------------------------------------------------------------
 
@@ -101,8 +104,8 @@ class Reply:
             return []
         return [
             self._top(
-                self.object + ".chunk",
                 [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                streamed=True,
             )
             for i in range(self.checked.n)
         ]
@@ -133,10 +136,10 @@ class Reply:
         entry["finish_reason"] = choice.reason
         if stats is not None:
             entry["speculative_decoding_stats"] = stats
-        return self._top(self.object + ".chunk", [entry])
+        return self._top([entry], streamed=True)
 
     def usage_chunk(self, choices: list[Choice], stats: list[dict | None]) -> dict:
-        return self._top(self.object + ".chunk", [], usage=self.usage(choices), stats=stats)
+        return self._top([], usage=self.usage(choices), stats=stats, streamed=True)
 
     # --- pieces --------------------------------------------------------------------------------
 
@@ -154,12 +157,17 @@ class Reply:
         }
 
     def _top(
-        self, obj: str, choices: list[dict], usage: dict | None = None, stats: list[dict | None] | None = None
+        self,
+        choices: list[dict],
+        usage: dict | None = None,
+        stats: list[dict | None] | None = None,
+        streamed: bool = False,
     ) -> dict:
+        obj = self.chunk_object if streamed else self.object
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         if usage is not None:
             out["usage"] = usage
-        elif self.checked.include_usage and obj.endswith(".chunk"):
+        elif self.checked.include_usage and streamed:
             out["usage"] = None  # OpenAI's: with include_usage, every chunk before the usage chunk says null
         if stats is not None and len(stats) == 1 and stats[0] is not None:
             out["speculative_decoding_stats"] = stats[0]  # where a reader of the whole response looks

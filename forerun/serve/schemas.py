@@ -7,6 +7,7 @@ only point the schema here (`request_body`).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from fastapi import FastAPI
@@ -14,13 +15,15 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
 from forerun.base.config import SEED_RANGE
-from forerun.serve.requests import MAX_LOGPROBS, MAX_N, MAX_PROMPTS
+from forerun.serve.requests import MAX_LOGPROBS, MAX_N, MAX_PROMPTS, NEUTRAL, SERVICE_TIERS
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str = Field(description="the name /v1/models lists")
-    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate (default: the context's room)")
+    max_tokens: int | None = Field(
+        None, ge=1, description="most tokens to generate (default: 16 for a completion, the context's room for chat)"
+    )
     temperature: float | None = Field(None, ge=0, description="0 (or below 1e-5) is greedy; default 1")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="0 or -1 keep every token")
@@ -31,6 +34,9 @@ class _Request(BaseModel):
     stream_options: dict | None = Field(None, description='{"include_usage": true}')
     ignore_eos: bool | None = None
     user: str | None = None
+    store: bool | None = Field(None, description="taken and ignored: nothing is stored")
+    metadata: dict[str, str] | None = Field(None, description="taken and ignored")
+    service_tier: Literal[SERVICE_TIERS] | None = Field(None, description="taken and ignored: one tier")
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) to a bias in [-100, 100]")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -51,9 +57,17 @@ class CompletionRequest(_Request):
     echo: bool | None = Field(None, description="the prompt leads the text (max_tokens 0: the prompt alone)")
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # an answer's empty fields sent back (base/chat.py EMPTY_ONLY)
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart] = Field(description="text, or text parts (joined)")
+    name: str | None = Field(None, description="passed to the chat template")
+    tool_call_id: str | None = Field(None, description="passed to the chat template")
 
 
 class ChatCompletionRequest(_Request):
@@ -61,6 +75,7 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    parallel_tool_calls: bool | None = Field(None, description="taken and ignored: no tools are called")
     add_generation_prompt: bool | None = Field(None, description="open the assistant's turn (default true)")
     continue_final_message: bool | None = Field(
         None, description="leave the last (assistant) message open to continue it; needs add_generation_prompt false"
@@ -85,6 +100,9 @@ def openapi_schema(app: FastAPI) -> dict:
         for model in (CompletionRequest, ChatCompletionRequest):
             spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(spec.pop("$defs", {}))
+            for name, values in NEUTRAL.items():  # OpenAI's and vLLM's fields taken only when they ask for nothing
+                shown = " or ".join(json.dumps(v) for v in values)
+                spec["properties"].setdefault(name, {"description": f"not supported: taken only as {shown}"})
             components[model.__name__] = spec
         app.openapi_schema = schema
     return app.openapi_schema
