@@ -194,6 +194,21 @@ def test_sampled_speculation_with_a_seed_gives_the_same_tokens_batched_or_alone(
     assert run_batched(BatchEngine(llm.new_engine, 4), sampled) == alone
 
 
+def test_a_seeded_sample_batched_with_a_draft_model_is_plain_decodings(quantized) -> None:
+    """A draft model's drafts draw with the positions' uniforms: batched, each seeded request writes
+    what plain decoding writes alone."""
+    from tests.conftest import perturbed
+
+    near = perturbed(tiny_model(seed=1, name="near3", num_layers=3), 0.02)  # the target's weights, a little off
+    quantize_decoder_(near.decoder)
+    llm = LLM(quantized, speculative_model=near, speculative_method="draft", speculative_k_policy="fixed")
+    sampled = [(prompt, params) for prompt, params in REQUESTS if not params.greedy and params.seed is not None] * 2
+    plain = [Engine(quantized).generate(prompt, params).token_ids for prompt, params in sampled]
+    kept: list[int] = []
+    assert run_batched(BatchEngine(llm.new_engine, 4), sampled, kept) == plain
+    assert sum(kept) > 0  # drafts were kept
+
+
 def test_lanes_share_the_draft_weights(quantized, w8a8_draft) -> None:
     llm = LLM(quantized, speculative_model=w8a8_draft, speculative_method="draft")
     assert llm.new_engine().drafter.model is llm.engine.drafter.model

@@ -23,13 +23,23 @@ from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.cli import main
 from forerun.drafters.base import Drafter
+from forerun.drafters.draft_vocab import choose
+from forerun.drafters.vocabulary import full_vocabulary
 from forerun.engine.engine import Engine, Running
 from forerun.engine.metrics import SpecMetrics
 from forerun.engine.sequence import Sequence
 from forerun.models.load import LoadedModel
 from forerun.models.testing import save_hf_folder, tiny_model
 from forerun.verification.accept import Acceptance
-from forerun.verification.sampling import adjusted, make_generator, position_uniform, probabilities, sample
+from forerun.verification.sampling import (
+    PositionDraws,
+    adjusted,
+    draw_tokens,
+    make_generator,
+    position_uniform,
+    probabilities,
+    sample,
+)
 from forerun.verification.tree import DraftTree
 from tests.conftest import perturbed
 
@@ -308,13 +318,10 @@ def test_negative_control_an_always_accepting_rule_fails_auto_too(target2, sampl
     assert any(tv >= tolerance for tv, tolerance in failures)
 
 
-DETERMINISTIC = [s for s in ONE_EACH_SAMPLING if s[0] != "early-exit"]  # drafts without a distribution of theirs
-
-
-@pytest.mark.parametrize("setting", DETERMINISTIC, ids=setting_id)
-def test_a_seeded_sample_is_plain_decodings_with_that_seed_whatever_a_deterministic_drafter_drafts(
-    target2, setting
-) -> None:
+@pytest.mark.parametrize("setting", ONE_EACH_SAMPLING, ids=setting_id)
+def test_a_seeded_sample_is_plain_decodings_with_that_seed_whatever_a_drafter_drafts(target2, setting) -> None:
+    """Deterministic drafts, and early exit's drawn from its distribution with the positions'
+    uniforms: the target's own draw at each position is what is emitted."""
     params = SamplingParams(temperature=1.0, top_k=4, max_tokens=40, seed=11)
     kept = 0
     for prompt_seed in range(1, 5):
@@ -324,6 +331,19 @@ def test_a_seeded_sample_is_plain_decodings_with_that_seed_whatever_a_determinis
         assert spec.token_ids == plain.token_ids, prompt_seed
         kept += spec.metrics.num_accepted_tokens
     assert kept > 0  # drafts were kept, and the text is plain decoding's all the same
+
+
+def test_a_draw_over_a_subset_of_ascending_ids_is_the_draw_over_the_whole_vocabulary() -> None:
+    """A draft model's reduced vocabulary draws over its columns: the same token as over every id."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = choose(torch.randint(0, 1000, (400,), generator=gen), 60, [399, 3])  # as a draft model's is chosen
+    for trial in range(50):
+        q = torch.rand(1, 60, generator=gen) ** 4
+        q[0, trial % 60] += 0.5
+        q /= q.sum()
+        draws = PositionDraws(key=trial, first=trial * 7)
+        columns = draw_tokens(q, draws, [2])[0]
+        assert int(vocab[columns]) == draw_tokens(full_vocabulary(q, vocab, 400), draws, [2])[0]
 
 
 def test_position_draws_are_uniform_and_keyed_by_seed_and_position() -> None:

@@ -713,10 +713,9 @@ def test_prompts_carried_in_the_steps_come_out_as_alone(k_file: Path, home: Path
     batch._costs = ROW_COSTS
     tokens, carried = carry_all(batch, CARRIED, share=1.0)
     for key, (_, params) in enumerate(CARRIED):
-        # A seeded request that drafts draws its generator otherwise than plain sampling does (an
-        # accepted draft takes a uniform, not a sample), and whether a lane drafts follows timings:
-        # its first token, drawn from the carried prefill's last row before any draft, is compared.
-        assert tokens[key] == alone[key] if params.greedy else tokens[key][0] == alone[key][0], key
+        # A seeded request writes plain decoding's text whatever was drafted (and whether a lane
+        # drafts follows timings).
+        assert tokens[key] == alone[key], key
     assert sum(carried) >= 90 and max(carried) == 9  # ten steps and more carried prompt rows, nine at most
 
 

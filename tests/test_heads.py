@@ -292,6 +292,29 @@ def test_sampled_tokens_follow_the_targets_distribution(target, medusa_head, eag
 
 
 @pytest.mark.parametrize("which", ["medusa", "eagle", "auto-head"])
+def test_a_seeded_sample_is_plain_decodings_with_that_seed_whatever_a_head_drafts(
+    target, medusa_head, eagle_head, which
+) -> None:
+    """Heads draw their drafts with the positions' uniforms: the text is plain decoding's, and a
+    Medusa tree's siblings that drew one number are one node."""
+    folder = (medusa_head if which == "medusa" else eagle_head)[0]
+    drafter = drafters.create(which, target, {"head": str(folder)})
+    trees = []
+    propose = drafter.propose
+    drafter.propose = lambda *args: trees.append(propose(*args)) or trees[-1]
+    kept = 0
+    for seed, prompt in enumerate(prompts_of(3, start=60)):
+        params = SamplingParams(temperature=1.0, top_k=4, max_tokens=24, seed=seed)
+        out = Engine(target, drafter, 4).generate(prompt, params)
+        assert out.token_ids == Engine(target).generate(prompt, params).token_ids, seed
+        kept += out.metrics.num_accepted_tokens
+    assert kept > 0
+    for tree in filter(None, trees):
+        siblings = [(tree.parents[i], token) for i, token in enumerate(tree.tokens)]
+        assert len(set(siblings)) == len(siblings)
+
+
+@pytest.mark.parametrize("which", ["medusa", "eagle", "auto-head"])
 def test_negative_control_an_always_accepting_rule_fails_with_heads(
     target, medusa_head, eagle_head, sampling_case, monkeypatch, which
 ) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import perturbed
 
+import forerun.engine.engine as engine_module
 from forerun import LLM
 from forerun.base.config import SamplingParams
 from forerun.drafters.draft_model import DraftModelDrafter
@@ -16,6 +17,7 @@ from forerun.models.testing import tiny_model
 from forerun.models.tokenizer import Tokenizer
 from forerun.policy.draft_length import DecayedCounts
 from forerun.policy.pass_costs import PassCosts
+from forerun.verification.sampling import make_generator
 
 PROMPT = [5, 6, 7, 8, 40, 41]
 MAX = 32
@@ -229,6 +231,42 @@ def test_seeded_sampling_is_reproducible(target, drafts, which):
     first = run(11)
     assert run(11) == first
     assert run(12) != first
+
+
+SEEDED = [
+    SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, seed=11),
+    SamplingParams(temperature=0.7, top_k=5, max_tokens=24, seed=2**40 + 3),
+    SamplingParams(temperature=1.3, min_p=0.02, max_tokens=24, seed=-5),
+]
+
+
+@pytest.mark.parametrize("which", ["same", "noisy", "other"])
+@pytest.mark.parametrize("params", SEEDED, ids=["top-p", "top-k", "min-p"])
+def test_a_seeded_sample_is_plain_decodings_with_that_seed_whatever_the_draft_model_drafts(
+    target, drafts, which, params
+):
+    """Drafts with a distribution, drawn with the positions' own uniforms: every token emitted is the
+    target's own draw at its position, so the text is plain decoding's, for every K."""
+    plain = Engine(target).generate(PROMPT, params).token_ids
+    kept = 0
+    for k in (1, 3, 6):
+        out = spec(target, drafts[which], k).generate(PROMPT, params)
+        assert out.token_ids == plain, k
+        kept += out.metrics.num_accepted_tokens
+    assert kept > 0 or which == "other"  # drafts were kept, and the text is plain decoding's all the same
+
+
+def test_a_seeded_draft_of_the_target_itself_is_kept_whole_because_it_draws_the_targets_numbers(
+    target, drafts, monkeypatch
+):
+    params = SamplingParams(temperature=1.0, max_tokens=MAX, seed=3)
+    out = spec(target, drafts["same"], 5).generate(PROMPT, params)
+    assert out.metrics.acceptance_rate >= 0.98  # q == p: the same uniform draws the same token
+    # The control: drafts drawn from a generator of their own are kept only where the two draws meet.
+    monkeypatch.setattr(engine_module, "PositionDraws", lambda key, first: make_generator(key + first))
+    uncoupled = spec(target, drafts["same"], 5).generate(PROMPT, params)
+    assert uncoupled.token_ids == out.token_ids  # the text stays plain decoding's
+    assert uncoupled.metrics.acceptance_rate < 0.9
 
 
 def test_sampling_with_the_target_as_draft_accepts_nearly_everything(target, drafts):

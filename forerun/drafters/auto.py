@@ -36,6 +36,7 @@ from forerun.models.load import LoadedModel
 from forerun.models.prefix_cache import PrefixCache
 from forerun.policy.catch_up import Gate
 from forerun.policy.draft_model_costs import BRANCH, SECOND_CHOICE
+from forerun.verification.sampling import Draws
 from forerun.verification.tree import DraftTree
 
 
@@ -89,9 +90,7 @@ class SuffixFirst(Drafter):
         nothing; None when only the second drafter would propose."""
         return "suffix" if self.suffix.match_length(context) >= self.long_match else None
 
-    def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> DraftTree | None:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: Draws) -> DraftTree | None:
         return run_alone(self.propose_steps(context, k, params, generator))
 
     def propose_steps(
@@ -99,7 +98,7 @@ class SuffixFirst(Drafter):
         context: list[int],
         k: int,
         params: SamplingParams,
-        generator: torch.Generator | None,
+        generator: Draws,
         source: str | None = None,
     ) -> DraftSteps:
         """`propose` with the second drafter's forwards yielded (passes.py). `source`: the one the

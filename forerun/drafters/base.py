@@ -18,6 +18,7 @@ from forerun.drafters.passes import DraftSteps
 from forerun.models.kv_cache import KVCache
 from forerun.models.prefix_cache import PrefixCache
 from forerun.policy.catch_up import Gate
+from forerun.verification.sampling import Draws
 from forerun.verification.tree import DraftTree
 
 
@@ -41,9 +42,7 @@ class Drafter(ABC):
         """A new request begins; `target_cache` is the target's cache (self-speculation reads it)."""
 
     @abstractmethod
-    def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> DraftTree | None:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: Draws) -> DraftTree | None:
         """Up to k draft tokens following `context` (prompt + output so far); None when it has no guess."""
 
     @abstractmethod
@@ -104,7 +103,7 @@ class Drafter(ABC):
         context: list[int],
         k: int,
         params: SamplingParams,
-        generator: torch.Generator | None,
+        generator: Draws,
         source: str | None = None,
     ) -> DraftSteps:
         """`propose` as a generator that yields each model forward it needs (passes.py), so a batch

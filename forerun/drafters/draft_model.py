@@ -49,7 +49,7 @@ from forerun.models.prefix_cache import PrefixCache, token_bytes
 from forerun.policy.catch_up import CATCH_UP_UNASKED, Gate
 from forerun.policy.draft_model_costs import BRANCH, SECOND_CHOICE, DraftModelCosts, pooled_prior, time_draft_passes
 from forerun.policy.pass_costs import PassCosts
-from forerun.verification.sampling import probabilities, sample
+from forerun.verification.sampling import Draws, draw_tokens, probabilities
 from forerun.verification.tree import DraftTree
 
 # The draft model's own flags (CLI destination -> keyword), shared with `auto`.
@@ -129,9 +129,7 @@ class DraftModelDrafter(Drafter):
         """A chain of k, and under greedy up to k second-choice leaves and `branch` tokens after one."""
         return 2 * k + self.branch if self.second_choice <= 1 else k
 
-    def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> DraftTree | None:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: Draws) -> DraftTree | None:
         return run_alone(self.propose_steps(context, k, params, generator))
 
     def propose_steps(
@@ -139,7 +137,7 @@ class DraftModelDrafter(Drafter):
         context: list[int],
         k: int,
         params: SamplingParams,
-        generator: torch.Generator | None,
+        generator: Draws,
         source: str | None = None,
     ) -> DraftSteps:
         """`propose` as draft forwards yielded one by one (passes.py: a batch runs several
@@ -175,7 +173,9 @@ class DraftModelDrafter(Drafter):
             else:
                 confidence = logits[0].softmax(-1)  # [N]
                 q = probabilities(logits, params)  # [1, N]
-                choice = int(sample(q, generator)[0])
+                # Over the draft vocabulary's columns: its ids ascend, so a position's uniform picks
+                # the token it picks over the whole vocabulary (a seeded request's `PositionDraws`).
+                choice = draw_tokens(q, generator, [len(tokens)])[0]
                 probs.append(full_vocabulary(q[0], self.vocab, self.vocab_size))
                 chance, most = float(confidence[choice]), float(confidence.max())
             tokens.append(self._token(choice))

@@ -35,7 +35,7 @@ from forerun.drafters.vocabulary import full_vocabulary
 from forerun.heads import shared_head
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
-from forerun.verification.sampling import probabilities, sample
+from forerun.verification.sampling import Draws, draw_tokens, probabilities
 from forerun.verification.tree import DraftTree
 
 DEFAULT_NODES = 16  # the most tree nodes a step verifies
@@ -96,9 +96,7 @@ class EagleDrafter(Drafter):
         self.known.append(hidden.float())
         self.num_known += hidden.shape[0]
 
-    def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> DraftTree | None:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: Draws) -> DraftTree | None:
         n = self.num_known
         if n != len(context) - 1 or n == 0:
             return None  # features out of step with the text: nothing to draft from
@@ -186,7 +184,7 @@ class EagleDrafter(Drafter):
         return DraftTree([tokens[i] for i in keep], [new[parents[i]] if parents[i] >= 0 else -1 for i in keep])
 
     def _sampled_chain(
-        self, root_feature: torch.Tensor, depth: int, params: SamplingParams, generator: torch.Generator | None
+        self, root_feature: torch.Tensor, depth: int, params: SamplingParams, generator: Draws
     ) -> DraftTree:
         n = self.num_known
         feature, tokens, qs, slots = root_feature, [], [], []
@@ -195,7 +193,7 @@ class EagleDrafter(Drafter):
                 q = full_vocabulary(
                     probabilities(self.head.logits(feature)[None], params), self.vocab, self.vocab_size
                 )  # [1, V]
-            token = int(sample(q, generator)[0])
+            token = draw_tokens(q, generator, [level])[0]
             tokens.append(token)
             qs.append(q[0])
             if level + 1 == depth:

@@ -28,7 +28,7 @@ from forerun.drafters import register
 from forerun.drafters.base import Drafter
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
-from forerun.verification.sampling import probabilities, sample
+from forerun.verification.sampling import Draws, draw_tokens, probabilities
 from forerun.verification.tree import DraftTree
 
 
@@ -63,9 +63,7 @@ class EarlyExitDrafter(Drafter):
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         self.cache = target_cache
 
-    def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> DraftTree:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: Draws) -> DraftTree:
         decoder, cache = self.decoder, self.cache
         base = cache.length  # the target cache holds context[:-1]; the root comes next
         token = context[-1]
@@ -76,7 +74,7 @@ class EarlyExitDrafter(Drafter):
             pos = torch.tensor([base + i], device=decoder.device)
             logits = decoder(ids, pos, cache, last_only=True, layers=self.layers).logits[0]  # [1, V]
             q = probabilities(logits, params)  # [1, V]
-            token = int(q.argmax()) if params.greedy else int(sample(q, generator)[0])
+            token = int(q.argmax()) if params.greedy else draw_tokens(q, generator, [i])[0]
             tokens.append(token)
             probs.append(q[0])
         cache.truncate(base)  # provisional entries: verification overwrites them

@@ -38,6 +38,7 @@ from forerun.drafters import register
 from forerun.drafters.base import Drafter
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
+from forerun.verification.sampling import Draws
 from forerun.verification.tree import DraftTree
 
 
@@ -118,9 +119,7 @@ class LookaheadDrafter(Drafter):
         # a fixed seed keeps runs reproducible.
         self.levels = [random.Random(0).choices(prompt_ids, k=self.window)]
 
-    def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> DraftTree:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: Draws) -> DraftTree:
         self._index(context)
         drafts = [list(c[:k]) for c in self.pool.candidates(context[-1])]
         trie = DraftTree.trie(drafts)

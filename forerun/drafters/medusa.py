@@ -27,7 +27,7 @@ from forerun.drafters.vocabulary import full_vocabulary
 from forerun.heads import shared_head
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
-from forerun.verification.sampling import probabilities, sample
+from forerun.verification.sampling import Draws, PositionDraws, draw_tokens, probabilities
 from forerun.verification.tree import DraftTree
 
 # Sized for a CPU, where each verified row costs: 8 nodes, 4 deep.
@@ -93,9 +93,7 @@ class MedusaDrafter(Drafter):
         """The target's hidden states [n, hidden] of the rows its cache just kept, in order."""
         self.feature = hidden[-1].float()
 
-    def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> DraftTree | None:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: Draws) -> DraftTree | None:
         if self.feature is None:
             return None
         paths, parents = choices_tree(self.choices, min(k, self.heads.num_heads))
@@ -109,7 +107,10 @@ class MedusaDrafter(Drafter):
             return DraftTree([tokens[i] for i in keep], _reindex(parents, keep)) if keep else None
         q = full_vocabulary(probabilities(logits, params), self.vocab, self.vocab_size)  # [H, V]
         depths = [len(p) - 1 for p in paths]
-        tokens = sample(q[depths], generator).tolist()  # one draw per node
+        tokens = draw_tokens(q[depths], generator, depths)  # one draw per node
+        if isinstance(generator, PositionDraws):  # siblings drew one number: one node for each token
+            keep = _without_missing(_first_of_siblings(tokens, parents), parents)
+            return DraftTree([tokens[i] for i in keep], _reindex(parents, keep), q[depths][keep])
         return DraftTree(tokens, parents, q[depths])
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:
@@ -125,6 +126,16 @@ def _without_missing(tokens: list[int], parents: list[int]) -> list[int]:
             keep.append(i)
             kept.add(i)
     return keep
+
+
+def _first_of_siblings(tokens: list[int], parents: list[int]) -> list[int]:
+    """`tokens` with each node that repeats an earlier sibling's token marked missing (-1)."""
+    seen: set[tuple[int, int]] = set()
+    marked = []
+    for token, parent in zip(tokens, parents):
+        marked.append(-1 if (parent, token) in seen else token)
+        seen.add((parent, token))
+    return marked
 
 
 def _reindex(parents: list[int], keep: list[int]) -> list[int]:

@@ -33,6 +33,7 @@ from forerun.drafters import register
 from forerun.drafters.base import Drafter
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
+from forerun.verification.sampling import Draws
 from forerun.verification.tree import DraftTree
 
 
@@ -106,9 +107,7 @@ class NgramDrafter(Drafter):
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         self.index = NgramIndex(self.index.n_min, self.index.n_max)
 
-    def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> DraftTree | None:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: Draws) -> DraftTree | None:
         self.index.extend(context)
         drafts = self.index.lookup_both(k)
         return DraftTree.trie(drafts) if drafts else None

@@ -39,6 +39,7 @@ from forerun.drafters import register
 from forerun.drafters.base import Drafter
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
+from forerun.verification.sampling import Draws
 from forerun.verification.tree import DraftTree
 
 
@@ -192,13 +193,11 @@ class SuffixDrafter(Drafter):
         self.local, self.tokens = SuffixTrie(self.depth), []
         self._extend(list(prompt_ids))
 
-    def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> DraftTree | None:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: Draws) -> DraftTree | None:
         return self.propose_with_match(context, k, params, generator)[0]
 
     def propose_with_match(
-        self, context: list[int], k: int, params: SamplingParams | None = None, generator: torch.Generator | None = None
+        self, context: list[int], k: int, params: SamplingParams | None = None, generator: Draws = None
     ) -> tuple[DraftTree | None, int]:
         """(the proposal or None, the length in tokens of the context suffix it continues; 0: none)."""
         self._extend(context)

@@ -22,7 +22,14 @@ from forerun.models.prefix_cache import PrefixCache
 from forerun.policy.draft_length import DraftLengthPolicy
 from forerun.verification.accept import Acceptance, accept, accept_greedy, accept_one_hot
 from forerun.verification.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
-from forerun.verification.sampling import adjusted, draw_key, make_generator, probabilities, sample_at
+from forerun.verification.sampling import (
+    PositionDraws,
+    adjusted,
+    draw_key,
+    make_generator,
+    probabilities,
+    sample_at,
+)
 from forerun.verification.tree import DraftTree
 from forerun.verification.verify import Verification, verify
 
@@ -402,11 +409,12 @@ class Engine:
     @staticmethod
     def _accept(run: Running, ver: Verification, tree: DraftTree) -> Acceptance:
         """What the rule keeps of `tree`: greedy's argmax walk; under sampling, deterministic drafts
-        against the target's own draw at each position (the text plain decoding writes with this
-        key), drafts with a distribution by the rejection rule with the request's generator."""
+        and every draft of a seeded request against the target's own draw at each position (the
+        text plain decoding writes with this key), other drafts with a distribution by the rejection
+        rule with the request's generator."""
         if run.seq.params.greedy:
             return accept_greedy(ver.best, tree)
-        if tree.probs is None:
+        if tree.probs is None or run.seq.params.seed is not None:
             return accept_one_hot(ver.probs, tree, run.key, run.seq.length)
         return accept(ver.probs, tree, run.gen, False)
 
@@ -455,7 +463,10 @@ class Engine:
         seq = run.seq
         # The drafter's own time plus its share of the forwards (in a batch, the time between its
         # forwards is spent on other sequences).
-        tree, seconds = yield from _timed(self.drafter.propose_steps(seq.context, k, seq.params, run.gen, source))
+        # A seeded request's drafts are drawn with its positions' uniforms (`PositionDraws`), so
+        # the target's own draws keep them about as often as the rejection rule would.
+        draws = PositionDraws(run.key, seq.length) if seq.params.seed is not None else run.gen
+        tree, seconds = yield from _timed(self.drafter.propose_steps(seq.context, k, seq.params, draws, source))
         run.metrics.draft_seconds += seconds
         proposer = self.drafter.source
         if self.policy is not None:

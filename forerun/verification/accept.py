@@ -21,7 +21,8 @@ each position's own uniform (`sampling.position_uniform`): the target's sample T
 drawn first and a draft is kept when it equals T, else T is emitted. x is kept with probability
 p(x) all the same (siblings x and x' with p(x) + p(x'), as by SpecInfer's rule), and every emitted
 token is the one plain decoding draws at that position with that uniform, so a seeded request's text
-does not depend on the drafts.
+does not depend on the drafts. A seeded request's drafts with a distribution go the same way (the
+engine has them drawn with their positions' uniforms, `sampling.PositionDraws`).
 """
 
 from __future__ import annotations

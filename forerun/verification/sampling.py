@@ -13,6 +13,7 @@ more often.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -145,6 +146,31 @@ def sample_at(probs: torch.Tensor, key: int, position: int) -> int:
     """The token drawn from one row `probs` [V] for `position` of the sequence keyed by `key`."""
     u = torch.tensor([[position_uniform(key, position)]], dtype=torch.float64)
     return int(sample_with(probs[None], u)[0])
+
+
+@dataclass(frozen=True)
+class PositionDraws:
+    """What a seeded request's drafter draws with: the draft token `depth` tokens below the root is
+    drawn from its distribution with the uniform of position `first + depth` (`position_uniform`),
+    the number the target's own draw at that position takes. The target keeps a draft when its draw
+    equals it (`accept.accept_one_hot`), so a seeded request writes plain decoding's text whatever
+    was drafted, and a draft distribution near the target's draws the same token most of the time
+    (the two inverse CDFs over one uniform)."""
+
+    key: int
+    first: int  # the position of the root's next token
+
+
+# What a drafter draws its tokens with: the request's generator, or a seeded request's positions.
+Draws = torch.Generator | PositionDraws | None
+
+
+def draw_tokens(probs: torch.Tensor, source: Draws, depths: Sequence[int]) -> list[int]:
+    """One token from each row of `probs` [N, V], row i at `depths[i]` below the root: with the
+    position's uniform for a seeded request's `PositionDraws`, else from the generator."""
+    if isinstance(source, PositionDraws):
+        return [sample_at(row, source.key, source.first + depth) for row, depth in zip(probs, depths)]
+    return sample(probs, source).tolist()
 
 
 def draw_key(seed: int | None, generator: torch.Generator) -> int:
