@@ -7,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from forerun import drafters
 from forerun.base.errors import ForerunError
 from forerun.commands.common import (
     add_model_args,
@@ -76,7 +77,7 @@ def register(sub) -> None:
         "--methods",
         type=_name_list,
         default=None,
-        help="comma-separated: plain and registered drafters (draft, ngram, early-exit, lookahead); "
+        help=f"comma-separated: plain and the registered drafters ({', '.join(drafters.available())}); "
         "METHOD:FORMAT runs a draft-model method with its draft in FORMAT beside the same method in "
         "--speculative-quantization (e.g. auto,auto:gguf), METHOD:OPTION=VALUE with one of its drafter's "
         "options set (e.g. auto,auto:branch=0); default: all that can run",

@@ -62,10 +62,13 @@ def quantization_arg(value: str | None) -> str | None:
 def add_spec_args(p: argparse.ArgumentParser, quantization: str | None = None) -> None:
     """`quantization`: the --speculative-quantization default (as in add_model_args)."""
     g = p.add_argument_group("speculation")
+    *others, last = drafters.available()  # every registered drafter, so the list never falls behind
     g.add_argument(
         "--speculative-method",
         default=None,
-        help="auto (suffix draft on long matches, else the draft model), draft, suffix, ngram, early-exit or lookahead",
+        help=f"the drafter: {', '.join(others)} or {last} (auto: the suffix draft on long matches, else the "
+        "draft model; auto-head: the same with --speculative-head's head in the draft model's place); "
+        "default: auto with --speculative-model, else none (plain decoding)",
     )
     g.add_argument(
         "--speculative-model",

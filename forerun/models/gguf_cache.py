@@ -1,5 +1,6 @@
-"""GGUF files converted once into FORERUN_HOME/converted/<sha256>/: config, dequantized weights, their
-quantized copies and the tokenizer folder, so every later load is a memory map."""
+"""GGUF files converted once into FORERUN_HOME/converted/<id>/ (<id>: the first 24 hex digits of the
+file's sha256): config, dequantized weights, their quantized copies and the tokenizer folder, so every
+later load is a memory map."""
 
 from __future__ import annotations
 
