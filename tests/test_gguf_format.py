@@ -712,7 +712,7 @@ def test_prompts_carried_in_the_steps_come_out_as_alone(k_file: Path, home: Path
     batch = BatchEngine(llm.new_engine, 4)
     batch._costs = ROW_COSTS
     tokens, carried = carry_all(batch, CARRIED, share=1.0)
-    for key, (_, params) in enumerate(CARRIED):
+    for key in range(len(CARRIED)):
         # A seeded request writes plain decoding's text whatever was drafted (and whether a lane
         # drafts follows timings).
         assert tokens[key] == alone[key], key

@@ -298,7 +298,8 @@ def test_the_api_key_guards_every_route_but_health(served) -> None:
         assert httpx.get(served.url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(served.url + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
     r = httpx.post(served.url + "/v1/completions", json={"model": NAME, "prompt": "a"})
-    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(served.url + "/health").json() == {"status": "ok"}

@@ -74,7 +74,7 @@ class ServerState:
                     "missing or wrong API key: send 'Authorization: Bearer <key>'",
                     None,
                     401,
-                    "authentication_error",
+                    "invalid_request_error",  # OpenAI's type for a wrong key (code invalid_api_key)
                     "invalid_api_key",
                 )
         length = request.headers.get("content-length")
