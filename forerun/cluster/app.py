@@ -9,8 +9,9 @@ Three deployments (docs/serving.md draws them):
 
 `build_app` is the application builder for Ray's own `serve run` / `serve deploy` with a config
 file (its `args` are `forerun serve`'s flags, underscores or dashes); `run_cluster` starts a local
-Ray cluster or joins one (--ray-address), runs the application on --host/--port and waits for
-SIGTERM or SIGINT.
+Ray cluster or joins one (--ray-address: forerun/cluster/join.py checks the address first), runs
+the application on --host/--port and waits for SIGTERM or SIGINT; forerun/cluster/lifecycle.py has
+the steps (deploy, drain, remove).
 """
 
 from __future__ import annotations
@@ -18,19 +19,16 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import signal
 import socket
-import sys
 import threading
-import time
 
 from forerun.base.errors import ForerunError
+from forerun.cluster import lifecycle
+from forerun.cluster.join import join
+from forerun.cluster.lifecycle import APP_NAME
 
 RAY_INSTALL = "pip install 'ray[serve]==2.60.0'"
-APP_NAME = "forerun"
-DRAIN_MARGIN_S = 5.0  # past the grace: every replica hearing of the drain, the last events relayed
-RELAY_S = 0.5  # the replicas idle: their last events on their way through the ingress and the proxy
 
 
 def _serve():
@@ -54,6 +52,9 @@ def application(args: argparse.Namespace):
     from forerun.cluster.router import AffinityRouter
 
     options = {k: v for k, v in vars(args).items() if k != "func"}
+    # The key is read here, where the command (or `serve run`) runs: the ingress's Ray worker has
+    # the environment of the `ray start` that started its node, not this one's.
+    options["api_key"] = args.api_key or os.environ.get("FORERUN_API_KEY") or None
     quiet = {"log_level": "WARNING", "enable_access_log": False}
     hub = serve.deployment(
         Hub, name="ForerunHub", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024
@@ -155,47 +156,49 @@ def run_cluster(args: argparse.Namespace) -> int:
     check_replicas(args)
     _check_port_free(args.host, args.port)
     joined = args.ray_address is not None
-    ray.init(
-        address=args.ray_address,
-        include_dashboard=False,
-        namespace=APP_NAME,
-        logging_level="WARNING",
-        log_to_driver=not joined,
-    )
+    options = {"include_dashboard": False, "namespace": APP_NAME, "logging_level": "WARNING"}
+    if joined:  # the replicas' logs stay on their machines: the command says what it must
+        join(args.ray_address, **options, log_to_driver=False)
+    else:
+        ray.init(**options, log_to_driver=True)
+    deployed = False
     try:
         if not joined:  # a cluster that may grow later is left to place the replicas when it can
             _check_cpus(args, ray.cluster_resources())
-        stop, again = threading.Event(), threading.Event()  # a first signal drains, a second cuts
-
-        def on_signal(signum, frame) -> None:
-            (again if stop.is_set() else stop).set()
-
-        for name in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(name, on_signal)
-        serve.start(http_options={"host": args.host, "port": args.port})
-        _deploy(serve, args)
         where = ray.get_runtime_context().gcs_address
-        print(
-            f"forerun: serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1 "
-            f"under Ray Serve ({_replicas_said(args)}; Ray cluster at {where})",
-            file=sys.stderr,
-            flush=True,
+        lifecycle.check_free(serve, args, where)
+        stop, again = _on_signals()
+        serve.start(http_options={"host": args.host, "port": args.port})
+        deployed = True
+        if not lifecycle.deploy(serve, application(args), stop):
+            lifecycle.say("stopped before the application was ready; removing it")
+            return 0
+        lifecycle.say(
+            f"serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1 "
+            f"under Ray Serve ({_replicas_said(args)}; Ray cluster at {where})"
         )
         stop.wait()
-        print(
-            f"forerun: stopping the application: taking no new requests; the running ones get up to "
-            f"{args.shutdown_timeout:g} s to finish",
-            file=sys.stderr,
-            flush=True,
+        lifecycle.say(
+            f"stopping the application: taking no new requests; the running ones get up to "
+            f"{args.shutdown_timeout:g} s to finish"
         )
-        _drain(serve, args.shutdown_timeout, again)
+        lifecycle.drain(serve, args.shutdown_timeout, again)
     finally:
-        if joined:
-            serve.delete(APP_NAME)
-        else:
-            serve.shutdown()
+        lifecycle.leave(serve, joined, deployed)
         ray.shutdown()
     return 0
+
+
+def _on_signals() -> tuple[threading.Event, threading.Event]:
+    """SIGTERM and SIGINT: the first sets `stop` (drain), a second `again` (cut now)."""
+    stop, again = threading.Event(), threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        (again if stop.is_set() else stop).set()
+
+    for name in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(name, on_signal)
+    return stop, again
 
 
 def _check_cpus(args: argparse.Namespace, resources: dict) -> None:
@@ -208,47 +211,6 @@ def _check_cpus(args: argparse.Namespace, resources: dict) -> None:
             f"CPUs and the local Ray cluster has {have:g}: ask for fewer (--num-replicas, --replica-cpus), "
             "or join a larger cluster with --ray-address"
         )
-
-
-def _deploy(serve, args: argparse.Namespace) -> None:
-    """Run the application, or say why its replicas did not start (a model that does not load)."""
-    try:
-        serve.run(application(args), name=APP_NAME, route_prefix="/", blocking=False)
-    except RuntimeError as exc:  # Serve's "Deploying application forerun failed", the reason in its status
-        raise ForerunError(f"the replicas did not start: {_why_not_started(serve) or exc}") from None
-
-
-def _why_not_started(serve) -> str | None:
-    """The last error named in the application's deployments' status (a replica's constructor's)."""
-    try:
-        deployments = serve.status().applications[APP_NAME].deployments.values()
-    except Exception:  # noqa: BLE001 - no status to read: the caller says what Serve said
-        return None
-    for deployment in deployments:
-        found = re.findall(r"(\w+(?:Error|Exception)): (.+)$", deployment.message or "", re.MULTILINE)
-        if found:
-            kind, message = found[-1]
-            return message if kind == "ForerunError" else f"{kind}: {message}"
-    return None
-
-
-def _drain(serve, grace: float, cut: threading.Event) -> None:
-    """Stop as `forerun serve` does, while Serve's proxy still relays: every replica refuses new
-    requests (503 shutting_down) and gives its running ones `grace` seconds, then cuts them with an
-    error event; returns once none is busy (the hub hears each replica's state every second), or at
-    once when `cut` is set (a second signal)."""
-    try:
-        hub = serve.get_deployment_handle("ForerunHub", app_name=APP_NAME)
-        hub.drain.remote(grace).result(timeout_s=10)
-        deadline = time.monotonic() + grace + DRAIN_MARGIN_S
-        while time.monotonic() < deadline and not cut.is_set() and hub.busy.remote().result(timeout_s=10):
-            time.sleep(0.2)
-        if cut.is_set():
-            print("forerun: a second signal: cutting the running requests now", file=sys.stderr, flush=True)
-            return
-        time.sleep(RELAY_S)
-    except Exception as exc:  # noqa: BLE001 - Serve's own shutdown ends the requests then
-        print(f"forerun: could not drain the replicas ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
 
 
 def _replicas_said(args: argparse.Namespace) -> str:

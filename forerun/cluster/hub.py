@@ -7,11 +7,13 @@ So a question answered on one replica drafts from that answer on every other. Th
 in tokens, oldest out first; a replica that starts (or restarts) takes all that is kept.
 
 Metrics: each replica pushes its Prometheus text every second; the ingress merges them at its
-/metrics with a `replica` label (forerun/cluster/metrics.py). A report not renewed for
-REPORT_TTL seconds (a replica gone) is dropped.
+/metrics with a `replica` label (forerun/cluster/metrics.py). A report not renewed for GAUGE_TTL
+seconds (a replica gone) loses its gauges (its running and waiting requests, which would otherwise
+count as load no replica carries); one not renewed for REPORT_TTL seconds is dropped.
 
 Shutdown: `forerun serve --ray` tells the hub (`drain`); each replica hears it with its next report
-and drains its scheduler as `forerun serve` does, and the command waits until none is `busy`.
+and drains its scheduler as `forerun serve` does, and the command waits until none is `busy`. A
+second signal drains again with grace 0, which the replicas take as a shorter grace: cut now.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-REPORT_TTL = 120.0  # seconds a replica's last metrics stay after it stopped reporting
+REPORT_TTL = 120.0  # seconds a replica's last counters stay after it stopped reporting
+GAUGE_TTL = 5.0  # seconds its last gauges stay (it reports every second)
 DRAIN_LIVE_S = 3.0  # a replica silent this long is not waited for by a shutdown (it is gone)
 
 
@@ -96,13 +99,17 @@ class Hub:
         return sorted(r for r, report in self.reports.items() if now - report.when < within_s)
 
     async def collected(self) -> dict[str, str]:
-        """Every live replica's last metrics text."""
+        """Every replica's last metrics text; without its gauges once it is silent GAUGE_TTL seconds."""
         now = time.monotonic()
         self.reports = {r: report for r, report in self.reports.items() if now - report.when < REPORT_TTL}
-        return {r: report.text for r, report in self.reports.items()}
+        return {
+            r: report.text if now - report.when < GAUGE_TTL else without_gauges(report.text)
+            for r, report in self.reports.items()
+        }
 
     async def drain(self, grace: float) -> None:
-        """The app is stopping: each replica hears it with its next report and drains."""
+        """The app is stopping: each replica hears it with its next report and drains (again with
+        a shorter grace: a second signal's 0 cuts now)."""
         self.grace = grace
 
     async def stopping(self) -> bool:
@@ -113,3 +120,19 @@ class Hub:
         now = time.monotonic()
         live = [report for report in self.reports.values() if now - report.when < DRAIN_LIVE_S]
         return sum(report.busy + (not report.draining) for report in live)
+
+
+def without_gauges(text: str) -> str:
+    """Prometheus `text` with its gauge families left out (a value now, which a silent replica no
+    longer has); counters and histograms, which only grow, stay."""
+    lines = text.splitlines()
+    gauges = {line.split()[2] for line in lines if line.startswith("# TYPE ") and line.split()[3:] == ["gauge"]}
+    return "".join(f"{line}\n" for line in lines if _family(line) not in gauges)
+
+
+def _family(line: str) -> str:
+    """The family a line of Prometheus text names: a sample's name, or a HELP or TYPE line's."""
+    if line.startswith("#"):
+        words = line.split()
+        return words[2] if len(words) > 2 and words[1] in ("HELP", "TYPE") else ""
+    return line.split("{", 1)[0].split(" ", 1)[0]

@@ -36,6 +36,7 @@ ATTEMPTS = 3  # replicas a job may be tried on before it fails
 CANCEL_POLL = 0.25  # seconds between checks that a job's client is still there
 LOST = (RayActorError, ActorUnavailableError)  # the replica running a job is gone
 LIVE_S = 10.0  # /health: a replica counts as running while its last metrics report is this recent
+HUB_WAIT_S = 2.0  # /health and /metrics: how long the hub may take to answer (it may be restarting)
 
 
 class Ingress:
@@ -73,23 +74,31 @@ class ReplicaBackend(Backend):
 
     async def health(self) -> tuple[int, dict]:
         """200 while some replica reported within LIVE_S seconds (a balancer in front of several
-        ingresses skips one whose replicas are all gone), with how many did; 503 once stopping."""
+        ingresses skips one whose replicas are all gone), with how many did; 503 once stopping, or
+        when the hub does not answer within HUB_WAIT_S (it is restarting: the replicas' state is
+        unknown a while)."""
         try:
-            live = await self.hub.live.remote(LIVE_S)
-            if await self.hub.stopping.remote():
-                return 503, {"status": "shutting down"}
+            live, stopping = await asyncio.wait_for(self._hub_state(), HUB_WAIT_S)
+        except TimeoutError:
+            detail = f"the hub did not answer within {HUB_WAIT_S:g} s; it may be restarting"
+            return 503, {"status": "replica state unknown", "detail": detail}
         except Exception as exc:  # noqa: BLE001 - the hub restarting: say so rather than guess
             return 503, {"status": "replica state unknown", "detail": f"the hub did not answer: {exc}"}
+        if stopping:
+            return 503, {"status": "shutting down"}
         if not live:
             return 503, {"status": "no replica running", "detail": f"none reported in the last {LIVE_S:g} s"}
         return 200, {"status": "ok", "replicas": len(live)}
 
+    async def _hub_state(self) -> tuple[list[str], bool]:
+        return await self.hub.live.remote(LIVE_S), await self.hub.stopping.remote()
+
     async def metrics(self) -> tuple[bytes, str]:
         reports: dict[str, str] = {}
         try:
-            reports = await self.hub.collected.remote()
+            reports = await asyncio.wait_for(self.hub.collected.remote(), HUB_WAIT_S)
         except Exception as exc:  # noqa: BLE001 - the hub restarting: the ingress's own series only
-            log.warning("forerun: the hub did not answer for /metrics: %s", exc)
+            log.warning("forerun: the hub did not answer for /metrics: %s: %s", type(exc).__name__, exc)
         return self._metrics.merged(reports)
 
     async def _relay(self, job: Job, group: list[Request], started: asyncio.Future, whole: bool) -> None:

@@ -36,6 +36,7 @@ from forerun.serve.scheduler import Done, Failed
 log = logging.getLogger("forerun.cluster.replica")
 
 METRICS_PERIOD = 1.0  # seconds between metrics reports to the hub
+DRAINING_PERIOD = 0.25  # the same while draining: the command waits on them to stop, a second signal to cut
 ANSWERS_PERIOD = 0.25  # seconds between looks for other replicas' answers
 
 
@@ -48,6 +49,7 @@ class EngineReplica:
         self._built = threading.Event()
         self._failure: BaseException | None = None
         self.engine: ServedEngine | None = None
+        self.grace: float | None = None  # the grace this replica drains with, once the app is stopping
         thread = threading.Thread(target=self._run_engine, name="forerun-engine", daemon=True)
         thread.start()
         await asyncio.to_thread(self._built.wait)
@@ -158,9 +160,15 @@ class EngineReplica:
             metrics.set_queue(running, waiting)
             try:
                 text = metrics.render()[0].decode()
-                grace = await self.hub.report.remote(self.name, text, running + waiting, scheduler.draining)
-                if grace is not None and not scheduler.draining:
-                    scheduler.drain(grace)
+                self.hear(await self.hub.report.remote(self.name, text, running + waiting, scheduler.draining))
             except Exception as exc:  # noqa: BLE001 - the hub restarting: report again later
                 log.warning("forerun: could not report metrics to the hub: %s", exc)
-            await asyncio.sleep(METRICS_PERIOD)
+            await asyncio.sleep(DRAINING_PERIOD if scheduler.draining else METRICS_PERIOD)
+
+    def hear(self, grace: float | None) -> None:
+        """The hub's word on stopping: drain with `grace` seconds; a shorter grace heard later (a
+        second signal's 0) moves the deadline sooner, the same grace heard again leaves it."""
+        if grace is None or (self.grace is not None and grace >= self.grace):
+            return
+        self.grace = grace
+        self.engine.scheduler.drain(grace)
