@@ -123,6 +123,7 @@ def train(tmp_path: Path, *flags: str) -> list[str]:
         (["--train-minutes", "nan"], "--train-minutes must be a positive number of minutes"),
         (["--budget-minutes", "inf"], "--budget-minutes must be a positive number of minutes"),
         (["--checkpoint-minutes", "-1"], "--checkpoint-minutes must be 0 or more minutes, got -1"),
+        (["--method", "medusa", "--heads", "100000"], "--heads is how many future positions a medusa head guesses"),
         (["--seed", str(2**64)], f"--seed must be a whole number in [-2**63, 2**64), got {2**64}"),
         (["--seed", str(-(2**63) - 1)], "--seed must be a whole number in [-2**63, 2**64)"),
         (["--prompts", "missing.jsonl"], "dataset 'missing.jsonl' is neither 'spec-bench' nor an existing JSONL"),

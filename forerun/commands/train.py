@@ -75,6 +75,7 @@ METHODS = ("medusa", "eagle")
 TRAIN_DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_LR = {"medusa": 1e-3, "eagle": 3e-4}
 DEFAULT_UNROLL = 3  # eagle: draft steps trained at once
+MAX_HEADS = 16  # --heads' most: Medusa's own heads guess 4 or 5 positions
 
 
 def register(sub) -> None:
@@ -111,7 +112,7 @@ def register(sub) -> None:
     p.add_argument(
         "--draft-vocab", type=positive_int, default=32768, help="tokens the head scores (the target's most chosen)"
     )
-    p.add_argument("--heads", type=int, default=4, help="medusa: future positions guessed")
+    p.add_argument("--heads", type=int, default=4, help=f"medusa: future positions guessed (at most {MAX_HEADS})")
     p.add_argument(
         "--intermediate-size", type=int, default=None, help="eagle: its layer's MLP width (default: the target's)"
     )
@@ -560,6 +561,11 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("max_tokens", "epochs", "draft_vocab", "heads", "max_prompt_tokens", "answer_batch"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ForerunError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.heads > MAX_HEADS:
+        raise ForerunError(
+            f"--heads is how many future positions a medusa head guesses, at most {MAX_HEADS} (each is a "
+            f"block of its own to train and run, and a draft is kept less often the further it looks), got {args.heads}"
+        )
     if args.num_samples is not None and args.num_samples < 1:
         raise ForerunError(f"--num-samples must be at least 1, got {args.num_samples}")
     if args.hold_out < 0:
