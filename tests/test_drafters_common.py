@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from forerun.engine.sequence import Sequence
 from forerun.models.load import LoadedModel
 from forerun.models.testing import save_hf_folder, tiny_model
 from forerun.verification.accept import Acceptance
+from forerun.verification.grammar import Grammar
 from forerun.verification.sampling import (
     PositionDraws,
     adjusted,
@@ -141,26 +143,34 @@ def exact_marginals(
 
 
 def speculative_samples(
-    target: LoadedModel, drafter, k: int, prompt: list[int], runs: int, params: SamplingParams = SAMPLING
+    target: LoadedModel,
+    drafter,
+    k: int,
+    prompt: list[int],
+    runs: int,
+    params: SamplingParams = SAMPLING,
+    start_grammar: Callable[[], Grammar] | None = None,
 ) -> tuple[list[list[int]], SpecMetrics]:
     """The 2nd and 3rd emitted tokens of `runs` seeded generations, through the engine's own step.
 
     The prompt is prefilled once; each run rewinds the cache to it, samples the first token as
-    the engine does, then steps until three tokens are out.
+    the engine does, then steps until three tokens are out. `start_grammar`: a structured output's
+    start, for each run.
     """
     engine = Engine(target, drafter, k)
     decoder = target.decoder
     max_len = engine.check_fits(prompt, params)
     cache = decoder.new_cache(max_len)
     out = decoder.forward_ids(prompt, cache, last_only=True, output_hidden=True, all_hidden=True)
-    first = probabilities(adjusted(out.logits[0], params, [], [[]], prompt), params)  # [1, V]
+    grammar = start_grammar() if start_grammar is not None else None
+    first = probabilities(adjusted(out.logits[0], params, [], [[]], prompt, (), grammar), params)  # [1, V]
     prefilled = cache.length
     metrics = SpecMetrics(num_speculative_tokens=k)
     samples = []
     for seed in range(runs):
         gen = make_generator(seed, decoder.device)
         cache.truncate(prefilled)
-        seq = Sequence(prompt, params, None, frozenset())
+        seq = Sequence(prompt, params, None, frozenset(), start_grammar() if start_grammar is not None else None)
         drafter.start(prompt, cache, max_len)
         if drafter.reads_features:
             drafter.features(out.hidden[0])  # as the engine's prefill gives them

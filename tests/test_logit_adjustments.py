@@ -5,6 +5,7 @@ speculation stays exact under them (greedy token for token, sampled in distribut
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from forerun.engine.engine import Engine
 from forerun.engine.sequence import Sequence
 from forerun.models.load import LoadedModel
 from forerun.models.testing import save_hf_folder, tiny_model
+from forerun.verification.grammar import Grammar
 from forerun.verification.sampling import adjusted, probabilities
 from forerun.verification.tree import DraftTree
 from forerun.verification.verify import Past, verify
@@ -129,16 +131,20 @@ ADJUSTED = SamplingParams(temperature=1.0, top_k=4, max_tokens=8, min_p=0.05, lo
 
 
 def exact_adjusted_marginals(
-    target: LoadedModel, prompt: list[int], params: SamplingParams
+    target: LoadedModel, prompt: list[int], params: SamplingParams, start_grammar: Callable[[], Grammar] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact distributions [V] of the 2nd and 3rd generated tokens, each position adjusted for the
-    tokens generated before it (plain forwards, one sequence at a time)."""
+    tokens generated before it (plain forwards, one sequence at a time); `start_grammar`: a
+    structured output's start, taken along the tokens before each position."""
     decoder = target.decoder
 
     def next_probs(output: list[int]) -> torch.Tensor:
+        grammar = start_grammar() if start_grammar is not None else None
+        for token in output if grammar is not None else ():
+            grammar.advance(token)
         seq = prompt + output
         logits = decoder.forward_ids(seq, decoder.new_cache(len(seq)), last_only=True).logits[0]
-        return probabilities(adjusted(logits, params, output, [[]], prompt), params)[0]
+        return probabilities(adjusted(logits, params, output, [[]], prompt, (), grammar), params)[0]
 
     p1 = next_probs([])
     second, third = torch.zeros_like(p1), torch.zeros_like(p1)

@@ -7,6 +7,7 @@ the bf16 pair is loaded. Outputs are short to keep the file within a few minutes
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from forerun.api import LLM
-from forerun.base.config import SamplingParams
+from forerun.base.config import SamplingParams, StructuredOutputsParams
 from forerun.models.embedded import EMBEDDED
 from forerun.models.fetch import model_file
 from forerun.models.load import LoadedModel, load_model
@@ -312,3 +313,32 @@ class TestGGUFPairIsBitExact:
 
         assert isinstance(target_gguf.decoder.lm_head, GGUFLinear) and target_gguf.decoder._native_layers()
         every_drafter_reproduces_plain(target_gguf, draft_gguf, "gguf", capsys)
+
+    def test_a_json_schema_answer_follows_it_and_speculation_writes_the_same(
+        self, target_gguf: LoadedModel, draft_gguf: LoadedModel, capsys
+    ) -> None:
+        schema = {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+            "required": ["name", "age"],
+            "additionalProperties": False,
+        }
+        params = SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
+        ids = target_gguf.tokenizer.apply_chat(chat("Describe a person, their name and age, as JSON."))
+        plain = LLM(target_gguf).generate(ids, params)[0].outputs[0]
+        value = json.loads(plain.text)
+        assert set(value) == {"name", "age"} and isinstance(value["age"], int) and plain.finish_reason == "stop"
+        report = []
+        for method in ("auto", "suffix"):
+            spec = LLM(
+                target_gguf,
+                speculative_model=draft_gguf if method == "auto" else None,
+                speculative_method=method,
+                num_speculative_tokens=3,
+                speculative_k_policy="fixed",
+            )
+            got = spec.generate(ids, params)[0]
+            assert got.token_ids == plain.token_ids, (method, got.outputs[0].text, plain.text)
+            report.append(f"{method}: {got.metrics.num_accepted_tokens}/{got.metrics.num_draft_tokens} kept")
+        with capsys.disabled():
+            print(f"\ngguf pair, a JSON schema, {plain.text!r}: " + "; ".join(report))

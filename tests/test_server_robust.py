@@ -75,7 +75,17 @@ CLIENT_MISTAKES = [
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),  # above max_tokens
     ({"min_tokens": -1}, "min_tokens"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),  # no schema
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": "json"}, "response_format"),
+    ({"structured_outputs": {"regex": "(("}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"pattern": "a"}}, "structured_outputs"),
+    ({"guided_json": {"type": "nothing"}}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": 5}, "guided_regex"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),  # two say what the text must be
+    ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
     ({"best_of": 3}, "best_of"),
     ({"tempreature": 0.5}, "tempreature"),  # a typo is named, not ignored
     ({"\udfff": 1}, "\\udfff"),  # a field's name with a lone surrogate: named, escaped

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
@@ -31,6 +32,63 @@ def is_finite(value: object) -> bool:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a generated text must be, as vLLM's structured outputs say it: exactly one of these.
+    The target's rows allow only the tokens that keep the text inside it (`verification.grammar`);
+    the text ends with a stop token once it is complete."""
+
+    json: str | dict | None = None  # a JSON schema (a dict, or its text); kept as text
+    regex: str | None = None  # the whole text matches this regular expression (Rust regex syntax)
+    choice: tuple[str, ...] | None = None  # the text is one of these strings
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect), its start rule `start`
+    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json))  # in its order: keys are written so
+        if isinstance(self.choice, (list, tuple)):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if not isinstance(self.json_object, bool):
+            raise FieldError("structured_outputs", f"json_object must be True or False, got {self.json_object!r}")
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise FieldError(
+                "structured_outputs",
+                "structured_outputs takes exactly one of json, regex, choice, grammar and json_object, "
+                f"got {', '.join(given) or 'none'}",
+            )
+        _check_structured(self)
+
+    @property
+    def kind(self) -> str:
+        """Which of the five this is."""
+        if self.json_object:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+
+def _check_structured(spec: StructuredOutputsParams) -> None:
+    for name in ("json", "regex", "grammar"):
+        value = getattr(spec, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise FieldError("structured_outputs", f"{name} must be a non-empty string, got {value!r}")
+    if spec.json is not None:
+        try:
+            schema = json.loads(spec.json)
+        except ValueError as e:
+            raise FieldError("structured_outputs", f"json must be a JSON schema, and its text is not JSON: {e}") from e
+        if not isinstance(schema, (dict, bool)):
+            raise FieldError("structured_outputs", f"json must be a JSON schema (an object), got {spec.json[:80]}")
+    if spec.choice is not None and (
+        not isinstance(spec.choice, tuple)
+        or not spec.choice
+        or any(not isinstance(c, str) or not c for c in spec.choice)
+    ):
+        raise FieldError("structured_outputs", f"choice must be a list of non-empty strings, got {spec.choice!r}")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 means greedy (argmax)
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
@@ -55,6 +113,8 @@ class SamplingParams:
     # Tokens that end generation besides the model's own stop tokens, as in vLLM: kept with
     # ignore_eos, and their text stays in the output (a special token has none).
     stop_token_ids: tuple[int, ...] = ()
+    # The text must follow a JSON schema, a regular expression, a choice or a grammar (a dict is taken).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +155,7 @@ class SamplingParams:
                 )
         _check_adjustments(self)
         _check_stop_token_ids(self)
+        _check_structured_outputs(self)
 
     @property
     def greedy(self) -> bool:
@@ -110,7 +171,27 @@ class SamplingParams:
     def adjusts(self) -> bool:
         """Whether the target's raw logits are adjusted (a bias, a penalty, stop tokens held off)
         before anything else."""
-        return bool(self.logit_bias) or self.penalized or self.min_tokens > 0
+        return bool(self.logit_bias) or self.penalized or self.min_tokens > 0 or self.structured_outputs is not None
+
+
+def _check_structured_outputs(params: SamplingParams) -> None:
+    spec = params.structured_outputs
+    if isinstance(spec, dict):
+        try:
+            spec = StructuredOutputsParams(**spec)
+        except TypeError as e:
+            raise FieldError("structured_outputs", f"structured_outputs: {e}") from e
+        object.__setattr__(params, "structured_outputs", spec)
+    if spec is not None and not isinstance(spec, StructuredOutputsParams):
+        raise FieldError(
+            "structured_outputs", f"structured_outputs must be a StructuredOutputsParams or a dict, got {spec!r}"
+        )
+    if spec is not None and params.ignore_eos:
+        raise FieldError(
+            "ignore_eos",
+            "ignore_eos would write past the end of a structured output (it ends with a stop token once "
+            "complete): leave out one of them",
+        )
 
 
 def _check_stop_token_ids(params: SamplingParams) -> None:

@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     if args.peers and (sampling.adjusts or sampling.min_p):
         raise ForerunError(
             "the peers are sent temperature, top-k and top-p only: leave out --logit-bias, the penalties, "
-            "--min-p and --min-tokens, or --peers"
+            "--min-p, --min-tokens and a structured output, or --peers"
         )
     heads = heads_by_kind(args.speculative_head)
     methods = list(dict.fromkeys(args.methods or default_methods(valid_methods(), args.speculative_model, heads)))

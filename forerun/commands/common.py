@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from forerun import drafters
-from forerun.base.config import SamplingParams
+from forerun.base.config import SamplingParams, StructuredOutputsParams
 from forerun.base.errors import ForerunError
 from forerun.models.decoder import KV_CACHE_DTYPES
 from forerun.models.load import QUANTIZATIONS
@@ -317,6 +318,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--logit-bias", nargs="+", default=[], type=_bias, metavar="ID=BIAS", help="add BIAS in [-100, 100] to token ID"
     )
+    s = p.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    s.add_argument("--json-schema", metavar="SCHEMA", help="the text is JSON following this schema (JSON, or a file)")
+    s.add_argument("--regex", help="the whole text matches this regular expression")
+    s.add_argument("--choice", nargs="+", metavar="TEXT", help="the text is one of these")
+    s.add_argument("--grammar-file", metavar="FILE", help="the text follows this Lark grammar (its rule `start`)")
 
 
 def _bias(text: str) -> tuple[int, float]:
@@ -348,4 +354,29 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
         logit_bias=dict(args.logit_bias),
+        structured_outputs=_structured_from_args(args),
     )
+
+
+def _structured_from_args(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """--json-schema (its text, or a file holding it), --regex, --choice or --grammar-file."""
+    if args.json_schema is not None:
+        schema = args.json_schema
+        if not schema.lstrip().startswith("{") and Path(schema).is_file():
+            schema = _read_text(Path(schema), "--json-schema")
+        return StructuredOutputsParams(json=schema)
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if args.choice is not None:
+        return StructuredOutputsParams(choice=args.choice)
+    if args.grammar_file is not None:
+        return StructuredOutputsParams(grammar=_read_text(Path(args.grammar_file), "--grammar-file"))
+    return None
+
+
+def _read_text(path: Path, flag: str) -> str:
+    """A text file a flag names; a clear error when it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ForerunError(f"{flag}: cannot read {path} as UTF-8 text: {exc}") from None

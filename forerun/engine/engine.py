@@ -21,6 +21,7 @@ from forerun.models.load import LoadedModel
 from forerun.models.prefix_cache import PrefixCache
 from forerun.policy.draft_length import DraftLengthPolicy
 from forerun.verification.accept import Acceptance, accept, accept_greedy, accept_one_hot
+from forerun.verification.grammar import Grammar
 from forerun.verification.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from forerun.verification.sampling import (
     PositionDraws,
@@ -198,7 +199,8 @@ class Engine:
 
     def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Cache slots the request needs; a clear error before any work when it exceeds the context
-        (or its logit bias or stop token ids name a token the model lacks)."""
+        (or its logit bias or stop token ids name a token the model lacks, or its structured output
+        cannot be followed)."""
         vocab = self.target.decoder.cfg.vocab_size
         named = (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids))
         for name, tokens in named:
@@ -207,6 +209,8 @@ class Engine:
                 raise ForerunError(
                     f"{name} names token {outside[0]}, beyond the vocabulary of {vocab}: use ids below {vocab}"
                 )
+        if params.structured_outputs is not None:  # one its grammar cannot follow, or a model without a tokenizer
+            self._grammar(params)
         return check_prompt_fits(self.target.decoder.cfg.max_position, prompt_ids, params.max_tokens) + self.rows + 1
 
     def stream(
@@ -247,7 +251,7 @@ class Engine:
         if like is not None:
             _check_shareable(like, prompt_ids)
         decoder = self.target.decoder
-        seq = Sequence(prompt_ids, params, self.target.tokenizer, self.stop_ids)
+        seq = Sequence(prompt_ids, params, self.target.tokenizer, self.stop_ids, self._grammar(params))
         gen = make_generator(params.seed, decoder.device)
         run = Running(
             seq,
@@ -271,7 +275,7 @@ class Engine:
         if self.reads_features:
             self.drafter.features(hidden)  # [T, hidden]
         run.prefill_logits = logits  # [1, vocab]
-        first_logits = adjusted(logits, params, [], [[]], seq.prompt_ids, seq.stop_ids)
+        first_logits = adjusted(logits, params, [], [[]], seq.prompt_ids, seq.stop_ids, seq.grammar)
         first = sample_at(probabilities(first_logits, params)[0], run.key, seq.length)
         if run.logprobs is not None:
             run.logprobs += token_logprobs(logits, [first], params.logprobs)
@@ -281,6 +285,12 @@ class Engine:
         out = run.step_output([first])
         out.prompt_logprobs = run.prompt_logprobs
         return run, out
+
+    def _grammar(self, params: SamplingParams) -> Grammar | None:
+        """A structured output's start (None without one)."""
+        if params.structured_outputs is None:
+            return None
+        return Grammar.start(params.structured_outputs, self.target.tokenizer, self.target.decoder.cfg.vocab_size)
 
     def _prefill(self, run: Running) -> Generator[PromptChunk, ChunkDone, tuple[torch.Tensor, torch.Tensor | None]]:
         """The whole prompt through the target, a chunk at a time (each yielded, its forward's

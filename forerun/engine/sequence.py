@@ -7,12 +7,18 @@ import warnings
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.models.tokenizer import Tokenizer
+from forerun.verification.grammar import Grammar
 from forerun.verification.verify import Past
 
 
 class Sequence:
     def __init__(
-        self, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None, stop_ids: frozenset[int]
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer | None,
+        stop_ids: frozenset[int],
+        grammar: Grammar | None = None,
     ) -> None:
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -21,6 +27,7 @@ class Sequence:
         # The model's stop tokens (none with ignore_eos), and the request's own (`stop_token_ids`).
         self.stop_ids = (frozenset() if params.ignore_eos else stop_ids) | frozenset(params.stop_token_ids)
         self.finish_reason: str | None = None
+        self.grammar = grammar  # a structured output's place, at output_ids
         self.text = ""  # decoded output, cut before a stop string
         self._streamed = 0  # characters of `text` already handed out
         self._stops_from = 0  # text before min_tokens' last token: a stop string must end past it
@@ -45,7 +52,9 @@ class Sequence:
     @property
     def past(self) -> Past | None:
         """What verification needs of this sequence where its logits are adjusted (bias, penalties)."""
-        return Past(self.prompt_ids, self.output_ids, tuple(self.stop_ids)) if self.params.adjusts else None
+        if not self.params.adjusts:
+            return None
+        return Past(self.prompt_ids, self.output_ids, tuple(self.stop_ids), self.grammar)
 
     @property
     def finished(self) -> bool:
@@ -54,6 +63,8 @@ class Sequence:
     def append(self, token: int) -> bool:
         """Add one token; returns True when it ends the sequence (then nothing more may be appended)."""
         self.output_ids.append(token)
+        if self.grammar is not None:
+            self.grammar.advance(token)
         own = token in self.params.stop_token_ids
         if token in self.stop_ids and not own:
             self.finish_reason = "stop"

@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 from starlette.requests import ClientDisconnect
 
 from forerun.base.chat import chat_turns
-from forerun.base.config import SEED_RANGE, SamplingParams, is_finite, is_whole
+from forerun.base.config import SEED_RANGE, SamplingParams, StructuredOutputsParams, is_finite, is_whole
 from forerun.base.errors import FieldError, ForerunError
 from forerun.base.prompts import in_vocabulary, valid_unicode
+from forerun.serve.structured import FIELDS as STRUCTURED_FIELDS
+from forerun.serve.structured import structured_output
+from forerun.verification import grammar
 
 MAX_LOGPROBS = 20  # most alternatives a position's logprobs may list
 MAX_N = 16  # most samples one request may ask for
@@ -59,6 +62,7 @@ _COMMON = {
     "min_p",
     "min_tokens",
     "stop_token_ids",
+    *STRUCTURED_FIELDS,
 }
 _COMPLETIONS = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {
@@ -77,7 +81,6 @@ NEUTRAL: dict[str, tuple] = {
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
     "prediction": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -136,6 +139,7 @@ class Checked:
     logprobs: int | None  # alternatives per position; None: no logprobs
     echo: bool  # completions: the prompt leads the text (and its logprobs)
     body: dict = field(repr=False)
+    structured: StructuredOutputsParams | None = None  # what the whole text must be (`serve.structured`)
 
 
 # --- the body --------------------------------------------------------------------------------------
@@ -214,7 +218,13 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
         prompts = _completion_prompts(body, limits)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise BadRequest(f"{name} must be between 0 and {MAX_LOGPROBS}, got {logprobs}", name)
-    return Checked(chat, prompts, n, stream, include_usage, logprobs, echo, body)
+    try:
+        structured = structured_output(body)
+    except FieldError as exc:
+        raise BadRequest(str(exc), exc.field) from None
+    if structured is not None and flag(body, "ignore_eos"):
+        raise BadRequest("ignore_eos would write past the end of a structured output; leave it out", "ignore_eos")
+    return Checked(chat, prompts, n, stream, include_usage, logprobs, echo, body, structured)
 
 
 def _template_options(body: dict, turns: list[dict]) -> tuple[bool, bool]:
@@ -408,6 +418,7 @@ def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list
                     stop_token_ids=stop_token_ids,
                     logprobs=checked.logprobs,
                     prompt_logprobs=prompt_logprobs,
+                    structured_outputs=checked.structured,
                     **adjustments,
                 )
                 for i in range(checked.n)
@@ -532,13 +543,20 @@ def scores_prompt_only(checked: Checked) -> bool:
     return checked.echo and checked.body.get("max_tokens") == 0
 
 
-def tokenize(checked: Checked, tokenizer) -> list[list[int]]:
-    """Each prompt's token ids. Slow for long prompts: the server runs it on a worker thread."""
+def tokenize(checked: Checked, tokenizer, vocab_size: int) -> list[list[int]]:
+    """Each prompt's token ids, and a structured output checked against the model's tokens. Slow
+    for long prompts (and a first structured output): the server runs it on a worker thread."""
     prompts = checked.prompts
     ids = []
     for index, prompt in enumerate(prompts):
         with naming_prompt(index, len(prompts)):
             ids.append(_tokenize_one(checked, prompt, tokenizer))
+    if checked.structured is not None:
+        name = next(name for name in STRUCTURED_FIELDS if checked.body.get(name) is not None)
+        try:
+            grammar.check(checked.structured, tokenizer, vocab_size)
+        except ForerunError as exc:
+            raise BadRequest(str(exc), name) from None
     return ids
 
 

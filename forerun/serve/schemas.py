@@ -44,6 +44,20 @@ class _Request(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     min_tokens: int | None = Field(None, ge=0, description="no stop token or stop string before this many tokens")
     stop_token_ids: list[int] | None = Field(None, description="vLLM's: tokens that end generation, their text kept")
+    response_format: dict | None = Field(
+        None,
+        description='{"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", "json_schema": '
+        '{"name": ..., "schema": {a JSON schema}}}: the text follows it',
+    )
+    structured_outputs: dict | None = Field(
+        None,
+        description="vLLM's: one of json (a JSON schema), regex, choice (a list of strings), grammar (Lark), "
+        "json_object (true); the text follows it",
+    )
+    guided_json: dict | str | None = Field(None, description="vLLM's older structured_outputs.json")
+    guided_regex: str | None = Field(None, description="vLLM's older structured_outputs.regex")
+    guided_choice: list[str] | None = Field(None, description="vLLM's older structured_outputs.choice")
+    guided_grammar: str | None = Field(None, description="vLLM's older structured_outputs.grammar")
 
 
 class CompletionRequest(_Request):

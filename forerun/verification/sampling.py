@@ -1,10 +1,11 @@
-"""Logits adjusted (logit bias, penalties, min-tokens) and made probabilities (temperature, min-p,
-top-k, top-p); seeded sampling.
+"""Logits adjusted (logit bias, penalties, min-tokens, a structured output's mask) and made
+probabilities (temperature, min-p, top-k, top-p); seeded sampling.
 
 The target and every drafter go through the same `probabilities`, so the acceptance rule compares
 processed distributions and the output follows the target's processed distribution exactly. The
 target's logits are first `adjusted` (stop tokens held off before min_tokens, the logit bias, then
-the repetition, presence and frequency penalties over each row's own history, as vLLM orders them):
+the repetition, presence and frequency penalties over each row's own history, as vLLM orders them;
+then a structured output's mask):
 each verification row as if it were the next token of plain decoding. A drafter's distribution
 need not be adjusted (the rule is exact for any proposal distribution); drafts that are, are kept
 more often.
@@ -19,6 +20,7 @@ import torch
 
 from forerun import native
 from forerun.base.config import SamplingParams
+from forerun.verification.grammar import Grammar
 
 
 def one_hot(ids: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -33,18 +35,23 @@ def adjusted(
     paths: Sequence[Sequence[int]],
     prompt: Sequence[int] = (),
     stop_ids: Sequence[int] = (),
+    grammar: Grammar | None = None,
 ) -> torch.Tensor:
     """logits [N, V] (float32, a new tensor) adjusted as `params` asks, row i for the token after
     `output` + `paths[i]` (its history: the tokens generated before the one it predicts): a row
     predicting one of the first min_tokens tokens cannot give `stop_ids`; then the logit bias;
     then the repetition penalty over the history's and `prompt`'s tokens; then the presence and
-    frequency penalties over the history's. The logits unchanged without any of these."""
+    frequency penalties over the history's; then a structured output's `grammar` (at `output`)
+    leaves only the tokens it allows after the history. The logits unchanged without any of these."""
     if not params.adjusts:
         return logits.float()
     logits = logits.float().clone()
     device = logits.device
+    allowed = grammar.allowed(paths).to(device) if grammar is not None else None  # [N, V]
     if params.min_tokens and stop_ids:
         early = [row for row, path in enumerate(paths) if len(output) + len(path) < params.min_tokens]
+        if allowed is not None:  # a finished text allows only stop tokens: it ends, min_tokens or not
+            early = [row for row in early if _allows_more_than(allowed[row], stop_ids)]
         if early:
             stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
             logits[torch.tensor(early, device=device)[:, None], stops] = float("-inf")
@@ -53,7 +60,15 @@ def adjusted(
         logits[:, ids] += torch.tensor([b for _, b in params.logit_bias], device=device)
     if params.penalized:
         _penalize(logits, params, output, paths, prompt)
+    if allowed is not None:
+        logits.masked_fill_(~allowed, float("-inf"))
     return logits
+
+
+def _allows_more_than(allowed: torch.Tensor, stop_ids: Sequence[int]) -> bool:
+    """Whether a row's allowed tokens [V] (bool) hold one that is not a stop token."""
+    count = int(allowed.sum())
+    return count > int(allowed[list(stop_ids)].sum())
 
 
 def _penalize(

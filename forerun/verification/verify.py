@@ -12,6 +12,7 @@ from forerun.base.config import SamplingParams
 from forerun.models.attention import RowLayout, Segment
 from forerun.models.decoder import Decoder
 from forerun.models.kv_cache import KVCache
+from forerun.verification.grammar import Grammar
 from forerun.verification.sampling import adjusted, one_hot, probabilities
 from forerun.verification.tree import DraftTree
 
@@ -46,6 +47,7 @@ class Past:
     prompt: Sequence[int]
     output: Sequence[int]
     stop_ids: Sequence[int] = ()  # held off while fewer than min_tokens are out
+    grammar: Grammar | None = None  # a structured output's, at `output`
 
     @staticmethod
     def paths(tree: DraftTree) -> list[list[int]]:
@@ -68,7 +70,7 @@ def target_rows(
         if past is None:
             raise ValueError("a request with a logit bias or penalties is verified with its past")
         paths = Past.paths(tree or DraftTree([], []))
-        logits = adjusted(logits, params, past.output, paths, past.prompt, past.stop_ids)
+        logits = adjusted(logits, params, past.output, paths, past.prompt, past.stop_ids, past.grammar)
         best = None
     if params.greedy:
         ids = native.argmax(logits.float()) if best is None else best
