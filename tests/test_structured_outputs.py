@@ -24,6 +24,7 @@ from forerun.models.tokenizer import Tokenizer
 from forerun.verification import grammar as grammar_module
 from forerun.verification.grammar import Grammar, grammar_text
 from forerun.verification.sampling import adjusted
+from tests.conftest import perturbed
 from tests.test_batch import run_batched
 from tests.test_drafters_common import (
     CONTROL_RUNS,
@@ -38,7 +39,6 @@ from tests.test_drafters_common import (
 from tests.test_logit_adjustments import exact_adjusted_marginals
 
 PAIRS = StructuredOutputsParams(regex=r"([a-j][0-9]){16}")  # letters and digits in turn: each row's own mask
-COPYING = ("ngram", "suffix", "lookahead")  # drafters whose guesses come from the text, so inside the grammar
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +215,32 @@ def test_greedy_output_under_a_grammar_is_plain_decodings(target4, pairs_prompt,
     assert plain != Engine(target4).generate(pairs_prompt, SamplingParams(max_tokens=40)).token_ids  # it matters
     out = Engine(target4, drafters.create(setting[0], target4, setting[1]), k).generate(pairs_prompt, params)
     assert out.token_ids == plain
-    if setting[0] in COPYING:
-        assert out.metrics.num_accepted_tokens > 0  # drafts were kept under the masked rows
+    # Drafts were kept under the masked rows (early exit's because it drafts inside the grammar too).
+    assert 0 < out.metrics.num_accepted_tokens < out.metrics.num_draft_tokens
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 60])
+def test_a_draft_models_drafts_stay_inside_the_grammar_and_are_kept_more(target4, pairs_prompt, draft_vocab) -> None:
+    params = SamplingParams(max_tokens=40, structured_outputs=PAIRS)
+    plain = Engine(target4).generate(pairs_prompt, params).token_ids
+    kept = []
+    for masked in (True, False):
+        options = {"model": perturbed(target4, 0.5), **({"draft_vocab": draft_vocab} if draft_vocab else {})}
+        drafter = drafters.create("draft", target4, options)
+        if not masked:
+            drafter.follow = lambda grammar: None  # drafts from the draft model's own distribution
+        out = Engine(target4, drafter, 3).generate(pairs_prompt, params)
+        assert out.token_ids == plain
+        kept.append(out.metrics.num_accepted_tokens)
+    assert kept[0] >= 10 and kept[0] > 3 * kept[1], kept
+
+
+def test_a_seeded_sample_under_a_grammar_is_plain_decodings_whatever_is_drafted(target4, pairs_prompt) -> None:
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=40, structured_outputs=PAIRS)
+    plain = Engine(target4).generate(pairs_prompt, params).token_ids
+    for name, options in (("draft", {"model": perturbed(target4, 0.5)}), ("early-exit", {"layer": 2}), ("ngram", {})):
+        engine = Engine(target4, drafters.create(name, target4, options), 3)
+        assert engine.generate(pairs_prompt, params).token_ids == plain
 
 
 # Wide and narrow positions in turn: the 2nd token from k-t, the 3rd from a-t (verified at a draft's row).
@@ -240,19 +264,19 @@ def sampled_case(tok) -> tuple[LoadedModel, list[int], torch.Tensor, torch.Tenso
 def grammar_samples(case, tok, setting, runs: int):
     target, prompt = case[:2]
     start = lambda: Grammar.start(SAMPLED.structured_outputs, tok, TINY_VOCAB)  # noqa: E731
-    drafter = drafters.create(setting[0], target, setting[1])
+    options = {"model": perturbed(target, 0.2)} if setting[0] == "draft" else setting[1]
+    drafter = drafters.create(setting[0], target, options)
     return speculative_samples(target, drafter, 2, prompt, runs, SAMPLED, start)
 
 
-@pytest.mark.parametrize("setting", ONE_EACH_SAMPLING, ids=setting_id)
+@pytest.mark.parametrize("setting", [*ONE_EACH_SAMPLING, ("draft", {})], ids=setting_id)
 def test_sampled_tokens_follow_the_masked_distribution(sampled_case, tok, setting) -> None:
     second, third = sampled_case[2:]
     samples, metrics = grammar_samples(sampled_case, tok, setting, RUNS)
     for position, exact in ((0, second), (1, third)):
         tv, tolerance = total_variation([s[position] for s in samples], exact)
         assert tv < tolerance, f"token {position + 2}: TV {tv:.4f} >= {tolerance:.4f}"
-    if setting[0] in COPYING:
-        assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
+    assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
 
 
 def test_negative_control_rows_that_miss_their_own_mask_fail_the_same_check(sampled_case, tok, monkeypatch) -> None:

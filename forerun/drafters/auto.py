@@ -36,6 +36,7 @@ from forerun.models.load import LoadedModel
 from forerun.models.prefix_cache import PrefixCache
 from forerun.policy.catch_up import Gate
 from forerun.policy.draft_model_costs import BRANCH, SECOND_CHOICE
+from forerun.verification.grammar import Grammar
 from forerun.verification.sampling import Draws
 from forerun.verification.tree import DraftTree
 
@@ -65,6 +66,9 @@ class SuffixFirst(Drafter):
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         self.suffix.start(prompt_ids, target_cache, max_len)
         self.second.start(prompt_ids, target_cache, max_len)
+
+    def follow(self, grammar: Grammar | None) -> None:
+        self.second.follow(grammar)
 
     def set_gate(self, gate: Gate) -> None:
         self.second.set_gate(gate)

@@ -18,6 +18,7 @@ from forerun.drafters.passes import DraftSteps
 from forerun.models.kv_cache import KVCache
 from forerun.models.prefix_cache import PrefixCache
 from forerun.policy.catch_up import Gate
+from forerun.verification.grammar import Grammar
 from forerun.verification.sampling import Draws
 from forerun.verification.tree import DraftTree
 
@@ -51,6 +52,13 @@ class Drafter(ABC):
         target's logits at the proposal's aux rows (None when it had none)."""
 
     # --- optional ---------------------------------------------------------------------------------
+
+    def follow(self, grammar: Grammar | None) -> None:
+        """The request's structured output (None: it has none), kept at its output as that grows. A
+        drafter that draws its drafts from a distribution masks it by the grammar after its draft
+        so far, so its drafts stay inside the text; one that does not is still exact (a draft the
+        text cannot take is refused at its row), only kept less often."""
+        return None
 
     def end(self, output_ids: list[int]) -> None:
         """The request ended with this output (a drafter that remembers earlier outputs adds it)."""

@@ -49,6 +49,7 @@ from forerun.models.prefix_cache import PrefixCache, token_bytes
 from forerun.policy.catch_up import CATCH_UP_UNASKED, Gate
 from forerun.policy.draft_model_costs import BRANCH, SECOND_CHOICE, DraftModelCosts, pooled_prior, time_draft_passes
 from forerun.policy.pass_costs import PassCosts
+from forerun.verification.grammar import Grammar
 from forerun.verification.sampling import Draws, draw_tokens, probabilities
 from forerun.verification.tree import DraftTree
 
@@ -106,6 +107,7 @@ class DraftModelDrafter(Drafter):
         # The gate agreed to a catch-up not made yet. It stands until a proposal makes it: a batch's
         # load may turn the step it was agreed for into a plain one.
         self.admitted = False
+        self.grammar: Grammar | None = None  # the request's structured output (`follow`)
 
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         # The cache is made at the first proposal (a request the draft model never drafts for, as
@@ -161,6 +163,8 @@ class DraftModelDrafter(Drafter):
             self._time_pass(step)
             self.fed += pending
             self._store()
+            if self.grammar is not None and not self._inside(logits[0], tokens):
+                break  # the text allows none of the draft's tokens next
             if branch.growing:
                 rows = len(tokens) + len(leaves) + branch.after
                 branch.grow(_top2(logits[1]), lambda p, rows=rows: self.leaf_pays(p, rows), self._token)
@@ -186,7 +190,22 @@ class DraftModelDrafter(Drafter):
             if len(tokens) < k and not self._worth_another(len(tokens), kept_chance, step):
                 break
         self.proposed = len(tokens)
+        if not tokens:
+            return None
         return _tree(tokens, leaves, None if params.greedy else torch.stack(probs), branch.tokens[1:])
+
+    def follow(self, grammar: Grammar | None) -> None:
+        self.grammar = grammar
+
+    def _inside(self, row: torch.Tensor, path: list[int]) -> bool:
+        """Mask a draft row [N] in place to the tokens the structured output allows after the
+        output and `path`; False when it allows none of the draft's columns."""
+        allowed = self.grammar.allowed([path])[0]  # [V], the target's vocabulary
+        columns = allowed[self.vocab] if self.vocab is not None else allowed[: row.shape[-1]]
+        if columns.shape[-1] < row.shape[-1]:  # draft rows past the target's vocabulary: never allowed
+            columns = torch.cat([columns, columns.new_zeros(row.shape[-1] - columns.shape[-1])])
+        row.masked_fill_(~columns.to(row.device), float("-inf"))
+        return bool(columns.any())
 
     def _roll_back(self, context: list[int]) -> list[int]:
         """Drop what the context no longer agrees with (rejected drafts); the tokens to read next."""

@@ -28,6 +28,7 @@ from forerun.drafters import register
 from forerun.drafters.base import Drafter
 from forerun.models.kv_cache import KVCache
 from forerun.models.load import LoadedModel
+from forerun.verification.grammar import Grammar
 from forerun.verification.sampling import Draws, draw_tokens, probabilities
 from forerun.verification.tree import DraftTree
 
@@ -59,11 +60,15 @@ class EarlyExitDrafter(Drafter):
         self.decoder = target.decoder
         self.layers = draft_layers(self.decoder.cfg.num_layers, layer, skip_layers)
         self.cache: KVCache | None = None
+        self.grammar: Grammar | None = None  # the request's structured output (`follow`)
 
     def start(self, prompt_ids: list[int], target_cache: KVCache, max_len: int) -> None:
         self.cache = target_cache
 
-    def propose(self, context: list[int], k: int, params: SamplingParams, generator: Draws) -> DraftTree:
+    def follow(self, grammar: Grammar | None) -> None:
+        self.grammar = grammar
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: Draws) -> DraftTree | None:
         decoder, cache = self.decoder, self.cache
         base = cache.length  # the target cache holds context[:-1]; the root comes next
         token = context[-1]
@@ -73,11 +78,18 @@ class EarlyExitDrafter(Drafter):
             ids = torch.tensor([token], device=decoder.device)
             pos = torch.tensor([base + i], device=decoder.device)
             logits = decoder(ids, pos, cache, last_only=True, layers=self.layers).logits[0]  # [1, V]
+            if self.grammar is not None:  # the tokens the structured output allows after the draft so far
+                allowed = self.grammar.allowed([tokens])[0, : logits.shape[-1]]
+                if not allowed.any():
+                    break
+                logits = logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
             q = probabilities(logits, params)  # [1, V]
             token = int(q.argmax()) if params.greedy else draw_tokens(q, generator, [i])[0]
             tokens.append(token)
             probs.append(q[0])
         cache.truncate(base)  # provisional entries: verification overwrites them
+        if not tokens:
+            return None
         return DraftTree.chain(tokens, None if params.greedy else torch.stack(probs))
 
     def observe(self, num_accepted: int, aux_logits: torch.Tensor | None = None) -> None:

@@ -267,6 +267,7 @@ class Engine:
         if self.drafter is not None:
             with linear.prefill():
                 self.drafter.start(seq.prompt_ids, run.cache, max_len)
+            self.drafter.follow(seq.grammar)
         hidden = None
         if like is not None and self._can_share(like, params):
             logits = _share_prefill(run, like)
