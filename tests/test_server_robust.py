@@ -80,7 +80,9 @@ CLIENT_MISTAKES = [
     ({"response_format": "json"}, "response_format"),
     ({"structured_outputs": {"regex": "(("}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
-    ({"structured_outputs": {"pattern": "a"}}, "structured_outputs"),
+    ({"structured_outputs": {"pattern": "a"}}, "structured_outputs"),  # the unknown key is named
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+    ({"guided_json": "false"}, "guided_json"),
     ({"guided_json": {"type": "nothing"}}, "guided_json"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_regex": 5}, "guided_regex"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import pydantic
 import pytest
 from test_server import NAME, Served
@@ -115,3 +116,37 @@ def test_the_openai_librarys_parse_reads_a_pydantic_model_back(plain, compact) -
     )
     parsed = completion.choices[0].message.parsed
     assert isinstance(parsed, Answer) and len(parsed.word) <= 6
+
+
+def test_vllms_own_serialisation_with_nulls_and_options_is_taken(plain, compact) -> None:
+    vllm_shape = {
+        "json": None,
+        "regex": "[0-9]{3}",
+        "choice": None,
+        "grammar": None,
+        "json_object": None,
+        "disable_any_whitespace": False,
+        "disable_additional_properties": False,
+        "whitespace_pattern": None,
+        "disable_fallback": False,
+        "structural_tag": None,
+    }
+    body = {"model": NAME, "prompt": "abc", "max_tokens": 8, "temperature": 0, "structured_outputs": vllm_shape}
+    assert re.fullmatch("[0-9]{3}", post(plain, body)["choices"][0]["text"])
+
+
+def test_strict_json_schema_takes_no_property_the_schema_does_not_name(plain, compact, target_tok) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    comma = {str(i): 100 for i in target_tok.tokenizer.encode(",")}  # the model would go on to another key
+    reply = chat(plain, {**compact, **comma}, response_format=response_format, max_tokens=30)
+    assert list(json.loads(reply["choices"][0]["message"]["content"])) == ["ok"]
+
+
+def test_a_schema_whose_references_chain_deep_is_answered_and_the_server_stays_up(plain) -> None:
+    depth = 1500  # overflowed the request's thread's stack in native code and killed the server
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(depth)}
+    schema = {"$defs": {**defs, f"d{depth}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+    body = {"model": NAME, "prompt": "abc", "max_tokens": 4, "temperature": 0, "guided_json": schema}
+    assert post(plain, body)["choices"][0]["text"].startswith("{")
+    assert httpx.get(plain.url + "/health", timeout=5).status_code == 200

@@ -68,7 +68,9 @@ def allowed_text(tok: Tokenizer, row: torch.Tensor) -> set[str]:
         ({"choice": []}, "choice must be a list of non-empty strings"),
         ({"choice": ["a", ""]}, "choice must be a list of non-empty strings"),
         ({"regex": ""}, "regex must be a non-empty string"),
-        ({"json_object": "yes"}, "json_object must be True or False"),
+        ({"json_object": "yes"}, "json_object must be true or false"),
+        ({"json": False}, "the schema false, which no text follows"),
+        ({"regex": "a", "disable_any_whitespace": 1}, "disable_any_whitespace must be true or false"),
     ],
 )
 def test_a_structured_output_is_exactly_one_well_formed_thing(fields, message) -> None:
@@ -100,6 +102,55 @@ def test_ignore_eos_and_a_structured_output_are_refused_together() -> None:
 def test_a_grammar_that_cannot_be_followed_is_named_with_the_reason(spec, message) -> None:
     with pytest.raises(FieldError, match=message):
         grammar_text(spec)
+
+
+def chained_refs(depth: int) -> dict:
+    """A schema whose references chain `depth` deep (each object's one property the next object)."""
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(depth)}
+    return {"$defs": {**defs, f"d{depth}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+
+
+CHAINED_RULES = "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(4000)) + 'r4000: "a"'
+
+
+@pytest.mark.parametrize(
+    "spec, first",
+    [
+        (StructuredOutputsParams(json=chained_refs(1500)), "{"),  # overflowed an 8 MiB stack in native code
+        (StructuredOutputsParams(grammar=CHAINED_RULES), "a"),
+    ],
+)
+def test_a_grammar_deep_enough_to_overflow_a_threads_stack_compiles_on_the_compile_thread(spec, first, tok) -> None:
+    # Compiled on the test's own thread, each of these killed the process (SIGSEGV).
+    assert allowed_text(tok, Grammar.start(spec, tok, TINY_VOCAB).allowed([[]])[0]) == {first}
+
+
+def test_a_choice_of_thousands_that_share_a_start_is_one_alternation(target4, tok) -> None:
+    choices = [f"option {i}" for i in range(2500)]  # a Lark rule of alternatives holds at most 2,000
+    params = SamplingParams(max_tokens=12, structured_outputs={"choice": choices})
+    out = Engine(target4).generate(tok.encode("x"), params)
+    assert out.text in choices and out.finish_reason == "stop"
+
+
+def json_after(tok, spec: StructuredOutputsParams, text: str) -> set[str]:
+    grammar = Grammar.start(spec, tok, TINY_VOCAB)
+    for token in tok.encode(text):
+        grammar.advance(token)
+    return allowed_text(tok, grammar.allowed([[]])[0])
+
+
+def test_json_options_as_vllm_gives_them() -> None:
+    spec = StructuredOutputsParams(json={"type": "object"}, json_object=None, whitespace_pattern=None)  # nulls: absent
+    assert spec.kind == "json" and StructuredOutputsParams(json=True).json == "{}"  # `true`: any JSON value
+
+
+def test_disable_any_whitespace_and_closed_objects_change_what_json_allows(tok) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert {" ", "\n"} <= json_after(tok, StructuredOutputsParams(json=schema), "{")
+    assert not {" ", "\n"} & json_after(tok, StructuredOutputsParams(json=schema, disable_any_whitespace=True), "{")
+    assert "," in json_after(tok, StructuredOutputsParams(json=schema), '{"a":1')  # another property may follow
+    closed = StructuredOutputsParams(json=schema, disable_additional_properties=True)
+    assert "," not in json_after(tok, closed, '{"a":1') and "}" in json_after(tok, closed, '{"a":1')
 
 
 # --- what a row allows ------------------------------------------------------------------------------
@@ -306,11 +357,16 @@ def test_batched_requests_with_their_own_grammars_equal_each_run_alone(target4, 
     assert run_batched(BatchEngine(new_engine, 4), requests) == alone
 
 
-def test_the_token_table_is_made_once_per_tokenizer(tok) -> None:
+def test_the_token_table_and_a_grammars_matcher_are_made_once(tok, monkeypatch) -> None:
+    new_template = grammar_module._new_template
     grammar_module._token_table.cache_clear()
-    Grammar.start(PAIRS, tok, TINY_VOCAB)
-    Grammar.start(PAIRS, tok, TINY_VOCAB)
-    assert grammar_module._token_table.cache_info().misses == 1
+    grammar_module._TEMPLATES.clear()
+    made = []
+    monkeypatch.setattr(grammar_module, "_new_template", lambda *args: made.append(args) or new_template(*args))
+    first, second = Grammar.start(PAIRS, tok, TINY_VOCAB), Grammar.start(PAIRS, tok, TINY_VOCAB)
+    assert grammar_module._token_table.cache_info().misses == 1 and len(made) == 1
+    first.advance(tok.encode("a")[0])  # each output's matcher is its own
+    assert allowed_text(tok, second.allowed([[]])[0]) == set("abcdefghij")
 
 
 # --- the command line ------------------------------------------------------------------------------
@@ -350,6 +406,7 @@ def test_generate_takes_a_structured_output_and_writes_what_the_api_writes(folde
     [
         (["--regex", "(("], "the regex cannot be followed"),
         (["--json-schema", "{oops"], "its text is not JSON"),
+        (["--json-schema", "no-such-file.json"], "takes a schema's JSON or a file holding it"),
         (["--grammar-file", "/nonexistent/g.lark"], "--grammar-file: cannot read /nonexistent/g.lark"),
         (["--regex", "a", "--choice", "b"], "not allowed with argument"),
         (["--regex", "a", "--ignore-eos"], "ignore_eos would write past the end"),

@@ -33,23 +33,31 @@ def is_finite(value: object) -> bool:
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """What a generated text must be, as vLLM's structured outputs say it: exactly one of these.
-    The target's rows allow only the tokens that keep the text inside it (`verification.grammar`);
-    the text ends with a stop token once it is complete."""
+    """What a generated text must be, as vLLM's structured outputs say it: exactly one of json,
+    regex, choice, grammar and json_object, and for JSON how it is spelled. The target's rows allow
+    only the tokens that keep the text inside it (`verification.grammar`); the text ends with a
+    stop token once it is complete."""
 
-    json: str | dict | None = None  # a JSON schema (a dict, or its text); kept as text
+    json: str | dict | bool | None = None  # a JSON schema (a dict, or its text); kept as text
     regex: str | None = None  # the whole text matches this regular expression (Rust regex syntax)
     choice: tuple[str, ...] | None = None  # the text is one of these strings
     grammar: str | None = None  # a Lark grammar (llguidance's dialect), its start rule `start`
-    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+    json_object: bool | None = False  # any JSON object (OpenAI's response_format json_object); None: False
+    disable_any_whitespace: bool = False  # JSON without whitespace between its tokens (else JSON's own)
+    disable_additional_properties: bool = False  # objects take only the properties they name
+    whitespace_pattern: str | None = None  # the whitespace JSON may hold, as a regular expression
+    disable_fallback: bool = False  # vLLM's: one backend here, so nothing to fall back to
 
     def __post_init__(self) -> None:
-        if isinstance(self.json, dict):
+        if isinstance(self.json, (dict, bool)):
             object.__setattr__(self, "json", json.dumps(self.json))  # in its order: keys are written so
-        if isinstance(self.choice, (list, tuple)):
+        if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
-        if not isinstance(self.json_object, bool):
-            raise FieldError("structured_outputs", f"json_object must be True or False, got {self.json_object!r}")
+        if self.json_object is None:
+            object.__setattr__(self, "json_object", False)
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise FieldError("structured_outputs", f"{name} must be true or false, got {getattr(self, name)!r}")
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
@@ -69,7 +77,7 @@ class StructuredOutputsParams:
 
 
 def _check_structured(spec: StructuredOutputsParams) -> None:
-    for name in ("json", "regex", "grammar"):
+    for name in ("json", "regex", "grammar", "whitespace_pattern"):
         value = getattr(spec, name)
         if value is not None and (not isinstance(value, str) or not value):
             raise FieldError("structured_outputs", f"{name} must be a non-empty string, got {value!r}")
@@ -78,7 +86,12 @@ def _check_structured(spec: StructuredOutputsParams) -> None:
             schema = json.loads(spec.json)
         except ValueError as e:
             raise FieldError("structured_outputs", f"json must be a JSON schema, and its text is not JSON: {e}") from e
-        if not isinstance(schema, (dict, bool)):
+        if schema is True:  # the schema that allows any JSON value
+            object.__setattr__(spec, "json", "{}")
+            schema = {}
+        if schema is False:
+            raise FieldError("structured_outputs", "json is the schema false, which no text follows")
+        if not isinstance(schema, dict):
             raise FieldError("structured_outputs", f"json must be a JSON schema (an object), got {spec.json[:80]}")
     if spec.choice is not None and (
         not isinstance(spec.choice, tuple)

@@ -12,6 +12,7 @@ from forerun.base.errors import ForerunError
 from forerun.models.decoder import KV_CACHE_DTYPES
 from forerun.models.load import QUANTIZATIONS
 from forerun.models.prefix_cache import PREFIX_CACHE_MB
+from forerun.verification.grammar import grammar_text
 
 
 def add_model_args(p: argparse.ArgumentParser, quantization: str | None = None) -> None:
@@ -362,16 +363,21 @@ def _structured_from_args(args: argparse.Namespace) -> StructuredOutputsParams |
     """--json-schema (its text, or a file holding it), --regex, --choice or --grammar-file."""
     if args.json_schema is not None:
         schema = args.json_schema
-        if not schema.lstrip().startswith("{") and Path(schema).is_file():
+        if not schema.lstrip().startswith(("{", "true")):
+            if not Path(schema).is_file():
+                raise ForerunError(f"--json-schema takes a schema's JSON or a file holding it; {schema!r} is neither")
             schema = _read_text(Path(schema), "--json-schema")
-        return StructuredOutputsParams(json=schema)
-    if args.regex is not None:
-        return StructuredOutputsParams(regex=args.regex)
-    if args.choice is not None:
-        return StructuredOutputsParams(choice=args.choice)
-    if args.grammar_file is not None:
-        return StructuredOutputsParams(grammar=_read_text(Path(args.grammar_file), "--grammar-file"))
-    return None
+        spec = StructuredOutputsParams(json=schema)
+    elif args.regex is not None:
+        spec = StructuredOutputsParams(regex=args.regex)
+    elif args.choice is not None:
+        spec = StructuredOutputsParams(choice=args.choice)
+    elif args.grammar_file is not None:
+        spec = StructuredOutputsParams(grammar=_read_text(Path(args.grammar_file), "--grammar-file"))
+    else:
+        return None
+    grammar_text(spec)  # a grammar that cannot be followed is told before the model loads
+    return spec
 
 
 def _read_text(path: Path, flag: str) -> str:

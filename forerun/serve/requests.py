@@ -556,7 +556,7 @@ def tokenize(checked: Checked, tokenizer, vocab_size: int) -> list[list[int]]:
         try:
             grammar.check(checked.structured, tokenizer, vocab_size)
         except ForerunError as exc:
-            raise BadRequest(str(exc), name) from None
+            raise BadRequest(f"{name}: {exc}", name) from None
     return ids
 
 

@@ -8,17 +8,17 @@ import json
 
 from forerun.base.config import StructuredOutputsParams
 from forerun.base.errors import FieldError
-from forerun.verification.grammar import grammar_text
 
 # vLLM's older fields, each one kind of structured output.
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 FIELDS = ("response_format", "structured_outputs", *GUIDED)
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "disable_fallback")
 
 
 def structured_output(body: dict) -> StructuredOutputsParams | None:
-    """The request's structured output, None without one; its grammar checked (not yet against the
-    model's tokens: `verification.grammar.check` does that once the prompt is tokenized)."""
+    """The request's structured output, None without one. Its grammar is compiled and checked
+    against the model's tokens off the event loop, once the prompt is tokenized (`requests.tokenize`)."""
     given = [name for name in FIELDS if body.get(name) is not None]
     if len(given) > 1:
         raise FieldError(given[1], f"give one of {' and '.join(given)}: each says what the whole text must be")
@@ -30,20 +30,34 @@ def structured_output(body: dict) -> StructuredOutputsParams | None:
         if name == "response_format":
             fields = _response_format(value)
         elif name == "structured_outputs":
-            if not isinstance(value, dict) or any(key not in _KINDS for key in value):
-                raise FieldError(name, f"structured_outputs must be an object with one of {', '.join(_KINDS)}")
-            fields = value
+            fields = _vllm_fields(value)
         else:
             fields = {GUIDED[name]: value}
         if fields is None:
             return None
         spec = StructuredOutputsParams(**fields)
-        grammar_text(spec)
     except FieldError as exc:
         raise FieldError(name, str(exc) if str(exc).startswith(name) else f"{name}: {exc}") from None
     except TypeError:
         raise FieldError(name, f"{name} is not one this server reads: got {json.dumps(value)[:80]}") from None
     return spec
+
+
+def _vllm_fields(value) -> dict:
+    """vLLM's structured_outputs object as StructuredOutputsParams' fields (a null field is absent)."""
+    if not isinstance(value, dict):
+        raise FieldError("structured_outputs", f"structured_outputs must be an object with one of {', '.join(_KINDS)}")
+    fields = {key: given for key, given in value.items() if given is not None}
+    if "structural_tag" in fields:
+        raise FieldError("structured_outputs", "structural_tag is not supported here; use json or grammar")
+    unknown = [key for key in fields if key not in _KINDS + _OPTIONS]
+    if unknown:
+        raise FieldError(
+            "structured_outputs",
+            f"structured_outputs has an unknown field {json.dumps(unknown[0])[:80]}: it takes one of "
+            f"{', '.join(_KINDS)}, and {', '.join(_OPTIONS)}",
+        )
+    return fields
 
 
 def _response_format(value) -> dict | None:
@@ -64,4 +78,5 @@ def _response_format(value) -> dict | None:
             "response_format",
             'response_format json_schema needs "json_schema": {"name": ..., "schema": {a JSON schema}}',
         )
-    return {"json": spec["schema"]}
+    # strict: as OpenAI promises it, no property the schema does not name
+    return {"json": spec["schema"], "disable_additional_properties": spec.get("strict") is True}

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -20,26 +23,44 @@ import torch
 from forerun.base.config import StructuredOutputsParams
 from forerun.base.errors import FieldError, ForerunError
 
-# As vLLM's guidance backend: JSON takes whitespace wherever JSON allows it, so the model keeps its
-# own layout (and a drafter's guesses keep matching it).
-_JSON_OPTIONS = {"whitespace_flexible": True}
+# llguidance compiles a grammar recursively in native code: a schema whose references chain a
+# thousand deep overflows an 8 MiB thread stack and kills the process (a 75 KB request would take a
+# server down). Every compile runs on one thread of its own with this much stack (reserved, touched
+# only as deep as a grammar goes), where llguidance's own size limits refuse a grammar first.
+COMPILE_STACK = 512 * 1024 * 1024
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    """llguidance's grammar for `spec`, compiled and checked; FieldError when it cannot be one
+    (llguidance's reason)."""
+    return _compiled(_grammar_text, spec)
+
+
+def check(spec: StructuredOutputsParams, tokenizer, vocab: int) -> None:
+    """Whether `spec` can be followed with this model's tokens (FieldError if not). Makes the
+    model's token table once (a second or two for a large vocabulary) and the grammar's matcher, so
+    the engine's request that needs them later finds them made."""
+    _template(spec, tokenizer, vocab)
 
 
 @functools.lru_cache(maxsize=64)
-def grammar_text(spec: StructuredOutputsParams) -> str:
-    """llguidance's grammar for `spec`; FieldError when it cannot be one (its message llguidance's)."""
+def _grammar_text(spec: StructuredOutputsParams) -> str:
     from llguidance import LLMatcher
 
+    options = {"whitespace_flexible": not spec.disable_any_whitespace}
+    if spec.whitespace_pattern is not None:
+        options["whitespace_pattern"] = spec.whitespace_pattern
     try:
-        if spec.json is not None:
-            text = LLMatcher.grammar_from_json_schema(spec.json, defaults=_JSON_OPTIONS)
-        elif spec.json_object:
-            text = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        if spec.json is not None or spec.json_object:
+            schema = json.loads(spec.json) if spec.json is not None else {"type": "object"}
+            if spec.disable_additional_properties:
+                schema = _closed(schema)
+            text = LLMatcher.grammar_from_json_schema(schema, defaults=options)
         elif spec.regex is not None:
             text = LLMatcher.grammar_from_regex(spec.regex)
         elif spec.choice is not None:
-            # JSON's string literals are Lark's: each choice spelled exactly, quotes and newlines escaped.
-            text = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+            # One alternation of literals (a Lark rule of alternatives holds at most 2,000).
+            text = LLMatcher.grammar_from_regex("(" + "|".join(_literal(c) for c in spec.choice) + ")")
         else:
             text = LLMatcher.grammar_from_lark(spec.grammar)
     except ValueError as exc:
@@ -50,11 +71,79 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     return text
 
 
-def check(spec: StructuredOutputsParams, tokenizer, vocab: int) -> None:
-    """Whether `spec` can be followed with this model's tokens (FieldError if not); makes the
-    model's token table once (a second or two for a large vocabulary), so the engine's first
-    request that needs it does not wait for it."""
-    Grammar.start(spec, tokenizer, vocab)
+def _literal(text: str) -> str:
+    """`text` as a regular expression that matches it alone: every character but ASCII letters and
+    digits spelled by its code point (Rust's regex syntax)."""
+    return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):X}}}" for c in text)
+
+
+def _closed(schema):
+    """A JSON schema whose objects take no properties beyond those they name (vLLM's
+    disable_additional_properties, OpenAI's strict mode), where they say nothing of others."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
+
+
+def _template(spec: StructuredOutputsParams, tokenizer, vocab: int):
+    """A matcher at the start of `spec`'s text, never advanced (each output's is a copy): made on
+    the compile thread the first time, then taken from TEMPLATES without waiting for that thread
+    (which may be busy with another request's long compile)."""
+    key = (spec, tokenizer, vocab)  # the tokenizer itself, not its id: a freed one's id is reused
+    with _TEMPLATES_LOCK:
+        matcher = _TEMPLATES.get(key)
+        if matcher is not None:
+            _TEMPLATES.move_to_end(key)
+            return matcher
+    matcher = _compiled(_new_template, spec, tokenizer, vocab)
+    with _TEMPLATES_LOCK:
+        _TEMPLATES[key] = matcher
+        while len(_TEMPLATES) > TEMPLATES_KEPT:
+            _TEMPLATES.popitem(last=False)
+    return matcher
+
+
+def _new_template(spec: StructuredOutputsParams, tokenizer, vocab: int):
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(_token_table(tokenizer, vocab), _grammar_text(spec), log_level=0)
+    if matcher.is_error():
+        raise FieldError("structured_outputs", f"the {spec.kind} cannot be followed: {matcher.get_error()}")
+    return matcher
+
+
+TEMPLATES_KEPT = 64  # the grammars whose starting matchers are kept, the least recently used dropped
+_TEMPLATES: OrderedDict = OrderedDict()
+_TEMPLATES_LOCK = threading.Lock()
+
+
+def _compiler() -> ThreadPoolExecutor:
+    """The one thread every compile runs on, made (once) with COMPILE_STACK of stack."""
+    global _COMPILER
+    with _COMPILER_LOCK:
+        if _COMPILER is None:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="forerun-grammar")
+            before = threading.stack_size(COMPILE_STACK)
+            try:
+                pool.submit(lambda: None).result()  # the thread is made now, with that stack
+            finally:
+                threading.stack_size(before)
+            _COMPILER = pool
+        return _COMPILER
+
+
+_COMPILER: ThreadPoolExecutor | None = None
+_COMPILER_LOCK = threading.Lock()
+
+
+def _compiled(fn: Callable, *args):
+    """fn(*args) on the compile thread (its errors raised here)."""
+    return _compiler().submit(fn, *args).result()
 
 
 class Grammar:
@@ -68,17 +157,12 @@ class Grammar:
     def start(cls, spec: StructuredOutputsParams, tokenizer, vocab: int) -> Grammar:
         """At the start of an output. `tokenizer`: the model's (forerun.models.tokenizer.Tokenizer);
         `vocab`: the width of its logits."""
-        from llguidance import LLMatcher
-
         if tokenizer is None:
             raise ForerunError(
                 "a structured output needs the model's tokenizer to match text, and this model has none: "
                 "leave out structured_outputs, or load the model with its tokenizer"
             )
-        matcher = LLMatcher(_token_table(tokenizer, vocab), grammar_text(spec), log_level=0)
-        if matcher.is_error():
-            raise FieldError("structured_outputs", f"the {spec.kind} cannot be followed: {matcher.get_error()}")
-        return cls(matcher, vocab)
+        return cls(_template(spec, tokenizer, vocab).deep_copy(), vocab)
 
     def allowed(self, paths: Sequence[Sequence[int]]) -> torch.Tensor:
         """[len(paths), vocab] bool: the tokens the text allows after the output and each path."""
