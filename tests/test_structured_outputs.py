@@ -189,6 +189,20 @@ def test_a_token_outside_the_text_is_an_error_not_a_silent_skip(tok) -> None:
         grammar.advance(tok.encode("7")[0])
 
 
+def test_a_grammar_that_runs_into_llguidances_limits_mid_answer_says_so_in_one_line(tok) -> None:
+    import llguidance
+
+    lark = "start: " + " | ".join(f'"option {i}"' for i in range(50))
+    limits = llguidance.LLParserLimits(max_items_in_row=10)  # a row of 51 items is past it
+    matcher = llguidance.LLMatcher(grammar_module._token_table(tok, TINY_VOCAB), lark, log_level=0, limits=limits)
+    grammar = Grammar(matcher, TINY_VOCAB)
+    with pytest.raises(ForerunError, match=r"^token \d+ does not continue the structured output: .*max is 10") as err:
+        for token in tok.encode("option 1"):
+            grammar.allowed([[]])
+            grammar.advance(token)
+    assert "\n" not in str(err.value)  # the reason's first line, not the parser's state
+
+
 def test_min_tokens_holds_stop_tokens_off_only_while_the_text_has_more_to_say(tok) -> None:
     spec = StructuredOutputsParams(choice=["ok"])
     params = SamplingParams(min_tokens=5, structured_outputs=spec)

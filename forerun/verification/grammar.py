@@ -178,11 +178,19 @@ class Grammar:
     def advance(self, token: int) -> None:
         """The output grew by `token` (one the target's masked row gave)."""
         if not self.matcher.consume_token(int(token)):
-            raise ForerunError(f"token {token} does not continue the structured output: {self.matcher.get_error()}")
+            raise self._stopped(f"token {token} does not continue the structured output")
 
     def _next(self) -> torch.Tensor:
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)  # bit j of byte b: token 8b + j
+        if self.matcher.is_error():  # a limit of llguidance's reached on the way (the row would allow nothing)
+            raise self._stopped("the structured output's grammar cannot go on")
         return torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab].astype(bool))
+
+    def _stopped(self, what: str) -> ForerunError:
+        """The error for a text the matcher cannot follow further: llguidance's reason, its first line
+        (the rest is its parser's state)."""
+        reason = self.matcher.get_error().strip().splitlines()
+        return ForerunError(f"{what}: {reason[0] if reason else 'no reason given'}")
 
 
 @functools.lru_cache(maxsize=8)
