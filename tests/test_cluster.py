@@ -212,6 +212,18 @@ def test_openai_client_chat_and_completions_streamed_and_whole_equal_plain_greed
     assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == expected_chat
 
 
+def test_a_structured_output_through_the_replicas_is_what_the_engine_writes(cluster, folder) -> None:
+    regex = "[a-e]{3}-[0-9]{2}"
+    plain = LLM(str(folder), dtype="float32")
+    expected = plain.generate(["the quick"], SamplingParams(max_tokens=12, structured_outputs={"regex": regex}))[0].text
+    assert re.fullmatch(regex, expected)
+    body = {"model": "tiny", "prompt": "the quick", "max_tokens": 12, "temperature": 0, "guided_regex": regex}
+    reply = httpx.post(cluster.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == expected
+    bad = httpx.post(cluster.url + "/v1/completions", json={**body, "guided_regex": "(("}, headers=AUTH, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
+
+
 def test_the_key_and_client_mistakes_are_refused_as_forerun_serve_refuses_them(cluster) -> None:
     body = {"model": "tiny", "prompt": "x", "max_tokens": 4}
     no_key = httpx.post(cluster.url + "/v1/completions", json=body, timeout=30)
