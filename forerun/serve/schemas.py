@@ -52,7 +52,8 @@ class _Request(BaseModel):
     structured_outputs: dict | None = Field(
         None,
         description="vLLM's: one of json (a JSON schema), regex, choice (a list of strings), grammar (Lark), "
-        "json_object (true); the text follows it",
+        "json_object (true), with disable_any_whitespace, disable_additional_properties and whitespace_pattern; "
+        "the text follows it",
     )
     guided_json: dict | str | None = Field(None, description="vLLM's older structured_outputs.json")
     guided_regex: str | None = Field(None, description="vLLM's older structured_outputs.regex")
