@@ -126,14 +126,20 @@ def _compiler() -> ThreadPoolExecutor:
     """The one thread every compile runs on, made (once) with COMPILE_STACK of stack."""
     global _COMPILER
     with _COMPILER_LOCK:
-        if _COMPILER is None:
+        for stack in (COMPILE_STACK, COMPILE_STACK // 8):  # the smaller where memory limits refuse the larger
+            if _COMPILER is not None:
+                break
             pool = ThreadPoolExecutor(1, thread_name_prefix="forerun-grammar")
-            before = threading.stack_size(COMPILE_STACK)
+            before = threading.stack_size(stack)
             try:
                 pool.submit(lambda: None).result()  # the thread is made now, with that stack
+                _COMPILER = pool
+            except RuntimeError:  # "can't start new thread"
+                pool.shutdown(wait=False)
             finally:
                 threading.stack_size(before)
-            _COMPILER = pool
+        if _COMPILER is None:
+            raise ForerunError("structured outputs need a thread with a large stack, and none could be started")
         return _COMPILER
 
 
