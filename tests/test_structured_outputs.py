@@ -168,6 +168,19 @@ def test_each_row_allows_what_the_text_allows_after_its_own_path(tok) -> None:
     assert allowed_text(tok, grammar.allowed([[]])[0]) == letters  # each path was rolled back
 
 
+def test_a_paths_row_is_read_once_until_the_output_grows(tok, monkeypatch) -> None:
+    grammar = Grammar.start(PAIRS, tok, TINY_VOCAB)
+    reads = []
+    read = grammar._next
+    monkeypatch.setattr(grammar, "_next", lambda: reads.append(1) or read())
+    a, five = tok.encode("a")[0], tok.encode("5")[0]
+    first = grammar.allowed([[], [a]])  # a drafter's rows, then verification's over the same paths and one more
+    again = grammar.allowed([[], [a], [a, five]])
+    assert len(reads) == 3 and torch.equal(first, again[:2])
+    grammar.advance(a)  # the output grew: the rows after it are read anew
+    assert allowed_text(tok, grammar.allowed([[]])[0]) == set("0123456789") and len(reads) == 4
+
+
 def test_the_bit_mask_reads_as_llguidances_own_byte_mask(tok) -> None:
     grammar = Grammar.start(StructuredOutputsParams(json={"type": "object"}), tok, TINY_VOCAB)
     grammar.advance(tok.encode("{")[0])

@@ -158,6 +158,9 @@ class Grammar:
     def __init__(self, matcher, vocab: int) -> None:
         self.matcher = matcher
         self.vocab = vocab
+        # Rows read since the output last grew, by path: a step's verification asks again for the
+        # paths its drafter masked its own rows by (a chain's every prefix), so each is read once.
+        self._rows: dict[tuple[int, ...], torch.Tensor] = {}
 
     @classmethod
     def start(cls, spec: StructuredOutputsParams, tokenizer, vocab: int) -> Grammar:
@@ -174,15 +177,25 @@ class Grammar:
         """[len(paths), vocab] bool: the tokens the text allows after the output and each path."""
         rows = torch.ones(len(paths), self.vocab, dtype=torch.bool)
         for row, path in enumerate(paths):
-            taken = self.matcher.try_consume_tokens(list(path)) if path else 0
-            if taken == len(path):
-                rows[row] = self._next()
+            key = tuple(path)
+            if key not in self._rows:
+                self._rows[key] = self._after(key)
+            if self._rows[key] is not None:
+                rows[row] = self._rows[key]
+        return rows
+
+    def _after(self, path: tuple[int, ...]) -> torch.Tensor | None:
+        """The tokens allowed after the output and `path`; None where the text cannot take the path."""
+        taken = self.matcher.try_consume_tokens(list(path)) if path else 0
+        try:
+            return self._next() if taken == len(path) else None
+        finally:
             if taken:
                 self.matcher.rollback(taken)
-        return rows
 
     def advance(self, token: int) -> None:
         """The output grew by `token` (one the target's masked row gave)."""
+        self._rows.clear()
         if not self.matcher.consume_token(int(token)):
             raise self._stopped(f"token {token} does not continue the structured output")
 
