@@ -172,6 +172,7 @@ def speculative_samples(
         cache.truncate(prefilled)
         seq = Sequence(prompt, params, None, frozenset(), start_grammar() if start_grammar is not None else None)
         drafter.start(prompt, cache, max_len)
+        drafter.follow(seq.grammar)  # as the engine's begin does: a drafter drafts inside the grammar
         if drafter.reads_features:
             drafter.features(out.hidden[0])  # as the engine's prefill gives them
         seq.append(int(sample(first, gen)[0]))
