@@ -21,7 +21,7 @@ from forerun.models.load import LoadedModel
 from forerun.models.prefix_cache import PrefixCache
 from forerun.policy.draft_length import DraftLengthPolicy
 from forerun.verification.accept import Acceptance, accept, accept_greedy, accept_one_hot
-from forerun.verification.grammar import Grammar
+from forerun.verification.grammar import Grammar, check_grammar
 from forerun.verification.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from forerun.verification.sampling import (
     PositionDraws,
@@ -210,7 +210,7 @@ class Engine:
                     f"{name} names token {outside[0]}, beyond the vocabulary of {vocab}: use ids below {vocab}"
                 )
         if params.structured_outputs is not None:  # one its grammar cannot follow, or a model without a tokenizer
-            self._grammar(params)
+            check_grammar(params.structured_outputs, self.target.tokenizer, vocab)
         return check_prompt_fits(self.target.decoder.cfg.max_position, prompt_ids, params.max_tokens) + self.rows + 1
 
     def stream(

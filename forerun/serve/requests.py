@@ -554,7 +554,7 @@ def tokenize(checked: Checked, tokenizer, vocab_size: int) -> list[list[int]]:
     if checked.structured is not None:
         name = next(name for name in STRUCTURED_FIELDS if checked.body.get(name) is not None)
         try:
-            grammar.check(checked.structured, tokenizer, vocab_size)
+            grammar.check_grammar(checked.structured, tokenizer, vocab_size)
         except ForerunError as exc:
             raise BadRequest(f"{name}: {exc}", name) from None
     return ids

@@ -36,8 +36,9 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     return _compiled(_grammar_text, spec)
 
 
-def check(spec: StructuredOutputsParams, tokenizer, vocab: int) -> None:
-    """Whether `spec` can be followed with this model's tokens (FieldError if not). Makes the
+def check_grammar(spec: StructuredOutputsParams, tokenizer, vocab: int) -> None:
+    """Whether `spec` can be followed with this model's tokens (FieldError if not; a model without
+    a tokenizer cannot follow any). Makes the
     model's token table once (a second or two for a large vocabulary) and the grammar's matcher, so
     the engine's request that needs them later finds them made."""
     _template(spec, tokenizer, vocab)
@@ -94,6 +95,11 @@ def _template(spec: StructuredOutputsParams, tokenizer, vocab: int):
     """A matcher at the start of `spec`'s text, never advanced (each output's is a copy): made on
     the compile thread the first time, then taken from TEMPLATES without waiting for that thread
     (which may be busy with another request's long compile)."""
+    if tokenizer is None:
+        raise ForerunError(
+            "a structured output needs the model's tokenizer to match text, and this model has none: "
+            "leave out structured_outputs, or load the model with its tokenizer"
+        )
     key = (spec, tokenizer, vocab)  # the tokenizer itself, not its id: a freed one's id is reused
     with _TEMPLATES_LOCK:
         matcher = _TEMPLATES.get(key)
@@ -166,11 +172,6 @@ class Grammar:
     def start(cls, spec: StructuredOutputsParams, tokenizer, vocab: int) -> Grammar:
         """At the start of an output. `tokenizer`: the model's (forerun.models.tokenizer.Tokenizer);
         `vocab`: the width of its logits."""
-        if tokenizer is None:
-            raise ForerunError(
-                "a structured output needs the model's tokenizer to match text, and this model has none: "
-                "leave out structured_outputs, or load the model with its tokenizer"
-            )
         return cls(_template(spec, tokenizer, vocab).deep_copy(), vocab)
 
     def allowed(self, paths: Sequence[Sequence[int]]) -> torch.Tensor:
