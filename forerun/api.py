@@ -13,6 +13,7 @@ from forerun.base.chat import chat_turns
 from forerun.base.config import SamplingParams, SpeculativeConfig, is_finite
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import in_vocabulary
+from forerun.base.tools import tool_choice
 from forerun.engine.engine import Engine, RequestOutput
 from forerun.engine.metrics import SpecMetrics
 from forerun.models import formats
@@ -204,10 +205,15 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[GenerationResult]:
         """One conversation (a list of {"role", "content"}) or a list of them; as in vLLM, the
         assistant's turn is opened, or with `continue_final_message` (and `add_generation_prompt`
-        False) the last, assistant's message is left open for the answer to go on."""
+        False) the last, assistant's message is left open for the answer to go on. `tools` (OpenAI's
+        {"type": "function", "function": ...} entries) go to the chat template, as vLLM's `LLM.chat`
+        passes them; `forerun.base.tools.CallReader` reads the calls back from the text, and
+        `SamplingParams.structured_outputs` may hold the answer to a call
+        (`verification.grammar.tool_call_grammar`)."""
         if not isinstance(messages, (list, tuple)) or not all(isinstance(c, (list, tuple, dict)) for c in messages):
             raise ForerunError('messages are a list of {"role", "content"} objects, or a list of such lists')
         for name, value in (
@@ -220,6 +226,7 @@ class LLM:
             raise ForerunError("continue_final_message continues the last message: pass add_generation_prompt=False")
         if self.tokenizer is None:
             raise ForerunError("this model has no tokenizer (and no chat template): pass token ids to generate")
+        offered = tool_choice(tools)  # checked as the server checks a request's
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         each = _params_per_prompt(params, len(conversations), "conversations")
         runs = []  # every conversation checked before any runs
@@ -229,7 +236,9 @@ class LLM:
                 raise ForerunError(
                     f"continue_final_message needs the assistant's message last, not {turns[-1]['role']!r}"
                 )
-            ids = self.tokenizer.apply_chat(turns, add_generation_prompt, continue_final_message)
+            ids = self.tokenizer.apply_chat(
+                turns, add_generation_prompt, continue_final_message, offered.tools if offered else None
+            )
             self.engine.check_fits(ids, one)
             runs.append((turns, one, ids))
         return [self._run(turns, one, ids) for turns, one, ids in runs]

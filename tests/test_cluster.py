@@ -30,10 +30,12 @@ ray = pytest.importorskip("ray", reason="make test installs ray[serve] (requirem
 from forerun.api import LLM  # noqa: E402
 from forerun.base.config import SamplingParams  # noqa: E402
 from forerun.base.errors import ForerunError  # noqa: E402
+from forerun.base.tools import tool_choice  # noqa: E402
 from forerun.cluster.hub import SharedAnswers  # noqa: E402
 from forerun.cluster.metrics import IngressMetrics  # noqa: E402
 from forerun.cluster.router import rank  # noqa: E402
 from forerun.models.testing import save_hf_folder, tiny_model  # noqa: E402
+from forerun.verification.grammar import tool_call_grammar  # noqa: E402
 
 KEY = "cluster-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -222,6 +224,22 @@ def test_a_structured_output_through_the_replicas_is_what_the_engine_writes(clus
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == expected
     bad = httpx.post(cluster.url + "/v1/completions", json={**body, "guided_regex": "(("}, headers=AUTH, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
+
+
+def test_a_required_tool_call_through_the_replicas_is_what_the_engine_writes(cluster, folder) -> None:
+    tool = {"type": "function", "function": {"name": "flip", "parameters": {"properties": {}}, "strict": True}}
+    messages = [{"role": "user", "content": "flip"}]
+    plain = LLM(str(folder), dtype="float32")
+    grammar = tool_call_grammar(tool_choice([tool], "required", False), plain.tokenizer)
+    expected = plain.chat(messages, SamplingParams(max_tokens=80, structured_outputs=grammar), tools=[tool])[0].text
+    body = {"model": "tiny", "messages": messages, "max_tokens": 80, "temperature": 0}
+    body |= {"tools": [tool], "tool_choice": "required", "parallel_tool_calls": False}
+    reply = httpx.post(cluster.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    [call] = choice["message"]["tool_calls"]
+    assert expected == '<tool_call>\n{"name": "flip", "arguments": {}}\n</tool_call>'  # one call, its only arguments
+    assert call["function"] == {"name": "flip", "arguments": "{}"} and choice["finish_reason"] == "tool_calls"
 
 
 def test_the_key_and_client_mistakes_are_refused_as_forerun_serve_refuses_them(cluster) -> None:

@@ -16,9 +16,11 @@ import torch
 
 from forerun.api import LLM
 from forerun.base.config import SamplingParams, StructuredOutputsParams
+from forerun.base.tools import CallReader, tool_choice
 from forerun.models.embedded import EMBEDDED
 from forerun.models.fetch import model_file
 from forerun.models.load import LoadedModel, load_model
+from forerun.verification.grammar import tool_call_grammar
 
 pytestmark = pytest.mark.real
 
@@ -342,3 +344,39 @@ class TestGGUFPairIsBitExact:
             report.append(f"{method}: {got.metrics.num_accepted_tokens}/{got.metrics.num_draft_tokens} kept")
         with capsys.disabled():
             print(f"\ngguf pair, a JSON schema, {plain.text!r}: " + "; ".join(report))
+
+    def test_a_forced_tool_call_names_its_arguments_and_speculation_writes_the_same(
+        self, target_gguf: LoadedModel, draft_gguf: LoadedModel, capsys
+    ) -> None:
+        weather = {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The current weather in a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                    "required": ["city"],
+                },
+            },
+        }
+        choice = tool_choice([weather], {"type": "function", "function": {"name": "get_weather"}})
+        params = SamplingParams(max_tokens=40, structured_outputs=tool_call_grammar(choice, target_gguf.tokenizer))
+        messages = chat("What's the weather in Paris, in celsius?")
+        plain = LLM(target_gguf).chat(messages, params, tools=[weather])[0]
+        reader = CallReader()
+        content, calls = reader.feed(plain.outputs[0].text)
+        assert content + reader.finish()[0] == "" and [c.name for c in calls] == ["get_weather"], plain.outputs[0].text
+        assert json.loads(calls[0].arguments)["city"] == "Paris" and plain.outputs[0].finish_reason == "stop"
+        spec = LLM(target_gguf, speculative_model=draft_gguf, num_speculative_tokens=3, speculative_k_policy="fixed")
+        got = spec.chat(messages, params, tools=[weather])[0]
+        assert got.token_ids == plain.token_ids, (got.outputs[0].text, plain.outputs[0].text)
+        # auto: the model answers with the call's JSON in a ```json block, which reads as the call
+        free = LLM(target_gguf).chat(messages, SamplingParams(max_tokens=40), tools=[weather])[0].outputs[0].text
+        reader = CallReader(["get_weather"])
+        text, first = reader.feed(free)
+        rest, last = reader.finish()
+        assert text + rest == "" and [json.loads(c.arguments)["city"] for c in first + last] == ["Paris"], free
+        with capsys.disabled():
+            kept = f"{got.metrics.num_accepted_tokens}/{got.metrics.num_draft_tokens}"
+            print(f"\ngguf pair, a forced tool call, {calls[0].arguments}: {kept} drafts kept")

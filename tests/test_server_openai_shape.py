@@ -108,9 +108,11 @@ def test_an_answer_sent_back_with_its_empty_fields_is_taken(plain) -> None:
     "extra,words",
     [
         (
-            {"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-            "tool_calls",
+            {"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{x"}}]},
+            "tool_calls[0].function.arguments must be a JSON object",
         ),
+        ({"tool_calls": [{"id": "c1", "type": "function"}]}, "tool_calls[0] is not"),
+        ({"tool_calls": {"id": "c1"}}, "tool_calls must be a list"),
         ({"function_call": {"name": "f", "arguments": "{}"}}, "function_call"),
         ({"refusal": "no"}, "refusal"),
         ({"foo": "bar"}, "unknown field 'foo'"),
@@ -155,5 +157,8 @@ def test_the_schema_describes_what_the_server_takes(plain) -> None:
     for request in ("CompletionRequest", "ChatCompletionRequest"):
         fields = schemas[request]["properties"]
         assert {"store", "metadata", "service_tier", "best_of", "suffix", "tools", "response_format"} <= set(fields)
-        assert "not supported" in fields["tools"]["description"]
-    assert "parallel_tool_calls" in schemas["ChatCompletionRequest"]["properties"]
+    assert "not supported" in schemas["CompletionRequest"]["properties"]["tools"]["description"]
+    chat_fields = schemas["ChatCompletionRequest"]["properties"]
+    assert {"tools", "tool_choice", "parallel_tool_calls"} <= set(chat_fields)
+    assert "not supported" not in chat_fields["tools"].get("description", "")
+    assert "tool_calls" in schemas["ChatMessage"]["properties"] and "ToolCall" in schemas

@@ -1,2 +1,2 @@
 """The bottom layer: settings, the user-facing error, cache folders, the CPU, prompt files, chat
-messages and atomic writes. Imports nothing else of forerun (docs/architecture.md, Layers)."""
+messages, tool calls and atomic writes. Imports nothing else of forerun (docs/architecture.md, Layers)."""

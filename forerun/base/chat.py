@@ -3,6 +3,8 @@ template reads: the server's requests and the Python API's `LLM.chat` check it t
 
 from __future__ import annotations
 
+import json
+
 from forerun.base.errors import ForerunError
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}  # developer: OpenAI's newer name for system
@@ -10,8 +12,8 @@ ROLES = {"system", "user", "assistant", "tool", "developer"}  # developer: OpenA
 # participant name, a tool result's call id).
 PASSED = ("name", "tool_call_id")
 # Fields of an answer's message that a client sends back with the conversation: taken while they
-# are empty (null, "" or []), refused by name when they ask for something (forerun calls no tools).
-EMPTY_ONLY = ("tool_calls", "function_call", "refusal", "audio", "annotations", "reasoning_content")
+# are empty (null, "" or []), refused by name when they ask for something (forerun gives none of them).
+EMPTY_ONLY = ("function_call", "refusal", "audio", "annotations", "reasoning_content")
 
 
 def chat_turns(messages: object) -> list[dict]:
@@ -29,11 +31,42 @@ def chat_turns(messages: object) -> list[dict]:
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             content = _text_parts(content, i)
+        calls = _tool_calls(m.get("tool_calls"), i)
+        if calls and role != "assistant":
+            raise ForerunError(f"messages[{i}] is the {role}'s: only an assistant's message holds tool_calls")
+        if content is None and calls:  # an answer that only called tools, as OpenAI sends it back
+            content = ""
         if not isinstance(content, str):
             raise ForerunError(f"messages[{i}].content must be a string (or a list of text parts)")
         turn = {"role": "system" if role == "developer" else role, "content": content}
+        if calls:
+            turn["tool_calls"] = calls
         turns.append(turn | _other_fields(m, i))
     return turns
+
+
+def _tool_calls(calls: object, i: int) -> list[dict] | None:
+    """An assistant message's tool_calls as the chat template reads them: each call's arguments
+    (OpenAI's JSON text) as the object they spell, as vLLM hands them on."""
+    if calls in (None, []):
+        return None
+    shape = 'tool_calls must be a list of {"id", "type": "function", "function": {"name", "arguments"}}'
+    if not isinstance(calls, list):
+        raise ForerunError(f"messages[{i}].{shape}")
+    read = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ForerunError(f"messages[{i}].{shape}; tool_calls[{j}] is not")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise ForerunError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object (as text)")
+        read.append({**call, "function": {**function, "arguments": arguments}})
+    return read
 
 
 def _other_fields(message: dict, i: int) -> dict:
@@ -41,11 +74,11 @@ def _other_fields(message: dict, i: int) -> dict:
     ones dropped while empty; any other refused by name."""
     passed = {}
     for name, value in message.items():
-        if name in ("role", "content") or (name in EMPTY_ONLY and value in (None, "", [])):
+        if name in ("role", "content", "tool_calls") or (name in EMPTY_ONLY and value in (None, "", [])):
             continue
         if name in EMPTY_ONLY:
             raise ForerunError(
-                f"messages[{i}].{name} is not supported (this server calls no tools and takes text only); "
+                f"messages[{i}].{name} is not supported (this server takes text and tool calls only); "
                 "leave it out or send it empty"
             )
         if name not in PASSED:

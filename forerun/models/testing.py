@@ -65,7 +65,13 @@ def tiny_tokenizer_folder(folder: Path) -> Path:
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=_SPECIALS
     )
     fast.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        # tools as Qwen's template shows them, shortly: each function's name; calls in <tool_call> blocks
+        "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
+        "<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "{% for c in m.tool_calls or [] %}<tool_call>\n"
+        '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+        "{% endfor %}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     folder.mkdir(parents=True, exist_ok=True)

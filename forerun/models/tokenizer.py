@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import valid_unicode
+from forerun.base.tools import CALL_OPEN
 
 # Special tokens that end a turn or a document in the common families; llama.cpp stops on the same.
 _STOP_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>", "<|EOT|>"}
@@ -78,23 +79,39 @@ class Tokenizer:
         return isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
 
     def apply_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, continue_final: bool = False
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final: bool = False,
+        tools: Sequence[dict] | None = None,
     ) -> list[int]:
         """The chat template's tokens for `messages`, opening the assistant's turn (`add_generation_prompt`)
-        or, with `continue_final`, leaving the last (assistant) message open for the answer to continue."""
+        or, with `continue_final`, leaving the last (assistant) message open for the answer to continue;
+        with `tools` ({"type": "function", "function": ...} each), the template shows the model them."""
         if not getattr(self.hf, "chat_template", None):
             raise ForerunError(
                 "this model has no chat template: pass a plain prompt instead of messages "
                 "(on the command line, leave out --chat)"
             )
+        if tools and "tools" not in str(self.hf.chat_template):
+            raise ForerunError(
+                "this model's chat template does not show the model tools, so it cannot call them; leave out tools"
+            )
         text = self.hf.apply_chat_template(
             messages,
+            tools=list(tools) if tools else None,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final,
         )
         text = valid_unicode(text, "the chat prompt (the messages in the chat template)")
         return list(self.hf.encode(text, add_special_tokens=False))
+
+    @property
+    def writes_tool_calls(self) -> bool:
+        """Whether the chat template teaches the model to write calls as `base.tools` reads them
+        (<tool_call> blocks, as Qwen's and Hermes' templates do)."""
+        return CALL_OPEN in str(getattr(self.hf, "chat_template", None) or "")
 
     def vocabulary(self) -> dict[int, str]:
         """id -> token string, for comparing two tokenizers."""

@@ -3,7 +3,7 @@
 A request is read and checked before the engine sees it. Anything wrong raises BadRequest (HTTP
 4xx in OpenAI's error shape, naming the field and saying what to send instead): a field of the
 wrong type or range, a field of the other route, a field forerun cannot honour (`logit_bias`,
-`tools`, ...) set to anything but its neutral value, a name no API knows, text that is not valid
+`functions`, ...) set to anything but its neutral value, a name no API knows, text that is not valid
 Unicode, token ids outside the vocabulary, a body nested too deeply to parse, a chat the template
 rejects. What /openapi.json says of a request is in forerun/serve/schemas.py; the checks are here.
 """
@@ -22,6 +22,7 @@ from forerun.base.chat import chat_turns
 from forerun.base.config import SEED_RANGE, SamplingParams, StructuredOutputsParams, is_finite, is_whole
 from forerun.base.errors import FieldError, ForerunError
 from forerun.base.prompts import in_vocabulary, valid_unicode
+from forerun.base.tools import ToolChoice, tool_choice
 from forerun.serve.structured import FIELDS as STRUCTURED_FIELDS
 from forerun.serve.structured import structured_output
 from forerun.verification import grammar
@@ -69,6 +70,8 @@ _CHAT = _COMMON | {
     "messages",
     "max_completion_tokens",
     "top_logprobs",
+    "tools",
+    "tool_choice",
     "parallel_tool_calls",
     "add_generation_prompt",
     "continue_final_message",
@@ -77,7 +80,7 @@ _CHAT = _COMMON | {
 NEUTRAL: dict[str, tuple] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
+    "tools": (None, []),  # chat's; a completion takes them only as these
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
@@ -140,6 +143,7 @@ class Checked:
     echo: bool  # completions: the prompt leads the text (and its logprobs)
     body: dict = field(repr=False)
     structured: StructuredOutputsParams | None = None  # what the whole text must be (`serve.structured`)
+    tools: ToolChoice | None = None  # chat: the functions offered and how they may be called
 
 
 # --- the body --------------------------------------------------------------------------------------
@@ -222,9 +226,27 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
         structured = structured_output(body)
     except FieldError as exc:
         raise BadRequest(str(exc), exc.field) from None
-    if structured is not None and flag(body, "ignore_eos"):
+    tools = _tools(body, structured) if chat else None
+    if (structured is not None or (tools is not None and tools.forced)) and flag(body, "ignore_eos"):
         raise BadRequest("ignore_eos would write past the end of a structured output; leave it out", "ignore_eos")
-    return Checked(chat, prompts, n, stream, include_usage, logprobs, echo, body, structured)
+    return Checked(chat, prompts, n, stream, include_usage, logprobs, echo, body, structured, tools)
+
+
+def _tools(body: dict, structured: StructuredOutputsParams | None) -> ToolChoice | None:
+    """Chat's tools, tool_choice and parallel_tool_calls; a forced call is a structured output of
+    its own, so it takes no other."""
+    try:
+        tools = tool_choice(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    except FieldError as exc:
+        raise BadRequest(str(exc), exc.field) from None
+    if tools is not None and tools.forced and structured is not None:
+        other = next(name for name in STRUCTURED_FIELDS if body.get(name) is not None)
+        raise BadRequest(
+            f"tool_choice {tools.choice!r} makes the answer a tool call, and {other} makes it something else; "
+            "give one of them",
+            "tool_choice",
+        )
+    return tools
 
 
 def _template_options(body: dict, turns: list[dict]) -> tuple[bool, bool]:
@@ -256,8 +278,7 @@ def _check_ignored(body: dict) -> None:
             f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {shown(body['service_tier'])}",
             "service_tier",
         )
-    for name in ("store", "parallel_tool_calls"):
-        flag(body, name)
+    flag(body, "store")
     metadata = body.get("metadata")
     if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise BadRequest('metadata must be an object of strings, such as {"key": "value"}', "metadata")
@@ -292,13 +313,13 @@ def _check_names(body: dict, chat: bool) -> None:
     for name, value in body.items():
         if name in taken:
             continue
-        if name in NEUTRAL:
-            if name == "best_of" or any(value == neutral for neutral in NEUTRAL[name]):
-                continue  # asks for nothing (best_of is checked against n)
-            raise BadRequest(f"{name} is not supported by this server; leave it out", name)
+        if name in NEUTRAL and (name == "best_of" or any(value == neutral for neutral in NEUTRAL[name])):
+            continue  # asks for nothing (best_of is checked against n)
         other = "/v1/completions" if chat else "/v1/chat/completions"
         if name in (_COMPLETIONS if chat else _CHAT):
             raise BadRequest(f"{name} belongs to {other}, not this route", name)
+        if name in NEUTRAL:
+            raise BadRequest(f"{name} is not supported by this server; leave it out", name)
         raise BadRequest(f"unknown field {shown(name)}: this route takes {', '.join(sorted(taken))}", name)
 
 
@@ -372,10 +393,12 @@ def _chat_turns(body: dict, limits: Limits) -> list[dict]:
         raise BadRequest(str(exc), "messages") from None
     for turn in turns:
         text(turn["content"], "messages", limits.max_prompt_chars)
-    chars = sum(len(t["content"]) for t in turns)
+    # what the template writes beside the texts: the functions offered and the calls made
+    written = [body.get("tools") or [], *(t.get("tool_calls") or [] for t in turns)]
+    chars = sum(len(t["content"]) for t in turns) + sum(len(json.dumps(w)) for w in written if w)
     if chars > limits.max_prompt_chars:
         raise BadRequest(
-            f"the messages hold {chars} characters, over this server's limit of "
+            f"the messages (and tools) hold {chars} characters, over this server's limit of "
             f"{limits.max_prompt_chars} ({CHARS_PER_TOKEN} per token of context); shorten them",
             "messages",
         )
@@ -551,13 +574,27 @@ def tokenize(checked: Checked, tokenizer, vocab_size: int) -> list[list[int]]:
     for index, prompt in enumerate(prompts):
         with naming_prompt(index, len(prompts)):
             ids.append(_tokenize_one(checked, prompt, tokenizer))
+    if checked.tools is not None and checked.tools.forced:
+        checked.structured = grammar.tool_call_grammar(checked.tools, tokenizer)
     if checked.structured is not None:
-        name = next(name for name in STRUCTURED_FIELDS if checked.body.get(name) is not None)
+        name = next((name for name in STRUCTURED_FIELDS if checked.body.get(name) is not None), "tool_choice")
         try:
             grammar.check_grammar(checked.structured, tokenizer, vocab_size)
         except ForerunError as exc:
             raise BadRequest(f"{name}: {exc}", name) from None
     return ids
+
+
+def _check_template(checked: Checked, tokenizer) -> None:
+    """A chat with tools to call needs a template that writes calls as forerun reads them."""
+    tools = checked.tools
+    if tools is not None and tools.choice != "none" and not tokenizer.writes_tool_calls:
+        raise BadRequest(
+            f"tool_choice {tools.choice!r} needs the model to write tool calls, and this model's chat template "
+            "does not teach it the <tool_call> blocks forerun reads (Qwen's and Hermes' format); "
+            'send tool_choice "none", or leave out tools',
+            "tools",
+        )
 
 
 def _tokenize_one(checked: Checked, prompt: str | list[int] | list[dict], tokenizer) -> list[int]:
@@ -572,10 +609,12 @@ def _tokenize_one(checked: Checked, prompt: str | list[int] | list[dict], tokeni
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
     else:
+        _check_template(checked, tokenizer)
+        tools = checked.tools.tools if checked.tools is not None else None
         try:
-            ids = tokenizer.apply_chat(prompt, *_template_options(checked.body, prompt))
+            ids = tokenizer.apply_chat(prompt, *_template_options(checked.body, prompt), tools=tools)
         except ForerunError as exc:
-            raise BadRequest(str(exc), "messages") from None
+            raise BadRequest(str(exc), "tools" if tools and "tools" in str(exc) else "messages") from None
         except Exception as exc:  # noqa: BLE001 - a template that rejects these turns
             raise BadRequest(f"the chat template rejected these messages: {exc}", "messages") from None
     if not ids:

@@ -1,4 +1,4 @@
-"""What `forerun serve` answers: OpenAI's response, chunk and error shapes, logprobs, speculation figures.
+"""What `forerun serve` answers: OpenAI's response, chunk and error shapes, logprobs, tool calls, speculation figures.
 
 One `Reply` per HTTP request, one `Choice` per sample: `n` of each prompt (a completions request
 may batch several), choice p * n + i being prompt p's sample i, as in vLLM. A streamed choice sends
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse
 
+from forerun.base.tools import CallReader
 from forerun.engine.engine import RequestOutput
 from forerun.engine.metrics import SpecMetrics
 from forerun.serve.requests import BadRequest, Checked
@@ -40,6 +41,7 @@ class Choice:
     sent_logprobs: int = 0
     echoed: bool = False
     text_offset: int = 0  # completions logprobs: where the next token starts
+    reader: CallReader | None = None  # chat with tools to call: its text read into content and calls
 
     def add(self, delta: Delta) -> None:
         self.pieces.append(delta.text)
@@ -81,7 +83,7 @@ class Reply:
             if self.chat:
                 entry = {
                     "index": choice.index,
-                    "message": {"role": "assistant", "content": text},
+                    "message": self._message(choice, text),
                     "logprobs": self._chat_logprobs(choice.logprobs),
                 }
             else:
@@ -90,7 +92,7 @@ class Reply:
                     "text": self.prompt_texts[choice.prompt] + text,
                     "logprobs": self._completion_logprobs(choice, self._echo_entries(choice) + choice.logprobs),
                 }
-            entry["finish_reason"] = choice.reason
+            entry["finish_reason"] = self._reason(choice)
             if figures is not None:
                 entry["speculative_decoding_stats"] = figures
             shaped.append(entry)
@@ -119,24 +121,72 @@ class Reply:
             prefix_text, prefix_entries = self.prompt_texts[choice.prompt], self._echo_entries(choice)
             choice.echoed = True
         choice.sent_pieces, choice.sent_logprobs = len(choice.pieces), len(choice.logprobs)
-        if not (text or entries or prefix_text or choice.output is not None):
+        delta = self._delta(choice, text) if self.chat else {}
+        if not ((delta if self.chat else text) or entries or prefix_text or choice.output is not None):
             return None
         if self.chat:
-            entry = {
-                "index": choice.index,
-                "delta": {"content": text} if text else {},
-                "logprobs": self._chat_logprobs(entries),
-            }
+            entry = {"index": choice.index, "delta": delta, "logprobs": self._chat_logprobs(entries)}
         else:
             entry = {
                 "index": choice.index,
                 "text": prefix_text + text,
                 "logprobs": self._completion_logprobs(choice, prefix_entries + entries),
             }
-        entry["finish_reason"] = choice.reason
+        entry["finish_reason"] = self._reason(choice)
         if stats is not None:
             entry["speculative_decoding_stats"] = stats
         return self._top([entry], streamed=True)
+
+    # --- tool calls ----------------------------------------------------------------------------
+
+    def _reader(self, choice: Choice) -> CallReader | None:
+        """The choice's call reader, when its chat offers tools to call (tool_choice not none)."""
+        tools = self.checked.tools
+        if tools is None or tools.choice == "none":
+            return None
+        if choice.reader is None:
+            choice.reader = CallReader([function["name"] for function in tools.functions])
+        return choice.reader
+
+    def _message(self, choice: Choice, text: str) -> dict:
+        """A whole answer's message: its text, or, with tools, its content and calls (content null
+        when it only called tools, as OpenAI gives it)."""
+        reader = self._reader(choice)
+        if reader is None:
+            return {"role": "assistant", "content": text}
+        content, calls = reader.feed(text)
+        rest, last = reader.finish()
+        content, calls = content + rest, calls + last
+        message = {"role": "assistant", "content": content if content or not calls else None}
+        if calls:
+            message["tool_calls"] = [call.shaped() for call in calls]
+        return message
+
+    def _delta(self, choice: Choice, text: str) -> dict:
+        """A streamed chunk's delta: the new text, or, with tools, the content given out and each call
+        once it is whole (its arguments in one piece), numbered as OpenAI's stream numbers them."""
+        reader = self._reader(choice)
+        if reader is None:
+            return {"content": text} if text else {}
+        before = len(reader.calls)
+        content, calls = reader.feed(text)
+        if choice.output is not None:
+            rest, last = reader.finish()
+            content, calls = content + rest, calls + last
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [call.shaped(before + j) for j, call in enumerate(calls)]
+        return delta
+
+    def _reason(self, choice: Choice) -> str | None:
+        """Why the choice ended: "tool_calls" when it stopped after calling tools it chose to call
+        (auto or required; a named function's call ends with "stop", as OpenAI and vLLM say)."""
+        reason = choice.reason
+        tools = self.checked.tools
+        called = choice.reader is not None and choice.reader.calls
+        if reason == "stop" and called and tools.choice in ("auto", "required"):
+            return "tool_calls"
+        return reason
 
     def usage_chunk(self, choices: list[Choice], stats: list[dict | None]) -> dict:
         return self._top([], usage=self.usage(choices), stats=stats, streamed=True)

@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
 from forerun.base.config import SEED_RANGE
+from forerun.base.tools import MAX_TOOLS
 from forerun.serve.requests import MAX_LOGPROBS, MAX_N, MAX_PROMPTS, NEUTRAL, SERVICE_TIERS
 
 
@@ -77,12 +78,45 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="a JSON object, as text")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # an answer's empty fields sent back (base/chat.py EMPTY_ONLY)
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] = Field(description="text, or text parts (joined)")
+    content: str | list[TextPart] | None = Field(description="text, or text parts (joined); null beside tool_calls")
     name: str | None = Field(None, description="passed to the chat template")
-    tool_call_id: str | None = Field(None, description="passed to the chat template")
+    tool_call_id: str | None = Field(None, description="a tool result's call; passed to the chat template")
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls, as its answer gave them")
+
+
+class Function(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = Field(None, description="a JSON schema of the arguments object")
+    strict: bool | None = Field(None, description="a forced call's arguments take no property the schema does not name")
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedTool(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Request):
@@ -90,7 +124,13 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    parallel_tool_calls: bool | None = Field(None, description="taken and ignored: no tools are called")
+    tools: list[Tool] | None = Field(
+        None, max_length=MAX_TOOLS, description="functions the chat template shows the model; calls read back"
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = Field(
+        None, description="auto (the default with tools): the model may call; required or a named function: it must"
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: a required call is one call")
     add_generation_prompt: bool | None = Field(None, description="open the assistant's turn (default true)")
     continue_final_message: bool | None = Field(
         None, description="leave the last (assistant) message open to continue it; needs add_generation_prompt false"

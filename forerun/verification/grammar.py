@@ -1,5 +1,5 @@
 """Structured outputs: which tokens a request's JSON schema, regular expression, choice or grammar
-allows next, after its output and after each draft path a verification scores.
+(or a forced tool call) allows next, after its output and after each draft path a verification scores.
 
 llguidance's matcher follows the text a token at a time. A verification row predicts the token after
 output + its path, so the matcher takes the path, gives the row its allowed tokens, and rolls back:
@@ -22,6 +22,7 @@ import torch
 
 from forerun.base.config import StructuredOutputsParams
 from forerun.base.errors import FieldError, ForerunError
+from forerun.base.tools import CALL_CLOSE, CALL_OPEN, ToolChoice
 
 # llguidance compiles a grammar recursively in native code: a schema whose references chain a
 # thousand deep overflows an 8 MiB thread stack and kills the process (a 75 KB request would take a
@@ -89,6 +90,43 @@ def _closed(schema):
     if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
         closed["additionalProperties"] = False
     return closed
+
+
+def tool_call_grammar(tools: ToolChoice, tokenizer) -> StructuredOutputsParams:
+    """The structured output of a forced tool call: the answer is a call of the named function (or,
+    with "required", one or more calls of any offered one, one alone without `parallel`), written as
+    the chat template taught the model (`base/tools.py`): the tags, then {"name": ..., "arguments":
+    ...} as the template's own JSON writes it, the arguments following the function's parameters
+    (closed where the function is `strict`)."""
+    several = tools.choice == "required" and tools.parallel
+    lines = [
+        "start: call" + (' ("\\n" call)*' if several else ""),
+        f'call: {_tag(CALL_OPEN, tokenizer)} "\\n" ({" | ".join(f"body{i}" for i in range(len(tools.functions)))}) '
+        f'"\\n" {_tag(CALL_CLOSE, tokenizer)}',
+    ]
+    for i, function in enumerate(tools.functions):
+        schema = function.get("parameters") or {"type": "object"}
+        if function.get("strict"):
+            schema = _closed(schema)
+        head = json.dumps('{"name": ' + json.dumps(function["name"]) + ', "arguments": ')
+        lines.append(f'body{i}: {head} args{i} "}}"')
+        lines.append(f"args{i}: %json " + json.dumps({**schema, "x-guidance": _TEMPLATE_JSON}))
+    return StructuredOutputsParams(grammar="\n".join(lines))
+
+
+# How a chat template's `tojson` writes JSON (Python's json.dumps): ", " between items, ": " after keys.
+_TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _tag(text: str, tokenizer) -> str:
+    """A call's tag in a Lark grammar: the token that spells it where the vocabulary has one (the
+    model writes that token, and llguidance reads an added token as a token, not as its text),
+    else the text."""
+    if tokenizer is None:
+        return json.dumps(text)
+    ids = tokenizer.hf.encode(text, add_special_tokens=False)
+    added = getattr(tokenizer.hf, "added_tokens_decoder", {})
+    return f"<[{ids[0]}]>" if len(ids) == 1 and ids[0] in added else json.dumps(text)
 
 
 def _template(spec: StructuredOutputsParams, tokenizer, vocab: int):
