@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,9 +17,11 @@ from test_server_api import AUTH, post, stream
 
 from forerun.api import LLM
 from forerun.base.chat import chat_turns
+from forerun.base.config import SamplingParams
 from forerun.base.errors import FieldError, ForerunError
 from forerun.base.tools import CALL_CLOSE, CALL_OPEN, CallReader, tool_choice
-from forerun.models.testing import TINY_VOCAB
+from forerun.cli import main
+from forerun.models.testing import TINY_VOCAB, save_hf_folder, tiny_model
 from forerun.verification.grammar import Grammar, tool_call_grammar
 
 ADD = {
@@ -376,3 +379,64 @@ def test_an_answer_that_is_one_bare_call_reads_as_that_call_whole_and_streamed(p
     assert name == "add" and set(arguments) == {"a", "b"}
     got, reason = streamed_message(plain, body)
     assert reason == "tool_calls" and calls_of(got) == [(name, arguments)] and got["content"] is None
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hf_folder(tiny_model(seed=2, num_layers=2), tmp_path_factory.mktemp("tools") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def tools_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tools") / "tools.json"
+    path.write_text(json.dumps([ADD, FLIP]))
+    return path
+
+
+def test_generate_calls_a_named_function_as_the_api_does(folder, tools_file, capsys) -> None:
+    argv = ["generate", "--model", str(folder), "--dtype", "float32", "--prompt", "add", "--chat", "--json"]
+    argv += ["--max-tokens", "80", "--tools", str(tools_file), "--tool-choice", "add", "--speculative-method", "ngram"]
+    assert main(argv) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    llm = LLM(str(folder), dtype="float32")
+    named = tool_choice([ADD, FLIP], {"type": "function", "function": {"name": "add"}})
+    forced = tool_call_grammar(named, llm.tokenizer)
+    messages = [{"role": "user", "content": "add"}]
+    want = llm.chat(messages, SamplingParams(max_tokens=80, structured_outputs=forced), tools=[ADD, FLIP])[0]
+    assert record["token_ids"] == want.token_ids and [c["name"] for c in record["tool_calls"]] == ["add"]
+    assert set(json.loads(record["tool_calls"][0]["arguments"])) == {"a", "b"}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tool-choice", "required"], "--tool-choice chooses among --tools"),
+        (["--tools", "TOOLS"], "add --chat"),
+        (["--chat", "--tools", "/nonexistent.json"], "--tools: cannot read /nonexistent.json"),
+        (["--chat", "--tools", "NOT_JSON"], "is not JSON"),
+        (["--chat", "--tools", "TOOLS", "--tool-choice", "sub"], "--tool-choice: tool_choice names 'sub'"),
+        (["--chat", "--tools", "TOOLS", "--tool-choice", "required", "--regex", "a"], "leave out the structured"),
+    ],
+)
+def test_generate_names_a_bad_tool_flag(folder, tools_file, tmp_path, argv, message, capsys) -> None:
+    (tmp_path / "bad.json").write_text("[{")
+    argv = [{"TOOLS": str(tools_file), "NOT_JSON": str(tmp_path / "bad.json")}.get(a, a) for a in argv]
+    base = ["generate", "--model", str(folder), "--dtype", "float32", "--prompt", "add", "--max-tokens", "4"]
+    assert main([*base, *argv]) != 0
+    assert message in capsys.readouterr().err
+
+
+def test_bench_measures_forced_calls_beside_plain(folder, tools_file, tmp_path) -> None:
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text(json.dumps({"prompt": "add", "category": "code"}) + "\n")
+    argv = ["bench", "--model", str(folder), "--dtype", "float32", "--dataset", str(dataset), "--out", str(tmp_path)]
+    argv += ["--max-tokens", "80", "--methods", "plain,ngram", "--no-progress", "--no-warmup"]
+    assert main([*argv, "--tools", str(tools_file), "--tool-choice", "required"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    runs = [r for r in records if "method" in r]
+    assert {r["method"] for r in runs} == {"plain", "ngram"} and all(r["identical_to_plain"] for r in runs)
+    assert all(r["text"].startswith(CALL_OPEN) for r in runs)
+    assert "add, flip; tool_choice required (a structured output)" in (tmp_path / "report.md").read_text()

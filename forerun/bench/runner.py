@@ -25,6 +25,7 @@ from forerun.base import files
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import Prompt, load_prompts, task_order
+from forerun.base.tools import ToolChoice
 from forerun.bench import llamacpp, machine
 from forerun.bench.contenders import (
     PLAIN,
@@ -42,6 +43,7 @@ from forerun.bench.store import ResultStore
 from forerun.bench.summary import by_task
 from forerun.bench.transformers_peer import HF_METHODS, PEERS, transformers_contenders
 from forerun.models.load import QUANTIZATIONS, LoadedModel, load_model
+from forerun.verification.grammar import tool_call_grammar
 
 WARMUP_TOKENS = 16
 LLAMA_CONTEXT_SLACK = 16  # llama-server's context beyond prompt + max tokens
@@ -66,6 +68,7 @@ class BenchConfig:
     quantization: str | None = None  # "int8": the target's weights in int8
     kv_cache_dtype: str = "auto"  # what the target's and the draft model's KV caches store
     chat: bool = True  # wrap prompts in the chat template when there is one
+    tools: ToolChoice | None = None  # functions the chat template shows the model, and how it may call them
     warmup: bool = True
     progress: bool = True  # a tqdm bar on stderr
     rounds: int = 1  # every contender's run on a prompt, this many times over (medians per prompt)
@@ -135,6 +138,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     files.make_folder(cfg.out, "--out", OUTPUTS, "the bench")  # before any model loads
     store = ResultStore(cfg.out / "results.jsonl", settings_of(cfg))
     target = _load_target(cfg)
+    cfg = _with_tool_grammar(cfg, target)
     notes: list[str] = []
     cases = _encode(prompts, target, cfg, notes)
     contenders = _contenders(cfg, target, notes, context=max(len(case.ids) for case in cases) + cfg.sampling.max_tokens)
@@ -222,6 +226,8 @@ def settings_of(cfg: BenchConfig) -> dict:
         "stop": list(s.stop),
         "ignore_eos": s.ignore_eos,
     }
+    if cfg.tools is not None:
+        settings["tools"] = {"functions": list(cfg.tools.tools), "choice": cfg.tools.choice}
     return json.loads(json.dumps(settings))
 
 
@@ -234,6 +240,23 @@ def _load_target(cfg: BenchConfig) -> LoadedModel:
     return target
 
 
+def _with_tool_grammar(cfg: BenchConfig, target: LoadedModel) -> BenchConfig:
+    """A forced tool call's structured output in the sampling, made with the target's tokenizer."""
+    tools = cfg.tools
+    if tools is None:
+        return cfg
+    if not cfg.chat or not getattr(target.tokenizer.hf, "chat_template", None):
+        raise ForerunError("tools go to the chat template: the bench needs one (leave out --no-chat)")
+    if tools.choice != "none" and not target.tokenizer.writes_tool_calls:
+        raise ForerunError(
+            f"{cfg.model}'s chat template does not teach it the <tool_call> blocks forerun reads: "
+            "use --tool-choice none, or leave out --tools"
+        )
+    if not tools.forced:
+        return cfg
+    return replace(cfg, sampling=replace(cfg.sampling, structured_outputs=tool_call_grammar(tools, target.tokenizer)))
+
+
 def _encode(prompts: list[Prompt], target: LoadedModel, cfg: BenchConfig, notes: list[str]) -> list[Case]:
     tok = target.tokenizer
     chat = cfg.chat and bool(getattr(tok.hf, "chat_template", None))
@@ -242,7 +265,8 @@ def _encode(prompts: list[Prompt], target: LoadedModel, cfg: BenchConfig, notes:
     limit = target.decoder.cfg.max_position
     cases, too_long = [], []
     for p in prompts:
-        ids = tok.apply_chat([{"role": "user", "content": p.text}]) if chat else tok.encode(p.text)
+        tools = cfg.tools.tools if cfg.tools is not None else None
+        ids = tok.apply_chat([{"role": "user", "content": p.text}], tools=tools) if chat else tok.encode(p.text)
         if len(ids) + cfg.sampling.max_tokens > limit:
             too_long.append(p.prompt_id)
         else:
@@ -439,4 +463,10 @@ def _settings_lines(cfg: BenchConfig, cases: list[Case], contenders: list[Conten
         *kv_cache,
         *(rounds if cfg.rounds > 1 else []),
         ("chat template", "yes" if cfg.chat else "no"),
+        *([("tools", _tools_line(cfg.tools))] if cfg.tools is not None else []),
     ]
+
+
+def _tools_line(tools: ToolChoice) -> str:
+    names = ", ".join(t["function"]["name"] for t in tools.tools)
+    return f"{names}; tool_choice {tools.choice}" + (" (a structured output)" if tools.forced else "")

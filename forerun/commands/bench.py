@@ -13,8 +13,10 @@ from forerun.commands.common import (
     add_model_args,
     add_sampling_args,
     add_spec_args,
+    add_tool_args,
     sampling_from_args,
     spec_from_args,
+    tools_from_args,
 )
 from forerun.drafters import needs_draft_model
 
@@ -111,6 +113,7 @@ def register(sub) -> None:
     )
     _add_run_args(g)
     add_sampling_args(p)
+    add_tool_args(p)
     add_spec_args(p)
     p.set_defaults(func=run, bench_parser=p)
 
@@ -168,10 +171,10 @@ def run(args: argparse.Namespace) -> int:
     if args.speculative_method:
         raise ForerunError("forerun bench takes --methods (comma-separated), not --speculative-method")
     sampling = sampling_from_args(args)
-    if args.peers and (sampling.adjusts or sampling.min_p):
+    if args.peers and (sampling.adjusts or sampling.min_p or args.tools):
         raise ForerunError(
             "the peers are sent temperature, top-k and top-p only: leave out --logit-bias, the penalties, "
-            "--min-p, --min-tokens and a structured output, or --peers"
+            "--min-p, --min-tokens, a structured output and --tools, or --peers"
         )
     heads = heads_by_kind(args.speculative_head)
     methods = list(dict.fromkeys(args.methods or default_methods(valid_methods(), args.speculative_model, heads)))
@@ -206,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         chat=args.chat,
+        tools=tools_from_args(args),
         warmup=args.warmup,
         progress=args.progress,
         rounds=args.rounds,

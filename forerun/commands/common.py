@@ -8,7 +8,8 @@ from pathlib import Path
 
 from forerun import drafters
 from forerun.base.config import SamplingParams, StructuredOutputsParams
-from forerun.base.errors import ForerunError
+from forerun.base.errors import FieldError, ForerunError
+from forerun.base.tools import ToolChoice, tool_choice
 from forerun.models.decoder import KV_CACHE_DTYPES
 from forerun.models.load import QUANTIZATIONS
 from forerun.models.prefix_cache import PREFIX_CACHE_MB
@@ -324,6 +325,46 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--regex", help="the whole text matches this regular expression")
     s.add_argument("--choice", nargs="+", metavar="TEXT", help="the text is one of these")
     s.add_argument("--grammar-file", metavar="FILE", help="the text follows this Lark grammar (its rule `start`)")
+
+
+def add_tool_args(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("tool calls (with --chat)")
+    t.add_argument(
+        "--tools",
+        metavar="FILE",
+        help='a JSON file of OpenAI tools ([{"type": "function", "function": {"name", "parameters", ...}}]) '
+        "the chat template shows the model",
+    )
+    t.add_argument(
+        "--tool-choice",
+        default="auto",
+        metavar="auto|required|none|NAME",
+        help="required, or a function's NAME: the answer is a call in the template's own format (default auto)",
+    )
+
+
+def tools_from_args(args: argparse.Namespace) -> ToolChoice | None:
+    """--tools (a file of OpenAI's tools) and --tool-choice, checked as the server checks them,
+    before any model loads."""
+    if args.tools is None:
+        if args.tool_choice != "auto":
+            raise ForerunError("--tool-choice chooses among --tools: give the file of tools too")
+        return None
+    if not args.chat:
+        raise ForerunError("--tools go to the chat template: add --chat")
+    try:
+        tools = json.loads(_read_text(Path(args.tools), "--tools"))
+    except ValueError as exc:
+        raise ForerunError(f"--tools: {args.tools} is not JSON: {exc}") from None
+    word = args.tool_choice in ("none", "auto", "required")
+    choice = args.tool_choice if word else {"type": "function", "function": {"name": args.tool_choice}}
+    try:
+        offered = tool_choice(tools, choice)
+    except FieldError as exc:
+        raise ForerunError(f"--{exc.field.replace('_', '-')}: {exc}") from None
+    if offered is not None and offered.forced and _structured_from_args(args) is not None:
+        raise ForerunError(f"--tool-choice {args.tool_choice} makes the answer a call: leave out the structured output")
+    return offered
 
 
 def _bias(text: str) -> tuple[int, float]:

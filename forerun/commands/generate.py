@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -10,15 +11,19 @@ from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import read_prompts_file, valid_unicode
+from forerun.base.tools import CallReader, ToolChoice
 from forerun.commands.common import (
     add_model_args,
     add_prompt_args,
     add_sampling_args,
     add_spec_args,
+    add_tool_args,
     quantization_arg,
     sampling_from_args,
     spec_from_args,
+    tools_from_args,
 )
+from forerun.verification.grammar import tool_call_grammar
 
 
 def register(sub) -> None:
@@ -27,6 +32,7 @@ def register(sub) -> None:
     add_prompt_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     add_sampling_args(p)
+    add_tool_args(p)
     add_spec_args(p, quantization="auto")
     p.set_defaults(func=run)
 
@@ -54,9 +60,12 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         raise ForerunError("no prompt given: use --prompt TEXT or --prompts-file F.jsonl")
     params = sampling_from_args(args)
+    tools = tools_from_args(args)
     llm = build_llm(args)
     speculative = llm.spec.method is not None
     prompts = [[{"role": "user", "content": text}] if args.chat else text for text in prompts]
+    if tools is not None:
+        prompts, params = _with_tools(llm, prompts, params, tools)
     for index, ids in enumerate(checked_prompts(llm, prompts, params)):
         if args.json:
             result = llm.generate([ids], params)[0]
@@ -74,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
             }
             if speculative:
                 record["spec"] = result.metrics.to_dict()
+            if tools is not None and tools.choice != "none":
+                record["tool_calls"] = _calls(result.text, tools)
             print(json.dumps(record), flush=True)
             continue
         for piece in llm.stream(ids, params):
@@ -83,6 +94,27 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(summary_line(result, speculative), file=sys.stderr)
     return 0
+
+
+def _with_tools(
+    llm: LLM, chats: list[list[dict]], params: SamplingParams, tools: ToolChoice
+) -> tuple[list[list[int]], SamplingParams]:
+    """Each chat's tokens with the tools shown to the model, and a forced call's structured output."""
+    if tools.choice != "none" and not llm.tokenizer.writes_tool_calls:
+        raise ForerunError(
+            "this model's chat template does not teach it the <tool_call> blocks forerun reads: "
+            "use --tool-choice none, or leave out --tools"
+        )
+    if tools.forced:
+        params = dataclasses.replace(params, structured_outputs=tool_call_grammar(tools, llm.tokenizer))
+    return [llm.tokenizer.apply_chat(chat, tools=tools.tools) for chat in chats], params
+
+
+def _calls(text: str, tools: ToolChoice) -> list[dict]:
+    """The calls an answer's text makes, as OpenAI's tool_calls give them (without ids)."""
+    reader = CallReader([function["name"] for function in tools.functions])
+    calls = reader.feed(text)[1] + reader.finish()[1]
+    return [{"name": call.name, "arguments": call.arguments} for call in calls]
 
 
 def checked_prompts(llm: LLM, prompts: list, params: SamplingParams) -> list[list[int]]:
