@@ -88,9 +88,16 @@ def test_tool_choice_reads_openais_forms() -> None:
     assert tool_choice(None) is None and tool_choice([], "auto") is None
     assert tool_choice([ADD]).choice == "auto" and not tool_choice([ADD]).forced
     named = tool_choice([ADD, FLIP], {"type": "function", "function": {"name": "flip"}}, False)
-    assert named.forced and named.choice == "flip" and not named.parallel
+    assert named.forced and (named.choice, named.name) == ("function", "flip") and not named.parallel
     assert [f["name"] for f in named.functions] == ["flip"]
     assert [f["name"] for f in tool_choice([ADD, FLIP], "required").functions] == ["add", "flip"]
+    # a function may be named as a choice is: naming it still calls it alone
+    required = {"type": "function", "function": {"name": "required"}}
+    only = tool_choice([ADD, required], {"type": "function", "function": {"name": "required"}})
+    assert [f["name"] for f in only.functions] == ["required"] and tool_choice(
+        [ADD, required], "required"
+    ).choice == "required"
+    assert len(tool_choice([ADD, required], "required").functions) == 2
 
 
 # --- reading calls -------------------------------------------------------------------------------
@@ -128,10 +135,34 @@ def read(text: str, names=("f", "g")) -> tuple[str, list]:
         ('{"name": "f", "arguments": {}, "why": 1}', '{"name": "f", "arguments": {}, "why": 1}', []),
         ('```python\n{"name": "f"}\n```', '```python\n{"name": "f"}\n```', []),
         ('{"name": "f", "argu', '{"name": "f", "argu', []),
+        ("{x} is a set", "{x} is a set", []),
+        # text on both sides of calls keeps what stood before the first of them
+        ("I will add.\n\n" + block("f", "{}") + "\n\nThen I report.", "I will add.\n\nThen I report.", [("f", {})]),
+        ("Adding " + block("f", "{}") + " now", "Adding now", [("f", {})]),
+        ("a\n" + block("f", "{}") + "\n" + block("g", "{}") + "\nb", "a\nb", [("f", {}), ("g", {})]),
+        # what Python cannot parse or UTF-8 cannot carry is no call
+        (CALL_OPEN + '{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}" + CALL_CLOSE, None, []),
+        ('{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}", None, []),
+        (CALL_OPEN + '{"name": "f", "arguments": {"s": "\\ud800"}}' + CALL_CLOSE, None, []),
+        ('{"name": "f", "arguments": "{\\"s\\": \\"\\ud800\\"}"}', None, []),
     ],
 )
 def test_calls_and_content_are_read_from_an_answer(text, content, calls) -> None:
-    assert read(text) == (content, calls)
+    assert read(text) == (text if content is None else content, calls)
+
+
+def test_an_answer_that_may_be_a_bare_call_is_scanned_once_and_parsed_once(monkeypatch) -> None:
+    # Held while it may be one call, a long answer is read a character at a time as it arrives
+    # (the server's event loop runs this) and parsed once, when its object closes.
+    parses = []
+    loads = json.loads
+    monkeypatch.setattr(json, "loads", lambda text, *a, **kw: parses.append(len(text)) or loads(text, *a, **kw))
+    text = '{"name": "f", "arguments": {' + ", ".join(f'"k{i}": "{{[\\"]}}"' for i in range(2000)) + "}}"
+    reader = CallReader(["f"])
+    given = [reader.feed(c) for c in text]
+    assert all(g == ("", []) for g in given) and len(parses) == 1
+    content, [call] = reader.finish()
+    assert content == "" and len(json.loads(call.arguments)) == 2000
 
 
 PIECES = st.sampled_from(
@@ -185,6 +216,12 @@ def test_an_answers_calls_and_their_results_go_to_the_template(tokenizer) -> Non
             {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]},
             "JSON object",
         ),
+        (  # nested past what Python parses: refused, not a crash
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000}}]},
+            "JSON object",
+        ),
+        ({"role": "assistant", "content": "", "tool_calls": [{"type": "code", "function": {"name": "f"}}]}, "is not"),
+        ({"role": "assistant", "content": "", "tool_calls": [{"id": 7, "function": {"name": "f"}}]}, "is not"),
     ],
 )
 def test_a_bad_call_in_the_conversation_is_refused(message, words) -> None:
@@ -358,9 +395,12 @@ def test_a_template_that_writes_no_calls_is_refused_unless_nothing_is_called(pla
     monkeypatch.setattr(plain.llm.tokenizer.hf, "chat_template", template)
     r = httpx.post(plain.url + "/v1/chat/completions", json=ask(), headers=AUTH, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools" and "<tool_call>" in r.text
-    assert post(plain, ask(tool_choice="none", max_tokens=4), "/v1/chat/completions")["choices"][0]["message"][
-        "content"
-    ]
+    answer = post(plain, ask(tool_choice="none", max_tokens=4), "/v1/chat/completions")["choices"][0]
+    assert answer["message"]["content"] and "tool_calls" not in answer["message"]
+    bare = "{% for m in messages %}{{ m.content }}{% endfor %}"  # a template that shows no tools
+    monkeypatch.setattr(plain.llm.tokenizer.hf, "chat_template", bare)
+    r = httpx.post(plain.url + "/v1/chat/completions", json=ask(tool_choice="none"), headers=AUTH, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools" and "does not show the model tools" in r.text
 
 
 def test_an_answer_that_is_one_bare_call_reads_as_that_call_whole_and_streamed(plain) -> None:
@@ -439,4 +479,73 @@ def test_bench_measures_forced_calls_beside_plain(folder, tools_file, tmp_path) 
     runs = [r for r in records if "method" in r]
     assert {r["method"] for r in runs} == {"plain", "ngram"} and all(r["identical_to_plain"] for r in runs)
     assert all(r["text"].startswith(CALL_OPEN) for r in runs)
-    assert "add, flip; tool_choice required (a structured output)" in (tmp_path / "report.md").read_text()
+    assert "add, flip; tool_choice 'required' (a structured output)" in (tmp_path / "report.md").read_text()
+
+
+def test_an_answer_the_server_fails_to_shape_is_an_error_not_a_cut_connection(plain, monkeypatch) -> None:
+    from forerun.serve.responses import Reply
+
+    def broken(*args, **kwargs):
+        raise RecursionError("deep")
+
+    monkeypatch.setattr(Reply, "chunk", broken)
+    monkeypatch.setattr(Reply, "complete", broken)
+    r = httpx.post(plain.url + "/v1/chat/completions", json=ask(max_tokens=4), headers=AUTH, timeout=60)
+    assert r.status_code == 500 and "failed to shape the answer: RecursionError" in r.json()["error"]["message"]
+    with httpx.stream(
+        "POST", plain.url + "/v1/chat/completions", json=ask(max_tokens=4, stream=True), headers=AUTH
+    ) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert "failed to shape the answer" in events[-2] and events[-1] == "data: [DONE]"
+    monkeypatch.undo()
+    assert post(plain, ask(max_tokens=4), "/v1/chat/completions")["choices"]  # and the server answers on
+
+
+# --- tags a vocabulary marks special -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def special_tags(tmp_path_factory: pytest.TempPathFactory):
+    """A server over a vocabulary whose <tool_call> tags are special tokens (as some fine-tunes add them)."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    from forerun.models.load import LoadedModel
+    from forerun.models.source import ModelSource
+    from forerun.models.testing import tiny_config, tiny_decoder, tiny_tokenizer_folder
+    from forerun.models.tokenizer import Tokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_tokenizer_folder(tmp_path_factory.mktemp("special"))))
+    hf.add_tokens([AddedToken(tag, special=True, normalized=False) for tag in (CALL_OPEN, CALL_CLOSE)], True)
+    tokenizer = Tokenizer(hf)
+    model = LoadedModel(
+        "target",
+        tiny_decoder(tiny_config(vocab_size=len(hf)), 0),
+        tokenizer,
+        ModelSource("memory", Path("."), "target"),
+    )
+    s = Served(LLM(model))
+    yield s
+    s.stop()
+
+
+def test_calls_whose_tags_are_special_tokens_are_read(special_tags) -> None:
+    assert special_tags.llm.tokenizer.tool_tags_special
+    body = ask(tool_choice="required", parallel_tool_calls=True, n=4, temperature=1.0, seed=3, max_tokens=200)
+    for choice in post(special_tags, body, "/v1/chat/completions")["choices"]:
+        if choice["finish_reason"] != "length":
+            assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+            assert calls_of(choice["message"])
+
+
+def test_skip_special_tokens_false_keeps_their_text(plain) -> None:
+    start = plain.llm.tokenizer.hf.convert_tokens_to_ids("<|im_start|>")
+    body = {"model": NAME, "prompt": "ab", "max_tokens": 3, "temperature": 0, "logit_bias": {str(start): 100}}
+    assert post(plain, body)["choices"][0]["text"] == ""
+    assert post(plain, {**body, "skip_special_tokens": False})["choices"][0]["text"] == "<|im_start|>" * 3
+    streamed = "".join(
+        c["choices"][0]["text"] for c in stream(plain, {**body, "skip_special_tokens": False}) if c["choices"]
+    )
+    assert streamed == "<|im_start|>" * 3
+    with pytest.raises(FieldError, match="skip_special_tokens must be True or False"):
+        SamplingParams(skip_special_tokens="no")

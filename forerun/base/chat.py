@@ -56,12 +56,17 @@ def _tool_calls(calls: object, i: int) -> list[dict] | None:
     read = []
     for j, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        if (
+            not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or call.get("type", "function") != "function"
+            or not isinstance(call.get("id", ""), str)
+        ):
             raise ForerunError(f"messages[{i}].{shape}; tool_calls[{j}] is not")
         arguments = function.get("arguments", "{}")
         try:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what Python parses
             arguments = None
         if not isinstance(arguments, dict):
             raise ForerunError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object (as text)")

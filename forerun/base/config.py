@@ -128,6 +128,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     # The text must follow a JSON schema, a regular expression, a choice or a grammar (a dict is taken).
     structured_outputs: StructuredOutputsParams | None = None
+    # The text leaves out special tokens' text (vLLM's default); False keeps it (tool calls whose
+    # tags a vocabulary marks special are read from it).
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -139,8 +142,9 @@ class SamplingParams:
         for name in ("temperature", "top_p"):
             if not isinstance(getattr(self, name), Real) or isinstance(getattr(self, name), bool):
                 raise FieldError(name, f"{name} must be a number, got {getattr(self, name)!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise FieldError("ignore_eos", f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise FieldError(name, f"{name} must be True or False, got {getattr(self, name)!r}")
         if not (is_finite(self.temperature) and self.temperature >= 0):
             raise FieldError(
                 "temperature", f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}"

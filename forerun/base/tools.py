@@ -11,9 +11,9 @@ The chat template shows the model the functions and how to call one. Qwen's and 
 Reading is one rule, whole or streamed (`CallReader`): a block that holds a call's JSON becomes a
 call; all other text is the message's content, a block that does not parse among it, and whitespace
 beside a call is dropped. An answer that is one call of an offered function and nothing else, its
-JSON without the tags (bare or in a ```json block: what small models such as the default pair's
-often write), is that call too. A forced call (tool_choice "required" or a named function) is a structured
-output in this same format (`verification.grammar.tool_call_grammar`).
+JSON without the tags (bare or in a ```json block, as the default target writes it), is that call
+too. A forced call (tool_choice "required" or a named function) is a structured output in this same
+format (`verification.grammar.tool_call_grammar`).
 """
 
 from __future__ import annotations
@@ -35,22 +35,29 @@ _FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
 @dataclass(frozen=True)
 class ToolChoice:
     """The functions offered (as the chat template reads them: {"type": "function", "function": {...}})
-    and which the answer may or must call: "none", "auto", "required", or one function's name."""
+    and which the answer may or must call: `choice` "none", "auto", "required", or "function" (the
+    one function `name`)."""
 
     tools: tuple[dict, ...]
     choice: str
     parallel: bool = True  # "required" may write several calls (a named function is called once)
+    name: str | None = None  # the function a "function" choice calls
 
     @property
     def forced(self) -> bool:
         """The answer is calls and nothing else (a grammar holds it to them)."""
-        return self.choice not in ("none", "auto")
+        return self.choice in ("required", "function")
 
     @property
     def functions(self) -> list[dict]:
         """The functions the answer may call: every one, or the one named."""
-        named = [t["function"] for t in self.tools if t["function"]["name"] == self.choice]
-        return named or [t["function"] for t in self.tools]
+        offered = [t["function"] for t in self.tools]
+        return [f for f in offered if f["name"] == self.name] if self.choice == "function" else offered
+
+    @property
+    def described(self) -> str:
+        """The choice as a message names it: 'required', or function 'get_weather'."""
+        return f"function {self.name!r}" if self.choice == "function" else repr(self.choice)
 
 
 def tool_choice(tools: object, choice: object = None, parallel: object = None) -> ToolChoice | None:
@@ -71,7 +78,8 @@ def tool_choice(tools: object, choice: object = None, parallel: object = None) -
     twice = next((n for n in names if names.count(n) > 1), None)
     if twice is not None:
         raise FieldError("tools", f"tools names the function {twice!r} twice; give each function once")
-    return ToolChoice(checked, _choice(choice, names), parallel is not False)
+    word, name = _choice(choice, names)
+    return ToolChoice(checked, word, parallel is not False, name)
 
 
 def _tool(tool: object, i: int) -> dict:
@@ -101,13 +109,13 @@ def _tool(tool: object, i: int) -> dict:
     return tool
 
 
-def _choice(choice: object, names: list[str]) -> str:
-    """tool_choice as a word or the named function's name (auto when not given, as OpenAI's)."""
+def _choice(choice: object, names: list[str]) -> tuple[str, str | None]:
+    """tool_choice as its word and the named function's name (auto when not given, as OpenAI's)."""
     if choice is None:
-        return "auto"
+        return "auto", None
     if isinstance(choice, str):
         if choice in ("none", "auto", "required"):
-            return choice
+            return choice, None
         raise FieldError("tool_choice", f"tool_choice must be none, auto, required or a function, got {_shown(choice)}")
     function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = function.get("name") if isinstance(function, dict) else None
@@ -117,7 +125,7 @@ def _choice(choice: object, names: list[str]) -> str:
         )
     if name not in names:
         raise FieldError("tool_choice", f"tool_choice names {_shown(name)}, which tools does not list")
-    return name
+    return "function", name
 
 
 def _shown(value: object) -> str:
@@ -144,7 +152,9 @@ class Call:
 class CallReader:
     """An answer's text, fed as it arrives, read into content and calls. Text that may still turn
     out to open a call (a prefix of its tag) or to lie beside one (whitespace) is held until it
-    cannot; so the content streamed and the content of the whole answer are the same text.
+    cannot; so the content streamed and the content of the whole answer are the same text. A call
+    is cut out of the text with the whitespace on both its sides; where text stands on both sides,
+    the whitespace before the first call of the run stays between them.
 
     Given the offered functions' `names`, an answer that is one call alone, without the tags (the
     JSON object bare or in a ```json block, as small models often answer), is that call: such an
@@ -152,33 +162,33 @@ class CallReader:
 
     def __init__(self, names: Sequence[str] = ()) -> None:
         self.calls: list[Call] = []
-        self._names = frozenset(names)
-        self._whole: str | None = "" if names else None  # the answer so far, while it may be a bare call
+        self._bare: _BareCall | None = _BareCall(frozenset(names)) if names else None  # while it may be one
         self._pending = ""  # text not yet given out
         self._inside = False  # after a call's opening tag, before its closing one
         self._after_call = False  # whitespace here lies beside a call
         self._gap = ""  # the whitespace dropped before the open call's tag (its text if it is no call)
+        self._between = ""  # the whitespace before the latest run of calls: kept if text follows them
+        self._given = False  # some content is out: text after a call needs what stood between
 
     def feed(self, text: str) -> tuple[str, list[Call]]:
         """The content and the calls that `text` completes."""
-        if self._whole is not None:
-            self._whole += text
-            if _bare(self._whole, self._names) is not _NOT:
+        if self._bare is not None:
+            if self._bare.feed(text) is not _NOT:
                 return "", []
-            text, self._whole = self._whole, None
+            text, self._bare = self._bare.text, None
         return self._read(text)
 
     def finish(self) -> tuple[str, list[Call]]:
         """The content and calls still held once the answer is done: a bare call, a tag's prefix,
         trailing whitespace, or a call never closed (a cut answer: content)."""
-        if self._whole is None:
+        if self._bare is None:
             return self._rest(), []
-        whole, self._whole = self._whole, None
-        call = _bare(whole, self._names)
+        bare, self._bare = self._bare, None
+        call = bare.feed("")
         if isinstance(call, Call):
             self.calls.append(call)
             return "", [call]
-        content, calls = self._read(whole)
+        content, calls = self._read(bare.text)
         return content + self._rest(), calls
 
     def _read(self, text: str) -> tuple[str, list[Call]]:
@@ -194,8 +204,7 @@ class CallReader:
                 self._inside = False
                 call = _parsed(block)
                 if call is None:  # not a call: the block stays text, as written
-                    content.append(self._gap + CALL_OPEN + block + CALL_CLOSE)
-                    self._after_call = False
+                    content.append(self._out(self._gap + CALL_OPEN + block + CALL_CLOSE))
                 else:
                     calls.append(call)
                     self._after_call = True
@@ -212,19 +221,30 @@ class CallReader:
     def _rest(self) -> str:
         rest = self._gap + CALL_OPEN + self._pending if self._inside else self._pending
         self._pending, self._inside = "", False
-        return rest.lstrip() if self._after_call else rest
+        return self._out(rest.lstrip() if self._after_call else rest)
 
     def _release(self, upto: int, before_call: bool = False) -> str:
         """`_pending[:upto]` given out as content, whitespace beside a call dropped."""
         text, self._pending = self._pending[:upto], self._pending[upto:]
         if self._after_call:
             text = text.lstrip()
-            self._after_call = not text
         if not before_call:
-            return text
+            return self._out(text)
         kept = text.rstrip()
         self._gap = text[len(kept) :]
-        return kept
+        out = self._out(kept)
+        if not self._after_call:  # this call begins a run: text after the run gets what stood before it
+            self._between = self._gap
+        return out
+
+    def _out(self, text: str) -> str:
+        """`text` as content: after calls, led by the whitespace before them where content came before."""
+        if not text:
+            return ""
+        if self._after_call and self._given:
+            text = self._between + text
+        self._after_call, self._given = False, True
+        return text
 
 
 def _held(text: str) -> int:
@@ -241,58 +261,119 @@ def _held(text: str) -> int:
 _NOT, _MAYBE = "not a call", "maybe a call"  # what an answer so far is, besides a bare call
 
 
-def _bare(text: str, names: frozenset[str]) -> Call | str:
-    """An answer so far as one call without tags: the Call it is (a JSON object of an offered
-    function's name and arguments, alone or in one ```json block), _MAYBE while it may yet be one,
-    _NOT once it cannot (never one again, however the text goes on)."""
-    body = text.lstrip()
-    fenced = body.startswith("`")
-    if fenced:
-        opener = _FENCE.match(body)
-        if opener is None:
-            return _MAYBE if "\n" not in body and _FENCE_START.fullmatch(body) else _NOT
-        body = body[opener.end() :]
-    body = body.lstrip()
-    if not body:
-        return _MAYBE
-    if body[0] != "{":
-        return _NOT
-    try:
-        value, end = json.JSONDecoder().raw_decode(body)
-    except ValueError:
-        return _MAYBE
-    after = body[end:].strip()
-    if after and not (fenced and "```".startswith(after)):
-        return _NOT
-    call = _call(value)
-    if call is None or call.name not in names or set(value) - {"name", "arguments", "parameters"}:
-        return _NOT
-    return call
+class _BareCall:
+    """Whether an answer so far is one call without tags (a JSON object of an offered function's name
+    and arguments, alone or in one ```json block), decided as its text arrives: the object's
+    brackets and strings are scanned once, a character at a time, and it is parsed once it closes.
+    `feed` says the Call it is, _MAYBE while it may yet be one, or _NOT once it cannot be (for
+    good, however the text goes on)."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+        self.text = ""
+        self.fenced = False
+        self.start: int | None = None  # where the object opens
+        self.end: int | None = None  # just past where it closes
+        self.call: Call | None = None
+        self._scanned, self._depth, self._in_string, self._escaped = 0, 0, False, False
+
+    def feed(self, text: str) -> Call | str:
+        self.text += text
+        if self.start is None:
+            opening = self._opening()
+            if opening is not None:
+                return opening
+        if self.end is None:
+            self._scan()
+            if self.end is None:
+                return _MAYBE
+            self.call = self._parsed()
+        if self.call is None:
+            return _NOT
+        after = self.text[self.end :].strip()
+        return _NOT if after and not (self.fenced and "```".startswith(after)) else self.call
+
+    def _opening(self) -> str | None:
+        """Finds the object's `{` after whitespace and an optional fence; _MAYBE or _NOT until then."""
+        body = self.text.lstrip()
+        at = len(self.text) - len(body)
+        if body.startswith("`"):
+            fence = _FENCE.match(body)
+            if fence is None:
+                return _MAYBE if "\n" not in body and _FENCE_START.fullmatch(body) else _NOT
+            self.fenced = True
+            at += fence.end()
+            body = body[fence.end() :]
+        rest = body.lstrip()
+        if not rest:
+            return _MAYBE
+        if rest[0] != "{":
+            return _NOT
+        self.start = self._scanned = at + len(body) - len(rest)
+        return None
+
+    def _scan(self) -> None:
+        """Reads on from where the last scan stopped until the object closes (`end`) or the text ends."""
+        text = self.text
+        for i in range(self._scanned, len(text)):
+            c = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self.end = i + 1
+                    return
+        self._scanned = len(text)
+
+    def _parsed(self) -> Call | None:
+        value = _json(self.text[self.start : self.end])
+        call = _call(value)
+        if call is None or call.name not in self.names or set(value) - {"name", "arguments", "parameters"}:
+            return None
+        return call
 
 
 _FENCE = re.compile(r"```(?:json)?[ \t]*\n")
 _FENCE_START = re.compile(r"`{1,3}(?:j(?:s(?:o(?:n)?)?)?)?[ \t]*")  # a fence's opening not yet whole
+_NO_VALUE = object()
+
+
+def _json(text: str) -> object:
+    """`text`'s JSON value; _NO_VALUE when it is none (or nested past what Python parses)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return _NO_VALUE
 
 
 def _parsed(block: str) -> Call | None:
     """The call a block's JSON makes ({"name", "arguments"}), None when it makes none."""
-    try:
-        value = json.loads(block)
-    except ValueError:
-        return None
-    return _call(value)
+    return _call(_json(block))
 
 
 def _call(value: object) -> Call | None:
-    """The call a JSON value makes, None when it makes none."""
+    """The call a JSON value makes, None when it makes none (or one that UTF-8 cannot carry: a lone
+    surrogate spelled as a JSON escape)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
+        arguments = _json(arguments)
     if not isinstance(arguments, dict):
         return None
-    return Call(value["name"], json.dumps(arguments, ensure_ascii=False))
+    try:
+        text = json.dumps(arguments, ensure_ascii=False)
+        (value["name"] + text).encode("utf-8")
+    except (UnicodeEncodeError, RecursionError):
+        return None
+    return Call(value["name"], text)

@@ -33,7 +33,7 @@ class Sequence:
         self._stops_from = 0  # text before min_tokens' last token: a stop string must end past it
         # The output decoded a token at a time (None: decoded whole after every token); a trailing
         # part of a character waits in it, and the finished text is one whole decode.
-        self._stream = tokenizer.stream() if tokenizer is not None else None
+        self._stream = tokenizer.stream(params.skip_special_tokens) if tokenizer is not None else None
         if params.stop and tokenizer is None:
             raise ForerunError(
                 "stop strings need a tokenizer to match text, and this model has none: "
@@ -73,7 +73,7 @@ class Sequence:
             if self._stream is not None:
                 self.text += self._stream.step(token)
             else:
-                self.text = self.tokenizer.decode(self.output_ids)
+                self.text = self.tokenizer.decode(self.output_ids, self.params.skip_special_tokens)
             self._check_stop_strings()
         if own and self.finish_reason is None:  # the request's stop token: its text kept, as in vLLM
             self.finish_reason = "stop"
@@ -88,7 +88,7 @@ class Sequence:
         shows as the whole decode renders it); text cut at a stop string is final as it is."""
         if self._stream is None:
             return  # decoded whole already
-        whole = self.tokenizer.decode(ids)
+        whole = self.tokenizer.decode(ids, self.params.skip_special_tokens)
         if not whole.startswith(self.text[: self._streamed]):
             # Streamed text is never taken back; a tokenizer whose stream strays is not streamed again.
             warnings.warn(

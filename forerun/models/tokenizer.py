@@ -13,6 +13,7 @@ from forerun.base.tools import CALL_OPEN
 
 # Special tokens that end a turn or a document in the common families; llama.cpp stops on the same.
 _STOP_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>", "<|EOT|>"}
+NO_TOOLS = "this model's chat template does not show the model tools, so it cannot call them; leave out tools"
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece vocabulary's byte fallback
 
 
@@ -37,10 +38,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(valid_unicode(text, "the prompt"), add_special_tokens=True))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def stream(self) -> TextStream | None:
+    def stream(self, skip_special_tokens: bool = True) -> TextStream | None:
         """An incremental decoder for one output (None where this tokenizer has none: a generation
         then decodes its whole output after every token, O(n) a token). `decode`'s text, grown a
         token at a time by the tokenizers library's DecodeStream; not where transformers cleans up
@@ -48,7 +49,7 @@ class Tokenizer:
         backend = getattr(self.hf, "backend_tokenizer", None)
         if not self.streams or backend is None or getattr(self.hf, "clean_up_tokenization_spaces", False):
             return None
-        return TextStream(backend)
+        return TextStream(backend, skip_special_tokens)
 
     def piece(self, token_id: int) -> str:
         """One token's own text, special tokens included (logprobs name tokens by it)."""
@@ -93,10 +94,8 @@ class Tokenizer:
                 "this model has no chat template: pass a plain prompt instead of messages "
                 "(on the command line, leave out --chat)"
             )
-        if tools and "tools" not in str(self.hf.chat_template):
-            raise ForerunError(
-                "this model's chat template does not show the model tools, so it cannot call them; leave out tools"
-            )
+        if tools and not self.shows_tools:
+            raise ForerunError(NO_TOOLS)
         text = self.hf.apply_chat_template(
             messages,
             tools=list(tools) if tools else None,
@@ -106,6 +105,18 @@ class Tokenizer:
         )
         text = valid_unicode(text, "the chat prompt (the messages in the chat template)")
         return list(self.hf.encode(text, add_special_tokens=False))
+
+    @property
+    def shows_tools(self) -> bool:
+        """Whether the chat template shows the model the functions it is offered (it reads `tools`)."""
+        return "tools" in str(getattr(self.hf, "chat_template", None) or "")
+
+    @property
+    def tool_tags_special(self) -> bool:
+        """Whether the vocabulary marks the tool-call tags special (their text then needs
+        `skip_special_tokens` off to be read)."""
+        added = getattr(self.hf, "added_tokens_decoder", {}).values()
+        return any(token.content == CALL_OPEN and token.special for token in added)
 
     @property
     def writes_tool_calls(self) -> bool:
@@ -131,14 +142,14 @@ def _byte_of_char() -> dict[str, int]:
 
 class TextStream:
     """The text of a growing list of token ids, a token at a time: what arrives with each token
-    (empty while it ends in part of a character), special tokens skipped as `Tokenizer.decode`
+    (empty while it ends in part of a character), special tokens skipped (or not) as `Tokenizer.decode`
     skips them. A token costs microseconds, where decoding the whole output again costs O(n)."""
 
-    def __init__(self, backend) -> None:
+    def __init__(self, backend, skip_special_tokens: bool = True) -> None:
         from tokenizers.decoders import DecodeStream
 
         self.backend = backend
-        self.decoder = DecodeStream(skip_special_tokens=True)
+        self.decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         return self.decoder.step(self.backend, int(token_id)) or ""

@@ -106,6 +106,10 @@ async def _complete_response(http: HTTPRequest, run: InFlight, headers: dict | N
             if isinstance(event, Failed):
                 return refused(run.failure(event))
             run.take(index, event)
-        return JSONResponse(run.reply.complete(run.choices, run.stats()), headers=headers)
+        try:
+            body = run.reply.complete(run.choices, run.stats())
+        except Exception as exc:  # noqa: BLE001 - OpenAI's error shape, as for any other failure
+            return refused(run.unshaped(exc))
+        return JSONResponse(body, headers=headers)
     finally:
         run.cancel()  # a no-op once finished; frees the sequences if we left early

@@ -100,6 +100,14 @@ class InFlight:
             return BadRequest(event.message, None, 503, "server_error", "replica_lost")
         return BadRequest(f"generation failed: {event.message}", None, 500, "server_error")
 
+    def unshaped(self, exc: Exception) -> BadRequest:
+        """The error for an answer generated but not put in OpenAI's shape (a fault of the server's
+        own, counted as a failure): the client is told, never left with a cut connection."""
+        self.metrics.failed("engine")
+        return BadRequest(
+            f"the server failed to shape the answer: {type(exc).__name__}: {exc}", None, 500, "server_error"
+        )
+
     def stats_of(self, choice: Choice) -> dict | None:
         if self.spec_stats == "none" or choice.output is None:
             return None

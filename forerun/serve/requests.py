@@ -2,7 +2,7 @@
 
 A request is read and checked before the engine sees it. Anything wrong raises BadRequest (HTTP
 4xx in OpenAI's error shape, naming the field and saying what to send instead): a field of the
-wrong type or range, a field of the other route, a field forerun cannot honour (`logit_bias`,
+wrong type or range, a field of the other route, a field forerun cannot honour (`best_of`,
 `functions`, ...) set to anything but its neutral value, a name no API knows, text that is not valid
 Unicode, token ids outside the vocabulary, a body nested too deeply to parse, a chat the template
 rejects. What /openapi.json says of a request is in forerun/serve/schemas.py; the checks are here.
@@ -23,6 +23,7 @@ from forerun.base.config import SEED_RANGE, SamplingParams, StructuredOutputsPar
 from forerun.base.errors import FieldError, ForerunError
 from forerun.base.prompts import in_vocabulary, valid_unicode
 from forerun.base.tools import ToolChoice, tool_choice
+from forerun.models.tokenizer import NO_TOOLS
 from forerun.serve.structured import FIELDS as STRUCTURED_FIELDS
 from forerun.serve.structured import structured_output
 from forerun.verification import grammar
@@ -63,6 +64,7 @@ _COMMON = {
     "min_p",
     "min_tokens",
     "stop_token_ids",
+    "skip_special_tokens",
     *STRUCTURED_FIELDS,
 }
 _COMPLETIONS = _COMMON | {"prompt", "echo"}
@@ -144,6 +146,7 @@ class Checked:
     body: dict = field(repr=False)
     structured: StructuredOutputsParams | None = None  # what the whole text must be (`serve.structured`)
     tools: ToolChoice | None = None  # chat: the functions offered and how they may be called
+    skip_special_tokens: bool = True  # vLLM's: the text leaves out special tokens' (off to read their tool calls)
 
 
 # --- the body --------------------------------------------------------------------------------------
@@ -229,7 +232,8 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
     tools = _tools(body, structured) if chat else None
     if (structured is not None or (tools is not None and tools.forced)) and flag(body, "ignore_eos"):
         raise BadRequest("ignore_eos would write past the end of a structured output; leave it out", "ignore_eos")
-    return Checked(chat, prompts, n, stream, include_usage, logprobs, echo, body, structured, tools)
+    skip = body.get("skip_special_tokens") is None or flag(body, "skip_special_tokens")
+    return Checked(chat, prompts, n, stream, include_usage, logprobs, echo, body, structured, tools, skip)
 
 
 def _tools(body: dict, structured: StructuredOutputsParams | None) -> ToolChoice | None:
@@ -242,7 +246,7 @@ def _tools(body: dict, structured: StructuredOutputsParams | None) -> ToolChoice
     if tools is not None and tools.forced and structured is not None:
         other = next(name for name in STRUCTURED_FIELDS if body.get(name) is not None)
         raise BadRequest(
-            f"tool_choice {tools.choice!r} makes the answer a tool call, and {other} makes it something else; "
+            f"tool_choice {tools.described} makes the answer a tool call, and {other} makes it something else; "
             "give one of them",
             "tool_choice",
         )
@@ -442,6 +446,7 @@ def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list
                     logprobs=checked.logprobs,
                     prompt_logprobs=prompt_logprobs,
                     structured_outputs=checked.structured,
+                    skip_special_tokens=checked.skip_special_tokens,
                     **adjustments,
                 )
                 for i in range(checked.n)
@@ -574,6 +579,8 @@ def tokenize(checked: Checked, tokenizer, vocab_size: int) -> list[list[int]]:
     for index, prompt in enumerate(prompts):
         with naming_prompt(index, len(prompts)):
             ids.append(_tokenize_one(checked, prompt, tokenizer))
+    if checked.tools is not None and checked.tools.choice != "none" and tokenizer.tool_tags_special:
+        checked.skip_special_tokens = False  # the calls' tags are special tokens here: their text is read
     if checked.tools is not None and checked.tools.forced:
         checked.structured = grammar.tool_call_grammar(checked.tools, tokenizer)
     if checked.structured is not None:
@@ -588,9 +595,11 @@ def tokenize(checked: Checked, tokenizer, vocab_size: int) -> list[list[int]]:
 def _check_template(checked: Checked, tokenizer) -> None:
     """A chat with tools to call needs a template that writes calls as forerun reads them."""
     tools = checked.tools
+    if tools is not None and not tokenizer.shows_tools:
+        raise BadRequest(NO_TOOLS, "tools")
     if tools is not None and tools.choice != "none" and not tokenizer.writes_tool_calls:
         raise BadRequest(
-            f"tool_choice {tools.choice!r} needs the model to write tool calls, and this model's chat template "
+            f"tool_choice {tools.described} needs the model to write tool calls, and this model's chat template "
             "does not teach it the <tool_call> blocks forerun reads (Qwen's and Hermes' format); "
             'send tool_choice "none", or leave out tools',
             "tools",
@@ -614,7 +623,7 @@ def _tokenize_one(checked: Checked, prompt: str | list[int] | list[dict], tokeni
         try:
             ids = tokenizer.apply_chat(prompt, *_template_options(checked.body, prompt), tools=tools)
         except ForerunError as exc:
-            raise BadRequest(str(exc), "tools" if tools and "tools" in str(exc) else "messages") from None
+            raise BadRequest(str(exc), "messages") from None
         except Exception as exc:  # noqa: BLE001 - a template that rejects these turns
             raise BadRequest(f"the chat template rejected these messages: {exc}", "messages") from None
     if not ids:

@@ -45,6 +45,9 @@ class _Request(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     min_tokens: int | None = Field(None, ge=0, description="no stop token or stop string before this many tokens")
     stop_token_ids: list[int] | None = Field(None, description="vLLM's: tokens that end generation, their text kept")
+    skip_special_tokens: bool | None = Field(
+        None, description="vLLM's: false keeps special tokens' text (default true)"
+    )
     response_format: dict | None = Field(
         None,
         description='{"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", "json_schema": '

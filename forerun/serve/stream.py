@@ -34,7 +34,11 @@ async def stream(run: InFlight) -> AsyncIterator[str]:
                 yield sse(error_body(run.failure(event)))
                 break
             choice = run.take(index, event)
-            chunk = reply.chunk(choice, run.stats_of(choice))
+            try:
+                chunk = reply.chunk(choice, run.stats_of(choice))
+            except Exception as exc:  # noqa: BLE001 - told to the client as an error event, not a cut stream
+                yield sse(error_body(run.unshaped(exc)))
+                break
             if chunk is not None:
                 yield sse(chunk)
         else:
