@@ -366,15 +366,16 @@ def test_the_openai_library_reads_the_calls(plain) -> None:
         (
             {
                 "tools": [
+                    ADD,
                     {
                         "type": "function",
                         "function": {"name": "f", "parameters": {"type": "object", "minProperties": "x"}},
-                    }
+                    },
                 ],
                 "tool_choice": "required",
             },
-            "tool_choice",
-            "cannot be followed",
+            "tools",
+            "tools[1] ('f'): its parameters cannot be followed",
         ),
     ],
 )

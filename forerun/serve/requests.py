@@ -588,8 +588,28 @@ def tokenize(checked: Checked, tokenizer, vocab_size: int) -> list[list[int]]:
         try:
             grammar.check_grammar(checked.structured, tokenizer, vocab_size)
         except ForerunError as exc:
+            if checked.tools is not None and checked.tools.forced:
+                raise _faulty_tool(checked.tools, exc) from None
             raise BadRequest(f"{name}: {exc}", name) from None
     return ids
+
+
+def _faulty_tool(tools: ToolChoice, exc: ForerunError) -> BadRequest:
+    """A forced call that cannot be followed, refused naming the function whose parameters are at
+    fault where one alone is."""
+    called = {function["name"] for function in tools.functions}
+    for i, tool in enumerate(tools.tools):
+        function = tool["function"]
+        if function["name"] not in called:
+            continue
+        try:
+            grammar.grammar_text(StructuredOutputsParams(json=function.get("parameters") or {"type": "object"}))
+        except ForerunError as fault:
+            reason = str(fault).split(": ", 1)[-1]
+            return BadRequest(
+                f"tools[{i}] ({function['name']!r}): its parameters cannot be followed: {reason}", "tools"
+            )
+    return BadRequest(f"tool_choice: {exc}", "tool_choice")
 
 
 def _check_template(checked: Checked, tokenizer) -> None:
