@@ -475,12 +475,13 @@ def test_bench_measures_forced_calls_beside_plain(folder, tools_file, tmp_path) 
     dataset.write_text(json.dumps({"prompt": "add", "category": "code"}) + "\n")
     argv = ["bench", "--model", str(folder), "--dtype", "float32", "--dataset", str(dataset), "--out", str(tmp_path)]
     argv += ["--max-tokens", "80", "--methods", "plain,ngram", "--no-progress", "--no-warmup"]
-    assert main([*argv, "--tools", str(tools_file), "--tool-choice", "required"]) == 0
+    assert main([*argv, "--tools", str(tools_file), "--tool-choice", "required", "--no-parallel-tool-calls"]) == 0
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     runs = [r for r in records if "method" in r]
     assert {r["method"] for r in runs} == {"plain", "ngram"} and all(r["identical_to_plain"] for r in runs)
-    assert all(r["text"].startswith(CALL_OPEN) for r in runs)
-    assert "add, flip; tool_choice 'required' (a structured output)" in (tmp_path / "report.md").read_text()
+    assert all(r["text"].startswith(CALL_OPEN) and r["text"].count(CALL_OPEN) == 1 for r in runs)
+    report = (tmp_path / "report.md").read_text()
+    assert "add, flip; tool_choice 'required', one call (a structured output)" in report
 
 
 def test_an_answer_the_server_fails_to_shape_is_an_error_not_a_cut_connection(plain, monkeypatch) -> None:

@@ -227,7 +227,8 @@ def settings_of(cfg: BenchConfig) -> dict:
         "ignore_eos": s.ignore_eos,
     }
     if cfg.tools is not None:
-        settings["tools"] = {"functions": list(cfg.tools.tools), "choice": cfg.tools.described}
+        tools = cfg.tools
+        settings["tools"] = {"functions": list(tools.tools), "choice": tools.described, "parallel": tools.parallel}
     return json.loads(json.dumps(settings))
 
 
@@ -469,4 +470,5 @@ def _settings_lines(cfg: BenchConfig, cases: list[Case], contenders: list[Conten
 
 def _tools_line(tools: ToolChoice) -> str:
     names = ", ".join(t["function"]["name"] for t in tools.tools)
-    return f"{names}; tool_choice {tools.described}" + (" (a structured output)" if tools.forced else "")
+    one = ", one call" if tools.choice == "required" and not tools.parallel else ""
+    return f"{names}; tool_choice {tools.described}{one}" + (" (a structured output)" if tools.forced else "")

@@ -341,6 +341,12 @@ def add_tool_args(p: argparse.ArgumentParser) -> None:
         metavar="auto|required|none|NAME",
         help="required, or a function's NAME: the answer is a call in the template's own format (default auto)",
     )
+    t.add_argument(
+        "--no-parallel-tool-calls",
+        dest="parallel_tool_calls",
+        action="store_false",
+        help="--tool-choice required writes one call (OpenAI's parallel_tool_calls: false)",
+    )
 
 
 def tools_from_args(args: argparse.Namespace) -> ToolChoice | None:
@@ -359,7 +365,7 @@ def tools_from_args(args: argparse.Namespace) -> ToolChoice | None:
     word = args.tool_choice in ("none", "auto", "required")
     choice = args.tool_choice if word else {"type": "function", "function": {"name": args.tool_choice}}
     try:
-        offered = tool_choice(tools, choice)
+        offered = tool_choice(tools, choice, args.parallel_tool_calls)
     except FieldError as exc:
         raise ForerunError(f"--{exc.field.replace('_', '-')}: {exc}") from None
     if offered is not None and offered.forced and _structured_from_args(args) is not None:
