@@ -15,6 +15,7 @@ from forerun import drafters
 from forerun.api import LLM
 from forerun.base.config import SamplingParams, StructuredOutputsParams
 from forerun.base.errors import FieldError, ForerunError
+from forerun.base.tools import tool_choice
 from forerun.cli import main
 from forerun.engine.batch import BatchEngine
 from forerun.engine.engine import Engine
@@ -22,7 +23,7 @@ from forerun.models.load import LoadedModel
 from forerun.models.testing import TINY_VOCAB, save_hf_folder, tiny_model, tiny_tokenizer
 from forerun.models.tokenizer import Tokenizer
 from forerun.verification import grammar as grammar_module
-from forerun.verification.grammar import Grammar, grammar_text
+from forerun.verification.grammar import Grammar, grammar_text, tool_call_grammar
 from forerun.verification.sampling import adjusted
 from tests.conftest import perturbed
 from tests.test_batch import run_batched
@@ -297,6 +298,24 @@ def test_greedy_output_under_a_grammar_is_plain_decodings(target4, pairs_prompt,
     assert 0 < out.metrics.num_accepted_tokens < out.metrics.num_draft_tokens
 
 
+def test_auto_drafts_the_tokens_a_grammar_forces_and_writes_plain_decodings_text(target4, tok) -> None:
+    # A forced tool call: its tags, `{"name": "`, the name once told apart, `", "arguments": {"` and
+    # a closed object's keys are each the one continuation the text allows: `auto` drafts them as
+    # they are, free, and the target keeps them; the text is plain decoding's.
+    flip = {"type": "function", "function": {"name": "flip", "parameters": {"properties": {}}, "strict": True}}
+    add = {"type": "function", "function": {"name": "add", "parameters": {"properties": {"a": {"enum": [1, 22]}}}}}
+    spec = tool_call_grammar(tool_choice([flip, add], "required", False), tok)
+    params = SamplingParams(max_tokens=60, structured_outputs=spec)
+    prompt = tok.encode("call")
+    plain = Engine(target4).generate(prompt, params)
+    drafter = drafters.create("auto", target4, {"model": perturbed(target4, 0.5)})
+    out = Engine(target4, drafter, 5).generate(prompt, params)
+    assert out.token_ids == plain.token_ids and tok.decode(out.token_ids).startswith("<tool_call>")
+    assert drafter.steps["grammar"] >= 3 and out.metrics.num_accepted_tokens >= 20
+    forced = Grammar.start(spec, tok, TINY_VOCAB).forced()
+    assert tok.decode(forced) == '<tool_call>\n{"name": "'  # and no further: the name is a choice
+
+
 @pytest.mark.parametrize("draft_vocab", [None, 60])
 def test_a_draft_models_drafts_stay_inside_the_grammar_and_are_kept_more(target4, pairs_prompt, draft_vocab) -> None:
     params = SamplingParams(max_tokens=40, structured_outputs=PAIRS)
@@ -345,6 +364,28 @@ def grammar_samples(case, tok, setting, runs: int):
     options = {"model": perturbed(target, 0.2)} if setting[0] == "draft" else setting[1]
     drafter = drafters.create(setting[0], target, options)
     return speculative_samples(target, drafter, 2, prompt, runs, SAMPLED, start)
+
+
+FORCED = SamplingParams(
+    temperature=1.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex=r"([a-t]x[k-t]){4}")
+)
+
+
+def test_sampled_tokens_after_forced_drafts_follow_the_masked_distribution(sampled_case, tok) -> None:
+    # `auto` drafts the forced "x" after each letter; the token after it is drawn from the row its
+    # verification scored: the 3rd token's distribution is the masked one.
+    target, prompt = sampled_case[:2]
+    start = lambda: Grammar.start(FORCED.structured_outputs, tok, TINY_VOCAB)  # noqa: E731
+    second, third = exact_adjusted_marginals(target, prompt, FORCED, start)
+    x = tok.encode("x")[0]
+    assert float(second[x]) > 0.999  # the 2nd token is forced
+    drafter = drafters.create("auto", target, {"model": perturbed(target, 0.2)})
+    samples, metrics = speculative_samples(target, drafter, 2, prompt, RUNS, FORCED, start)
+    assert all(s[0] == x for s in samples)
+    tv, tolerance = total_variation([s[1] for s in samples], third)
+    assert tv < tolerance, f"token 3: TV {tv:.4f} >= {tolerance:.4f}"
+    # One step a run: the forced "x" kept, the 3rd token drawn from the row after it.
+    assert drafter.steps["grammar"] == metrics.num_drafts == metrics.num_accepted_tokens == RUNS
 
 
 @pytest.mark.parametrize("setting", [*ONE_EACH_SAMPLING, ("draft", {})], ids=setting_id)

@@ -1,5 +1,6 @@
 """The combining method (`auto`, the default when a draft model is given): the suffix drafter's
-proposal when its match is long, else the draft model's.
+proposal when its match is long, else the draft model's; under a structured output, first the
+tokens the grammar forces where it forces any.
 
 A long match (`long_match` tokens or more of the context found earlier in the prompt, the output
 or earlier outputs) means the text is copying: the suffix draft is then costless and usually right,
@@ -13,6 +14,11 @@ step the draft model sits out is priced as the suffix drafter's), and `source` a
 did, so the cost policy keeps each one's acceptance and cost apart. `costless_source(context)`
 asks only the suffix drafter: a full batch, where the draft model does not pay, still takes its
 costless drafts.
+
+Where a structured output allows one continuation (a schema's fixed keys, a tool call's
+`{"name": "`), its tokens are the draft (source "grammar", `Grammar.forced`): they cost nothing and
+the target's masked rows keep them but where a token splits their text otherwise; verified as any
+other draft, so exact whatever they are.
 
 Cost: a suffix look-up every step (microseconds), a draft-model token only on steps without a long
 match. Where it loses: a long match that stops being copied wastes one verification, and the
@@ -40,11 +46,14 @@ from forerun.verification.grammar import Grammar
 from forerun.verification.sampling import Draws
 from forerun.verification.tree import DraftTree
 
+GRAMMAR = "grammar"  # the source of the tokens a structured output forces
+
 
 class SuffixFirst(Drafter):
     """The suffix drafter's proposal on a long match, else a second drafter's (`second`, its
     source named `name`): what `auto` (a draft model) and `auto-head` (a trained head) share.
-    `next_source`, `source` and `steps` name the two sources; the second drafter hears its own
+    Under a structured output, first the tokens it forces (source "grammar"), where it forces any.
+    `next_source`, `source` and `steps` name the sources; the second drafter hears its own
     verdicts and prices its own tokens only after its own proposals."""
 
     def __init__(
@@ -53,8 +62,9 @@ class SuffixFirst(Drafter):
         self.suffix = SuffixDrafter(target, memory=memory)
         self.second, self.name = second, name
         self.long_match = long_match
-        self.steps = {"suffix": 0, name: 0}  # proposals made by each, this process
+        self.steps = {GRAMMAR: 0, "suffix": 0, name: 0}  # proposals made by each, this process
         self.source = name  # which made the last proposal
+        self.grammar: Grammar | None = None  # the request's structured output, at its output
 
     @property
     def memory(self) -> SuffixMemory:
@@ -68,7 +78,12 @@ class SuffixFirst(Drafter):
         self.second.start(prompt_ids, target_cache, max_len)
 
     def follow(self, grammar: Grammar | None) -> None:
+        self.grammar = grammar
         self.second.follow(grammar)
+
+    def _forced(self) -> list[int]:
+        """The tokens the request's structured output takes next whatever is said (none without one)."""
+        return self.grammar.forced() if self.grammar is not None else []
 
     def set_gate(self, gate: Gate) -> None:
         self.second.set_gate(gate)
@@ -86,12 +101,17 @@ class SuffixFirst(Drafter):
     def next_source(self, context: list[int], params: SamplingParams) -> str:
         """Which will propose after `context` (the cost policy keeps their acceptance apart): the
         suffix drafter on a long match or while the second is not ready."""
+        if self._forced():
+            return GRAMMAR
         long = self.suffix.match_length(context) >= self.long_match
         return "suffix" if long or not self.second_ready(context, params) else self.name
 
     def costless_source(self, context: list[int], params: SamplingParams) -> str | None:
-        """ "suffix" when a long match makes the coming proposal the suffix drafter's, which costs
-        nothing; None when only the second drafter would propose."""
+        """ "grammar" where the structured output forces the next tokens, "suffix" when a long match
+        makes the coming proposal the suffix drafter's, both costing nothing; None when only the
+        second drafter would propose."""
+        if self._forced():
+            return GRAMMAR
         return "suffix" if self.suffix.match_length(context) >= self.long_match else None
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: Draws) -> DraftTree | None:
@@ -106,7 +126,13 @@ class SuffixFirst(Drafter):
         source: str | None = None,
     ) -> DraftSteps:
         """`propose` with the second drafter's forwards yielded (passes.py). `source`: the one the
-        step planned (None: the second drafter unless the suffix drafter has a long match)."""
+        step planned (None: the grammar's forced tokens where there are any, else the second drafter
+        unless the suffix drafter has a long match)."""
+        forced = self._forced() if source in (None, GRAMMAR) else []
+        if forced:
+            self.source = GRAMMAR
+            self.steps[GRAMMAR] += 1
+            return DraftTree.chain(forced[:k])
         tree, match = self.suffix.propose_with_match(context, k, params, generator)
         if (tree is None or match < self.long_match) if source is None else source == self.name:
             drafted = yield from self.second.propose_steps(context, k, params, generator)

@@ -205,6 +205,7 @@ class Grammar:
         # Rows read since the output last grew, by path: a step's verification asks again for the
         # paths its drafter masked its own rows by (a chain's every prefix), so each is read once.
         self._rows: dict[tuple[int, ...], torch.Tensor] = {}
+        self._forced: list[int] | None = None  # `forced()` since the output last grew
 
     @classmethod
     def start(cls, spec: StructuredOutputsParams, tokenizer, vocab: int) -> Grammar:
@@ -232,9 +233,19 @@ class Grammar:
             if taken:
                 self.matcher.rollback(taken)
 
+    def forced(self) -> list[int]:
+        """The tokens the text takes next whatever the model says: where the grammar allows one
+        continuation (a schema's fixed keys, a call's `{"name": "`), llguidance's tokens for its
+        bytes, up to where a token could still merge with what follows. Empty where the text has a
+        choice. A costless draft (`drafters/auto.py`), verified as any other."""
+        if self._forced is None:
+            self._forced = [int(t) for t in self.matcher.compute_ff_tokens()]
+        return self._forced
+
     def advance(self, token: int) -> None:
         """The output grew by `token` (one the target's masked row gave)."""
         self._rows.clear()
+        self._forced = None
         if not self.matcher.consume_token(int(token)):
             raise self._stopped(f"token {token} does not continue the structured output")
 
