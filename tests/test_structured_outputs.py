@@ -366,6 +366,25 @@ def grammar_samples(case, tok, setting, runs: int):
     return speculative_samples(target, drafter, 2, prompt, runs, SAMPLED, start)
 
 
+def test_forced_tokens_lead_the_draft_and_a_copied_text_goes_on_past_them(target4, tok) -> None:
+    spec = StructuredOutputsParams(regex=r"(abcdefghij[0-9]){5}")
+    grammar = Grammar.start(spec, tok, TINY_VOCAB)
+    output = tok.encode("abcdefghij1abcdefghij2")
+    for token in output:
+        grammar.advance(token)
+    drafter = drafters.create("auto", target4, {"model": perturbed(target4, 0.5)})
+    context = tok.encode("x") + output
+    drafter.start(context, target4.decoder.new_cache(64), 64)
+    drafter.follow(grammar)
+    forced = tok.encode("abcdefghij")
+    assert grammar.forced() == forced and drafter.next_source(context, SamplingParams()) == "grammar"
+    short = drafter.propose(context, 4, SamplingParams(), None)
+    assert short.tokens == forced[:4] and short.is_chain
+    copied = drafter.propose(context, 14, SamplingParams(), None)  # the letters were followed by a digit before
+    assert copied.tokens[:10] == forced and len(copied) > 10 and copied.path_to(10)[:10] == list(range(10))
+    assert set(tok.decode(copied.tokens[10:11])) <= set("12") and drafter.source == "grammar"
+
+
 FORCED = SamplingParams(
     temperature=1.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex=r"([a-t]x[k-t]){4}")
 )

@@ -132,7 +132,7 @@ class SuffixFirst(Drafter):
         if forced:
             self.source = GRAMMAR
             self.steps[GRAMMAR] += 1
-            return DraftTree.chain(forced[:k])
+            return self._after_forced(context, forced[:k], k, params, generator)
         tree, match = self.suffix.propose_with_match(context, k, params, generator)
         if (tree is None or match < self.long_match) if source is None else source == self.name:
             drafted = yield from self.second.propose_steps(context, k, params, generator)
@@ -143,6 +143,19 @@ class SuffixFirst(Drafter):
         self.source = "suffix"
         self.steps["suffix"] += 1
         return tree
+
+    def _after_forced(
+        self, context: list[int], forced: list[int], k: int, params: SamplingParams, generator: Draws
+    ) -> DraftTree:
+        """The forced tokens, and past them, where the text is being copied (a long suffix match of
+        the context and them), the suffix drafter's continuation."""
+        if len(forced) < k:
+            tree, match = self.suffix.propose_with_match(context + forced, k - len(forced), params, generator)
+            if tree is not None and match >= self.long_match:
+                n = len(forced)
+                parents = [*range(-1, n - 1), *(p + n if p >= 0 else n - 1 for p in tree.parents)]
+                return DraftTree(forced + tree.tokens, parents)
+        return DraftTree.chain(forced)
 
     def batch_pass_seconds(self, sequences: int, source: str | None = None) -> float | None:
         """A pooled draft forward's seconds (the second drafter's) when the coming proposal is the
