@@ -261,6 +261,10 @@ def test_a_forced_call_follows_the_template_and_the_functions_parameters(tokeniz
         assert not follows(Grammar.start(required, tokenizer, TINY_VOCAB), tokenizer, bad), bad
     named = tool_call_grammar(tool_choice([ADD, FLIP], {"type": "function", "function": {"name": "flip"}}), tokenizer)
     assert not follows(Grammar.start(named, tokenizer, TINY_VOCAB), tokenizer, block("add", '{"a": 3, "b": false}'))
+    untyped = {"type": "function", "function": {"name": "g", "parameters": {"properties": {}}}}
+    arguments = tool_call_grammar(tool_choice([untyped], "required"), tokenizer)  # an object, typed or not
+    assert not follows(Grammar.start(arguments, tokenizer, TINY_VOCAB), tokenizer, block("g", "5"))
+    assert follows(Grammar.start(arguments, tokenizer, TINY_VOCAB), tokenizer, block("g", "{}"))
     one = Grammar.start(named, tokenizer, TINY_VOCAB)
     assert follows(one, tokenizer, block("flip", '{"extra": 1}'))  # not strict: open, as JSON Schema's objects
     assert set(one.allowed([()])[0].nonzero().flatten().tolist()) <= set(tokenizer.stop_ids)  # one call, then the end
@@ -314,8 +318,8 @@ def test_required_makes_the_answer_calls_whole_and_streamed(plain, speculative) 
         assert name in ("add", "flip")
         if name == "add":
             assert set(arguments) == {"a", "b"} and 0 <= arguments["a"] <= 9 and isinstance(arguments["b"], bool)
-        ids = [c["id"] for c in message["tool_calls"]]
-        assert len(set(ids)) == len(ids) and all(i.startswith("call_") for i in ids)
+    ids = [c["id"] for c in message["tool_calls"]]
+    assert len(set(ids)) == len(ids) and all(i.startswith("call_") for i in ids)
     got, reason = streamed_message(plain, ask(tool_choice="required"))
     assert reason == "tool_calls" and got["content"] is None and calls_of(got) == calls
     assert [c["index"] for c in got["tool_calls"]] == list(range(len(calls)))
@@ -331,7 +335,7 @@ def test_a_named_function_is_called_once_and_ends_with_stop(plain) -> None:
     assert len(calls_of(one["message"])) == 1
 
 
-def test_auto_reads_calls_and_leaves_other_text_as_content(plain, monkeypatch) -> None:
+def test_auto_reads_calls_and_leaves_other_text_as_content(plain) -> None:
     # The tiny model writes no calls of its own: auto gives its text as content, as without tools;
     # the same text written by a model that calls reads as its call.
     reply = post(plain, ask(max_tokens=12), "/v1/chat/completions")["choices"][0]
@@ -345,16 +349,19 @@ def test_auto_reads_calls_and_leaves_other_text_as_content(plain, monkeypatch) -
         {"role": "tool", "tool_call_id": forced["message"]["tool_calls"][0]["id"], "content": "4"},
     ]
     follow_up = post(plain, ask(messages=history, max_tokens=8), "/v1/chat/completions")
-    assert follow_up["usage"]["prompt_tokens"] > len(block("add", "{}"))  # the call went back to the template
+    history[1] = {"role": "assistant", "content": ""}
+    without = post(plain, ask(messages=history, max_tokens=8), "/v1/chat/completions")
+    # the call went back to the template: its block's characters (one token each here) in the prompt
+    written = len(block("add", forced["message"]["tool_calls"][0]["function"]["arguments"]))
+    assert follow_up["usage"]["prompt_tokens"] - without["usage"]["prompt_tokens"] >= written
 
 
 def test_the_openai_library_reads_the_calls(plain) -> None:
-    completion = plain.client().chat.completions.create(**{k: v for k, v in ask(tool_choice="required").items()})
-    message = completion.choices[0].message
-    assert completion.choices[0].finish_reason == "tool_calls" and message.tool_calls
-    assert all(
-        call.type == "function" and json.loads(call.function.arguments) is not None for call in message.tool_calls
-    )
+    body = ask(tool_choice={"type": "function", "function": {"name": "add"}})
+    completion = plain.client().chat.completions.create(**body)
+    [call] = completion.choices[0].message.tool_calls
+    assert call.type == "function" and call.function.name == "add" and call.id.startswith("call_")
+    assert set(json.loads(call.function.arguments)) == {"a", "b"}
 
 
 @pytest.mark.parametrize(
@@ -533,11 +540,15 @@ def special_tags(tmp_path_factory: pytest.TempPathFactory):
 
 def test_calls_whose_tags_are_special_tokens_are_read(special_tags) -> None:
     assert special_tags.llm.tokenizer.tool_tags_special
-    body = ask(tool_choice="required", parallel_tool_calls=True, n=4, temperature=1.0, seed=3, max_tokens=200)
-    for choice in post(special_tags, body, "/v1/chat/completions")["choices"]:
-        if choice["finish_reason"] != "length":
-            assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
-            assert calls_of(choice["message"])
+    # One function whose only arguments are {}: each answer is one or more calls of it, sampled.
+    flip = {"type": "function", "function": {"name": "flip", "parameters": {"properties": {}}, "strict": True}}
+    body = ask(tools=[flip], tool_choice="required", n=8, temperature=1.0, seed=3, max_tokens=300)
+    choices = post(special_tags, body, "/v1/chat/completions")["choices"]
+    finished = [c for c in choices if c["finish_reason"] != "length"]
+    for choice in finished:
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    # several calls in one answer (read only from their tags: one call alone would read bare)
+    assert any(len(calls_of(c["message"])) >= 2 for c in finished)
 
 
 def test_skip_special_tokens_false_keeps_their_text(plain) -> None:

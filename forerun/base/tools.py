@@ -129,6 +129,7 @@ def _choice(choice: object, names: list[str]) -> tuple[str, str | None]:
 
 
 def _shown(value: object) -> str:
+    """`value` as a message quotes it: its repr, cut to 80 characters."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -145,6 +146,7 @@ class Call:
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
     def shaped(self, index: int | None = None) -> dict:
+        """OpenAI's tool_calls entry; with `index`, a streamed delta's (which numbers the calls)."""
         entry = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
         return entry if index is None else {"index": index, **entry}
 

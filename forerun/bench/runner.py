@@ -43,7 +43,7 @@ from forerun.bench.store import ResultStore
 from forerun.bench.summary import by_task
 from forerun.bench.transformers_peer import HF_METHODS, PEERS, transformers_contenders
 from forerun.models.load import QUANTIZATIONS, LoadedModel, load_model
-from forerun.verification.grammar import tool_call_grammar
+from forerun.verification.grammar import tool_output
 
 WARMUP_TOKENS = 16
 LLAMA_CONTEXT_SLACK = 16  # llama-server's context beyond prompt + max tokens
@@ -242,20 +242,18 @@ def _load_target(cfg: BenchConfig) -> LoadedModel:
 
 
 def _with_tool_grammar(cfg: BenchConfig, target: LoadedModel) -> BenchConfig:
-    """A forced tool call's structured output in the sampling, made with the target's tokenizer."""
-    tools = cfg.tools
-    if tools is None:
+    """The sampling the tools ask for (a forced call's structured output; the call tags' text kept
+    where the vocabulary marks them special), made with the target's tokenizer."""
+    if cfg.tools is None:
         return cfg
-    if not cfg.chat or not getattr(target.tokenizer.hf, "chat_template", None):
-        raise ForerunError("tools go to the chat template: the bench needs one (leave out --no-chat)")
-    if tools.choice != "none" and not target.tokenizer.writes_tool_calls:
-        raise ForerunError(
-            f"{cfg.model}'s chat template does not teach it the <tool_call> blocks forerun reads: "
-            "use --tool-choice none, or leave out --tools"
-        )
-    if not tools.forced:
-        return cfg
-    return replace(cfg, sampling=replace(cfg.sampling, structured_outputs=tool_call_grammar(tools, target.tokenizer)))
+    if not getattr(target.tokenizer.hf, "chat_template", None):
+        raise ForerunError(f"{cfg.model} has no chat template to show the model tools: leave out --tools")
+    forced, skip = tool_output(cfg.tools, target.tokenizer)
+    s = cfg.sampling
+    sampling = replace(
+        s, structured_outputs=forced or s.structured_outputs, skip_special_tokens=s.skip_special_tokens and skip
+    )
+    return replace(cfg, sampling=sampling)
 
 
 def _encode(prompts: list[Prompt], target: LoadedModel, cfg: BenchConfig, notes: list[str]) -> list[Case]:
@@ -265,8 +263,8 @@ def _encode(prompts: list[Prompt], target: LoadedModel, cfg: BenchConfig, notes:
         notes.append("the model has no chat template: prompts were given as plain text")
     limit = target.decoder.cfg.max_position
     cases, too_long = [], []
+    tools = cfg.tools.tools if cfg.tools is not None else None
     for p in prompts:
-        tools = cfg.tools.tools if cfg.tools is not None else None
         ids = tok.apply_chat([{"role": "user", "content": p.text}], tools=tools) if chat else tok.encode(p.text)
         if len(ids) + cfg.sampling.max_tokens > limit:
             too_long.append(p.prompt_id)
@@ -469,6 +467,7 @@ def _settings_lines(cfg: BenchConfig, cases: list[Case], contenders: list[Conten
 
 
 def _tools_line(tools: ToolChoice) -> str:
+    """The report's line on the tools: their names and the choice."""
     names = ", ".join(t["function"]["name"] for t in tools.tools)
     one = ", one call" if tools.choice == "required" and not tools.parallel else ""
     return f"{names}; tool_choice {tools.described}{one}" + (" (a structured output)" if tools.forced else "")

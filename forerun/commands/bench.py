@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         chat=args.chat,
-        tools=tools_from_args(args),
+        tools=tools_from_args(args, "leave out --no-chat"),
         warmup=args.warmup,
         progress=args.progress,
         rounds=args.rounds,

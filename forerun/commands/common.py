@@ -328,6 +328,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_tool_args(p: argparse.ArgumentParser) -> None:
+    """generate's and bench's tool flags: the tools shown to the model and how it may call them."""
     t = p.add_argument_group("tool calls (with --chat)")
     t.add_argument(
         "--tools",
@@ -349,15 +350,15 @@ def add_tool_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def tools_from_args(args: argparse.Namespace) -> ToolChoice | None:
+def tools_from_args(args: argparse.Namespace, chat_hint: str = "add --chat") -> ToolChoice | None:
     """--tools (a file of OpenAI's tools) and --tool-choice, checked as the server checks them,
-    before any model loads."""
+    before any model loads; `chat_hint`: how the command's user turns the chat template on."""
     if args.tools is None:
         if args.tool_choice != "auto":
             raise ForerunError("--tool-choice chooses among --tools: give the file of tools too")
         return None
     if not args.chat:
-        raise ForerunError("--tools go to the chat template: add --chat")
+        raise ForerunError(f"--tools go to the chat template: {chat_hint}")
     try:
         tools = json.loads(_read_text(Path(args.tools), "--tools"))
     except ValueError as exc:

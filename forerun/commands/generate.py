@@ -23,7 +23,7 @@ from forerun.commands.common import (
     spec_from_args,
     tools_from_args,
 )
-from forerun.verification.grammar import tool_call_grammar
+from forerun.verification.grammar import tool_output
 
 
 def register(sub) -> None:
@@ -99,14 +99,14 @@ def run(args: argparse.Namespace) -> int:
 def _with_tools(
     llm: LLM, chats: list[list[dict]], params: SamplingParams, tools: ToolChoice
 ) -> tuple[list[list[int]], SamplingParams]:
-    """Each chat's tokens with the tools shown to the model, and a forced call's structured output."""
-    if tools.choice != "none" and not llm.tokenizer.writes_tool_calls:
-        raise ForerunError(
-            "this model's chat template does not teach it the <tool_call> blocks forerun reads: "
-            "use --tool-choice none, or leave out --tools"
-        )
-    if tools.forced:
-        params = dataclasses.replace(params, structured_outputs=tool_call_grammar(tools, llm.tokenizer))
+    """Each chat's tokens with the tools shown to the model, and the sampling they ask for (a forced
+    call's structured output; the call tags' text kept where the vocabulary marks them special)."""
+    forced, skip = tool_output(tools, llm.tokenizer)
+    params = dataclasses.replace(
+        params,
+        structured_outputs=forced or params.structured_outputs,
+        skip_special_tokens=params.skip_special_tokens and skip,
+    )
     return [llm.tokenizer.apply_chat(chat, tools=tools.tools) for chat in chats], params
 
 

@@ -9,11 +9,12 @@ through the same verifier and exact rule, so the output is the target's either w
 model catches up on the tokens it skipped in one chain pass at its next proposal. Until the cost
 policy agrees to pay the draft model's catch-up (reading a long prompt is worth it only for a long
 answer), the suffix drafter proposes whatever match it has. `next_source(context)` says before a
-step which of the two will propose (asking the draft model whether its catch-up pays now, so a
-step the draft model sits out is priced as the suffix drafter's), and `source` after it which
-did, so the cost policy keeps each one's acceptance and cost apart. `costless_source(context)`
-asks only the suffix drafter: a full batch, where the draft model does not pay, still takes its
-costless drafts.
+step which source will propose (the grammar's forced tokens where there are any; else asking the
+draft model whether its catch-up pays now, so a step the draft model sits out is priced as the
+suffix drafter's), and `source` after it which did, so the cost policy keeps each one's acceptance
+and cost apart (a forced draft's copied continuation counts with the grammar's). `costless_source(context)`
+asks only the grammar and the suffix drafter: a full batch, where the draft model does not pay,
+still takes their costless drafts.
 
 Where a structured output allows one continuation (a schema's fixed keys, a tool call's
 `{"name": "`), its tokens are the draft (source "grammar", `Grammar.forced`): they cost nothing and
@@ -62,7 +63,7 @@ class SuffixFirst(Drafter):
         self.suffix = SuffixDrafter(target, memory=memory)
         self.second, self.name = second, name
         self.long_match = long_match
-        self.steps = {GRAMMAR: 0, "suffix": 0, name: 0}  # proposals made by each, this process
+        self.steps = {"suffix": 0, name: 0}  # proposals made by each, this process ("grammar" once it drafts)
         self.source = name  # which made the last proposal
         self.grammar: Grammar | None = None  # the request's structured output, at its output
 
@@ -100,7 +101,8 @@ class SuffixFirst(Drafter):
 
     def next_source(self, context: list[int], params: SamplingParams) -> str:
         """Which will propose after `context` (the cost policy keeps their acceptance apart): the
-        suffix drafter on a long match or while the second is not ready."""
+        grammar where it forces tokens, the suffix drafter on a long match or while the second is
+        not ready, else the second."""
         if self._forced():
             return GRAMMAR
         long = self.suffix.match_length(context) >= self.long_match
@@ -131,7 +133,7 @@ class SuffixFirst(Drafter):
         forced = self._forced() if source in (None, GRAMMAR) else []
         if forced:
             self.source = GRAMMAR
-            self.steps[GRAMMAR] += 1
+            self.steps[GRAMMAR] = self.steps.get(GRAMMAR, 0) + 1
             return self._after_forced(context, forced[:k], k, params, generator)
         tree, match = self.suffix.propose_with_match(context, k, params, generator)
         if (tree is None or match < self.long_match) if source is None else source == self.name:
@@ -150,7 +152,7 @@ class SuffixFirst(Drafter):
         """The forced tokens, and past them, where the text is being copied (a long suffix match of
         the context and them), the suffix drafter's continuation."""
         if len(forced) < k:
-            tree, match = self.suffix.propose_with_match(context + forced, k - len(forced), params, generator)
+            tree, match = self.suffix.propose_with_match(context, k - len(forced), params, generator, ahead=forced)
             if tree is not None and match >= self.long_match:
                 n = len(forced)
                 parents = [*range(-1, n - 1), *(p + n if p >= 0 else n - 1 for p in tree.parents)]
@@ -159,7 +161,7 @@ class SuffixFirst(Drafter):
 
     def batch_pass_seconds(self, sequences: int, source: str | None = None) -> float | None:
         """A pooled draft forward's seconds (the second drafter's) when the coming proposal is the
-        second drafter's; None when it is the suffix drafter's (no forward to pool)."""
+        second drafter's; None when it is the grammar's or the suffix drafter's (no forward to pool)."""
         return self.second.batch_pass_seconds(sequences) if source == self.name else None
 
     def end(self, output_ids: list[int]) -> None:

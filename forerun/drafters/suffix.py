@@ -31,6 +31,8 @@ where it proposes nothing (a plain step) or a short wrong match that one verific
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from forerun.base.config import SamplingParams
@@ -197,10 +199,18 @@ class SuffixDrafter(Drafter):
         return self.propose_with_match(context, k, params, generator)[0]
 
     def propose_with_match(
-        self, context: list[int], k: int, params: SamplingParams | None = None, generator: Draws = None
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams | None = None,
+        generator: Draws = None,
+        ahead: Sequence[int] = (),
     ) -> tuple[DraftTree | None, int]:
-        """(the proposal or None, the length in tokens of the context suffix it continues; 0: none)."""
+        """(the proposal or None, the length in tokens of the context suffix it continues; 0: none).
+        `ahead`: tokens sure to follow the context (a grammar's forced ones), matched with it but
+        not remembered as the request's text (they are not output yet): the proposal follows them."""
         self._extend(context)
+        context = [*context, *ahead]
         found = self._match(context)
         if found is None or k < 1:
             return None, 0

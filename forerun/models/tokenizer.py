@@ -109,7 +109,7 @@ class Tokenizer:
     @property
     def shows_tools(self) -> bool:
         """Whether the chat template shows the model the functions it is offered (it reads `tools`)."""
-        return "tools" in str(getattr(self.hf, "chat_template", None) or "")
+        return "tools" in self._template_text
 
     @property
     def tool_tags_special(self) -> bool:
@@ -122,7 +122,12 @@ class Tokenizer:
     def writes_tool_calls(self) -> bool:
         """Whether the chat template teaches the model to write calls as `base.tools` reads them
         (<tool_call> blocks, as Qwen's and Hermes' templates do)."""
-        return CALL_OPEN in str(getattr(self.hf, "chat_template", None) or "")
+        return CALL_OPEN in self._template_text
+
+    @property
+    def _template_text(self) -> str:
+        """The chat template's source ("" without one; several named ones as their mapping)."""
+        return str(getattr(self.hf, "chat_template", None) or "")
 
     def vocabulary(self) -> dict[int, str]:
         """id -> token string, for comparing two tokenizers."""

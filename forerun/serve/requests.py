@@ -23,7 +23,6 @@ from forerun.base.config import SEED_RANGE, SamplingParams, StructuredOutputsPar
 from forerun.base.errors import FieldError, ForerunError
 from forerun.base.prompts import in_vocabulary, valid_unicode
 from forerun.base.tools import ToolChoice, tool_choice
-from forerun.models.tokenizer import NO_TOOLS
 from forerun.serve.structured import FIELDS as STRUCTURED_FIELDS
 from forerun.serve.structured import structured_output
 from forerun.verification import grammar
@@ -572,17 +571,22 @@ def scores_prompt_only(checked: Checked) -> bool:
 
 
 def tokenize(checked: Checked, tokenizer, vocab_size: int) -> list[list[int]]:
-    """Each prompt's token ids, and a structured output checked against the model's tokens. Slow
-    for long prompts (and a first structured output): the server runs it on a worker thread."""
+    """Each prompt's token ids, and a structured output checked against the model's tokens (a
+    forced tool call's made here, and its tags' text kept where the vocabulary marks them special:
+    `grammar.tool_output`). Slow for long prompts (and a first structured output): the server runs
+    it on a worker thread."""
+    if checked.tools is not None and tokenizer is not None:
+        try:
+            forced, skip = grammar.tool_output(checked.tools, tokenizer)
+        except ForerunError as exc:
+            raise BadRequest(str(exc), "tools") from None
+        checked.structured = forced or checked.structured
+        checked.skip_special_tokens = checked.skip_special_tokens and skip
     prompts = checked.prompts
     ids = []
     for index, prompt in enumerate(prompts):
         with naming_prompt(index, len(prompts)):
             ids.append(_tokenize_one(checked, prompt, tokenizer))
-    if checked.tools is not None and checked.tools.choice != "none" and tokenizer.tool_tags_special:
-        checked.skip_special_tokens = False  # the calls' tags are special tokens here: their text is read
-    if checked.tools is not None and checked.tools.forced:
-        checked.structured = grammar.tool_call_grammar(checked.tools, tokenizer)
     if checked.structured is not None:
         name = next((name for name in STRUCTURED_FIELDS if checked.body.get(name) is not None), "tool_choice")
         try:
@@ -605,25 +609,11 @@ def _faulty_tool(tools: ToolChoice, exc: ForerunError) -> BadRequest:
         try:
             grammar.grammar_text(StructuredOutputsParams(json=function.get("parameters") or {"type": "object"}))
         except ForerunError as fault:
-            reason = str(fault).split(": ", 1)[-1]
+            reason = str(fault).removeprefix("the json cannot be followed: ")
             return BadRequest(
                 f"tools[{i}] ({function['name']!r}): its parameters cannot be followed: {reason}", "tools"
             )
     return BadRequest(f"tool_choice: {exc}", "tool_choice")
-
-
-def _check_template(checked: Checked, tokenizer) -> None:
-    """A chat with tools to call needs a template that writes calls as forerun reads them."""
-    tools = checked.tools
-    if tools is not None and not tokenizer.shows_tools:
-        raise BadRequest(NO_TOOLS, "tools")
-    if tools is not None and tools.choice != "none" and not tokenizer.writes_tool_calls:
-        raise BadRequest(
-            f"tool_choice {tools.described} needs the model to write tool calls, and this model's chat template "
-            "does not teach it the <tool_call> blocks forerun reads (Qwen's and Hermes' format); "
-            'send tool_choice "none", or leave out tools',
-            "tools",
-        )
 
 
 def _tokenize_one(checked: Checked, prompt: str | list[int] | list[dict], tokenizer) -> list[int]:
@@ -638,7 +628,6 @@ def _tokenize_one(checked: Checked, prompt: str | list[int] | list[dict], tokeni
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
     else:
-        _check_template(checked, tokenizer)
         tools = checked.tools.tools if checked.tools is not None else None
         try:
             ids = tokenizer.apply_chat(prompt, *_template_options(checked.body, prompt), tools=tools)

@@ -87,15 +87,17 @@ class FunctionCall(BaseModel):
 
 
 class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"]
+    id: str | None = None
+    type: Literal["function"] | None = None
     function: FunctionCall
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # an answer's empty fields sent back (base/chat.py EMPTY_ONLY)
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = Field(description="text, or text parts (joined); null beside tool_calls")
+    content: str | list[TextPart] | None = Field(
+        None, description="text, or text parts (joined); null beside tool_calls"
+    )
     name: str | None = Field(None, description="passed to the chat template")
     tool_call_id: str | None = Field(None, description="a tool result's call; passed to the chat template")
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls, as its answer gave them")

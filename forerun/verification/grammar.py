@@ -23,6 +23,7 @@ import torch
 from forerun.base.config import StructuredOutputsParams
 from forerun.base.errors import FieldError, ForerunError
 from forerun.base.tools import CALL_CLOSE, CALL_OPEN, ToolChoice
+from forerun.models.tokenizer import NO_TOOLS
 
 # llguidance compiles a grammar recursively in native code: a schema whose references chain a
 # thousand deep overflows an 8 MiB thread stack and kills the process (a 75 KB request would take a
@@ -105,13 +106,31 @@ def tool_call_grammar(tools: ToolChoice, tokenizer) -> StructuredOutputsParams:
         f'"\\n" {_tag(CALL_CLOSE, tokenizer)}',
     ]
     for i, function in enumerate(tools.functions):
-        schema = function.get("parameters") or {"type": "object"}
+        schema = {"type": "object", **(function.get("parameters") or {})}  # arguments are an object
         if function.get("strict"):
             schema = _closed(schema)
         head = json.dumps('{"name": ' + json.dumps(function["name"]) + ', "arguments": ')
         lines.append(f'body{i}: {head} args{i} "}}"')
         lines.append(f"args{i}: %json " + json.dumps({**schema, "x-guidance": _TEMPLATE_JSON}))
     return StructuredOutputsParams(grammar="\n".join(lines))
+
+
+def tool_output(tools: ToolChoice, tokenizer) -> tuple[StructuredOutputsParams | None, bool]:
+    """What a chat offering `tools` asks of its sampling: a forced call's structured output (None
+    where the answer may be anything), and whether its text skips special tokens' (not where the
+    vocabulary marks the call's tags special: the calls are read from them). The server, `forerun
+    generate` and `forerun bench` all take it from here. ForerunError where the model's chat template
+    does not show tools, or does not write calls forerun reads while calls may be made."""
+    if not tokenizer.shows_tools:
+        raise ForerunError(NO_TOOLS)
+    if tools.choice != "none" and not tokenizer.writes_tool_calls:
+        raise ForerunError(
+            f"tool_choice {tools.described} needs the model to write tool calls, and this model's chat template "
+            "does not teach it the <tool_call> blocks forerun reads (Qwen's and Hermes' format); offer the "
+            "tools with tool_choice none, or leave them out"
+        )
+    structured = tool_call_grammar(tools, tokenizer) if tools.forced else None
+    return structured, tools.choice == "none" or not tokenizer.tool_tags_special
 
 
 # How a chat template's `tojson` writes JSON (Python's json.dumps): ", " between items, ": " after keys.
