@@ -20,10 +20,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if i != EOS).decode("utf-8", errors="replace")
 
-    def stream(self) -> None:
+    def stream(self, skip_special_tokens: bool = True) -> None:
         return None  # no incremental decoder: the output is decoded whole after every token
 
 
@@ -35,7 +35,7 @@ class StreamingByteTokenizer(ByteTokenizer):
         self.streams = True
         self.streamed = 0  # decoders handed out
 
-    def stream(self):
+    def stream(self, skip_special_tokens: bool = True):
         import codecs
 
         if not self.streams:
@@ -212,7 +212,7 @@ def test_a_token_at_a_time_a_part_of_a_character_waits_and_the_end_shows_it_as_a
 class StrayingTokenizer(StreamingByteTokenizer):
     """A stream whose text is not the whole decode's (a tokenizer the stream does not fit)."""
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "x" + super().decode(ids)
 
 
