@@ -11,10 +11,10 @@ policy agrees to pay the draft model's catch-up (reading a long prompt is worth 
 answer), the suffix drafter proposes whatever match it has. `next_source(context)` says before a
 step which source will propose (the grammar's forced tokens where there are any; else asking the
 draft model whether its catch-up pays now, so a step the draft model sits out is priced as the
-suffix drafter's), and `source` after it which did, so the cost policy keeps each one's acceptance
-and cost apart (a forced draft's copied continuation counts with the grammar's). `costless_source(context)`
-asks only the grammar and the suffix drafter: a full batch, where the draft model does not pay,
-still takes their costless drafts.
+suffix drafter's), and `source` after it which did, so the cost policy keeps each one's
+acceptance and cost apart (a forced draft's copied continuation counts with the grammar's).
+`costless_source(context)` asks only the grammar and the suffix drafter: a full batch, where the
+draft model does not pay, still takes their costless drafts.
 
 Where a structured output allows one continuation (a schema's fixed keys, a tool call's
 `{"name": "`), its tokens are the draft (source "grammar", `Grammar.forced`): they cost nothing and
