@@ -43,7 +43,7 @@ from forerun.bench.store import ResultStore
 from forerun.bench.summary import by_task
 from forerun.bench.transformers_peer import HF_METHODS, PEERS, transformers_contenders
 from forerun.models.load import QUANTIZATIONS, LoadedModel, load_model
-from forerun.verification.grammar import tool_output
+from forerun.verification.grammar import tool_sampling
 
 WARMUP_TOKENS = 16
 LLAMA_CONTEXT_SLACK = 16  # llama-server's context beyond prompt + max tokens
@@ -248,12 +248,7 @@ def _with_tool_grammar(cfg: BenchConfig, target: LoadedModel) -> BenchConfig:
         return cfg
     if not getattr(target.tokenizer.hf, "chat_template", None):
         raise ForerunError(f"{cfg.model} has no chat template to show the model tools: leave out --tools")
-    forced, skip = tool_output(cfg.tools, target.tokenizer)
-    s = cfg.sampling
-    sampling = replace(
-        s, structured_outputs=forced or s.structured_outputs, skip_special_tokens=s.skip_special_tokens and skip
-    )
-    return replace(cfg, sampling=sampling)
+    return replace(cfg, sampling=tool_sampling(cfg.sampling, cfg.tools, target.tokenizer))
 
 
 def _encode(prompts: list[Prompt], target: LoadedModel, cfg: BenchConfig, notes: list[str]) -> list[Case]:

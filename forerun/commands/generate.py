@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -23,7 +22,7 @@ from forerun.commands.common import (
     spec_from_args,
     tools_from_args,
 )
-from forerun.verification.grammar import tool_output
+from forerun.verification.grammar import tool_sampling
 
 
 def register(sub) -> None:
@@ -101,12 +100,7 @@ def _with_tools(
 ) -> tuple[list[list[int]], SamplingParams]:
     """Each chat's tokens with the tools shown to the model, and the sampling they ask for (a forced
     call's structured output; the call tags' text kept where the vocabulary marks them special)."""
-    forced, skip = tool_output(tools, llm.tokenizer)
-    params = dataclasses.replace(
-        params,
-        structured_outputs=forced or params.structured_outputs,
-        skip_special_tokens=params.skip_special_tokens and skip,
-    )
+    params = tool_sampling(params, tools, llm.tokenizer)
     return [llm.tokenizer.apply_chat(chat, tools=tools.tools) for chat in chats], params
 
 

@@ -10,6 +10,7 @@ no kept token is ever read from the rows below it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import threading
@@ -20,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from forerun.base.config import StructuredOutputsParams
+from forerun.base.config import SamplingParams, StructuredOutputsParams
 from forerun.base.errors import FieldError, ForerunError
 from forerun.base.tools import CALL_CLOSE, CALL_OPEN, ToolChoice
 from forerun.models.tokenizer import NO_TOOLS
@@ -133,6 +134,17 @@ def tool_output(tools: ToolChoice, tokenizer) -> tuple[StructuredOutputsParams |
     return structured, tools.choice == "none" or not tokenizer.tool_tags_special
 
 
+def tool_sampling(params: SamplingParams, tools: ToolChoice, tokenizer) -> SamplingParams:
+    """`params` with what `tools` ask of the sampling (`tool_output`): a forced call's structured
+    output, and the call tags' text kept where the vocabulary marks them special."""
+    forced, skip = tool_output(tools, tokenizer)
+    return dataclasses.replace(
+        params,
+        structured_outputs=forced or params.structured_outputs,
+        skip_special_tokens=params.skip_special_tokens and skip,
+    )
+
+
 # How a chat template's `tojson` writes JSON (Python's json.dumps): ", " between items, ": " after keys.
 _TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -141,8 +153,6 @@ def _tag(text: str, tokenizer) -> str:
     """A call's tag in a Lark grammar: the token that spells it where the vocabulary has one (the
     model writes that token, and llguidance reads an added token as a token, not as its text),
     else the text."""
-    if tokenizer is None:
-        return json.dumps(text)
     ids = tokenizer.hf.encode(text, add_special_tokens=False)
     added = getattr(tokenizer.hf, "added_tokens_decoder", {})
     return f"<[{ids[0]}]>" if len(ids) == 1 and ids[0] in added else json.dumps(text)
