@@ -26,7 +26,8 @@ from forerun.verification.logprobs import TokenLogprob
 
 PROMPT_FORMS = (
     'a prompt is a string, a list of token ids, a list of chat messages ({"role", "content"}) '
-    'or vLLM\'s {"prompt": text} or {"prompt_token_ids": ids}'
+    'or vLLM\'s {"prompt": text} or {"prompt_token_ids": ids} (either with "suffix": the text after a gap '
+    "the answer fills in)"
 )
 VLLM_PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
@@ -48,6 +49,8 @@ class GenerationResult:
     first_token_s: float
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # each prompt token's (entry 0 None), if asked
+    # With SamplingParams.prediction: (accepted, rejected) prediction tokens, as OpenAI's usage counts them
+    prediction_tokens: tuple[int, int] | None = None
 
     @property
     def text(self) -> str:
@@ -165,7 +168,13 @@ class LLM:
 
     def _prompt_ids(self, prompt: str | list[int] | list[dict] | dict) -> list[int]:
         if isinstance(prompt, dict):
-            return self._prompt_ids(_vllm_prompt(prompt))
+            before, suffix = _vllm_prompt(prompt)
+            if suffix is None:
+                return self._prompt_ids(before)
+            if self.tokenizer is None:
+                raise ForerunError("this model has no tokenizer, so it cannot read a suffix: leave it out")
+            prefix = before if isinstance(before, str) else self._prompt_ids(before)
+            return self.tokenizer.infill(prefix, suffix)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ForerunError("this model has no tokenizer: pass token ids instead of text")
@@ -263,7 +272,14 @@ class LLM:
     def _result(prompt, ids: list[int], out: RequestOutput) -> GenerationResult:
         completion = CompletionOutput(out.text, out.token_ids, out.finish_reason, out.logprobs)
         return GenerationResult(
-            prompt, ids, [completion], out.elapsed_s, out.first_token_s, out.metrics, out.prompt_logprobs
+            prompt,
+            ids,
+            [completion],
+            out.elapsed_s,
+            out.first_token_s,
+            out.metrics,
+            out.prompt_logprobs,
+            out.prediction_tokens,
         )
 
 
@@ -351,10 +367,11 @@ def _is_vllm_prompt(prompt: object) -> bool:
     return isinstance(prompt, dict) and "role" not in prompt and any(key in prompt for key in VLLM_PROMPT_KEYS)
 
 
-def _vllm_prompt(prompt: dict) -> str | list:
-    """The text or the token ids of a vLLM prompt dict, a clear error for any other dict."""
+def _vllm_prompt(prompt: dict) -> tuple[str | list, str | None]:
+    """The text or the token ids of a vLLM prompt dict, and its suffix (None without one: a prompt
+    with one is the text before a gap, `Tokenizer.infill`); a clear error for any other dict."""
     given = [key for key in VLLM_PROMPT_KEYS if key in prompt]
-    others = sorted(map(str, set(prompt) - set(VLLM_PROMPT_KEYS)))
+    others = sorted(map(str, set(prompt) - {*VLLM_PROMPT_KEYS, "suffix"}))
     if len(given) != 1 or others:
         why = f"it has {', '.join(others)}" if others else "it has " + (" and ".join(given) or "neither")
         raise ForerunError(f"{PROMPT_FORMS}; a prompt dict holds exactly one of prompt and prompt_token_ids: {why}")
@@ -365,7 +382,10 @@ def _vllm_prompt(prompt: dict) -> str | list:
         not isinstance(value, (list, tuple)) or any(isinstance(t, (dict, list, tuple)) for t in value)
     ):
         raise ForerunError(f'a prompt dict\'s "prompt_token_ids" is a list of token ids, got {value!r:.80}')
-    return value
+    suffix = prompt.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise ForerunError(f'a prompt dict\'s "suffix" is text (what follows the gap), not a {type(suffix).__name__}')
+    return value, suffix
 
 
 def _named_by_text(draft: object, options: dict | None) -> tuple[object, dict | None]:

@@ -380,3 +380,20 @@ class TestGGUFPairIsBitExact:
         with capsys.disabled():
             kept = f"{got.metrics.num_accepted_tokens}/{got.metrics.num_draft_tokens}"
             print(f"\ngguf pair, a forced tool call, {calls[0].arguments}: {kept} drafts kept")
+
+    def test_the_coder_fills_in_a_gap_and_speculation_writes_the_same(
+        self, target_gguf: LoadedModel, draft_gguf: LoadedModel, capsys
+    ) -> None:
+        prefix = "import json\n\n\ndef load(path):\n    with open(path) as f:\n"
+        ids = target_gguf.tokenizer.infill(prefix, "\n    return data\n")
+        assert target_gguf.tokenizer.infill_markers == (151659, 151661, 151660)  # <|fim_prefix|>, suffix, middle
+        params = SamplingParams(max_tokens=24)
+        plain = LLM(target_gguf).generate(ids, params)[0].outputs[0]
+        assert "json.load(f)" in plain.text and "return data" not in plain.text, plain.text
+        assert plain.finish_reason == "stop"
+        spec = LLM(target_gguf, speculative_model=draft_gguf, num_speculative_tokens=3, speculative_k_policy="fixed")
+        got = spec.generate(ids, params)[0]
+        assert got.token_ids == plain.token_ids, (got.outputs[0].text, plain.text)
+        with capsys.disabled():
+            kept = f"{got.metrics.num_accepted_tokens}/{got.metrics.num_draft_tokens}"
+            print(f"\ngguf pair, a filled-in gap, {plain.text!r}: {kept} drafts kept")

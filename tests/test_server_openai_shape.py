@@ -156,8 +156,11 @@ def test_the_schema_describes_what_the_server_takes(plain) -> None:
     assert {"name", "tool_call_id"} <= set(schemas["ChatMessage"]["properties"])
     for request in ("CompletionRequest", "ChatCompletionRequest"):
         fields = schemas[request]["properties"]
-        assert {"store", "metadata", "service_tier", "best_of", "suffix", "tools", "response_format"} <= set(fields)
+        assert {"store", "metadata", "service_tier", "best_of", "tools", "response_format"} <= set(fields)
     assert "not supported" in schemas["CompletionRequest"]["properties"]["tools"]["description"]
+    # a completion's suffix is a gap to fill in; chat takes none
+    assert "fill" in schemas["CompletionRequest"]["properties"]["suffix"]["description"]
+    assert "suffix" not in schemas["ChatCompletionRequest"]["properties"]
     chat_fields = schemas["ChatCompletionRequest"]["properties"]
     assert {"tools", "tool_choice", "parallel_tool_calls"} <= set(chat_fields)
     assert "not supported" not in chat_fields["tools"].get("description", "")

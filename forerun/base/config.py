@@ -131,6 +131,10 @@ class SamplingParams:
     # The text leaves out special tokens' text (vLLM's default); False keeps it (tool calls whose
     # tags a vocabulary marks special are read from it).
     skip_special_tokens: bool = True
+    # What the answer is expected to be, much of it (OpenAI's predicted outputs: a file an edit
+    # rewrites), as text or token ids: drafters that copy text draft from it too. Only the speed
+    # changes; the answer is the target's whatever the prediction says.
+    prediction: str | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -173,6 +177,7 @@ class SamplingParams:
         _check_adjustments(self)
         _check_stop_token_ids(self)
         _check_structured_outputs(self)
+        _check_prediction(self)
 
     @property
     def greedy(self) -> bool:
@@ -209,6 +214,18 @@ def _check_structured_outputs(params: SamplingParams) -> None:
             "ignore_eos would write past the end of a structured output (it ends with a stop token once "
             "complete): leave out one of them",
         )
+
+
+def _check_prediction(params: SamplingParams) -> None:
+    """A prediction as text or a tuple of token ids; named when it is anything else."""
+    value = params.prediction
+    if value is None or isinstance(value, str):
+        return
+    if not isinstance(value, (list, tuple)) or any(not is_whole(t) or t < 0 for t in value):
+        raise FieldError(
+            "prediction", f"prediction must be text or a list of token ids (whole numbers >= 0), got {value!r:.80}"
+        )
+    object.__setattr__(params, "prediction", tuple(int(t) for t in value))
 
 
 def _check_stop_token_ids(params: SamplingParams) -> None:

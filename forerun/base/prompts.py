@@ -22,7 +22,9 @@ class Prompt:
     prompt_id: str  # stable across runs of the same file: the question_id, else the record number
     category: str  # as written in the file
     task: str  # the task kind reports group by (Spec-Bench folds MT-bench into one, unless one is asked for)
-    text: str  # the first user turn
+    text: str  # the first user turn (with a suffix: the text before the gap)
+    suffix: str | None = None  # the text after a gap the answer fills in (`Tokenizer.infill`); None: none
+    prediction: str | None = None  # what the answer is expected to be (`SamplingParams.prediction`)
 
 
 def load_prompts(
@@ -41,7 +43,10 @@ def load_prompts(
     records = read_prompts_file(path)
     ids = _prompt_ids(records)
     prompts = [
-        Prompt(ids[i], _category(r), _task(_category(r), is_spec_bench), r["prompt"]) for i, r in enumerate(records)
+        Prompt(
+            ids[i], _category(r), _task(_category(r), is_spec_bench), r["prompt"], r.get("suffix"), r.get("prediction")
+        )
+        for i, r in enumerate(records)
     ]
     if categories:
         wanted, named = _expand_categories(categories, prompts), set(categories)
@@ -86,7 +91,8 @@ def in_vocabulary(ids: list[int], vocab_size: int) -> list[int]:
 
 
 def read_prompts_file(path: str | Path) -> list[dict]:
-    """JSONL records with `prompt` (or `turns`, whose first item is used); other fields are kept."""
+    """JSONL records with `prompt` (or `turns`, whose first item is used), a `suffix` where the
+    answer fills the gap between them, a `prediction` of the answer; other fields are kept."""
     path = Path(path)
     if path.is_dir():
         raise ForerunError(f"prompts file {path} is a folder: give a .jsonl file, one JSON object a line")
@@ -114,6 +120,9 @@ def read_prompts_file(path: str | Path) -> list[dict]:
             text = obj["turns"][0]
         else:
             raise ForerunError(f"{path}, line {number}: missing 'prompt' (a string) or 'turns' (a list of strings)")
+        for name, what in (("suffix", "the text after the gap"), ("prediction", "the answer expected")):
+            if obj.get(name) is not None and not isinstance(obj[name], str):
+                raise ForerunError(f"{path}, line {number}: '{name}' must be a string ({what})")
         records.append({**obj, "prompt": valid_unicode(text, f"{path}, line {number}: the prompt")})
     if not records:
         raise ForerunError(f"prompts file {path} holds no prompts")

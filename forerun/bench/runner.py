@@ -260,7 +260,12 @@ def _encode(prompts: list[Prompt], target: LoadedModel, cfg: BenchConfig, notes:
     cases, too_long = [], []
     tools = cfg.tools.tools if cfg.tools is not None else None
     for p in prompts:
-        ids = tok.apply_chat([{"role": "user", "content": p.text}], tools=tools) if chat else tok.encode(p.text)
+        if p.suffix is not None:  # a gap to fill in: the model's own prompt for that, no chat turn
+            ids = tok.infill(p.text, p.suffix)
+        elif chat:
+            ids = tok.apply_chat([{"role": "user", "content": p.text}], tools=tools)
+        else:
+            ids = tok.encode(p.text)
         if len(ids) + cfg.sampling.max_tokens > limit:
             too_long.append(p.prompt_id)
         else:
@@ -355,6 +360,8 @@ def _warm_up(contenders: list[Contender], ids: list[int], sampling: SamplingPara
 
 
 def _params_for(prompt: Prompt, sampling: SamplingParams) -> SamplingParams:
+    if prompt.prediction is not None:  # forerun's contenders draft from it; the peers take none
+        sampling = replace(sampling, prediction=prompt.prediction)
     # Sampled runs: one seed per prompt, the same for every method, stable across resumed runs.
     if sampling.greedy:
         return sampling

@@ -87,7 +87,9 @@ def register(sub) -> None:
     g.add_argument(
         "--dataset",
         default="spec-bench",
-        help="spec-bench (bundled) or a JSONL file: 'prompt' or 'turns' per line, optional 'category'",
+        help="spec-bench (bundled) or a JSONL file: 'prompt' or 'turns' per line, optional 'category', "
+        "'suffix' for a gap the answer fills in (the model's fill-in-the-middle prompt, not a chat turn) and "
+        "'prediction' (text the answer is expected to be, which forerun's drafters copy from)",
     )
     g.add_argument(
         "--categories",

@@ -360,7 +360,7 @@ def tools_from_args(args: argparse.Namespace, chat_hint: str = "add --chat") -> 
     if not args.chat:
         raise ForerunError(f"--tools go to the chat template: {chat_hint}")
     try:
-        tools = json.loads(_read_text(Path(args.tools), "--tools"))
+        tools = json.loads(read_text_flag(Path(args.tools), "--tools"))
     except ValueError as exc:
         raise ForerunError(f"--tools: {args.tools} is not JSON: {exc}") from None
     word = args.tool_choice in ("none", "auto", "required")
@@ -414,21 +414,21 @@ def _structured_from_args(args: argparse.Namespace) -> StructuredOutputsParams |
         if not schema.lstrip().startswith(("{", "true")):
             if not Path(schema).is_file():
                 raise ForerunError(f"--json-schema takes a schema's JSON or a file holding it; {schema!r} is neither")
-            schema = _read_text(Path(schema), "--json-schema")
+            schema = read_text_flag(Path(schema), "--json-schema")
         spec = StructuredOutputsParams(json=schema)
     elif args.regex is not None:
         spec = StructuredOutputsParams(regex=args.regex)
     elif args.choice is not None:
         spec = StructuredOutputsParams(choice=args.choice)
     elif args.grammar_file is not None:
-        spec = StructuredOutputsParams(grammar=_read_text(Path(args.grammar_file), "--grammar-file"))
+        spec = StructuredOutputsParams(grammar=read_text_flag(Path(args.grammar_file), "--grammar-file"))
     else:
         return None
     grammar_text(spec)  # a grammar that cannot be followed is told before the model loads
     return spec
 
 
-def _read_text(path: Path, flag: str) -> str:
+def read_text_flag(path: Path, flag: str) -> str:
     """A text file a flag names; a clear error when it cannot be read."""
     try:
         return path.read_text(encoding="utf-8")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 from forerun.api import LLM
 from forerun.base.config import SamplingParams
@@ -18,6 +20,7 @@ from forerun.commands.common import (
     add_spec_args,
     add_tool_args,
     quantization_arg,
+    read_text_flag,
     sampling_from_args,
     spec_from_args,
     tools_from_args,
@@ -29,6 +32,20 @@ def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text, with or without speculation")
     add_model_args(p, quantization="auto")
     add_prompt_args(p)
+    p.add_argument(
+        "--suffix",
+        default=None,
+        metavar="TEXT",
+        help="the text after a gap: each --prompt is the text before it and the answer fills it in (a code "
+        "model's fill-in-the-middle; a --prompts-file line gives its own as 'suffix')",
+    )
+    p.add_argument(
+        "--prediction-file",
+        default=None,
+        metavar="FILE",
+        help="text much of the answer is expected to be (OpenAI's predicted output: the file an edit rewrites); "
+        "the drafters that copy text (suffix, auto) draft from it too, so only the speed changes",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     add_sampling_args(p)
     add_tool_args(p)
@@ -53,16 +70,13 @@ def build_llm(args: argparse.Namespace, method: str | None = None) -> LLM:
 
 
 def run(args: argparse.Namespace) -> int:
-    prompts = [valid_unicode(text, "--prompt") for text in args.prompt]
-    if args.prompts_file:
-        prompts += [r["prompt"] for r in read_prompts_file(args.prompts_file)]
-    if not prompts:
-        raise ForerunError("no prompt given: use --prompt TEXT or --prompts-file F.jsonl")
+    prompts = _prompts(args)
     params = sampling_from_args(args)
+    if args.prediction_file is not None:
+        params = replace(params, prediction=read_text_flag(Path(args.prediction_file), "--prediction-file"))
     tools = tools_from_args(args)
     llm = build_llm(args)
     speculative = llm.spec.method is not None
-    prompts = [[{"role": "user", "content": text}] if args.chat else text for text in prompts]
     if tools is not None:
         prompts, params = _with_tools(llm, prompts, params, tools)
     for index, ids in enumerate(checked_prompts(llm, prompts, params)):
@@ -82,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
             }
             if speculative:
                 record["spec"] = result.metrics.to_dict()
+            if result.prediction_tokens is not None:
+                record["accepted_prediction_tokens"], record["rejected_prediction_tokens"] = result.prediction_tokens
             if tools is not None and tools.choice != "none":
                 record["tool_calls"] = _calls(result.text, tools)
             print(json.dumps(record), flush=True)
@@ -93,6 +109,23 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(summary_line(result, speculative), file=sys.stderr)
     return 0
+
+
+def _prompts(args: argparse.Namespace) -> list[str | dict | list[dict]]:
+    """The prompts of --prompt and --prompts-file, as `LLM.generate` takes them: a chat turn each
+    with --chat, a {"prompt", "suffix"} dict where a suffix makes a gap to fill in."""
+    given = [(valid_unicode(text, "--prompt"), args.suffix) for text in args.prompt]
+    if args.suffix is not None:
+        valid_unicode(args.suffix, "--suffix")
+    if args.prompts_file:
+        given += [(r["prompt"], r.get("suffix")) for r in read_prompts_file(args.prompts_file)]
+    if not given:
+        raise ForerunError("no prompt given: use --prompt TEXT or --prompts-file F.jsonl")
+    if args.chat and any(suffix is not None for _, suffix in given):
+        raise ForerunError("a prompt with a suffix fills in a gap, it is no chat turn: leave out --chat or the suffix")
+    if args.chat:
+        return [[{"role": "user", "content": text}] for text, _ in given]
+    return [text if suffix is None else {"prompt": text, "suffix": suffix} for text, suffix in given]
 
 
 def _with_tools(

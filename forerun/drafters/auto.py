@@ -82,6 +82,10 @@ class SuffixFirst(Drafter):
         self.grammar = grammar
         self.second.follow(grammar)
 
+    def expect(self, tokens: list[int]) -> None:
+        self.suffix.expect(tokens)
+        self.second.expect(tokens)
+
     def _forced(self) -> list[int]:
         """The tokens the request's structured output takes next whatever is said (none without one)."""
         return self.grammar.forced() if self.grammar is not None else []

@@ -60,6 +60,12 @@ class Drafter(ABC):
         text cannot take is refused at its row), only kept less often."""
         return None
 
+    def expect(self, tokens: list[int]) -> None:
+        """What the request's answer is expected to be, much of it (`SamplingParams.prediction`,
+        tokenized; empty: nothing expected), told after `start`. A drafter that copies text may
+        draft from it; any other leaves it."""
+        return None
+
     def end(self, output_ids: list[int]) -> None:
         """The request ended with this output (a drafter that remembers earlier outputs adds it)."""
         return None

@@ -1,15 +1,18 @@
 """Suffix drafting, in the manner of SuffixDecoding: propose the most frequent continuation of the
-longest match of the context's end, from the prompt, this request's output and earlier outputs.
+longest match of the context's end, from the prompt, this request's output, what the request says
+its answer will be like, and earlier outputs.
 
-Two indexes, each a suffix trie cut at `depth` tokens: every node is a string that occurred, with
+Three indexes, each a suffix trie cut at `depth` tokens: every node is a string that occurred, with
 how often it occurred (`count`) and when last (`last`). The request's trie holds its prompt and its
-output so far, kept up to date with the tokens that arrived since the last call; the memory's trie
-holds the outputs of earlier requests (the most recent `max_global_tokens`), each added when its
-request ends. A memory may be shared by several drafters: every lane of a server drafts from what
+output so far, kept up to date with the tokens that arrived since the last call; the prediction's
+holds the text the request expects (`expect`: OpenAI's predicted output, empty without one); the
+memory's trie holds the outputs of earlier requests (the most recent `max_global_tokens`), each
+added when its request ends. A memory may be shared by several drafters: every lane of a server drafts from what
 any earlier request answered, not only the ones that ran on its lane (LLM.new_engine shares it).
 
 A proposal: find the longest suffix of the context, from `max_match` tokens down to `min_match`,
-that occurred before with something after it (in either trie; the request's wins a tie). Then walk
+that occurred before with something after it (in any trie; the request's wins a tie, then the
+prediction's). Then walk
 down, each time to the child seen most often (the most recent on a tie), while the product of the
 children's shares stays at least `min_prob`. When the walk leaves the trie's depth it matches again
 on the context plus the draft so far. If at some node the runner-up child was seen at least
@@ -186,6 +189,7 @@ class SuffixDrafter(Drafter):
         self.memory = memory if memory is not None else SuffixMemory(depth, max_global_tokens)
         self.local = SuffixTrie(depth)
         self.tokens: list[int] = []  # what the request's trie holds
+        self.predicted = SuffixTrie(depth)  # the request's prediction (`expect`)
 
     def max_rows(self, k: int) -> int:
         return 2 * k  # a main branch and one more of at most k
@@ -194,6 +198,13 @@ class SuffixDrafter(Drafter):
         """A new request: the request's trie starts over."""
         self.local, self.tokens = SuffixTrie(self.depth), []
         self._extend(list(prompt_ids))
+
+    def expect(self, tokens: list[int]) -> None:
+        """The request's prediction: its own trie, drafted from as the prompt's is."""
+        self.predicted = SuffixTrie(self.depth)
+        self.predicted.begin_text()
+        for t in tokens:
+            self.predicted.append(t)
 
     def propose(self, context: list[int], k: int, params: SamplingParams, generator: Draws) -> DraftTree | None:
         return self.propose_with_match(context, k, params, generator)[0]
@@ -255,7 +266,7 @@ class SuffixDrafter(Drafter):
         """(trie, node, length) of the longest suffix of `tokens` that occurred with a follower."""
         for length in range(min(self.max_match, len(tokens)), self.min_match - 1, -1):
             suffix = tokens[len(tokens) - length :]
-            for trie in (self.local, self.memory.trie):
+            for trie in (self.local, self.predicted, self.memory.trie):
                 node = trie.walk(suffix)
                 if node is not None and trie.kids[node]:
                     return trie, node, length

@@ -13,7 +13,7 @@ from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.drafters.base import Drafter
 from forerun.drafters.passes import DraftPass, DraftSteps, run_alone
-from forerun.engine.metrics import SpecMetrics
+from forerun.engine.metrics import SpecMetrics, prediction_used
 from forerun.engine.sequence import Sequence
 from forerun.models import linear
 from forerun.models.kv_cache import KVCache
@@ -114,6 +114,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # each of token_ids' (params.logprobs)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # each prompt token's, entry 0 None
     num_cached_tokens: int = 0  # prompt tokens whose rows came from the prefix cache
+    # With SamplingParams.prediction: (accepted, rejected) prediction tokens (`prediction_used`)
+    prediction_tokens: tuple[int, int] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -137,6 +139,7 @@ class Running:
     logprobs: list[TokenLogprob] | None = None  # every emitted token's, when asked
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int = 0  # prompt rows restored from the prefix cache
+    predicted: list[int] | None = None  # its prediction's tokens (None: it has none)
 
     def step_output(self, emitted: list[int]) -> StepOutput:
         """What a step that appended `emitted` hands out: the tokens, their text and log probabilities."""
@@ -211,6 +214,7 @@ class Engine:
                 )
         if params.structured_outputs is not None:  # one its grammar cannot follow, or a model without a tokenizer
             check_grammar(params.structured_outputs, self.target.tokenizer, vocab)
+        self._predicted(params)  # a prediction in text without a tokenizer, or beyond the vocabulary
         return check_prompt_fits(self.target.decoder.cfg.max_position, prompt_ids, params.max_tokens) + self.rows + 1
 
     def stream(
@@ -261,6 +265,7 @@ class Engine:
             SpecMetrics(num_speculative_tokens=self.k),
             time.perf_counter(),
             logprobs=[] if params.logprobs is not None else None,
+            predicted=self._predicted(params),
         )
         if self.policy is not None:
             self.policy.start()
@@ -268,6 +273,7 @@ class Engine:
             with linear.prefill():
                 self.drafter.start(seq.prompt_ids, run.cache, max_len)
             self.drafter.follow(seq.grammar)
+            self.drafter.expect(run.predicted or [])
         hidden = None
         if like is not None and self._can_share(like, params):
             logits = _share_prefill(run, like)
@@ -286,6 +292,22 @@ class Engine:
         out = run.step_output([first])
         out.prompt_logprobs = run.prompt_logprobs
         return run, out
+
+    def _predicted(self, params: SamplingParams) -> list[int] | None:
+        """The prediction's tokens (None without one): text tokenized alone, as a continuation."""
+        prediction = params.prediction
+        if prediction is None or not isinstance(prediction, str):
+            ids = None if prediction is None else list(prediction)
+        elif self.target.tokenizer is None:
+            raise ForerunError("this model has no tokenizer: give the prediction as token ids")
+        else:
+            ids = list(self.target.tokenizer.hf.encode(prediction, add_special_tokens=False))
+        vocab, context = self.target.decoder.cfg.vocab_size, self.target.decoder.cfg.max_position
+        if ids is not None and any(token >= vocab for token in ids):
+            raise ForerunError(f"the prediction names a token beyond the vocabulary of {vocab}: use ids below {vocab}")
+        if ids is not None and len(ids) > context:  # its trie takes memory as a prompt's does
+            raise ForerunError(f"the prediction's {len(ids)} tokens are over the context of {context}: shorten it")
+        return ids
 
     def _grammar(self, params: SamplingParams) -> Grammar | None:
         """A structured output's start (None without one)."""
@@ -358,6 +380,7 @@ class Engine:
             run.logprobs,
             run.prompt_logprobs,
             run.cached_tokens,
+            None if run.predicted is None else prediction_used(run.predicted, seq.output_ids),
         )
 
     def step(self, run: Running) -> list[int]:

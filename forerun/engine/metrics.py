@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 
 
@@ -94,3 +95,12 @@ class SpecMetrics:
             "predicted_mean_accepted_length": round(self.predicted_mean_accepted_length, 4),
             "draft_seconds": round(self.draft_seconds, 6),
         }
+
+
+def prediction_used(prediction: list[int], output: list[int]) -> tuple[int, int]:
+    """(accepted, rejected): the prediction's tokens that the output holds in the same order, as
+    difflib matches them, and the rest; OpenAI's accepted / rejected prediction tokens. A count of
+    what the answer kept of the prediction, whatever drafter drafted from it."""
+    blocks = difflib.SequenceMatcher(None, prediction, output).get_matching_blocks()
+    accepted = sum(block.size for block in blocks)
+    return accepted, len(prediction) - accepted

@@ -14,6 +14,8 @@ from forerun.models.tokenizer import Tokenizer
 # A character-level vocabulary: specials, then printable ASCII.
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+# A code model's fill-in-the-middle markers and padding, after the characters (`infill=True`).
+_INFILL = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>"]
 
 
 def tiny_config(vocab_size: int = 128, num_layers: int = 2, architecture: str = "qwen2", **overrides) -> DecoderConfig:
@@ -51,18 +53,20 @@ def tiny_decoder(cfg: DecoderConfig | None = None, seed: int = 0, scale: float =
     return decoder.eval()
 
 
-def tiny_tokenizer_folder(folder: Path) -> Path:
-    """Write a character-level Hugging Face tokenizer (with a chat template) into `folder`."""
+def tiny_tokenizer_folder(folder: Path, infill: bool = False) -> Path:
+    """Write a character-level Hugging Face tokenizer (with a chat template) into `folder`; with
+    `infill`, Qwen2.5-Coder's fill-in-the-middle tokens follow the characters."""
     from tokenizers import Tokenizer as HFTok
     from tokenizers import decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(_SPECIALS + _CHARS)}
+    specials = _SPECIALS + (_INFILL if infill else [])
+    vocab = {t: i for i, t in enumerate(_SPECIALS + _CHARS + (_INFILL if infill else []))}
     tok = HFTok(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=_SPECIALS
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=specials
     )
     fast.chat_template = (
         # tools as Qwen's template shows them, shortly: each function's name; calls in <tool_call> blocks
@@ -79,22 +83,24 @@ def tiny_tokenizer_folder(folder: Path) -> Path:
     return folder
 
 
-def tiny_tokenizer(folder: Path) -> Tokenizer:
+def tiny_tokenizer(folder: Path, infill: bool = False) -> Tokenizer:
     from transformers import AutoTokenizer
 
-    return Tokenizer(AutoTokenizer.from_pretrained(str(tiny_tokenizer_folder(folder))))
+    return Tokenizer(AutoTokenizer.from_pretrained(str(tiny_tokenizer_folder(folder, infill))))
 
 
 TINY_VOCAB = len(_SPECIALS) + len(_CHARS)  # 99 tokens
+TINY_INFILL_VOCAB = TINY_VOCAB + len(_INFILL)  # with infill=True's tokens
 
 
 def tiny_model(seed: int = 0, tokenizer: Tokenizer | None = None, name: str = "tiny", **cfg_overrides) -> LoadedModel:
-    cfg = tiny_config(vocab_size=TINY_VOCAB, **cfg_overrides)
+    cfg = tiny_config(vocab_size=TINY_VOCAB if tokenizer is None else tokenizer.vocab_size, **cfg_overrides)
     return LoadedModel(name, tiny_decoder(cfg, seed), tokenizer, ModelSource("memory", Path("."), name))
 
 
-def save_hf_folder(model: LoadedModel, folder: Path) -> Path:
-    """Save a tiny model as a Hugging Face folder (config.json + model.safetensors + tokenizer)."""
+def save_hf_folder(model: LoadedModel, folder: Path, infill: bool = False) -> Path:
+    """Save a tiny model as a Hugging Face folder (config.json + model.safetensors + tokenizer, with
+    the fill-in-the-middle tokens where `infill`)."""
     from safetensors.torch import save_file
 
     cfg = model.decoder.cfg
@@ -122,7 +128,7 @@ def save_hf_folder(model: LoadedModel, folder: Path) -> Path:
         if not (cfg.tie_embeddings and k == "lm_head.weight")
     }
     save_file(state, str(folder / "model.safetensors"))
-    tiny_tokenizer_folder(folder)
+    tiny_tokenizer_folder(folder, infill)
     return folder
 
 

@@ -1,5 +1,5 @@
-"""Tokenizer and chat template (from transformers), every token id that ends generation, and an
-output's text a token at a time."""
+"""Tokenizer and chat template (from transformers), every token id that ends generation, a code
+model's fill-in-the-middle prompt, and an output's text a token at a time."""
 
 from __future__ import annotations
 
@@ -11,8 +11,25 @@ from forerun.base.errors import ForerunError
 from forerun.base.prompts import valid_unicode
 from forerun.base.tools import CALL_OPEN
 
-# Special tokens that end a turn or a document in the common families; llama.cpp stops on the same.
-_STOP_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>", "<|EOT|>"}
+# Special tokens that end a turn or a document in the common families (and a code model's padding
+# and file separators, which end a filled-in middle); llama.cpp stops on the same.
+_STOP_TEXTS = {
+    *("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>", "<|EOT|>"),
+    *("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<fim_pad>", "<file_sep>"),
+}
+# Fill-in-the-middle markers of the code-model families, in the order the prompt writes them: before
+# the text ahead of the gap, before the text after it, and where the model writes what goes between.
+INFILL_MARKERS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, CodeGemma
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, StarCoder2
+    ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),  # SantaCoder
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
+)
+NO_INFILL = (
+    "this model's vocabulary has no fill-in-the-middle tokens (such as <|fim_prefix|>), so it cannot fill "
+    "in text before a suffix; leave out the suffix, or use a code model trained to fill in (Qwen2.5-Coder, "
+    "StarCoder, DeepSeek-Coder)"
+)
 NO_TOOLS = "this model's chat template does not show the model tools, so it cannot call them; leave out tools"
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece vocabulary's byte fallback
 
@@ -78,6 +95,35 @@ class Tokenizer:
 
         backend = getattr(self.hf, "backend_tokenizer", None)
         return isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
+
+    @functools.cached_property
+    def infill_markers(self) -> tuple[int, int, int] | None:
+        """The ids of the vocabulary's fill-in-the-middle markers (prefix, suffix, middle), None where
+        it has none: each must be one added token."""
+        added = {str(token): int(i) for i, token in getattr(self.hf, "added_tokens_decoder", {}).items()}
+        for names in INFILL_MARKERS:
+            if all(name in added for name in names):
+                return tuple(added[name] for name in names)
+        return None
+
+    def infill(self, prefix: str | Sequence[int], suffix: str) -> list[int]:
+        """A fill-in-the-middle prompt: the model writes what goes between `prefix` (text, or its
+        token ids) and `suffix`, as llama.cpp's /infill asks it, prefix first. Each side is tokenized
+        alone, so no token spans a marker; a tokenizer that opens a text with BOS opens this one."""
+        if self.infill_markers is None:
+            raise ForerunError(NO_INFILL)
+        before_gap, after_gap, middle = self.infill_markers
+        if isinstance(prefix, str):
+            prefix = self.hf.encode(valid_unicode(prefix, "the prompt"), add_special_tokens=False)
+        after = self.hf.encode(valid_unicode(suffix, "the suffix"), add_special_tokens=False)
+        return [*self._opening, before_gap, *prefix, after_gap, *after, middle]
+
+    @functools.cached_property
+    def _opening(self) -> list[int]:
+        """What `encode` puts before a text's own tokens (BOS, for the tokenizers that add one)."""
+        bos = self.hf.bos_token_id
+        opens = bos is not None and self.hf.encode("a", add_special_tokens=True)[:1] == [bos]
+        return [int(bos)] if opens else []
 
     def apply_chat(
         self,

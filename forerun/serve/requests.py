@@ -64,9 +64,10 @@ _COMMON = {
     "min_tokens",
     "stop_token_ids",
     "skip_special_tokens",
+    "prediction",
     *STRUCTURED_FIELDS,
 }
-_COMPLETIONS = _COMMON | {"prompt", "echo"}
+_COMPLETIONS = _COMMON | {"prompt", "echo", "suffix"}
 _CHAT = _COMMON | {
     "messages",
     "max_completion_tokens",
@@ -80,12 +81,10 @@ _CHAT = _COMMON | {
 # Fields of OpenAI's or vLLM's API that forerun cannot honour, with the values that ask for nothing.
 NEUTRAL: dict[str, tuple] = {
     "best_of": (None, 1),
-    "suffix": (None, ""),
     "tools": (None, []),  # chat's; a completion takes them only as these
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "prediction": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "reasoning_effort": (None,),
@@ -146,6 +145,9 @@ class Checked:
     structured: StructuredOutputsParams | None = None  # what the whole text must be (`serve.structured`)
     tools: ToolChoice | None = None  # chat: the functions offered and how they may be called
     skip_special_tokens: bool = True  # vLLM's: the text leaves out special tokens' (off to read their tool calls)
+    suffix: str | None = None  # completions: the text after the gap each prompt's answer fills in
+    # OpenAI's predicted output: text much of the answer is expected to be (its tokens once tokenized)
+    prediction: str | tuple[int, ...] | None = None
 
 
 # --- the body --------------------------------------------------------------------------------------
@@ -216,12 +218,13 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
         logprobs = integer(body, "top_logprobs", 0 if flag(body, "logprobs") else None)
         if logprobs is not None and not flag(body, "logprobs"):
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-        name, echo = "top_logprobs", False
+        name, echo, suffix = "top_logprobs", False, None
         prompts: list[str | list[int] | list[dict]] = [_chat_turns(body, limits)]
         _template_options(body, prompts[0])
     else:
         logprobs, name, echo = integer(body, "logprobs", None), "logprobs", flag(body, "echo")
         prompts = _completion_prompts(body, limits)
+        suffix = _suffix(body, echo, limits)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise BadRequest(f"{name} must be between 0 and {MAX_LOGPROBS}, got {logprobs}", name)
     try:
@@ -232,7 +235,41 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
     if (structured is not None or (tools is not None and tools.forced)) and flag(body, "ignore_eos"):
         raise BadRequest("ignore_eos would write past the end of a structured output; leave it out", "ignore_eos")
     skip = body.get("skip_special_tokens") is None or flag(body, "skip_special_tokens")
-    return Checked(chat, prompts, n, stream, include_usage, logprobs, echo, body, structured, tools, skip)
+    prediction = _prediction(body.get("prediction"), limits)
+    return Checked(
+        chat, prompts, n, stream, include_usage, logprobs, echo, body, structured, tools, skip, suffix, prediction
+    )
+
+
+def _prediction(value, limits: Limits) -> str | None:
+    """OpenAI's predicted output, `{"type": "content", "content": text or text parts}`, as its text."""
+    if value is None:
+        return None
+    shape = 'prediction must be {"type": "content", "content": the text expected, or a list of text parts}'
+    if not isinstance(value, dict) or value.get("type") != "content" or set(value) - {"type", "content"}:
+        raise BadRequest(f"{shape}, got {shown(value)}", "prediction")
+    content = value.get("content")
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) and len(part) == 2
+        for part in content
+    ):
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise BadRequest(f"{shape}, got content {shown(content)}", "prediction")
+    return text(content, "prediction", limits.max_prompt_chars)
+
+
+def _suffix(body: dict, echo: bool, limits: Limits) -> str | None:
+    """A completion's suffix: the prompts are the text before a gap and this the text after it, and
+    the answer fills the gap (a code model's fill-in-the-middle; `Tokenizer.infill`)."""
+    suffix = body.get("suffix")
+    if suffix is None:
+        return None
+    if not isinstance(suffix, str):
+        raise BadRequest(f"suffix must be a string (the text after the gap), got {shown(suffix)}", "suffix")
+    if echo:
+        raise BadRequest("echo cannot be given with suffix: the answer fills a gap, not the prompt's end", "echo")
+    return text(suffix, "suffix", limits.max_prompt_chars)
 
 
 def _tools(body: dict, structured: StructuredOutputsParams | None) -> ToolChoice | None:
@@ -446,6 +483,7 @@ def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list
                     prompt_logprobs=prompt_logprobs,
                     structured_outputs=checked.structured,
                     skip_special_tokens=checked.skip_special_tokens,
+                    prediction=checked.prediction,
                     **adjustments,
                 )
                 for i in range(checked.n)
@@ -571,7 +609,7 @@ def scores_prompt_only(checked: Checked) -> bool:
 
 
 def tokenize(checked: Checked, tokenizer, vocab_size: int) -> list[list[int]]:
-    """Each prompt's token ids, and a structured output checked against the model's tokens (a
+    """Each prompt's token ids (a prediction's too), and a structured output checked against the model's tokens (a
     forced tool call's made here, and its tags' text kept where the vocabulary marks them special:
     `grammar.tool_output`). Slow for long prompts (and a first structured output): the server runs
     it on a worker thread."""
@@ -582,6 +620,8 @@ def tokenize(checked: Checked, tokenizer, vocab_size: int) -> list[list[int]]:
             raise BadRequest(str(exc), "tools") from None
         checked.structured = forced or checked.structured
         checked.skip_special_tokens = checked.skip_special_tokens and skip
+    if isinstance(checked.prediction, str) and tokenizer is not None:  # here, off the event loop and once
+        checked.prediction = tuple(tokenizer.hf.encode(checked.prediction, add_special_tokens=False))
     prompts = checked.prompts
     ids = []
     for index, prompt in enumerate(prompts):
@@ -618,6 +658,8 @@ def _faulty_tool(tools: ToolChoice, exc: ForerunError) -> BadRequest:
 
 def _tokenize_one(checked: Checked, prompt: str | list[int] | list[dict], tokenizer) -> list[int]:
     chat = checked.chat
+    if checked.suffix is not None and (checked.suffix or _infills(tokenizer)):
+        return _infill(prompt, checked.suffix, tokenizer)
     if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
         return list(prompt)
     if tokenizer is None:
@@ -638,6 +680,20 @@ def _tokenize_one(checked: Checked, prompt: str | list[int] | list[dict], tokeni
     if not ids:
         raise BadRequest("the prompt encodes to no tokens", "prompt")
     return ids
+
+
+def _infills(tokenizer) -> bool:
+    return tokenizer is not None and tokenizer.infill_markers is not None
+
+
+def _infill(prefix: str | list[int], suffix: str, tokenizer) -> list[int]:
+    """A prompt with a suffix: the model's fill-in-the-middle prompt for the gap between them."""
+    if tokenizer is None:
+        raise BadRequest("this model has no tokenizer, so it cannot read a suffix; leave out suffix", "suffix")
+    try:
+        return tokenizer.infill(prefix, suffix)
+    except ForerunError as exc:
+        raise BadRequest(str(exc), "suffix") from None
 
 
 # --- values ----------------------------------------------------------------------------------------

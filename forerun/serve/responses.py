@@ -199,12 +199,19 @@ class Reply:
         prompt = sum(len(ids) for ids in self.prompt_ids)
         firsts = choices[:: self.checked.n]  # each prompt's first sample, which ran its prefill
         cached = sum(c.output.num_cached_tokens for c in firsts if c.output is not None)
-        return {
+        usage = {
             "prompt_tokens": prompt,
             "completion_tokens": n,
             "total_tokens": prompt + n,
             "prompt_tokens_details": {"cached_tokens": cached},  # OpenAI's field: rows from the prefix cache
         }
+        used = [c.output.prediction_tokens for c in choices if c.output is not None and c.output.prediction_tokens]
+        if self.checked.prediction is not None:  # OpenAI's: what the answers kept of the prediction
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": sum(accepted for accepted, _ in used),
+                "rejected_prediction_tokens": sum(rejected for _, rejected in used),
+            }
+        return usage
 
     def _top(
         self,

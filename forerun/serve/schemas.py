@@ -48,6 +48,11 @@ class _Request(BaseModel):
     skip_special_tokens: bool | None = Field(
         None, description="vLLM's: false keeps special tokens' text (default true)"
     )
+    prediction: dict | None = Field(
+        None,
+        description='OpenAI\'s predicted output, {"type": "content", "content": text or text parts}: text much '
+        "of the answer is expected to be (a file an edit rewrites); drafted from, so only the speed changes",
+    )
     response_format: dict | None = Field(
         None,
         description='{"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", "json_schema": '
@@ -74,6 +79,11 @@ class CompletionRequest(_Request):
     ) = Field(description="text, or token ids; or a batch of either (choice p * n + i: prompt p's sample i)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives listed per token")
     echo: bool | None = Field(None, description="the prompt leads the text (max_tokens 0: the prompt alone)")
+    suffix: str | None = Field(
+        None,
+        description="the text after the gap: each prompt is the text before it, and the answer fills it in "
+        "(a code model's fill-in-the-middle tokens; not with echo)",
+    )
 
 
 class TextPart(BaseModel):
