@@ -17,7 +17,7 @@ from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import load_prompts
-from forerun.bench.runner import BenchConfig, _encode
+from forerun.bench.runner import BenchConfig, _encode, _settings_lines
 from forerun.cli import main
 from forerun.engine.engine import Engine
 from forerun.models.testing import TINY_INFILL_VOCAB, save_hf_folder, tiny_model, tiny_tokenizer
@@ -219,6 +219,9 @@ def test_a_bench_prompt_with_a_suffix_is_measured_on_the_infill_prompt(coder, tm
         coder.tokenizer.infill(PREFIX, SUFFIX),
         coder.tokenizer.apply_chat([{"role": "user", "content": "y"}]),
     ]
+    lines = dict(_settings_lines(BenchConfig("tiny", tmp_path, dataset=str(file)), cases, []))
+    assert lines["chat template"] == "yes (the 1 prompts with a suffix: the model's fill-in-the-middle prompt)"
+    assert "prediction" not in lines
     file.write_text(json.dumps({"prompt": PREFIX, "suffix": 5}) + "\n")
     with pytest.raises(ForerunError, match="'suffix' must be a string"):
         load_prompts(str(file))

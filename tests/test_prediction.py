@@ -167,3 +167,19 @@ def test_generate_takes_a_prediction_file_and_reports_what_was_kept(target_tok, 
     assert (record["accepted_prediction_tokens"], record["rejected_prediction_tokens"]) == (12, 0)
     assert main([*argv, "--prediction-file", str(tmp_path / "missing.txt")]) != 0
     assert "--prediction-file: cannot read" in capsys.readouterr().err
+
+
+def test_a_bench_prompt_with_a_prediction_runs_with_it_and_the_report_says_so(tmp_path) -> None:
+    from forerun.base.prompts import load_prompts
+    from forerun.bench.runner import BenchConfig, Case, _params_for, _settings_lines
+
+    file = tmp_path / "p.jsonl"
+    file.write_text(json.dumps({"prompt": "a", "prediction": "b c"}) + "\n" + json.dumps({"prompt": "d"}) + "\n")
+    with_it, without = load_prompts(str(file))
+    sampling = SamplingParams(max_tokens=4)
+    assert _params_for(with_it, sampling).prediction == "b c" and _params_for(without, sampling).prediction is None
+    lines = dict(_settings_lines(BenchConfig("tiny", tmp_path), [Case(with_it, [1]), Case(without, [2])], []))
+    assert lines["prediction"].startswith("1 prompts give one") and lines["chat template"] == "yes"
+    file.write_text(json.dumps({"prompt": "a", "prediction": ["b"]}) + "\n")
+    with pytest.raises(ForerunError, match="'prediction' must be a string"):
+        load_prompts(str(file))

@@ -463,9 +463,22 @@ def _settings_lines(cfg: BenchConfig, cases: list[Case], contenders: list[Conten
         ("K", ", ".join(map(str, cfg.ks))),
         *kv_cache,
         *(rounds if cfg.rounds > 1 else []),
-        ("chat template", "yes" if cfg.chat else "no"),
+        ("chat template", ("yes" if cfg.chat else "no") + _infill_note(cases)),
         *([("tools", _tools_line(cfg.tools))] if cfg.tools is not None else []),
+        *_prediction_line(cases),
     ]
+
+
+def _infill_note(cases: list[Case]) -> str:
+    infills = sum(case.prompt.suffix is not None for case in cases)
+    return f" (the {infills} prompts with a suffix: the model's fill-in-the-middle prompt)" if infills else ""
+
+
+def _prediction_line(cases: list[Case]) -> list[tuple[str, str]]:
+    predicted = sum(case.prompt.prediction is not None for case in cases)
+    if not predicted:
+        return []
+    return [("prediction", f"{predicted} prompts give one; forerun's drafters copy from it, the peers take none")]
 
 
 def _tools_line(tools: ToolChoice) -> str:
