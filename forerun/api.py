@@ -38,6 +38,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None  # each of token_ids', when SamplingParams.logprobs asks
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 @dataclass
@@ -270,7 +271,7 @@ class LLM:
 
     @staticmethod
     def _result(prompt, ids: list[int], out: RequestOutput) -> GenerationResult:
-        completion = CompletionOutput(out.text, out.token_ids, out.finish_reason, out.logprobs)
+        completion = CompletionOutput(out.text, out.token_ids, out.finish_reason, out.logprobs, out.stop_reason)
         return GenerationResult(
             prompt,
             ids,

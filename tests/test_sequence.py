@@ -227,3 +227,43 @@ def test_a_stream_that_strays_from_the_whole_decode_is_not_used_again():
     later = make(SamplingParams(max_tokens=2), tok)
     later.append(ord("c"))
     assert later.text == "xc" and tok.streamed == 1  # decoded whole: no stream asked for
+
+
+def test_the_stop_reason_names_the_stop_string_or_the_requests_own_stop_token():
+    seq = make(SamplingParams(max_tokens=50, stop=("xyz", "y")))
+    feed(seq, list(b"abxyz"))
+    assert seq.stop_reason == "y"  # the one that cut the text
+    seq = make(SamplingParams(max_tokens=50, stop_token_ids=(ord("!"),)))
+    feed(seq, list(b"hi!more"))
+    assert (seq.text, seq.stop_reason) == ("hi!", ord("!"))
+    for ids, max_tokens in ((list(b"hi") + [EOS], 50), (list(b"hello"), 3)):  # the model's end, and length
+        seq = make(SamplingParams(max_tokens=max_tokens, stop=("zz",)))
+        feed(seq, ids)
+        assert seq.finished and seq.stop_reason is None
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_that_ended_the_text():
+    seq = make(SamplingParams(max_tokens=50, stop=("END",), include_stop_str_in_output=True))
+    pieces = feed(seq, list(b"hello ENDworld"))
+    assert seq.text == "hello END" == "".join(pieces) and seq.stop_reason == "END"
+    seq = make(SamplingParams(max_tokens=50, stop=("c", "abcd"), include_stop_str_in_output=True))
+    feed(seq, list(b"xxabcd"), chunks=[6])  # both complete within one step: the earlier start's kept
+    assert seq.text == "xxabc" and seq.stop_reason == "c"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet=ALPHABET, min_size=1, max_size=24),
+    stop=st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=3), min_size=1, max_size=3),
+    chunks=st.lists(st.integers(1, 6), max_size=30),
+)
+def test_with_the_stop_string_kept_streamed_pieces_still_join_to_the_final_text(text, stop, chunks):
+    ids = list(text.encode()) + list(b"a" * 80)
+    seq = make(SamplingParams(max_tokens=60, stop=tuple(stop), include_stop_str_in_output=True))
+    cut, reason, kept = reference(ids, tuple(stop), 60)
+    whole = ByteTokenizer().decode(ids[:kept])
+    hits = sorted((whole.find(s), len(s), s) for s in stop if s in whole)
+    want = whole[: hits[0][0] + hits[0][1]] if reason == "stop" else cut
+    streamed = "".join(feed(seq, ids, chunks))
+    assert (seq.text, seq.finish_reason, len(seq.output_ids)) == (want, reason, kept)
+    assert streamed == want and seq.stop_reason == (hits[0][2] if reason == "stop" else None)

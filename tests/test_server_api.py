@@ -376,3 +376,34 @@ def test_min_tokens_holds_off_the_end_of_text_over_the_server(plain) -> None:
     want = alone(plain.llm, "abc", max_tokens=20, logit_bias={2: 7.0}, min_tokens=6)
     assert out["usage"]["completion_tokens"] == len(want.token_ids) >= 6
     assert out["choices"][0]["text"] == want.text
+
+
+@pytest.mark.parametrize("server", ["plain", "speculative"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_stop_string_and_stop_token_that_ended_a_choice_are_its_stop_reason(server, path, request) -> None:
+    served = request.getfixturevalue(server)
+    chat = path.endswith("chat/completions")
+    ask = {"messages": [{"role": "user", "content": "abc"}]} if chat else {"prompt": "abc"}
+    body = {"model": NAME, **ask, "max_tokens": 40, "temperature": 0}
+
+    def text(choice: dict) -> str:
+        return choice["message"]["content"] if chat else choice["text"]
+
+    free = post(served, body, path)["choices"][0]
+    assert free["stop_reason"] is None and len(text(free)) > 8
+    stop = text(free)[5:7]  # a piece of what the model writes: it ends the text there
+    cut = text(free)[: text(free).index(stop)]
+    whole = post(served, {**body, "stop": [stop, "never"]}, path)["choices"][0]
+    assert (text(whole), whole["finish_reason"], whole["stop_reason"]) == (cut, "stop", stop)
+    chunks = [c["choices"][0] for c in stream(served, {**body, "stop": [stop]}, path) if c["choices"]]
+    assert chunks[-1]["stop_reason"] == stop and all(c["stop_reason"] is None for c in chunks[:-1])
+    kept = post(served, {**body, "stop": [stop], "include_stop_str_in_output": True}, path)["choices"][0]
+    assert text(kept) == cut + stop and kept["stop_reason"] == stop
+    streamed = stream(served, {**body, "stop": [stop], "include_stop_str_in_output": True}, path)
+    pieces = [c["choices"][0]["delta"].get("content", "") if chat else c["choices"][0]["text"] for c in streamed]
+    assert "".join(pieces) == cut + stop
+    token = served.llm.tokenizer.encode(text(free))[3]
+    by_token = post(served, {**body, "stop_token_ids": [token]}, path)["choices"][0]
+    assert (by_token["finish_reason"], by_token["stop_reason"]) == ("stop", token)
+    ended = post(served, {**body, "max_tokens": 2}, path)["choices"][0]
+    assert (ended["finish_reason"], ended["stop_reason"]) == ("length", None)

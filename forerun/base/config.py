@@ -107,7 +107,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # keep the k likeliest tokens; 0 keeps all
     max_tokens: int = 128  # most new tokens to generate
-    stop: tuple[str, ...] = ()  # strings that end generation (not included in the text)
+    stop: tuple[str, ...] = ()  # strings that end generation (not included in the text: include_stop_str_in_output)
     seed: int | None = None  # seeds the sampler; None draws a fresh seed
     ignore_eos: bool = False  # keep going past stop tokens (benchmarks)
     # Log probabilities (the target's raw logits, before temperature, top-k and top-p): None computes
@@ -135,6 +135,7 @@ class SamplingParams:
     # rewrites), as text or token ids: drafters that copy text draft from it too. Only the speed
     # changes; the answer is the target's whatever the prediction says.
     prediction: str | tuple[int, ...] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the text stays in it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -146,7 +147,7 @@ class SamplingParams:
         for name in ("temperature", "top_p"):
             if not isinstance(getattr(self, name), Real) or isinstance(getattr(self, name), bool):
                 raise FieldError(name, f"{name} must be a number, got {getattr(self, name)!r}")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise FieldError(name, f"{name} must be True or False, got {getattr(self, name)!r}")
         if not (is_finite(self.temperature) and self.temperature >= 0):

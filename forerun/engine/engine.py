@@ -116,6 +116,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose rows came from the prefix cache
     # With SamplingParams.prediction: (accepted, rejected) prediction tokens (`prediction_used`)
     prediction_tokens: tuple[int, int] | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
     @property
     def tokens_per_s(self) -> float:
@@ -381,6 +382,7 @@ class Engine:
             run.prompt_logprobs,
             run.cached_tokens,
             None if run.predicted is None else prediction_used(run.predicted, seq.output_ids),
+            seq.stop_reason,
         )
 
     def step(self, run: Running) -> list[int]:

@@ -27,8 +27,10 @@ class Sequence:
         # The model's stop tokens (none with ignore_eos), and the request's own (`stop_token_ids`).
         self.stop_ids = (frozenset() if params.ignore_eos else stop_ids) | frozenset(params.stop_token_ids)
         self.finish_reason: str | None = None
+        # vLLM's: the stop string or the request's stop token id that ended it (None: anything else)
+        self.stop_reason: str | int | None = None
         self.grammar = grammar  # a structured output's place, at output_ids
-        self.text = ""  # decoded output, cut before a stop string
+        self.text = ""  # decoded output, cut before a stop string (after it, with include_stop_str_in_output)
         self._streamed = 0  # characters of `text` already handed out
         self._stops_from = 0  # text before min_tokens' last token: a stop string must end past it
         # The output decoded a token at a time (None: decoded whole after every token); a trailing
@@ -76,7 +78,7 @@ class Sequence:
                 self.text = self.tokenizer.decode(self.output_ids, self.params.skip_special_tokens)
             self._check_stop_strings()
         if own and self.finish_reason is None:  # the request's stop token: its text kept, as in vLLM
-            self.finish_reason = "stop"
+            self.finish_reason, self.stop_reason = "stop", token
             self._whole_text(self.output_ids)
         if self.finish_reason is None and len(self.output_ids) >= self.params.max_tokens:
             self.finish_reason = "length"
@@ -105,11 +107,12 @@ class Sequence:
             return
         tail_from = max(0, self._streamed - longest)
         # A match must end past the text written before min_tokens: each string from its own start.
-        found = (self.text.find(s, max(tail_from, self._stops_from - len(s) + 1)) for s in self.params.stop)
-        hits = [i for i in found if i >= 0]
+        found = ((self.text.find(s, max(tail_from, self._stops_from - len(s) + 1)), s) for s in self.params.stop)
+        hits = [(i, len(s), s) for i, s in found if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
-            self.finish_reason = "stop"
+            at, length, stop = min(hits)  # the first to start (and of those, to end)
+            self.text = self.text[: at + (length if self.params.include_stop_str_in_output else 0)]
+            self.finish_reason, self.stop_reason = "stop", stop
 
     def take_text(self) -> str:
         """Text not handed out yet that can no longer change: unfinished UTF-8 and a possible

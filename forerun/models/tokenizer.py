@@ -116,10 +116,10 @@ class Tokenizer:
         if isinstance(prefix, str):
             prefix = self.hf.encode(valid_unicode(prefix, "the prompt"), add_special_tokens=False)
         after = self.hf.encode(valid_unicode(suffix, "the suffix"), add_special_tokens=False)
-        return [*self._opening, before_gap, *prefix, after_gap, *after, middle]
+        return [*self.opening, before_gap, *prefix, after_gap, *after, middle]
 
     @functools.cached_property
-    def _opening(self) -> list[int]:
+    def opening(self) -> list[int]:
         """What `encode` puts before a text's own tokens (BOS, for the tokenizers that add one)."""
         bos = self.hf.bos_token_id
         opens = bos is not None and self.hf.encode("a", add_special_tokens=True)[:1] == [bos]

@@ -1,8 +1,9 @@
 """`forerun serve`'s HTTP app: OpenAI's completions and chat routes over the scheduler, wired.
 
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events ending in
-`data: [DONE]`, or whole), GET /v1/models and /v1/models/{id}, /health, /metrics (Prometheus text), /openapi.json and
-/docs. Fields are OpenAI's (checked in forerun/serve/requests.py) plus `top_k` and `ignore_eos`;
+`data: [DONE]`, or whole), POST /tokenize and /detokenize (vLLM's), GET /v1/models and
+/v1/models/{id}, /health, /metrics (Prometheus text), /openapi.json and /docs. Fields are OpenAI's
+(checked in forerun/serve/requests.py) plus vLLM's (`top_k`, `ignore_eos`, ...);
 `n` samples share the prompt's prefill; `logprobs` are the target's own; with speculation each
 choice can carry its speculation figures in vLLM's per-request shape. Anything wrong gets an HTTP
 4xx in OpenAI's error shape naming the field, before the engine sees it, and is counted apart from
@@ -10,7 +11,8 @@ engine failures. With an API key every route but /health, /openapi.json and /doc
 `Authorization: Bearer <key>` (unknown routes too, so they reveal nothing without it).
 
 This module only wires: the handlers here are thin, the generation routes' work is in
-forerun/serve/generation.py, the state they share in forerun/serve/state.py.
+forerun/serve/generation.py, the token routes' in forerun/serve/tokens.py, the state they share in
+forerun/serve/state.py.
 """
 
 from __future__ import annotations
@@ -29,8 +31,16 @@ from forerun.serve.metrics import ServerMetrics
 from forerun.serve.requests import BadRequest, not_served
 from forerun.serve.responses import model_list, refused
 from forerun.serve.scheduler import Scheduler
-from forerun.serve.schemas import ChatCompletionRequest, CompletionRequest, openapi_schema, request_body
+from forerun.serve.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    openapi_schema,
+    request_body,
+)
 from forerun.serve.state import ServerConfig, ServerState
+from forerun.serve.tokens import detokenize_route, tokenize_route
 
 log = logging.getLogger("forerun.serve.app")
 
@@ -60,20 +70,14 @@ def app_for(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/models", routes.models, methods=["GET"], summary="the served model (and its speculator)")
     app.add_api_route("/v1/models/{model:path}", routes.model, methods=["GET"], summary="one served model, by id")
     app.add_api_route("/metrics", routes.prometheus, methods=["GET"], summary="Prometheus metrics")
-    app.add_api_route(
-        "/v1/completions",
-        routes.completions,
-        methods=["POST"],
-        summary="OpenAI's completions",
-        openapi_extra=request_body(CompletionRequest),
+    posted = (
+        ("/v1/completions", routes.completions, "OpenAI's completions", CompletionRequest),
+        ("/v1/chat/completions", routes.chat, "OpenAI's chat completions", ChatCompletionRequest),
+        ("/tokenize", routes.tokenize, "vLLM's: a prompt's or a chat's token ids", TokenizeRequest),
+        ("/detokenize", routes.detokenize, "vLLM's: the text of token ids", DetokenizeRequest),
     )
-    app.add_api_route(
-        "/v1/chat/completions",
-        routes.chat,
-        methods=["POST"],
-        summary="OpenAI's chat completions",
-        openapi_extra=request_body(ChatCompletionRequest),
-    )
+    for path, handler, said, body in posted:
+        app.add_api_route(path, handler, methods=["POST"], summary=said, openapi_extra=request_body(body))
     app.openapi = partial(openapi_schema, app)
     return app
 
@@ -118,6 +122,12 @@ class _Routes:
 
     async def chat(self, request: HTTPRequest) -> Response:
         return await generation(self.state, request, chat=True)
+
+    async def tokenize(self, request: HTTPRequest) -> Response:
+        return await tokenize_route(self.state, request)
+
+    async def detokenize(self, request: HTTPRequest) -> Response:
+        return await detokenize_route(self.state, request)
 
     async def unknown_route(self, request: HTTPRequest, exc: StarletteHTTPException) -> Response:
         """404 and 405 in OpenAI's shape, after the key (so an unknown route reveals nothing without it)."""

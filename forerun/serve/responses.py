@@ -55,6 +55,13 @@ class Choice:
             return None
         return self.finish_reason or self.output.finish_reason
 
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's: the stop string or stop token id that ended it (None until then, and for others)."""
+        if self.output is None or self.finish_reason is not None:
+            return None
+        return self.output.stop_reason
+
 
 class Reply:
     """OpenAI's response and chunk shapes for one request."""
@@ -92,7 +99,7 @@ class Reply:
                     "text": self.prompt_texts[choice.prompt] + text,
                     "logprobs": self._completion_logprobs(choice, self._echo_entries(choice) + choice.logprobs),
                 }
-            entry["finish_reason"] = self._reason(choice)
+            entry["finish_reason"], entry["stop_reason"] = self._reason(choice), choice.stop_reason
             if figures is not None:
                 entry["speculative_decoding_stats"] = figures
             shaped.append(entry)
@@ -106,7 +113,15 @@ class Reply:
             return []
         return [
             self._top(
-                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                        "stop_reason": None,
+                    }
+                ],
                 streamed=True,
             )
             for i in range(self.checked.n)
@@ -132,7 +147,7 @@ class Reply:
                 "text": prefix_text + text,
                 "logprobs": self._completion_logprobs(choice, prefix_entries + entries),
             }
-        entry["finish_reason"] = self._reason(choice)
+        entry["finish_reason"], entry["stop_reason"] = self._reason(choice), choice.stop_reason
         if stats is not None:
             entry["speculative_decoding_stats"] = stats
         return self._top([entry], streamed=True)

@@ -45,6 +45,9 @@ class _Request(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     min_tokens: int | None = Field(None, ge=0, description="no stop token or stop string before this many tokens")
     stop_token_ids: list[int] | None = Field(None, description="vLLM's: tokens that end generation, their text kept")
+    include_stop_str_in_output: bool | None = Field(
+        None, description="vLLM's: the stop string that ended the text stays in it (default false)"
+    )
     skip_special_tokens: bool | None = Field(
         None, description="vLLM's: false keeps special tokens' text (default true)"
     )
@@ -152,6 +155,27 @@ class ChatCompletionRequest(_Request):
     )
 
 
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(None, description="the served model's name, or left out")
+    prompt: str | None = Field(None, description="text; or send messages")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, description="a chat, in the chat template")
+    add_generation_prompt: bool | None = Field(None, description="messages: open the assistant's turn (default true)")
+    continue_final_message: bool | None = Field(None, description="messages: leave the last message open")
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="messages: functions the template shows")
+    add_special_tokens: bool | None = Field(
+        None,
+        description="the tokens the tokenizer puts around a text (BOS); default true for a prompt, false for messages",
+    )
+    return_token_strs: bool | None = Field(None, description="each token's text beside its id")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(None, description="the served model's name, or left out")
+    tokens: list[int] = Field(description="token ids of the served model")
+
+
 def request_body(model: type[BaseModel]) -> dict:
     """A route's `openapi_extra`: its JSON body is `model` (listed in the components by `openapi_schema`)."""
     return {
@@ -163,14 +187,15 @@ def request_body(model: type[BaseModel]) -> dict:
 
 
 def openapi_schema(app: FastAPI) -> dict:
-    """`app`'s schema with both request models in its components; built once, then kept on the app."""
+    """`app`'s schema with the request models in its components; built once, then kept on the app."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionRequest, ChatCompletionRequest):
+        for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
             spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(spec.pop("$defs", {}))
-            for name, values in NEUTRAL.items():  # OpenAI's and vLLM's fields taken only when they ask for nothing
+            generates = model in (CompletionRequest, ChatCompletionRequest)
+            for name, values in NEUTRAL.items() if generates else ():  # fields taken only when they ask for nothing
                 shown = " or ".join(json.dumps(v) for v in values)
                 spec["properties"].setdefault(name, {"description": f"not supported: taken only as {shown}"})
             components[model.__name__] = spec
