@@ -407,3 +407,51 @@ def test_the_stop_string_and_stop_token_that_ended_a_choice_are_its_stop_reason(
     assert (by_token["finish_reason"], by_token["stop_reason"]) == ("stop", token)
     ended = post(served, {**body, "max_tokens": 2}, path)["choices"][0]
     assert (ended["finish_reason"], ended["stop_reason"]) == ("length", None)
+
+
+def test_continuous_usage_puts_the_usage_so_far_in_every_chunk(plain) -> None:
+    body = {"model": NAME, "prompt": "abc", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = stream(plain, {**body, "stream_options": options})
+    streamed = [c for c in chunks if c["choices"]]
+    done = [u["usage"]["completion_tokens"] for u in streamed]
+    assert all(c["usage"]["prompt_tokens"] == 3 for c in chunks)
+    assert done == sorted(done) and done[-1] == 12 and done[0] < 12
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    # each chunk counts the tokens streamed with it and before it (one character a token here)
+    assert [len("".join(c["choices"][0]["text"] for c in streamed[: i + 1])) for i in range(len(streamed))] == done
+    plain_chunks = stream(plain, {**body, "stream_options": {"include_usage": True}})
+    assert all(c["usage"] is None for c in plain_chunks[:-1])
+    r = httpx.post(
+        plain.url + "/v1/completions",
+        json={**body, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        headers=AUTH,
+    )
+    assert r.status_code == 400 and "add include_usage" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_truncate_prompt_tokens_keeps_each_prompts_last_tokens(plain, path) -> None:
+    chat = path.endswith("chat/completions")
+    ask = {"messages": [{"role": "user", "content": "abcdefghij"}]} if chat else {"prompt": "abcdefghij"}
+    body = {"model": NAME, **ask, "max_tokens": 6, "temperature": 0}
+    tok = plain.llm.tokenizer
+    ids = tok.apply_chat(ask["messages"]) if chat else tok.encode(ask["prompt"])
+    out = post(plain, {**body, "truncate_prompt_tokens": 5}, path)
+    assert out["usage"]["prompt_tokens"] == 5
+    text = out["choices"][0]["message"]["content"] if chat else out["choices"][0]["text"]
+    assert text == Engine(plain.llm.target).generate(ids[-5:], SamplingParams(max_tokens=6)).text
+    assert post(plain, {**body, "truncate_prompt_tokens": -1}, path)["usage"]["prompt_tokens"] == len(ids)
+    for bad in (0, -2, CONTEXT + 1, "5"):
+        r = httpx.post(plain.url + path, json={**body, "truncate_prompt_tokens": bad}, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_a_token_prompt_beyond_the_context_runs_truncated(plain) -> None:
+    long = plain.llm.tokenizer.encode("ab" * CONTEXT)  # twice the context
+    body = {"model": NAME, "prompt": long, "max_tokens": 3, "temperature": 0}
+    r = httpx.post(plain.url + "/v1/completions", json=body, headers=AUTH)
+    assert r.status_code == 400 and "over this server's context" in r.json()["error"]["message"]
+    assert post(plain, {**body, "truncate_prompt_tokens": 100})["usage"]["prompt_tokens"] == 100
+    r = httpx.post(plain.url + "/v1/completions", json={**body, "truncate_prompt_tokens": -1}, headers=AUTH)
+    assert r.status_code == 400 and "the prompt (512 tokens) plus max_tokens (3)" in r.json()["error"]["message"]

@@ -64,6 +64,7 @@ _COMMON = {
     "min_tokens",
     "stop_token_ids",
     "include_stop_str_in_output",
+    "truncate_prompt_tokens",
     "skip_special_tokens",
     "prediction",
     *STRUCTURED_FIELDS,
@@ -149,6 +150,8 @@ class Checked:
     suffix: str | None = None  # completions: the text after the gap each prompt's answer fills in
     # OpenAI's predicted output: text much of the answer is expected to be (its tokens once tokenized)
     prediction: str | tuple[int, ...] | None = None
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every streamed chunk has the usage so far
+    truncate: int | None = None  # vLLM's truncate_prompt_tokens: each prompt's last this many tokens are kept
 
 
 # --- the body --------------------------------------------------------------------------------------
@@ -214,7 +217,8 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
             "best_of",
         )
     stream = flag(body, "stream")
-    include_usage = _include_usage(body.get("stream_options"), stream)
+    include_usage, continuous_usage = _include_usage(body.get("stream_options"), stream)
+    truncate = _truncation(body, limits)
     if chat:
         logprobs = integer(body, "top_logprobs", 0 if flag(body, "logprobs") else None)
         if logprobs is not None and not flag(body, "logprobs"):
@@ -224,7 +228,7 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
         _template_options(body, prompts[0])
     else:
         logprobs, name, echo = integer(body, "logprobs", None), "logprobs", flag(body, "echo")
-        prompts = _completion_prompts(body, limits)
+        prompts = _completion_prompts(body, limits, truncate is not None)
         suffix = _suffix(body, echo, limits)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise BadRequest(f"{name} must be between 0 and {MAX_LOGPROBS}, got {logprobs}", name)
@@ -238,8 +242,38 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
     skip = body.get("skip_special_tokens") is None or flag(body, "skip_special_tokens")
     prediction = _prediction(body.get("prediction"), limits)
     return Checked(
-        chat, prompts, n, stream, include_usage, logprobs, echo, body, structured, tools, skip, suffix, prediction
+        chat,
+        prompts,
+        n,
+        stream,
+        include_usage,
+        logprobs,
+        echo,
+        body,
+        structured,
+        tools,
+        skip,
+        suffix,
+        prediction,
+        continuous_usage,
+        truncate,
     )
+
+
+def _truncation(body: dict, limits: Limits) -> int | None:
+    """vLLM's truncate_prompt_tokens: a prompt's last k tokens kept (-1: as many as the context holds)."""
+    keep = integer(body, "truncate_prompt_tokens", None)
+    if keep is None:
+        return None
+    if keep == -1:
+        return limits.max_model_len
+    if not 1 <= keep <= limits.max_model_len:
+        raise BadRequest(
+            f"truncate_prompt_tokens keeps a prompt's last k tokens: k from 1 to this server's context of "
+            f"{limits.max_model_len}, or -1 for all it holds; got {keep}",
+            "truncate_prompt_tokens",
+        )
+    return keep
 
 
 def _prediction(value, limits: Limits) -> str | None:
@@ -325,11 +359,12 @@ def _check_ignored(body: dict) -> None:
         raise BadRequest('metadata must be an object of strings, such as {"key": "value"}', "metadata")
 
 
-def _include_usage(options, stream: bool) -> bool:
-    """stream_options' include_usage; refused without `stream` (as OpenAI and vLLM do) and by name
-    when it holds anything else (vLLM's continuous_usage_stats only as false)."""
+def _include_usage(options, stream: bool) -> tuple[bool, bool]:
+    """stream_options' include_usage and vLLM's continuous_usage_stats (every chunk carries the usage
+    so far; only beside include_usage); refused without `stream` (as OpenAI and vLLM do) and by name
+    when it holds anything else."""
     if options is None:
-        return False
+        return False, False
     if not isinstance(options, dict):
         raise BadRequest('stream_options must be an object such as {"include_usage": true}', "stream_options")
     if options and not stream:
@@ -337,16 +372,19 @@ def _include_usage(options, stream: bool) -> bool:
     for name, value in options.items():
         if name not in ("include_usage", "continuous_usage_stats"):
             raise BadRequest(
-                f"stream_options has an unknown field {shown(name)}: it takes include_usage", "stream_options"
+                f"stream_options has an unknown field {shown(name)}: it takes include_usage and continuous_usage_stats",
+                "stream_options",
             )
         if value is not None and not isinstance(value, bool):
             raise BadRequest(f"stream_options.{name} must be true or false, got {shown(value)}", "stream_options")
-    if options.get("continuous_usage_stats"):
+    include, continuous = bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
+    if continuous and not include:
         raise BadRequest(
-            "stream_options.continuous_usage_stats is not supported; use include_usage for a last usage chunk",
+            "stream_options.continuous_usage_stats puts the usage in every chunk beside include_usage's last "
+            "one: add include_usage: true",
             "stream_options",
         )
-    return bool(options.get("include_usage"))
+    return include, continuous
 
 
 def _check_names(body: dict, chat: bool) -> None:
@@ -369,13 +407,14 @@ PROMPT_KINDS = (
 )
 
 
-def _completion_prompts(body: dict, limits: Limits) -> list[str | list[int]]:
+def _completion_prompts(body: dict, limits: Limits, truncated: bool = False) -> list[str | list[int]]:
     """The prompts of a completions request: one (a string, a list of token ids, or a batch of one,
     as the client libraries send it) or a batch (a list of strings, or of token-id lists, as OpenAI
-    and vLLM take it), every one checked before any runs; a refusal names the prompt of a batch."""
+    and vLLM take it), every one checked before any runs; a refusal names the prompt of a batch.
+    `truncated`: token ids beyond the context are taken (truncate_prompt_tokens keeps the last ones)."""
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_whole(t) for t in prompt)):
-        return [_one_prompt(prompt, limits)]
+        return [_one_prompt(prompt, limits, truncated)]
     if not isinstance(prompt, list):
         raise BadRequest(PROMPT_KINDS, "prompt")
     if not prompt:
@@ -389,11 +428,11 @@ def _completion_prompts(body: dict, limits: Limits) -> list[str | list[int]]:
     prompts = []
     for index, one in enumerate(prompt):
         with naming_prompt(index, len(prompt)):
-            prompts.append(_one_prompt(one, limits))
+            prompts.append(_one_prompt(one, limits, truncated))
     return prompts
 
 
-def _one_prompt(prompt, limits: Limits) -> str | list[int]:
+def _one_prompt(prompt, limits: Limits, truncated: bool = False) -> str | list[int]:
     """One prompt of a completions request: text within the characters' cap, or token ids of the
     vocabulary within the context."""
     if isinstance(prompt, str):
@@ -405,7 +444,7 @@ def _one_prompt(prompt, limits: Limits) -> str | list[int]:
             ids = in_vocabulary(prompt, limits.vocab_size)
         except ForerunError as exc:
             raise BadRequest(str(exc), "prompt") from None
-        if len(ids) > limits.max_model_len:
+        if len(ids) > limits.max_model_len and not truncated:
             raise BadRequest(
                 f"the prompt's {len(ids)} tokens are over this server's context of {limits.max_model_len}", "prompt"
             )
@@ -628,7 +667,8 @@ def tokenize(checked: Checked, tokenizer, vocab_size: int) -> list[list[int]]:
     ids = []
     for index, prompt in enumerate(prompts):
         with naming_prompt(index, len(prompts)):
-            ids.append(_tokenize_one(checked, prompt, tokenizer))
+            one = _tokenize_one(checked, prompt, tokenizer)
+        ids.append(one if checked.truncate is None else one[-checked.truncate :])
     if checked.structured is not None:
         name = next((name for name in STRUCTURED_FIELDS if checked.body.get(name) is not None), "tool_choice")
         try:

@@ -32,7 +32,9 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1, le=MAX_N, description="samples of the prompt (seeds seed, seed+1, ...)")
     stream: bool | None = None
-    stream_options: dict | None = Field(None, description='{"include_usage": true}')
+    stream_options: dict | None = Field(
+        None, description='{"include_usage": true}, and vLLM\'s "continuous_usage_stats": true for usage in every chunk'
+    )
     ignore_eos: bool | None = None
     user: str | None = None
     store: bool | None = Field(None, description="taken and ignored: nothing is stored")
@@ -45,6 +47,9 @@ class _Request(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     min_tokens: int | None = Field(None, ge=0, description="no stop token or stop string before this many tokens")
     stop_token_ids: list[int] | None = Field(None, description="vLLM's: tokens that end generation, their text kept")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="vLLM's: keep each prompt's last k tokens (-1: as many as the context holds)"
+    )
     include_stop_str_in_output: bool | None = Field(
         None, description="vLLM's: the stop string that ended the text stays in it (default false)"
     )

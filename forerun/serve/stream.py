@@ -27,7 +27,7 @@ async def stream(run: InFlight) -> AsyncIterator[str]:
     reply = run.reply
     try:
         for chunk in reply.opening():
-            yield sse(chunk)
+            yield sse(_with_usage(run, chunk))
         while not run.done:
             index, event = await run.events.get()
             if isinstance(event, Failed):
@@ -40,10 +40,18 @@ async def stream(run: InFlight) -> AsyncIterator[str]:
                 yield sse(error_body(run.unshaped(exc)))
                 break
             if chunk is not None:
-                yield sse(chunk)
+                yield sse(_with_usage(run, chunk))
         else:
             if run.checked.include_usage:
                 yield sse(reply.usage_chunk(run.choices, run.stats()))
         yield DONE
     finally:
         run.cancel()  # the client went away mid-stream: free the sequences
+
+
+def _with_usage(run: InFlight, chunk: dict) -> dict:
+    """`chunk`, with the request's usage so far where it asked for it in every chunk (vLLM's
+    continuous_usage_stats): every prompt's tokens and the tokens each choice has streamed."""
+    if run.checked.continuous_usage:
+        chunk["usage"] = run.reply.usage(run.choices)
+    return chunk
