@@ -37,6 +37,8 @@ _BLOCK = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
@@ -77,6 +79,7 @@ def write_gguf(
         "feed_forward_length": cfg.intermediate_size,
         "attention.head_count": cfg.num_heads,
         "attention.head_count_kv": cfg.num_kv_heads,
+        "attention.key_length": cfg.head_dim,
     }
     for key, value in meta.items():
         if key not in skip_keys:

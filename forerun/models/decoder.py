@@ -1,4 +1,4 @@
-"""The lean decoder: one implementation of the Llama family (llama, mistral, qwen2).
+"""The lean decoder: one implementation of the Llama family (llama, mistral, qwen2, qwen3).
 
 Module names follow Hugging Face's, so a safetensors state dict loads as it is (a numeric format
 may then fuse q/k/v and gate/up into one product each). One forward serves prefill, one-token
@@ -23,7 +23,7 @@ from forerun.models.kv_cache import KVCache
 from forerun.models.linear import Linear
 from forerun.models.norm import RMSNorm
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 NATIVE_ENV = "FORERUN_NATIVE_LAYERS"  # 0: row-exact forwards through PyTorch even where native layers run
 
@@ -50,6 +50,7 @@ class DecoderConfig:
     max_position: int  # longest context the model was trained for
     attention_bias: bool  # q/k/v projections carry a bias (qwen2)
     tie_embeddings: bool  # LM head shares the embedding matrix
+    qk_norm: bool = False  # each head's q and k pass an RMSNorm of their own before rope (qwen3)
 
 
 def _scored_rows(segments: list[Segment] | None, last_only: bool) -> list[int] | slice | None:
@@ -119,6 +120,9 @@ class Attention(nn.Module):
         self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.qkv_proj: nn.Module | None = None  # q, k and v in one product, when a format fuses them
+        if cfg.qk_norm:  # per head, over head_dim
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.q_prescaled = False  # q already carries 1/sqrt(head_dim) (folded into the weights)
 
     def forward(
@@ -135,14 +139,13 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         cfg = self.cfg
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        if self.qkv_proj is not None:
+        if self.qkv_proj is not None and not cfg.qk_norm:
             qkv = self.qkv_proj(x).view(b, t, h + 2 * kvh, d)
             qk = apply_rope(qkv[:, :, : h + kvh], cos, sin)  # [B, T, H+KVH, D]
             q, k, v = qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + kvh :]
         else:
-            q = apply_rope(self.q_proj(x).view(b, t, h, d), cos, sin)  # [B, T, H, D]
-            k = apply_rope(self.k_proj(x).view(b, t, kvh, d), cos, sin)  # [B, T, KVH, D]
-            v = self.v_proj(x).view(b, t, kvh, d)  # [B, T, KVH, D]
+            q, k, v = self._qkv(x)  # [B, T, H, D], [B, T, KVH, D] twice
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scale = 1.0 if self.q_prescaled else d**-0.5
         if isinstance(layout, list):  # several sequences, each on its own cache
             out = self._attend_segments(q[0], k[0], v[0], layout, layer, scale)[None]
@@ -163,6 +166,23 @@ class Attention(nn.Module):
             )  # [B, H, T, D]
             out = out.transpose(1, 2).reshape(b, t, h * d)
         return self.o_proj(out)
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, T, H, D], k and v [B, T, KVH, D] before rope, each head's q and k normed (qk_norm)."""
+        b, t, _ = x.shape
+        cfg = self.cfg
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).view(b, t, h + 2 * kvh, d).split([h, kvh, kvh], dim=2)
+        else:
+            q, k, v = (
+                self.q_proj(x).view(b, t, h, d),
+                self.k_proj(x).view(b, t, kvh, d),
+                self.v_proj(x).view(b, t, kvh, d),
+            )
+        if cfg.qk_norm:
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+        return q, k, v
 
     @staticmethod
     def _attend_segments(

@@ -39,6 +39,9 @@ def load_decoder(reader, cfg, reblocked: Reblocked | None = None):
         mlp.down_proj = source.product([p + "ffn_down.weight"])
         del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
         block.input_layernorm.weight = source.vector(p + "attn_norm.weight")
+        if cfg.qk_norm:
+            attn.q_norm.weight = source.vector(p + "attn_q_norm.weight")
+            attn.k_norm.weight = source.vector(p + "attn_k_norm.weight")
         block.post_attention_layernorm.weight = source.vector(p + "ffn_norm.weight")
     decoder.embed_tokens = source.embedding("token_embd.weight")
     decoder.norm.weight = source.vector("output_norm.weight")

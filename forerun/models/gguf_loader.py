@@ -21,6 +21,8 @@ _BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -101,6 +103,7 @@ def read_config(reader) -> DecoderConfig:
         max_position=int(_field(reader, f"{arch}.context_length", 4096)),
         attention_bias="blk.0.attn_q.bias" in names,
         tie_embeddings="output.weight" not in names,
+        qk_norm=arch == "qwen3",
     )
 
 
@@ -182,6 +185,8 @@ def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
         )
         if cfg.attention_bias:
             shapes.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
+        if cfg.qk_norm:
+            shapes.update({p + "attn_q_norm.weight": (cfg.head_dim,), p + "attn_k_norm.weight": (cfg.head_dim,)})
     return shapes
 
 

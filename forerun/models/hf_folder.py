@@ -46,17 +46,29 @@ def config_from_hf(raw: dict) -> DecoderConfig:
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=_whole(raw, "head_dim", raw["hidden_size"] // heads),
-        rope_theta=_number(raw, "rope_theta", 10000.0),
+        rope_theta=_number(_rope(raw), "rope_theta", 10000.0),
         rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
         max_position=_context(raw, arch),
         attention_bias=_flag(raw, "attention_bias", arch == "qwen2"),
         tie_embeddings=_flag(raw, "tie_word_embeddings", False),
+        qk_norm=arch == "qwen3",
     )
+
+
+def _rope(raw: dict) -> dict:
+    """Where config.json keeps the rope's settings: at the top (rope_theta, rope_scaling), or, as
+    transformers 5 writes them, in `rope_parameters` (rope_theta and rope_type together)."""
+    nested = raw.get("rope_parameters")
+    if nested is None:
+        return raw
+    if not isinstance(nested, dict):
+        raise ForerunError(f"config.json's rope_parameters is {nested!r}, not an object or null: {_OWN_CONFIG}")
+    return {**raw, **nested, "rope_scaling": nested}
 
 
 def _check_computable(raw: dict) -> None:
     """Refuse what the decoder would compute differently from the model: it would run, fluent and wrong."""
-    scaling = raw.get("rope_scaling")
+    scaling = _rope(raw).get("rope_scaling")
     if scaling is not None and not isinstance(scaling, dict):
         raise ForerunError(f"config.json's rope_scaling is {scaling!r}, not an object or null: {_OWN_CONFIG}")
     if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
@@ -73,7 +85,7 @@ def _context(raw: dict, arch: str) -> int:
     """The longest context: the model's, bounded by a sliding attention window where one is on (the
     decoder attends over the whole context, which equals the window's attention only inside it)."""
     longest = _whole(raw, "max_position_embeddings", 4096)
-    window_on = arch == "mistral" or (arch == "qwen2" and raw.get("use_sliding_window") is True)
+    window_on = arch == "mistral" or (arch in ("qwen2", "qwen3") and raw.get("use_sliding_window") is True)
     window = _whole(raw, "sliding_window", None) if window_on else None
     if window is None or window >= longest:
         return longest

@@ -170,6 +170,8 @@ def prepare(decoder) -> NativeLayers | None:
         return None  # (asked last: asking may build the kernels)
     if any(n % 16 for n in (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size)) or cfg.num_heads % cfg.num_kv_heads:
         return None
+    if cfg.qk_norm:  # the native layer has no per-head norm: the PyTorch layers run (its products stay native)
+        return None
     layers = []
     for block in decoder.layers:
         attn, mlp = block.self_attn, block.mlp

@@ -294,11 +294,15 @@ def quantize_decoder_(decoder, progress: bool = False, kernel_name: str | None =
         attn, mlp = block.self_attn, block.mlp
         gain = block.input_layernorm.weight.detach().float()  # [hidden]
         weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).float() * gain
-        weight[:q_rows] *= cfg.head_dim**-0.5
+        # q carries 1/sqrt(head_dim) from here: in its rows, or in its norm's gain where a norm follows them
+        prescale = 1.0 if cfg.qk_norm else cfg.head_dim**-0.5
+        weight[:q_rows] *= prescale
+        if cfg.qk_norm:
+            attn.q_norm.weight = nn.Parameter(attn.q_norm.weight.detach().float() * cfg.head_dim**-0.5)
         bias = None
         if attn.q_proj.bias is not None:
             bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).float()
-            bias[:q_rows] *= cfg.head_dim**-0.5
+            bias[:q_rows] *= prescale
         attn.qkv_proj = W8A8Linear.from_float(weight, bias, block.input_layernorm.eps, kernel_name)
         attn.o_proj = W8A8Linear.from_float(attn.o_proj.weight, kernel_name=kernel_name)
         gain = block.post_attention_layernorm.weight.detach().float()
