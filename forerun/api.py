@@ -216,6 +216,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[GenerationResult]:
         """One conversation (a list of {"role", "content"}) or a list of them; as in vLLM, the
         assistant's turn is opened, or with `continue_final_message` (and `add_generation_prompt`
@@ -223,7 +224,8 @@ class LLM:
         {"type": "function", "function": ...} entries) go to the chat template, as vLLM's `LLM.chat`
         passes them; `forerun.base.tools.CallReader` reads the calls back from the text, and
         `SamplingParams.structured_outputs` may hold the answer to a call
-        (`verification.grammar.tool_call_grammar`)."""
+        (`verification.grammar.tool_call_grammar`). `chat_template_kwargs`: more of the template's
+        variables, as vLLM's (Qwen3's `{"enable_thinking": False}`)."""
         if not isinstance(messages, (list, tuple)) or not all(isinstance(c, (list, tuple, dict)) for c in messages):
             raise ForerunError('messages are a list of {"role", "content"} objects, or a list of such lists')
         for name, value in (
@@ -247,7 +249,11 @@ class LLM:
                     f"continue_final_message needs the assistant's message last, not {turns[-1]['role']!r}"
                 )
             ids = self.tokenizer.apply_chat(
-                turns, add_generation_prompt, continue_final_message, offered.tools if offered else None
+                turns,
+                add_generation_prompt,
+                continue_final_message,
+                offered.tools if offered else None,
+                chat_template_kwargs,
             )
             self.engine.check_fits(ids, one)
             runs.append((turns, one, ids))

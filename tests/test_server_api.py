@@ -455,3 +455,35 @@ def test_a_token_prompt_beyond_the_context_runs_truncated(plain) -> None:
     assert post(plain, {**body, "truncate_prompt_tokens": 100})["usage"]["prompt_tokens"] == 100
     r = httpx.post(plain.url + "/v1/completions", json={**body, "truncate_prompt_tokens": -1}, headers=AUTH)
     assert r.status_code == 400 and "the prompt (512 tokens) plus max_tokens (3)" in r.json()["error"]["message"]
+
+
+def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_400s(plain) -> None:
+    turns = [{"role": "user", "content": "abc"}]
+    body = {"model": NAME, "messages": turns, "max_tokens": 5, "temperature": 0}
+    tok = plain.llm.tokenizer
+    ids = tok.apply_chat(turns, template_kwargs={"greeting": "be brief"})
+    assert tok.decode(ids, False).startswith("<|im_start|>system\nbe brief<|im_end|>")
+    out = post(plain, {**body, "chat_template_kwargs": {"greeting": "be brief"}}, "/v1/chat/completions")
+    assert out["usage"]["prompt_tokens"] == len(ids) > len(tok.apply_chat(turns))
+    want = Engine(plain.llm.target).generate(ids, SamplingParams(max_tokens=5)).text
+    assert out["choices"][0]["message"]["content"] == want
+    assert (
+        plain.llm.chat(turns, SamplingParams(max_tokens=5), chat_template_kwargs={"greeting": "be brief"})[
+            0
+        ].prompt_token_ids
+        == ids
+    )
+    counted = httpx.post(
+        plain.url + "/tokenize",
+        json={"messages": turns, "chat_template_kwargs": {"greeting": "be brief"}},
+        headers=AUTH,
+    )
+    assert counted.json()["tokens"] == ids
+    for bad, words in (([1], "an object"), ({"tools": []}, "forerun sets itself"), ({"1x": 1}, "an object")):
+        r = httpx.post(plain.url + "/v1/chat/completions", json={**body, "chat_template_kwargs": bad}, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+        assert words in r.json()["error"]["message"]
+    r = httpx.post(
+        plain.url + "/v1/completions", json={"model": NAME, "prompt": "a", "chat_template_kwargs": {}}, headers=AUTH
+    )
+    assert r.status_code == 400 and "belongs to /v1/chat/completions" in r.json()["error"]["message"]

@@ -69,6 +69,8 @@ def tiny_tokenizer_folder(folder: Path, infill: bool = False) -> Path:
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=specials
     )
     fast.chat_template = (
+        # a variable of its own (chat_template_kwargs): a system line
+        "{% if greeting is defined %}<|im_start|>system\n{{ greeting }}<|im_end|>\n{% endif %}"
         # tools as Qwen's template shows them, shortly: each function's name; calls in <tool_call> blocks
         "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
         "<|im_end|>\n{% endif %}"

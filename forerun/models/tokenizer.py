@@ -31,6 +31,11 @@ NO_INFILL = (
     "StarCoder, DeepSeek-Coder)"
 )
 NO_TOOLS = "this model's chat template does not show the model tools, so it cannot call them; leave out tools"
+# What `apply_chat` hands the template itself (and transformers' own arguments): not a template kwarg.
+TEMPLATE_SETS = frozenset(
+    ("messages", "conversation", "tools", "documents", "tokenize", "add_generation_prompt", "continue_final_message")
+    + ("chat_template", "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs")
+)
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece vocabulary's byte fallback
 
 
@@ -131,10 +136,13 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         continue_final: bool = False,
         tools: Sequence[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
         """The chat template's tokens for `messages`, opening the assistant's turn (`add_generation_prompt`)
         or, with `continue_final`, leaving the last (assistant) message open for the answer to continue;
-        with `tools` ({"type": "function", "function": ...} each), the template shows the model them."""
+        with `tools` ({"type": "function", "function": ...} each), the template shows the model them;
+        `template_kwargs` are more of the template's variables (vLLM's chat_template_kwargs, such as
+        Qwen3's enable_thinking)."""
         if not getattr(self.hf, "chat_template", None):
             raise ForerunError(
                 "this model has no chat template: pass a plain prompt instead of messages "
@@ -148,6 +156,7 @@ class Tokenizer:
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final,
+            **check_template_kwargs(template_kwargs),
         )
         text = valid_unicode(text, "the chat prompt (the messages in the chat template)")
         return list(self.hf.encode(text, add_special_tokens=False))
@@ -178,6 +187,22 @@ class Tokenizer:
     def vocabulary(self) -> dict[int, str]:
         """id -> token string, for comparing two tokenizers."""
         return {i: t for t, i in self.hf.get_vocab().items()}
+
+
+def check_template_kwargs(kwargs: dict | None) -> dict:
+    """Variables for a chat template beside the ones `apply_chat` sets: names as strings, none of
+    those it sets itself; a clear error otherwise."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(name, str) and name.isidentifier() for name in kwargs):
+        raise ForerunError(
+            'chat_template_kwargs is an object of the template\'s variables, such as {"enable_thinking": false}, '
+            f"got {kwargs!r:.80}"
+        )
+    taken = sorted(set(kwargs) & TEMPLATE_SETS)
+    if taken:
+        raise ForerunError(f"chat_template_kwargs sets {taken[0]}, which forerun sets itself: give it as its own field")
+    return kwargs
 
 
 @functools.cache

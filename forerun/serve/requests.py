@@ -23,6 +23,7 @@ from forerun.base.config import SEED_RANGE, SamplingParams, StructuredOutputsPar
 from forerun.base.errors import FieldError, ForerunError
 from forerun.base.prompts import in_vocabulary, valid_unicode
 from forerun.base.tools import ToolChoice, tool_choice
+from forerun.models.tokenizer import check_template_kwargs
 from forerun.serve.structured import FIELDS as STRUCTURED_FIELDS
 from forerun.serve.structured import structured_output
 from forerun.verification import grammar
@@ -79,6 +80,7 @@ _CHAT = _COMMON | {
     "parallel_tool_calls",
     "add_generation_prompt",
     "continue_final_message",
+    "chat_template_kwargs",
 }
 # Fields of OpenAI's or vLLM's API that forerun cannot honour, with the values that ask for nothing.
 NEUTRAL: dict[str, tuple] = {
@@ -207,15 +209,7 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
         raise BadRequest(f"'model' is required as a string{got}: the name /v1/models lists", "model")
     if model != served_name:
         raise not_served(model, served_name)
-    n = integer(body, "n", 1)
-    if not 1 <= n <= limits.max_n:
-        raise BadRequest(f"n must be between 1 and {limits.max_n}, got {n}", "n")
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != n:
-        raise BadRequest(
-            "best_of is not supported (it would rank samples by likelihood); leave it out or set it equal to n",
-            "best_of",
-        )
+    n = _samples(body, limits)
     stream = flag(body, "stream")
     include_usage, continuous_usage = _include_usage(body.get("stream_options"), stream)
     truncate = _truncation(body, limits)
@@ -226,6 +220,7 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
         name, echo, suffix = "top_logprobs", False, None
         prompts: list[str | list[int] | list[dict]] = [_chat_turns(body, limits)]
         _template_options(body, prompts[0])
+        _template_kwargs(body)
     else:
         logprobs, name, echo = integer(body, "logprobs", None), "logprobs", flag(body, "echo")
         prompts = _completion_prompts(body, limits, truncate is not None)
@@ -258,6 +253,20 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
         continuous_usage,
         truncate,
     )
+
+
+def _samples(body: dict, limits: Limits) -> int:
+    """n, and best_of only as n (forerun does not rank samples by likelihood)."""
+    n = integer(body, "n", 1)
+    if not 1 <= n <= limits.max_n:
+        raise BadRequest(f"n must be between 1 and {limits.max_n}, got {n}", "n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise BadRequest(
+            "best_of is not supported (it would rank samples by likelihood); leave it out or set it equal to n",
+            "best_of",
+        )
+    return n
 
 
 def _truncation(body: dict, limits: Limits) -> int | None:
@@ -322,6 +331,14 @@ def _tools(body: dict, structured: StructuredOutputsParams | None) -> ToolChoice
             "tool_choice",
         )
     return tools
+
+
+def _template_kwargs(body: dict) -> dict | None:
+    """vLLM's chat_template_kwargs: more variables for the chat template (Qwen3's enable_thinking)."""
+    try:
+        return check_template_kwargs(body.get("chat_template_kwargs")) or None
+    except ForerunError as exc:
+        raise BadRequest(str(exc), "chat_template_kwargs") from None
 
 
 def _template_options(body: dict, turns: list[dict]) -> tuple[bool, bool]:
@@ -714,7 +731,8 @@ def _tokenize_one(checked: Checked, prompt: str | list[int] | list[dict], tokeni
     else:
         tools = checked.tools.tools if checked.tools is not None else None
         try:
-            ids = tokenizer.apply_chat(prompt, *_template_options(checked.body, prompt), tools=tools)
+            options, kwargs = _template_options(checked.body, prompt), _template_kwargs(checked.body)
+            ids = tokenizer.apply_chat(prompt, *options, tools=tools, template_kwargs=kwargs)
         except ForerunError as exc:
             raise BadRequest(str(exc), "messages") from None
         except Exception as exc:  # noqa: BLE001 - a template that rejects these turns

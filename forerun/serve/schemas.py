@@ -158,6 +158,9 @@ class ChatCompletionRequest(_Request):
     continue_final_message: bool | None = Field(
         None, description="leave the last (assistant) message open to continue it; needs add_generation_prompt false"
     )
+    chat_template_kwargs: dict | None = Field(
+        None, description="vLLM's: more variables for the chat template, such as Qwen3's {\"enable_thinking\": false}"
+    )
 
 
 class TokenizeRequest(BaseModel):
@@ -168,6 +171,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool | None = Field(None, description="messages: open the assistant's turn (default true)")
     continue_final_message: bool | None = Field(None, description="messages: leave the last message open")
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="messages: functions the template shows")
+    chat_template_kwargs: dict | None = Field(None, description="messages: more variables for the chat template")
     add_special_tokens: bool | None = Field(
         None,
         description="the tokens the tokenizer puts around a text (BOS); default true for a prompt, false for messages",

@@ -2,13 +2,13 @@
 (and each token's text), and the text of token ids, with the served model's tokenizer.
 
 /tokenize takes `prompt` (text) or `messages` (with `add_generation_prompt`,
-`continue_final_message` and `tools`, as chat takes them), `add_special_tokens` (default true for a
-prompt, false for messages, as in vLLM) and `return_token_strs`; it answers `count`,
-`max_model_len`, `tokens` and `token_strs` (null unless asked). /detokenize takes `tokens` and
-answers `prompt`, special tokens' text included. `model` may be left out; given, it must be the
-served one. The fields are checked as the generation routes check them (`requests.check`), so a
-prompt that tokenizes here is the prompt a completion would run, and tokenizing runs on a worker
-thread, off the event loop.
+`continue_final_message`, `tools` and `chat_template_kwargs`, as chat takes them),
+`add_special_tokens` (default true for a prompt, false for messages, as in vLLM) and
+`return_token_strs`; it answers `count`, `max_model_len`, `tokens` and `token_strs` (null unless
+asked). /detokenize takes `tokens` and answers `prompt`, special tokens' text included. `model` may
+be left out; given, it must be the served one. The fields are checked as the generation routes
+check them (`requests.check`), so a prompt that tokenizes here is the prompt a completion would
+run, and tokenizing runs on a worker thread, off the event loop.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ TOKENIZE_FIELDS = (
     "add_generation_prompt",
     "continue_final_message",
     "tools",
+    "chat_template_kwargs",
     "add_special_tokens",
     "return_token_strs",
 )
@@ -94,7 +95,7 @@ async def _token_ids(state: ServerState, body: dict) -> list[int]:
     if not chat and not isinstance(body.get("prompt"), str):
         raise BadRequest(f"prompt must be text (or send messages), got {shown(body.get('prompt'))}", "prompt")
     named = state.config.served_model_name
-    given = {name: body[name] for name in TOKENIZE_FIELDS[1:6] if body.get(name) is not None}
+    given = {name: body[name] for name in TOKENIZE_FIELDS[1:7] if body.get(name) is not None}
     checked = check({**given, "model": named}, chat, named, state.limits)
     special = flag(body, "add_special_tokens") if body.get("add_special_tokens") is not None else not chat
     tokenizer = state.tokenizer
