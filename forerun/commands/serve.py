@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from forerun.base.errors import ForerunError
+from forerun.base.reasoning import PARSERS
 from forerun.commands.common import add_model_args, add_spec_args, quantization_arg
 
 if TYPE_CHECKING:
@@ -63,12 +64,7 @@ def register(sub) -> None:
         default=5.0,
         help="on SIGTERM / SIGINT, seconds running requests get to finish before they are cut",
     )
-    g.add_argument(
-        "--per-request-spec-decode-stats",
-        default="none",
-        choices=["none", "summary", "detailed"],
-        help="each choice carries its speculation figures in vLLM's shape (detailed: per step too)",
-    )
+    _add_answer_args(g)
     g.add_argument(
         "--prefill-share",
         type=float,
@@ -89,6 +85,24 @@ def register(sub) -> None:
     )
     _add_ray_args(p)
     p.set_defaults(func=run)
+
+
+def _add_answer_args(g) -> None:
+    """Flags that shape what a response holds beside the text."""
+    g.add_argument(
+        "--per-request-spec-decode-stats",
+        default="none",
+        choices=["none", "summary", "detailed"],
+        help="each choice carries its speculation figures in vLLM's shape (detailed: per step too)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=PARSERS,
+        help="a thinking model's <think> reasoning goes to chat answers' reasoning_content, apart from "
+        "content (vLLM's): qwen3 (reasoning where the answer opens with <think>) or deepseek_r1 (the "
+        "answer starts inside it)",
+    )
 
 
 def _add_ray_args(p) -> None:
@@ -203,6 +217,7 @@ def server_config(args: argparse.Namespace, context: int):
         body_timeout=args.body_timeout,
         speculative_model=args.speculative_model,
         spec_stats=args.per_request_spec_decode_stats,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

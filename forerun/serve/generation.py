@@ -83,7 +83,8 @@ def _in_flight(
     events: asyncio.Queue = asyncio.Queue()
     group = new_group(prompts, params, events, scores_prompt_only(checked))
     texts = echo_texts(checked, prompts, state.tokenizer)
-    reply = Reply(checked, state.config.served_model_name, prompts, state.tokenizer, prompt_texts=texts)
+    config = state.config
+    reply = Reply(checked, config.served_model_name, prompts, state.tokenizer, texts, config.reasoning_parser)
     return InFlight(group, events, reply, state.config.spec_stats, state.metrics)
 
 

@@ -1,4 +1,5 @@
-"""What `forerun serve` answers: OpenAI's response, chunk and error shapes, logprobs, tool calls, speculation figures.
+"""What `forerun serve` answers: OpenAI's response, chunk and error shapes, logprobs, reasoning, tool calls,
+speculation figures.
 
 One `Reply` per HTTP request, one `Choice` per sample: `n` of each prompt (a completions request
 may batch several), choice p * n + i being prompt p's sample i, as in vLLM. A streamed choice sends
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse
 
+from forerun.base.reasoning import ReasoningReader, split
 from forerun.base.tools import CallReader
 from forerun.engine.engine import RequestOutput
 from forerun.engine.metrics import SpecMetrics
@@ -42,6 +44,7 @@ class Choice:
     echoed: bool = False
     text_offset: int = 0  # completions logprobs: where the next token starts
     reader: CallReader | None = None  # chat with tools to call: its text read into content and calls
+    thinker: ReasoningReader | None = None  # chat with a reasoning parser: reasoning read apart from the answer
 
     def add(self, delta: Delta) -> None:
         self.pieces.append(delta.text)
@@ -67,12 +70,19 @@ class Reply:
     """OpenAI's response and chunk shapes for one request."""
 
     def __init__(
-        self, checked: Checked, model: str, prompt_ids: list[list[int]], tokenizer, prompt_texts: list[str]
+        self,
+        checked: Checked,
+        model: str,
+        prompt_ids: list[list[int]],
+        tokenizer,
+        prompt_texts: list[str],
+        reasoning: str | None = None,
     ) -> None:
         """`prompt_ids`: each prompt's tokens; `prompt_texts`: what `echo` puts before each prompt's
-        choices ("" without echo)."""
+        choices ("" without echo); `reasoning`: the server's reasoning parser (`base.reasoning`; chat only)."""
         self.checked, self.model, self.prompt_ids, self.tokenizer = checked, model, prompt_ids, tokenizer
         self.prompt_texts = prompt_texts
+        self.reasoning = reasoning if checked.chat else None
         self.chat = checked.chat
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -165,30 +175,50 @@ class Reply:
 
     def _message(self, choice: Choice, text: str) -> dict:
         """A whole answer's message: its text, or, with tools, its content and calls (content null
-        when it only called tools, as OpenAI gives it)."""
+        when it only called tools, as OpenAI gives it); with a reasoning parser, the reasoning apart
+        (`reasoning_content`, as vLLM gives it; null without any)."""
+        thinking = {}
+        if self.reasoning is not None:
+            reasoning, text = split(self.reasoning, text)
+            thinking = {"reasoning_content": reasoning or None}
         reader = self._reader(choice)
         if reader is None:
-            return {"role": "assistant", "content": text}
+            return {"role": "assistant", "content": text, **thinking}
         content, calls = reader.feed(text)
         rest, last = reader.finish()
         content, calls = content + rest, calls + last
-        message = {"role": "assistant", "content": content if content or not calls else None}
+        message = {"role": "assistant", "content": content if content or not calls else None, **thinking}
         if calls:
             message["tool_calls"] = [call.shaped() for call in calls]
         return message
 
+    def _think(self, choice: Choice, text: str) -> tuple[str, str]:
+        """A streamed piece as (reasoning, content) where the server reads reasoning apart; all
+        content otherwise."""
+        if self.reasoning is None:
+            return "", text
+        if choice.thinker is None:
+            choice.thinker = ReasoningReader(self.reasoning)
+        reasoning, content = choice.thinker.feed(text)
+        if choice.output is not None:
+            more, rest = choice.thinker.finish()
+            reasoning, content = reasoning + more, content + rest
+        return reasoning, content
+
     def _delta(self, choice: Choice, text: str) -> dict:
         """A streamed chunk's delta: the new text, or, with tools, the content given out and each call
         once it is whole (its arguments in one piece), numbered as OpenAI's stream numbers them."""
+        reasoning, text = self._think(choice, text)
+        thinking = {"reasoning_content": reasoning} if reasoning else {}
         reader = self._reader(choice)
         if reader is None:
-            return {"content": text} if text else {}
+            return {**thinking, "content": text} if text else thinking
         before = len(reader.calls)
         content, calls = reader.feed(text)
         if choice.output is not None:
             rest, last = reader.finish()
             content, calls = content + rest, calls + last
-        delta: dict = {"content": content} if content else {}
+        delta: dict = {**thinking, "content": content} if content else thinking
         if calls:
             delta["tool_calls"] = [call.shaped(before + j) for j, call in enumerate(calls)]
         return delta

@@ -36,6 +36,7 @@ class ServerConfig:
     body_timeout: float = BODY_TIMEOUT
     speculative_model: str | None = None  # /v1/models lists it as the served model's speculator
     spec_stats: str = "none"  # per-request speculation figures: none, summary or detailed
+    reasoning_parser: str | None = None  # chat answers' <think> reasoning apart (`base.reasoning`): qwen3, deepseek_r1
 
 
 @dataclass
