@@ -137,6 +137,7 @@ def test_a_batch_of_token_id_prompts_each_fills_the_gap_before_the_one_suffix(co
         ({"suffix": ["a"]}, "suffix", "must be a string"),
         ({"suffix": "x", "echo": True}, "echo", "echo cannot be given with suffix"),
         ({"suffix": "\ud800"}, "suffix", "suffix"),
+        ({"suffix": "x", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens", "cannot go with suffix"),
     ],
 )
 def test_a_bad_suffix_is_a_400_naming_the_field(plain, fields, param, words) -> None:

@@ -442,6 +442,9 @@ def test_truncate_prompt_tokens_keeps_each_prompts_last_tokens(plain, path) -> N
     text = out["choices"][0]["message"]["content"] if chat else out["choices"][0]["text"]
     assert text == Engine(plain.llm.target).generate(ids[-5:], SamplingParams(max_tokens=6)).text
     assert post(plain, {**body, "truncate_prompt_tokens": -1}, path)["usage"]["prompt_tokens"] == len(ids)
+    if not chat:  # echo gives the text that was kept
+        echoed = post(plain, {**body, "truncate_prompt_tokens": 4, "echo": True}, path)["choices"][0]["text"]
+        assert echoed == "ghij" + Engine(plain.llm.target).generate(ids[-4:], SamplingParams(max_tokens=6)).text
     for bad in (0, -2, CONTEXT + 1, "5"):
         r = httpx.post(plain.url + path, json={**body, "truncate_prompt_tokens": bad}, headers=AUTH)
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
@@ -453,6 +456,11 @@ def test_a_token_prompt_beyond_the_context_runs_truncated(plain) -> None:
     r = httpx.post(plain.url + "/v1/completions", json=body, headers=AUTH)
     assert r.status_code == 400 and "over this server's context" in r.json()["error"]["message"]
     assert post(plain, {**body, "truncate_prompt_tokens": 100})["usage"]["prompt_tokens"] == 100
+    # echo gives what was kept, which its logprobs score
+    echoed = post(plain, {**body, "truncate_prompt_tokens": 4, "echo": True, "logprobs": 0})["choices"][0]
+    kept = plain.llm.tokenizer.decode(long[-4:])
+    assert echoed["text"].startswith(kept) and len(echoed["logprobs"]["tokens"]) == 4 + 3
+    assert "".join(echoed["logprobs"]["tokens"]) == echoed["text"]
     r = httpx.post(plain.url + "/v1/completions", json={**body, "truncate_prompt_tokens": -1}, headers=AUTH)
     assert r.status_code == 400 and "the prompt (512 tokens) plus max_tokens (3)" in r.json()["error"]["message"]
 

@@ -224,7 +224,7 @@ def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
     else:
         logprobs, name, echo = integer(body, "logprobs", None), "logprobs", flag(body, "echo")
         prompts = _completion_prompts(body, limits, truncate is not None)
-        suffix = _suffix(body, echo, limits)
+        suffix = _suffix(body, echo, truncate is not None, limits)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise BadRequest(f"{name} must be between 0 and {MAX_LOGPROBS}, got {logprobs}", name)
     try:
@@ -303,7 +303,7 @@ def _prediction(value, limits: Limits) -> str | None:
     return text(content, "prediction", limits.max_prompt_chars)
 
 
-def _suffix(body: dict, echo: bool, limits: Limits) -> str | None:
+def _suffix(body: dict, echo: bool, truncated: bool, limits: Limits) -> str | None:
     """A completion's suffix: the prompts are the text before a gap and this the text after it, and
     the answer fills the gap (a code model's fill-in-the-middle; `Tokenizer.infill`)."""
     suffix = body.get("suffix")
@@ -313,6 +313,12 @@ def _suffix(body: dict, echo: bool, limits: Limits) -> str | None:
         raise BadRequest(f"suffix must be a string (the text after the gap), got {shown(suffix)}", "suffix")
     if echo:
         raise BadRequest("echo cannot be given with suffix: the answer fills a gap, not the prompt's end", "echo")
+    if truncated:
+        raise BadRequest(
+            "truncate_prompt_tokens cannot go with suffix: cutting the prompt's start would cut the "
+            "fill-in-the-middle markers; shorten the prompt instead",
+            "truncate_prompt_tokens",
+        )
     return text(suffix, "suffix", limits.max_prompt_chars)
 
 
@@ -667,10 +673,10 @@ def scores_prompt_only(checked: Checked) -> bool:
 
 
 def tokenize(checked: Checked, tokenizer, vocab_size: int) -> list[list[int]]:
-    """Each prompt's token ids (a prediction's too), and a structured output checked against the model's tokens (a
-    forced tool call's made here, and its tags' text kept where the vocabulary marks them special:
-    `grammar.tool_output`). Slow for long prompts (and a first structured output): the server runs
-    it on a worker thread."""
+    """Each prompt's token ids (a prediction's too), and a structured output checked against the
+    model's tokens (a forced tool call's made here, and its tags' text kept where the vocabulary marks
+    them special: `grammar.tool_output`). Slow for long prompts (and a first structured output): the
+    server runs it on a worker thread."""
     if checked.tools is not None and tokenizer is not None:
         try:
             forced, skip = grammar.tool_output(checked.tools, tokenizer)

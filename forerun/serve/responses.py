@@ -327,11 +327,16 @@ class Reply:
 
 
 def echo_texts(checked: Checked, prompt_ids: list[list[int]], tokenizer) -> list[str]:
-    """What `echo` puts before each prompt's completions: the prompt as sent (token ids decoded)."""
+    """What `echo` puts before each prompt's completions: the prompt as sent (token ids decoded, and
+    a prompt cut by truncate_prompt_tokens as what was kept, which its logprobs score)."""
     if not checked.echo:
         return [""] * len(prompt_ids)
     return [
-        prompt if isinstance(prompt, str) else tokenizer.decode(ids) if tokenizer is not None else ""
+        prompt
+        if isinstance(prompt, str) and checked.truncate is None
+        else tokenizer.decode(ids)
+        if tokenizer is not None
+        else ""
         for prompt, ids in zip(checked.prompts, prompt_ids)
     ]
 
