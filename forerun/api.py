@@ -170,7 +170,8 @@ class LLM:
     def _prompt_ids(self, prompt: str | list[int] | list[dict] | dict) -> list[int]:
         if isinstance(prompt, dict):
             before, suffix = _vllm_prompt(prompt)
-            if suffix is None:
+            no_markers = self.tokenizer is None or self.tokenizer.infill_markers is None
+            if suffix is None or (suffix == "" and no_markers):  # as the server takes an empty one
                 return self._prompt_ids(before)
             if self.tokenizer is None:
                 raise ForerunError("this model has no tokenizer, so it cannot read a suffix: leave it out")

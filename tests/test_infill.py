@@ -190,6 +190,9 @@ def test_llm_takes_a_suffix_in_a_prompt_dict(coder, target_tok) -> None:
         coder.generate({"prompt": PREFIX, "suffix": 1}, params)
     with pytest.raises(ForerunError, match="no fill-in-the-middle tokens"):
         LLM(target_tok).generate({"prompt": PREFIX, "suffix": SUFFIX}, params)
+    # an empty suffix on such a model is none, as the server takes it
+    empty = LLM(target_tok).generate({"prompt": PREFIX, "suffix": ""}, params)[0]
+    assert empty.prompt_token_ids == target_tok.tokenizer.encode(PREFIX)
 
 
 @pytest.fixture(scope="module")
@@ -225,4 +228,7 @@ def test_a_bench_prompt_with_a_suffix_is_measured_on_the_infill_prompt(coder, tm
     assert "prediction" not in lines
     file.write_text(json.dumps({"prompt": PREFIX, "suffix": 5}) + "\n")
     with pytest.raises(ForerunError, match="'suffix' must be a string"):
+        load_prompts(str(file))
+    file.write_text(json.dumps({"prompt": PREFIX, "suffix": "\ud800"}) + "\n")
+    with pytest.raises(ForerunError, match="the suffix"):
         load_prompts(str(file))

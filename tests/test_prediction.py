@@ -25,7 +25,7 @@ from tests.conftest import perturbed
 PROMPT = "Rewrite: abc"
 
 
-@pytest.mark.parametrize("value", [3, [1, -2], ["a"], [1.5], {"type": "content"}])
+@pytest.mark.parametrize("value", [3, [1, -2], ["a"], [1.5], {"type": "content"}, "lone \ud800"])
 def test_a_prediction_is_text_or_token_ids(value) -> None:
     with pytest.raises(FieldError) as caught:
         SamplingParams(prediction=value)
@@ -38,6 +38,9 @@ def test_the_kept_prediction_tokens_are_those_the_answer_holds_in_order() -> Non
     assert prediction_used([1, 2, 3], []) == (0, 3)
     assert prediction_used([], [1, 2]) == (0, 0)
     assert prediction_used([3, 2, 1], [1, 2, 3]) == (1, 2)  # order counts: one of the three in turn
+    # a walk, not a quadratic search: a long repetitive pair is counted at once
+    assert prediction_used([7] * 50_000, [7] * 50_000 + [8]) == (50_000, 0)
+    assert prediction_used(list(range(40)), list(range(20)) + [99, 98] + list(range(25, 40))) == (35, 5)
 
 
 def test_the_suffix_drafter_drafts_the_predictions_continuation_until_the_next_request() -> None:
@@ -183,3 +186,17 @@ def test_a_bench_prompt_with_a_prediction_runs_with_it_and_the_report_says_so(tm
     file.write_text(json.dumps({"prompt": "a", "prediction": ["b"]}) + "\n")
     with pytest.raises(ForerunError, match="'prediction' must be a string"):
         load_prompts(str(file))
+
+
+def test_the_server_names_a_prediction_it_cannot_read(target, speculative) -> None:
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 4}
+    long = {"type": "content", "content": "ab" * 600}  # 1200 tokens, over the server's context
+    r = httpx.post(speculative.url + "/v1/completions", json={**body, "prediction": long}, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prediction", r.text
+    served = Served(LLM(target))
+    try:
+        ids = {"model": NAME, "prompt": [1, 2], "max_tokens": 2, "prediction": {"type": "content", "content": "a"}}
+        r = httpx.post(served.url + "/v1/completions", json=ids, headers=AUTH, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prediction" and "no tokenizer" in r.text
+    finally:
+        served.stop()

@@ -62,7 +62,7 @@ def test_the_folder_gives_transformers_logits(reference) -> None:
     cfg = loaded.decoder.cfg
     assert (cfg.architecture, cfg.qk_norm, cfg.head_dim, cfg.rope_theta) == ("qwen3", True, 32, THETA)
     torch.testing.assert_close(logits_of(loaded, IDS), transformers_logits(model, IDS), rtol=1e-4, atol=1e-4)
-    # without its q and k norms the logits are others: the test sees them
+    # with q's norms reset the logits are others: the test sees the norms
     for block in loaded.decoder.layers:
         block.self_attn.q_norm.weight.data.fill_(1.0)
     assert not torch.allclose(logits_of(loaded, IDS), transformers_logits(model, IDS), atol=1e-2)
@@ -79,7 +79,7 @@ def test_a_gguf_file_gives_the_same_logits_in_float_and_close_ones_in_its_own_bl
     blocks = load_model(str(q8), quantization="gguf", with_tokenizer=False)
     want = transformers_logits(model, IDS)
     assert (logits_of(blocks, IDS) - want).abs().max() < 0.05 * want.abs().max()
-    # decoding's own forward (the native layers where a model can have them) computes the same
+    # decoding's own forward (a chain, row-exact; no native layers for per-head norms) computes the same
     chained = blocks.decoder.forward_chain(IDS, blocks.decoder.new_cache(len(IDS) + 1))
     torch.testing.assert_close(chained[0], logits_of(blocks, IDS)[-1], rtol=1e-4, atol=1e-4)
 

@@ -247,8 +247,11 @@ def test_include_stop_str_in_output_keeps_the_stop_string_that_ended_the_text():
     pieces = feed(seq, list(b"hello ENDworld"))
     assert seq.text == "hello END" == "".join(pieces) and seq.stop_reason == "END"
     seq = make(SamplingParams(max_tokens=50, stop=("c", "abcd"), include_stop_str_in_output=True))
-    feed(seq, list(b"xxabcd"), chunks=[6])  # both complete within one step: the earlier start's kept
+    feed(seq, list(b"xxabcd"), chunks=[6])  # "c" completes first, inside the step that completes "abcd"
     assert seq.text == "xxabc" and seq.stop_reason == "c"
+    seq = make(SamplingParams(max_tokens=50, stop=("ab", "b"), include_stop_str_in_output=True))
+    feed(seq, list(b"xab"))  # one token completes both: the first to start wins
+    assert seq.text == "xab" and seq.stop_reason == "ab"
 
 
 @settings(max_examples=200, deadline=None)

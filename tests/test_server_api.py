@@ -445,6 +445,8 @@ def test_truncate_prompt_tokens_keeps_each_prompts_last_tokens(plain, path) -> N
     if not chat:  # echo gives the text that was kept
         echoed = post(plain, {**body, "truncate_prompt_tokens": 4, "echo": True}, path)["choices"][0]["text"]
         assert echoed == "ghij" + Engine(plain.llm.target).generate(ids[-4:], SamplingParams(max_tokens=6)).text
+        whole = post(plain, {**body, "truncate_prompt_tokens": 50, "echo": True}, path)["choices"][0]["text"]
+        assert whole.startswith("abcdefghij")  # nothing cut: the prompt as sent
     for bad in (0, -2, CONTEXT + 1, "5"):
         r = httpx.post(plain.url + path, json={**body, "truncate_prompt_tokens": bad}, headers=AUTH)
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text

@@ -74,6 +74,8 @@ def test_detokenize_gives_the_text_special_tokens_and_all(plain) -> None:
         ("/tokenize", {"messages": [{"role": "nobody", "content": "a"}]}, 400, "messages"),
         ("/tokenize", {"messages": CHAT, "add_generation_prompt": True, "continue_final_message": True}, 400, None),
         ("/tokenize", {"prompt": "x" * (CONTEXT * 16 + 1)}, 400, "prompt"),
+        ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, 400, "add_generation_prompt"),
+        ("/tokenize", {"prompt": "a", "tools": []}, 400, "tools"),
         ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
         ("/detokenize", {"tokens": [1, True]}, 400, "tokens"),
         ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from numbers import Integral, Real
 
 from forerun.base.errors import FieldError, ForerunError
+from forerun.base.prompts import valid_unicode
 
 # A temperature below this samples as greedy (as vLLM does): dividing logits by it overflows float32,
 # and the distribution is a one-hot at the argmax to every digit a float holds anyway.
@@ -220,6 +221,11 @@ def _check_structured_outputs(params: SamplingParams) -> None:
 def _check_prediction(params: SamplingParams) -> None:
     """A prediction as text or a tuple of token ids; named when it is anything else."""
     value = params.prediction
+    if isinstance(value, str):
+        try:
+            valid_unicode(value, "the prediction")
+        except ForerunError as exc:
+            raise FieldError("prediction", str(exc)) from None
     if value is None or isinstance(value, str):
         return
     if not isinstance(value, (list, tuple)) or any(not is_whole(t) or t < 0 for t in value):

@@ -123,6 +123,8 @@ def read_prompts_file(path: str | Path) -> list[dict]:
         for name, what in (("suffix", "the text after the gap"), ("prediction", "the answer expected")):
             if obj.get(name) is not None and not isinstance(obj[name], str):
                 raise ForerunError(f"{path}, line {number}: '{name}' must be a string ({what})")
+            if obj.get(name) is not None:
+                valid_unicode(obj[name], f"{path}, line {number}: the {name}")
         records.append({**obj, "prompt": valid_unicode(text, f"{path}, line {number}: the prompt")})
     if not records:
         raise ForerunError(f"prompts file {path} holds no prompts")

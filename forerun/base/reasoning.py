@@ -23,6 +23,7 @@ PARSERS = ("qwen3", "deepseek_r1")
 
 
 def check_parser(name: str | None) -> str | None:
+    """`name` where it is a parser's (or None), else a clear error naming them."""
     if name is not None and name not in PARSERS:
         raise ForerunError(f"--reasoning-parser {name!r} is none of {', '.join(PARSERS)}")
     return name

@@ -87,7 +87,7 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _add_answer_args(g) -> None:
+def _add_answer_args(g: argparse._ArgumentGroup) -> None:
     """Flags that shape what a response holds beside the text."""
     g.add_argument(
         "--per-request-spec-decode-stats",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import difflib
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 
@@ -98,9 +98,25 @@ class SpecMetrics:
 
 
 def prediction_used(prediction: list[int], output: list[int]) -> tuple[int, int]:
-    """(accepted, rejected): the prediction's tokens that the output holds in the same order, as
-    difflib matches them, and the rest; OpenAI's accepted / rejected prediction tokens. A count of
-    what the answer kept of the prediction, whatever drafter drafted from it."""
-    blocks = difflib.SequenceMatcher(None, prediction, output).get_matching_blocks()
-    accepted = sum(block.size for block in blocks)
+    """(accepted, rejected): the prediction's tokens the output holds in the same order, and the
+    rest; OpenAI's accepted / rejected prediction tokens, whatever drafter drafted from it.
+
+    A walk down the output: a token that continues the prediction where the walk stands is kept;
+    any other moves the walk to the nearest place ahead where the prediction holds the output's next
+    two tokens (its last one, at the end), keeping it and skipping the prediction's tokens between;
+    where there is none, it is new text. Linear in the two lengths (an index of the prediction's
+    pairs), where an exact longest common subsequence is quadratic: a client sets both lengths, and
+    this runs on the engine's thread."""
+    index: dict[tuple[int, ...], list[int]] = {}
+    for i in range(len(prediction)):
+        index.setdefault(tuple(prediction[i : i + 2]), []).append(i)  # the last one alone, too
+    at = accepted = 0
+    for j, token in enumerate(output):
+        if at < len(prediction) and prediction[at] == token:
+            at, accepted = at + 1, accepted + 1
+            continue
+        starts = index.get(tuple(output[j : j + 2]), [])
+        k = bisect_left(starts, at)
+        if k < len(starts):
+            at, accepted = starts[k] + 1, accepted + 1
     return accepted, len(prediction) - accepted

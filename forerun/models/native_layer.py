@@ -164,13 +164,14 @@ def _product(module: nn.Module) -> Product | None:
 
 def prepare(decoder) -> NativeLayers | None:
     """The decoder's layers as native descriptions, or None when some layer cannot run natively
-    (another format, a product with a fallback part, sizes that are not multiples of 16)."""
+    (another format, a product with a fallback part, sizes that are not multiples of 16, per-head q
+    and k norms)."""
     cfg = decoder.cfg
+    if cfg.qk_norm:  # the native layer has no per-head norm: the PyTorch layers run (its products stay native)
+        return None
     if decoder.dtype != torch.float32 or decoder.device.type != "cpu" or not native.available():
         return None  # (asked last: asking may build the kernels)
     if any(n % 16 for n in (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size)) or cfg.num_heads % cfg.num_kv_heads:
-        return None
-    if cfg.qk_norm:  # the native layer has no per-head norm: the PyTorch layers run (its products stay native)
         return None
     layers = []
     for block in decoder.layers:

@@ -201,7 +201,10 @@ def check_template_kwargs(kwargs: dict | None) -> dict:
         )
     taken = sorted(set(kwargs) & TEMPLATE_SETS)
     if taken:
-        raise ForerunError(f"chat_template_kwargs sets {taken[0]}, which forerun sets itself: give it as its own field")
+        raise ForerunError(
+            f"chat_template_kwargs sets {taken[0]}, which forerun sets itself (where a request may, as its own "
+            "field) or does not take: leave it out"
+        )
     return kwargs
 
 

@@ -49,7 +49,7 @@ async def generation(state: ServerState, http: HTTPRequest, chat: bool) -> Respo
         state.check_access(http)
         body = await read_json(http, config.max_body_bytes, config.body_timeout)
         checked = check(body, chat, config.served_model_name, state.limits)
-        prompts = await asyncio.to_thread(tokenize, checked, state.tokenizer, state.limits.vocab_size)
+        prompts = await asyncio.to_thread(tokenize, checked, state.tokenizer, state.limits)
         params = sampling(checked, [len(ids) for ids in prompts], state.limits)
         run = _in_flight(state, checked, prompts, params)
         replica = await state.backend.submit(run.requests, routing_key(http, prompts[0]), whole=not checked.stream)

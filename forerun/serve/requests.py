@@ -23,7 +23,7 @@ from forerun.base.config import SEED_RANGE, SamplingParams, StructuredOutputsPar
 from forerun.base.errors import FieldError, ForerunError
 from forerun.base.prompts import in_vocabulary, valid_unicode
 from forerun.base.tools import ToolChoice, tool_choice
-from forerun.models.tokenizer import check_template_kwargs
+from forerun.models.tokenizer import Tokenizer, check_template_kwargs
 from forerun.serve.structured import FIELDS as STRUCTURED_FIELDS
 from forerun.serve.structured import structured_output
 from forerun.verification import grammar
@@ -154,6 +154,7 @@ class Checked:
     prediction: str | tuple[int, ...] | None = None
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: every streamed chunk has the usage so far
     truncate: int | None = None  # vLLM's truncate_prompt_tokens: each prompt's last this many tokens are kept
+    cut: list[bool] = field(default_factory=list)  # once tokenized: which prompts truncate cut
 
 
 # --- the body --------------------------------------------------------------------------------------
@@ -285,7 +286,7 @@ def _truncation(body: dict, limits: Limits) -> int | None:
     return keep
 
 
-def _prediction(value, limits: Limits) -> str | None:
+def _prediction(value: object, limits: Limits) -> str | None:
     """OpenAI's predicted output, `{"type": "content", "content": text or text parts}`, as its text."""
     if value is None:
         return None
@@ -672,7 +673,7 @@ def scores_prompt_only(checked: Checked) -> bool:
     return checked.echo and checked.body.get("max_tokens") == 0
 
 
-def tokenize(checked: Checked, tokenizer, vocab_size: int) -> list[list[int]]:
+def tokenize(checked: Checked, tokenizer: Tokenizer | None, limits: Limits) -> list[list[int]]:
     """Each prompt's token ids (a prediction's too), and a structured output checked against the
     model's tokens (a forced tool call's made here, and its tags' text kept where the vocabulary marks
     them special: `grammar.tool_output`). Slow for long prompts (and a first structured output): the
@@ -684,18 +685,19 @@ def tokenize(checked: Checked, tokenizer, vocab_size: int) -> list[list[int]]:
             raise BadRequest(str(exc), "tools") from None
         checked.structured = forced or checked.structured
         checked.skip_special_tokens = checked.skip_special_tokens and skip
-    if isinstance(checked.prediction, str) and tokenizer is not None:  # here, off the event loop and once
-        checked.prediction = tuple(tokenizer.hf.encode(checked.prediction, add_special_tokens=False))
+    if checked.prediction is not None:
+        checked.prediction = _prediction_ids(checked.prediction, tokenizer, limits.max_model_len)
     prompts = checked.prompts
     ids = []
     for index, prompt in enumerate(prompts):
         with naming_prompt(index, len(prompts)):
             one = _tokenize_one(checked, prompt, tokenizer)
-        ids.append(one if checked.truncate is None else one[-checked.truncate :])
+        checked.cut.append(checked.truncate is not None and len(one) > checked.truncate)
+        ids.append(one[-checked.truncate :] if checked.cut[-1] else one)
     if checked.structured is not None:
         name = next((name for name in STRUCTURED_FIELDS if checked.body.get(name) is not None), "tool_choice")
         try:
-            grammar.check_grammar(checked.structured, tokenizer, vocab_size)
+            grammar.check_grammar(checked.structured, tokenizer, limits.vocab_size)
         except ForerunError as exc:
             if checked.tools is not None and checked.tools.forced:
                 raise _faulty_tool(checked.tools, exc) from None
@@ -748,11 +750,21 @@ def _tokenize_one(checked: Checked, prompt: str | list[int] | list[dict], tokeni
     return ids
 
 
-def _infills(tokenizer) -> bool:
+def _prediction_ids(prediction: str, tokenizer: Tokenizer | None, limit: int) -> tuple[int, ...]:
+    """A prediction's tokens, made here (off the event loop, once), at most `limit` of them."""
+    if tokenizer is None:
+        raise BadRequest("this model has no tokenizer, so it cannot read a prediction; leave it out", "prediction")
+    ids = tuple(tokenizer.hf.encode(prediction, add_special_tokens=False))
+    if len(ids) > limit:
+        raise BadRequest(f"the prediction's {len(ids)} tokens are over {limit}; shorten it", "prediction")
+    return ids
+
+
+def _infills(tokenizer: Tokenizer | None) -> bool:
     return tokenizer is not None and tokenizer.infill_markers is not None
 
 
-def _infill(prefix: str | list[int], suffix: str, tokenizer) -> list[int]:
+def _infill(prefix: str | list[int], suffix: str, tokenizer: Tokenizer | None) -> list[int]:
     """A prompt with a suffix: the model's fill-in-the-middle prompt for the gap between them."""
     if tokenizer is None:
         raise BadRequest("this model has no tokenizer, so it cannot read a suffix; leave out suffix", "suffix")

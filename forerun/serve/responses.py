@@ -333,11 +333,11 @@ def echo_texts(checked: Checked, prompt_ids: list[list[int]], tokenizer) -> list
         return [""] * len(prompt_ids)
     return [
         prompt
-        if isinstance(prompt, str) and checked.truncate is None
+        if isinstance(prompt, str) and not (checked.cut and checked.cut[index])
         else tokenizer.decode(ids)
         if tokenizer is not None
         else ""
-        for prompt, ids in zip(checked.prompts, prompt_ids)
+        for index, (prompt, ids) in enumerate(zip(checked.prompts, prompt_ids))
     ]
 
 

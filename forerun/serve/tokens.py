@@ -24,17 +24,9 @@ from forerun.serve.requests import BadRequest, check, flag, not_served, read_jso
 from forerun.serve.responses import refused
 from forerun.serve.state import ServerState
 
-TOKENIZE_FIELDS = (
-    "model",
-    "prompt",
-    "messages",
-    "add_generation_prompt",
-    "continue_final_message",
-    "tools",
-    "chat_template_kwargs",
-    "add_special_tokens",
-    "return_token_strs",
-)
+CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs")  # messages' alone
+FORWARDED = ("prompt", "messages", *CHAT_ONLY)  # handed on to the generation routes' checks
+TOKENIZE_FIELDS = ("model", *FORWARDED, "add_special_tokens", "return_token_strs")
 DETOKENIZE_FIELDS = ("model", "tokens")
 NO_TOKENIZER = "this model has no tokenizer: its prompts and answers are token ids already"
 
@@ -44,7 +36,8 @@ async def tokenize_route(state: ServerState, http: HTTPRequest) -> Response:
     try:
         body = await _body(state, http, TOKENIZE_FIELDS)
         ids = await _token_ids(state, body)
-        strs = [state.tokenizer.piece(t) for t in ids] if flag(body, "return_token_strs") else None
+        pieces = state.tokenizer.piece
+        strs = await asyncio.to_thread(lambda: [pieces(t) for t in ids]) if flag(body, "return_token_strs") else None
         return JSONResponse(
             {"count": len(ids), "max_model_len": state.config.max_model_len, "tokens": ids, "token_strs": strs}
         )
@@ -94,12 +87,15 @@ async def _token_ids(state: ServerState, body: dict) -> list[int]:
         raise BadRequest("give prompt or messages, not both", "prompt")
     if not chat and not isinstance(body.get("prompt"), str):
         raise BadRequest(f"prompt must be text (or send messages), got {shown(body.get('prompt'))}", "prompt")
+    stray = next((name for name in CHAT_ONLY if not chat and body.get(name) is not None), None)
+    if stray is not None:
+        raise BadRequest(f"{stray} goes with messages, not a prompt", stray)
     named = state.config.served_model_name
-    given = {name: body[name] for name in TOKENIZE_FIELDS[1:7] if body.get(name) is not None}
+    given = {name: body[name] for name in FORWARDED if body.get(name) is not None}
     checked = check({**given, "model": named}, chat, named, state.limits)
     special = flag(body, "add_special_tokens") if body.get("add_special_tokens") is not None else not chat
     tokenizer = state.tokenizer
     if not chat and not special:
         return await asyncio.to_thread(tokenizer.hf.encode, body["prompt"], add_special_tokens=False)
-    ids = (await asyncio.to_thread(tokenize, checked, tokenizer, state.limits.vocab_size))[0]
+    ids = (await asyncio.to_thread(tokenize, checked, tokenizer, state.limits))[0]
     return [*tokenizer.opening, *ids] if chat and special else ids
