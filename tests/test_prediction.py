@@ -200,3 +200,15 @@ def test_the_server_names_a_prediction_it_cannot_read(target, speculative) -> No
         assert r.status_code == 400 and r.json()["error"]["param"] == "prediction" and "no tokenizer" in r.text
     finally:
         served.stop()
+
+
+def test_commands_that_do_not_read_a_prediction_or_a_suffix_say_so(tmp_path, capsys) -> None:
+    from forerun.base.prompts import unread_fields
+
+    file = tmp_path / "p.jsonl"
+    file.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": "b", "prediction": "c"}) + "\n")
+    assert main(["generate", "--model", "nowhere", "--prompts-file", str(file)]) != 0
+    assert "prompt 2 has a 'prediction', which forerun generate" in capsys.readouterr().err
+    with pytest.raises(ForerunError, match="prompt 1 has a 'suffix', which forerun quality does not read"):
+        unread_fields([{"prompt": "a", "suffix": "b"}], "forerun quality")
+    unread_fields([{"prompt": "a", "suffix": "b"}], "forerun generate", reads=("suffix",))  # it reads suffixes

@@ -64,6 +64,18 @@ def load_prompts(
     return prompts
 
 
+def unread_fields(records: list[dict], command: str, reads: tuple[str, ...] = ()) -> None:
+    """A clear error where a prompt record holds a `suffix` or a `prediction` that `command` does not
+    read (it would run the prompt without it); `reads`: the ones it does."""
+    for number, record in enumerate(records, 1):
+        for name in ("suffix", "prediction"):
+            if name not in reads and record.get(name) is not None:
+                raise ForerunError(
+                    f"prompt {record.get('prompt_id', number)} has a '{name}', which {command} does not read "
+                    "(forerun bench does): take it out of the file"
+                )
+
+
 def in_turn(groups: list[list]) -> list:
     """The groups' items taken one group at a time in turn (the first of each, then the second of
     each, ...), so that the first N items cover as many groups as they can."""

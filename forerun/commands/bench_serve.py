@@ -124,7 +124,7 @@ class _Server:
 
 
 def run(args: argparse.Namespace) -> int:
-    from forerun.base.prompts import load_prompts
+    from forerun.base.prompts import load_prompts, unread_fields
     from forerun.bench.serve_load import REPORT, RESULTS, earlier_levels, level_prompts, shortest
     from forerun.models.load import load_tokenizer_of
 
@@ -134,9 +134,9 @@ def run(args: argparse.Namespace) -> int:
     earlier = earlier_levels(out, _settings(args, any(setup_serve(s)[0] is not None for s in setups)))
     tokenizer = load_tokenizer_of(args.model)  # the servers hold the model; this side only counts tokens
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
-    prompts = [
-        tokenizer.apply_chat([{"role": "user", "content": p.text}]) for p in load_prompts(args.dataset, categories)
-    ]
+    loaded = load_prompts(args.dataset, categories)
+    unread_fields([vars(p) for p in loaded], "forerun bench-serve")
+    prompts = [tokenizer.apply_chat([{"role": "user", "content": p.text}]) for p in loaded]
     if not prompts:
         raise ForerunError("no prompts to send")
     sends = level_prompts(prompts, [args.requests_per_level * c for c in args.concurrency], args.distinct)

@@ -11,7 +11,7 @@ from pathlib import Path
 from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
-from forerun.base.prompts import read_prompts_file, valid_unicode
+from forerun.base.prompts import read_prompts_file, unread_fields, valid_unicode
 from forerun.base.tools import CallReader, ToolChoice
 from forerun.commands.common import (
     add_model_args,
@@ -118,7 +118,9 @@ def _prompts(args: argparse.Namespace) -> list[str | dict | list[dict]]:
     if args.suffix is not None:
         valid_unicode(args.suffix, "--suffix")
     if args.prompts_file:
-        given += [(r["prompt"], r.get("suffix")) for r in read_prompts_file(args.prompts_file)]
+        records = read_prompts_file(args.prompts_file)
+        unread_fields(records, "forerun generate (whose --prediction-file is every prompt's)", reads=("suffix",))
+        given += [(r["prompt"], r.get("suffix")) for r in records]
     if not given:
         raise ForerunError("no prompt given: use --prompt TEXT or --prompts-file F.jsonl")
     if args.chat and any(suffix is not None for _, suffix in given):

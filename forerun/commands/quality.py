@@ -18,7 +18,7 @@ from tqdm import tqdm
 from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
-from forerun.base.prompts import Prompt, load_prompts
+from forerun.base.prompts import Prompt, load_prompts, unread_fields
 from forerun.commands.common import add_kv_cache_arg
 from forerun.engine.engine import check_prompt_fits
 from forerun.models import linear
@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     args.quantization = list(dict.fromkeys(args.quantization))  # a format named twice is compared once
     _check_formats(args.model, args.quantization)
     prompts = load_prompts(args.dataset, limit_per_category=args.limit_per_category)
+    unread_fields([vars(p) for p in prompts], "forerun quality")
     reference = LLM(args.model, dtype=args.dtype)
     tok = reference.tokenizer
     if tok is None:

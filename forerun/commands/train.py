@@ -645,12 +645,13 @@ def _prompt_source(args: argparse.Namespace) -> str | None:
 
 def _load_prompts(args: argparse.Namespace) -> list:
     """The prompts of --prompts (spec-bench without its held-out ones) and of --code-prompts."""
-    from forerun.base.prompts import load_prompts
+    from forerun.base.prompts import load_prompts, unread_fields
 
     prompts = []
     source = _prompt_source(args)
     if source is not None:
         prompts = load_prompts(source)
+        unread_fields([vars(p) for p in prompts], "forerun train")
     if source == SPEC_BENCH:
         seen: dict[str, int] = {}
         kept = []

@@ -11,7 +11,7 @@ from pathlib import Path
 from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
-from forerun.base.prompts import read_prompts_file
+from forerun.base.prompts import read_prompts_file, unread_fields
 from forerun.commands.common import (
     add_model_args,
     add_prompt_args,
@@ -152,7 +152,9 @@ def _prompts(args: argparse.Namespace) -> list:
             raise ForerunError(
                 f"--prompts-file {args.prompts_file} is a folder; name a JSONL file with 'prompt' or 'turns' per line"
             )
-        texts += [r["prompt"] for r in read_prompts_file(args.prompts_file)]
+        records = read_prompts_file(args.prompts_file)
+        unread_fields(records, "forerun tune-skip")
+        texts += [r["prompt"] for r in records]
     texts = texts or DEFAULT_PROMPTS
     return [[{"role": "user", "content": t}] if args.chat else t for t in texts]
 
