@@ -221,12 +221,13 @@ def _check_structured_outputs(params: SamplingParams) -> None:
 def _check_prediction(params: SamplingParams) -> None:
     """A prediction as text or a tuple of token ids; named when it is anything else."""
     value = params.prediction
+    if value is None:
+        return
     if isinstance(value, str):
         try:
             valid_unicode(value, "the prediction")
         except ForerunError as exc:
             raise FieldError("prediction", str(exc)) from None
-    if value is None or isinstance(value, str):
         return
     if not isinstance(value, (list, tuple)) or any(not is_whole(t) or t < 0 for t in value):
         raise FieldError(

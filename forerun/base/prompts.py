@@ -133,10 +133,11 @@ def read_prompts_file(path: str | Path) -> list[dict]:
         else:
             raise ForerunError(f"{path}, line {number}: missing 'prompt' (a string) or 'turns' (a list of strings)")
         for name, what in (("suffix", "the text after the gap"), ("prediction", "the answer expected")):
-            if obj.get(name) is not None and not isinstance(obj[name], str):
+            value = obj.get(name)
+            if value is not None and not isinstance(value, str):
                 raise ForerunError(f"{path}, line {number}: '{name}' must be a string ({what})")
-            if obj.get(name) is not None:
-                valid_unicode(obj[name], f"{path}, line {number}: the {name}")
+            if value is not None:
+                valid_unicode(value, f"{path}, line {number}: the {name}")
         records.append({**obj, "prompt": valid_unicode(text, f"{path}, line {number}: the prompt")})
     if not records:
         raise ForerunError(f"prompts file {path} holds no prompts")

@@ -203,8 +203,12 @@ class Engine:
 
     def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Cache slots the request needs; a clear error before any work when it exceeds the context
-        (or its logit bias or stop token ids name a token the model lacks, or its structured output
-        cannot be followed)."""
+        (or its logit bias or stop token ids name a token the model lacks, its structured output
+        cannot be followed, or its prediction cannot be read)."""
+        return self._checked(prompt_ids, params)[0]
+
+    def _checked(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, list[int] | None]:
+        """`check_fits`'s slots, and the prediction's tokens it read (`_predicted`)."""
         vocab = self.target.decoder.cfg.vocab_size
         named = (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids))
         for name, tokens in named:
@@ -215,8 +219,9 @@ class Engine:
                 )
         if params.structured_outputs is not None:  # one its grammar cannot follow, or a model without a tokenizer
             check_grammar(params.structured_outputs, self.target.tokenizer, vocab)
-        self._predicted(params)  # a prediction in text without a tokenizer, or beyond the vocabulary
-        return check_prompt_fits(self.target.decoder.cfg.max_position, prompt_ids, params.max_tokens) + self.rows + 1
+        predicted = self._predicted(params)  # text without a tokenizer, or tokens beyond the vocabulary: an error
+        slots = check_prompt_fits(self.target.decoder.cfg.max_position, prompt_ids, params.max_tokens) + self.rows + 1
+        return slots, predicted
 
     def stream(
         self, prompt_ids: list[int], params: SamplingParams, result: list[RequestOutput] | None = None
@@ -252,7 +257,7 @@ class Engine:
         """`begin` a chunk at a time: yields each next chunk of the prompt and takes back what its
         forward gave (a batch steps its running requests between chunks, or carries the chunk's
         rows in a step: chunked prefill); returns what `begin` does."""
-        max_len = self.check_fits(prompt_ids, params)
+        max_len, predicted = self._checked(prompt_ids, params)
         if like is not None:
             _check_shareable(like, prompt_ids)
         decoder = self.target.decoder
@@ -266,7 +271,7 @@ class Engine:
             SpecMetrics(num_speculative_tokens=self.k),
             time.perf_counter(),
             logprobs=[] if params.logprobs is not None else None,
-            predicted=self._predicted(params),
+            predicted=predicted,
         )
         if self.policy is not None:
             self.policy.start()
