@@ -85,9 +85,23 @@ def llama_file(home: Path) -> Path:
     )
 
 
-@pytest.fixture(scope="module", params=["k", "legacy", "llama"])
-def model(request, k_file: Path, legacy_file: Path, llama_file: Path):
-    path = {"k": k_file, "legacy": legacy_file, "llama": llama_file}[request.param]
+@pytest.fixture(scope="module")
+def qwen3_file(home: Path) -> Path:
+    """A Qwen3 model: each head's q and k normed before rope, by gains that are not ones; its query
+    heads wider together (4 x 128) than its hidden size."""
+    model = tiny_model(
+        seed=11, num_layers=2, architecture="qwen3", qk_norm=True, attention_bias=False, **{**K_SIZES, "head_dim": 128}
+    )
+    gen = torch.Generator().manual_seed(12)
+    for block in model.decoder.layers:
+        for norm in (block.self_attn.q_norm, block.self_attn.k_norm):
+            norm.weight.data = 0.5 + torch.rand(norm.weight.shape, generator=gen)
+    return write_gguf(model, home / "qwen3.gguf", quant=k_quant_mix)
+
+
+@pytest.fixture(scope="module", params=["k", "legacy", "llama", "qwen3"])
+def model(request, k_file: Path, legacy_file: Path, llama_file: Path, qwen3_file: Path):
+    path = {"k": k_file, "legacy": legacy_file, "llama": llama_file, "qwen3": qwen3_file}[request.param]
     return load_model(str(path), with_tokenizer=False, quantization="gguf")
 
 

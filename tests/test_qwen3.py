@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_load import IDS, logits_of, write_gguf
 
+from forerun import native
 from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
@@ -79,7 +80,8 @@ def test_a_gguf_file_gives_the_same_logits_in_float_and_close_ones_in_its_own_bl
     blocks = load_model(str(q8), quantization="gguf", with_tokenizer=False)
     want = transformers_logits(model, IDS)
     assert (logits_of(blocks, IDS) - want).abs().max() < 0.05 * want.abs().max()
-    # decoding's own forward (a chain, row-exact; no native layers for per-head norms) computes the same
+    # decoding's own forward (a chain, row-exact, through the native layers) computes the same
+    assert (blocks.decoder._native_layers() is not None) == native.available()
     chained = blocks.decoder.forward_chain(IDS, blocks.decoder.new_cache(len(IDS) + 1))
     torch.testing.assert_close(chained[0], logits_of(blocks, IDS)[-1], rtol=1e-4, atol=1e-4)
 

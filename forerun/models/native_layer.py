@@ -65,6 +65,8 @@ class LayerDesc(ctypes.Structure):
         ("kv_heads", _i64),
         ("head_dim", _i64),
         ("ffn", _i64),
+        ("q_norm", _ptr),
+        ("k_norm", _ptr),
     ]
 
 
@@ -164,11 +166,8 @@ def _product(module: nn.Module) -> Product | None:
 
 def prepare(decoder) -> NativeLayers | None:
     """The decoder's layers as native descriptions, or None when some layer cannot run natively
-    (another format, a product with a fallback part, sizes that are not multiples of 16, per-head q
-    and k norms)."""
+    (another format, a product with a fallback part, sizes that are not multiples of 16)."""
     cfg = decoder.cfg
-    if cfg.qk_norm:  # the native layer has no per-head norm: the PyTorch layers run (its products stay native)
-        return None
     if decoder.dtype != torch.float32 or decoder.device.type != "cpu" or not native.available():
         return None  # (asked last: asking may build the kernels)
     if any(n % 16 for n in (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size)) or cfg.num_heads % cfg.num_kv_heads:
@@ -177,6 +176,7 @@ def prepare(decoder) -> NativeLayers | None:
     for block in decoder.layers:
         attn, mlp = block.self_attn, block.mlp
         norms = (block.input_layernorm, block.post_attention_layernorm)
+        norms += (attn.q_norm, attn.k_norm) if cfg.qk_norm else ()
         if not all(isinstance(n, RMSNorm) and n.weight.dtype == torch.float32 for n in norms) or attn.q_prescaled:
             return None
         products = [_product(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
@@ -187,6 +187,8 @@ def prepare(decoder) -> NativeLayers | None:
         desc.eps, desc.scale = norms[0].eps, cfg.head_dim**-0.5
         desc.hidden, desc.heads, desc.kv_heads = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
         desc.head_dim, desc.ffn = cfg.head_dim, cfg.intermediate_size
+        if cfg.qk_norm:
+            desc.q_norm, desc.k_norm = norms[2].weight.data_ptr(), norms[3].weight.data_ptr()
         layers.append(desc)
     widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
     return NativeLayers(layers, native.PATHS.index(native.path()), widest)

@@ -1,4 +1,4 @@
-// One decoder layer of the Llama family (llama, mistral, qwen2) over several rows, natively: the
+// One decoder layer of the Llama family (llama, mistral, qwen2, qwen3) over several rows, natively: the
 // hot path of decoding and verification, one call a layer instead of a few dozen small ops.
 //
 // The structures are mirrored by ctypes in forerun/models/native_layer.py; keep them in step.
@@ -28,6 +28,8 @@ struct LayerDesc {
     float eps;
     float scale;                // attention's 1/sqrt(head_dim)
     int64_t hidden, heads, kv_heads, head_dim, ffn;
+    const float* q_norm;        // [head_dim] each query head's RMSNorm gain before rope (qwen3), or null
+    const float* k_norm;        // [head_dim] each key head's, or null
 };
 
 // One row of the forward: where its key and value go and which cache slots it attends to.

@@ -251,9 +251,13 @@ inline void run_layer(const LayerDesc& l, const PassDesc& pass, int64_t layer, f
         const int64_t r = u / l.kv_heads, g = u % l.kv_heads;
         const RowDesc& row = pass.row[r];
         float* qkv = pass.qkv + r * l.qkv.out;
-        for (int64_t h = g * share_heads; h < (g + 1) * share_heads; ++h) rope(qkv + h * d, row.cos, row.sin, d, l.scale);
+        for (int64_t h = g * share_heads; h < (g + 1) * share_heads; ++h) {
+            if (l.q_norm) rmsnorm(qkv + h * d, l.q_norm, l.eps, d, qkv + h * d);
+            rope(qkv + h * d, row.cos, row.sin, d, l.scale);
+        }
         float* k = qkv + q_width + g * d;
         const float* v = qkv + q_width + l.kv_heads * d + g * d;
+        if (l.k_norm) rmsnorm(k, l.k_norm, l.eps, d, k);
         rope(k, row.cos, row.sin, d, 1.0f);
         const int64_t at = layer * row.layer_stride + g * row.slots * d + row.write * d;
         store_entry(row, at, k, v, d);
