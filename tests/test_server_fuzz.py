@@ -31,7 +31,7 @@ def served(target_tok):
 def test_no_request_the_fuzzer_makes_gets_a_5xx(served, mode) -> None:
     schema = schemathesis.openapi.from_dict(httpx.get(served.url + "/openapi.json").json())
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models"}
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models"}
     statuses: dict[int, int] = {}
     stop_at = [0.0]  # the current route's end of time (a list: read inside the test of each route)
     for operation in operations:
@@ -50,10 +50,11 @@ def test_no_request_the_fuzzer_makes_gets_a_5xx(served, mode) -> None:
         def call(case) -> None:
             if time.monotonic() > stop_at[0]:
                 return
-            if isinstance(case.body, dict) and isinstance(case.body.get("max_tokens", 0), int):
+            limit = "max_output_tokens" if case.path == "/v1/responses" else "max_tokens"
+            if isinstance(case.body, dict) and isinstance(case.body.get(limit, 0), int):
                 # Bounded work per example: the fuzzer's max_tokens and n (or no max_tokens: to the
                 # end of the context) would otherwise run for minutes.
-                case.body = {**case.body, "max_tokens": 4}
+                case.body = {**case.body, limit: 4}
             response = case.call(base_url=served.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
             assert response.status_code < 500, f"{case.method} {case.path} {case.body!r}: {response.text}"

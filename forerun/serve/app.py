@@ -1,7 +1,8 @@
 """`forerun serve`'s HTTP app: OpenAI's completions and chat routes over the scheduler, wired.
 
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events ending in
-`data: [DONE]`, or whole), POST /tokenize and /detokenize (vLLM's), GET /v1/models and
+`data: [DONE]`, or whole), POST /v1/responses (OpenAI's Responses API read as a chat request:
+forerun/serve/responses_api.py), POST /tokenize and /detokenize (vLLM's), GET /v1/models and
 /v1/models/{id}, /health, /metrics (Prometheus text), /openapi.json and /docs. Fields are OpenAI's
 (checked in forerun/serve/requests.py) plus vLLM's (`top_k`, `ignore_eos`, ...);
 `n` samples share the prompt's prefill; `logprobs` are the target's own; with speculation each
@@ -35,6 +36,7 @@ from forerun.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
     openapi_schema,
     request_body,
@@ -73,6 +75,12 @@ def app_for(state: ServerState) -> FastAPI:
     posted = (
         ("/v1/completions", routes.completions, "OpenAI's completions", CompletionRequest),
         ("/v1/chat/completions", routes.chat, "OpenAI's chat completions", ChatCompletionRequest),
+        (
+            "/v1/responses",
+            routes.responses,
+            "OpenAI's Responses API: text, function tools, structured outputs",
+            ResponsesRequest,
+        ),
         ("/tokenize", routes.tokenize, "vLLM's: a prompt's or a chat's token ids", TokenizeRequest),
         ("/detokenize", routes.detokenize, "vLLM's: the text of token ids", DetokenizeRequest),
     )
@@ -122,6 +130,9 @@ class _Routes:
 
     async def chat(self, request: HTTPRequest) -> Response:
         return await generation(self.state, request, chat=True)
+
+    async def responses(self, request: HTTPRequest) -> Response:
+        return await generation(self.state, request, chat=True, responses=True)
 
     async def tokenize(self, request: HTTPRequest) -> Response:
         return await tokenize_route(self.state, request)

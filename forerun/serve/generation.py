@@ -1,4 +1,4 @@
-"""The two generation routes' work: a completions or chat request from its body to its answer.
+"""The generation routes' work: a completions, chat or Responses request from its body to its answer.
 
 The body is read and checked, the prompts tokenized (off the event loop: a long prompt takes seconds,
 and every other client would wait), every prompt checked against the context, the samples (`n` of
@@ -31,6 +31,7 @@ from forerun.serve.requests import (
     tokenize,
 )
 from forerun.serve.responses import Reply, echo_texts, refused
+from forerun.serve.responses_api import Translated, translate
 from forerun.serve.scheduler import Failed
 from forerun.serve.state import ServerState
 from forerun.serve.stream import stream
@@ -42,12 +43,17 @@ ROUTING_PREFIX = 256  # prompt tokens that place a request without one
 REPLICA_HEADER = "x-forerun-replica"  # the replica that ran a request (replicas only)
 
 
-async def generation(state: ServerState, http: HTTPRequest, chat: bool) -> Response:
-    """Answer one completions (`chat` False) or chat request."""
+async def generation(state: ServerState, http: HTTPRequest, chat: bool, responses: bool = False) -> Response:
+    """Answer one completions (`chat` False) or chat request; with `responses`, a Responses API
+    request, read as the chat request it amounts to and answered in its own shapes."""
     config = state.config
+    api: Translated | None = None
     try:
         state.check_access(http)
         body = await read_json(http, config.max_body_bytes, config.body_timeout)
+        if responses:
+            api = translate(body)
+            body = api.chat
         checked = check(body, chat, config.served_model_name, state.limits)
         prompts = await asyncio.to_thread(tokenize, checked, state.tokenizer, state.limits)
         params = sampling(checked, [len(ids) for ids in prompts], state.limits)
@@ -55,11 +61,12 @@ async def generation(state: ServerState, http: HTTPRequest, chat: bool) -> Respo
         replica = await state.backend.submit(run.requests, routing_key(http, prompts[0]), whole=not checked.stream)
         headers = {REPLICA_HEADER: replica} if replica is not None else None
         if checked.stream:
-            return StreamingResponse(stream(run), media_type="text/event-stream", headers=headers)
-        return await _complete_response(http, run, headers)
+            events = api.events(run) if api is not None else stream(run)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return await _complete_response(http, run, headers, api)
     except BadRequest as exc:
         state.metrics.rejected(exc.status)
-        return refused(exc)
+        return refused(api.renamed(exc) if api is not None else exc)
     except ClientGone:
         return Response(status_code=CLIENT_GONE)
 
@@ -88,7 +95,9 @@ def _in_flight(
     return InFlight(group, events, reply, state.config.spec_stats, state.metrics)
 
 
-async def _complete_response(http: HTTPRequest, run: InFlight, headers: dict | None) -> Response:
+async def _complete_response(
+    http: HTTPRequest, run: InFlight, headers: dict | None, api: Translated | None
+) -> Response:
     """Every sample's whole answer in one JSON response, once all have finished; 499 if the client left."""
     last_check = time.monotonic()
     try:
@@ -109,6 +118,8 @@ async def _complete_response(http: HTTPRequest, run: InFlight, headers: dict | N
             run.take(index, event)
         try:
             body = run.reply.complete(run.choices, run.stats())
+            if api is not None:
+                body = api.shaped(body, run.reply.tokenizer)
         except Exception as exc:  # noqa: BLE001 - OpenAI's error shape, as for any other failure
             return refused(run.unshaped(exc))
         return JSONResponse(body, headers=headers)

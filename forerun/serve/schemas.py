@@ -1,4 +1,4 @@
-"""What /openapi.json and /docs say about the two generation routes: the requests as pydantic models.
+"""What /openapi.json and /docs say about the generation and token routes: the requests as pydantic models.
 
 The models describe a request; they check nothing. Every check is in forerun/serve/requests.py,
 which refuses what these would let through and names the field, so the routes read the raw body and
@@ -163,6 +163,90 @@ class ChatCompletionRequest(_Request):
     )
 
 
+class InputText(BaseModel):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputItem(BaseModel):
+    model_config = ConfigDict(extra="allow")  # an earlier answer's items sent back (id, status, ...)
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] | None = Field(
+        None, description="message when left out; a reasoning item is taken and not read"
+    )
+    role: Literal["system", "developer", "user", "assistant"] | None = Field(None, description="a message's")
+    content: str | list[InputText] | None = Field(None, description="a message's text, or text parts (joined)")
+    call_id: str | None = Field(None, description="a function call's, and its output's")
+    name: str | None = Field(None, description="a function call's function")
+    arguments: str | None = Field(None, description="a function call's arguments: a JSON object, as text")
+    output: str | list[InputText] | None = Field(None, description="a function call's result")
+
+
+class FunctionTool(Function):
+    type: Literal["function"]
+
+
+class TextFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict | None = Field(None, alias="schema", description="json_schema's JSON schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponsesText(BaseModel):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """OpenAI's Responses API, read as the chat request it amounts to (forerun/serve/responses_api.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(description="the name /v1/models lists")
+    input: str | list[InputItem] = Field(description="the user's text, or the conversation's items in order")
+    instructions: str | None = Field(None, description="a system turn before the input")
+    max_output_tokens: int | None = Field(
+        None, ge=1, description="most tokens to generate (default: the context's room)"
+    )
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool | None = Field(None, description="Responses' typed events: response.created ... response.completed")
+    stream_options: dict | None = Field(None, description='{"include_obfuscation": ...}: taken and ignored')
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS, description="function tools only")
+    tool_choice: Literal["none", "auto", "required"] | dict | None = Field(
+        None, description='auto, none, required or {"type": "function", "name": ...}'
+    )
+    parallel_tool_calls: bool | None = None
+    text: ResponsesText | None = Field(None, description="text.format: text, json_object or json_schema")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with it, output_text carries logprobs")
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    store: bool | None = Field(None, description="taken; nothing is stored (the response says false)")
+    metadata: dict[str, str] | None = Field(None, description="repeated in the response")
+    user: str | None = None
+    service_tier: Literal[SERVICE_TIERS] | None = Field(None, description="taken and ignored: one tier")
+    truncation: Literal["disabled"] | None = Field(None, description="an input over the context is refused")
+    reasoning: dict | None = Field(None, description="not supported: taken only as null or with null settings")
+    previous_response_id: None = Field(None, description="not supported: nothing is stored; send the whole input")
+    background: Literal[False] | None = None
+    conversation: None = Field(None, description="not supported: nothing is stored")
+    prompt: None = Field(None, description="not supported: no stored prompt templates")
+    max_tool_calls: None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1] - MAX_N, description="vLLM's, as in chat")
+    top_k: int | None = Field(None, ge=-1, description="vLLM's, as in chat")
+    min_p: float | None = Field(None, ge=0, le=1)
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    chat_template_kwargs: dict | None = Field(None, description="more variables for the chat template, as in chat")
+    structured_outputs: dict | None = Field(None, description="vLLM's: json, regex, choice or grammar, as in chat")
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = Field(None, description="the served model's name, or left out")
@@ -200,7 +284,7 @@ def openapi_schema(app: FastAPI) -> dict:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
+        for model in (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest):
             spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(spec.pop("$defs", {}))
             generates = model in (CompletionRequest, ChatCompletionRequest)

@@ -1,0 +1,307 @@
+"""OpenAI's Responses API (`POST /v1/responses`) over a running server: an answer is the one chat
+gives for the same conversation (text, usage, the token limit as `incomplete`), its input items are
+the chat messages they amount to, streamed events add up to the whole response, function calls,
+reasoning and structured outputs come back as their own items, and every field forerun cannot honour
+is refused by name, as the Responses body names it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+from test_server import NAME, Served
+from test_server_api import AUTH, post
+
+from forerun.api import LLM
+from forerun.serve import responses_api
+from forerun.serve.schemas import ResponsesRequest
+
+FLIP = {"type": "function", "name": "flip", "parameters": {"type": "object", "properties": {}}}
+CHAT_FLIP = {"type": "function", "function": {k: v for k, v in FLIP.items() if k != "type"}}
+
+
+@pytest.fixture(scope="module")
+def served(target_tok):
+    s = Served(LLM(target_tok), reasoning_parser="qwen3")
+    yield s
+    s.stop()
+
+
+def respond(served, body: dict, status: int = 200) -> dict:
+    r = httpx.post(served.url + "/v1/responses", json={"model": NAME, **body}, headers=AUTH, timeout=60)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def events(served, body: dict) -> list[dict]:
+    """The streamed events' data, each checked against its `event:` line."""
+    out = []
+    body = {"model": NAME, **body, "stream": True}
+    with httpx.stream("POST", served.url + "/v1/responses", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        text = "".join(r.iter_text())
+    for block in text.strip().split("\n\n"):
+        kind, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {event['type']}"
+        out.append(event)
+    return out
+
+
+def forced(text: str) -> dict:
+    return {"structured_outputs": {"regex": re.escape(text)}}
+
+
+def texts(response: dict) -> list[tuple[str, str]]:
+    """(item type, its text or call) for each output item."""
+    out = []
+    for item in response["output"]:
+        if item["type"] == "message":
+            out.append(("message", "".join(part["text"] for part in item["content"])))
+        elif item["type"] == "reasoning":
+            out.append(("reasoning", "".join(part["text"] for part in item["content"])))
+        else:
+            out.append(("function_call", f"{item['name']}({item['arguments']})"))
+    return out
+
+
+def test_an_answer_is_chats_answer_to_the_same_conversation(served) -> None:
+    body = {"input": "hello there", "instructions": "be brief", "max_output_tokens": 12, "temperature": 0}
+    got = respond(served, body)
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    want = post(served, {"model": NAME, "messages": chat, "max_tokens": 12, "temperature": 0}, "/v1/chat/completions")
+    assert texts(got) == [("message", want["choices"][0]["message"]["content"])]
+    assert got["usage"]["input_tokens"] == want["usage"]["prompt_tokens"]
+    assert got["usage"]["output_tokens"] == want["usage"]["completion_tokens"]
+    assert got["usage"]["total_tokens"] == want["usage"]["total_tokens"]
+    assert (got["object"], got["model"], got["id"][:5], got["store"]) == ("response", NAME, "resp_", False)
+    assert (got["instructions"], got["max_output_tokens"], got["temperature"]) == ("be brief", 12, 0)
+    # the token limit reached: incomplete, as OpenAI says it; an answer that ends: completed
+    if want["choices"][0]["finish_reason"] == "length":
+        assert (got["status"], got["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+    ended = respond(served, {"input": "x", "max_output_tokens": 40, **forced("short.")})
+    assert (ended["status"], ended["incomplete_details"], texts(ended)) == ("completed", None, [("message", "short.")])
+    cut = respond(served, {"input": "x", "max_output_tokens": 3, **forced("a longer answer")})
+    assert cut["status"] == "incomplete" and cut["usage"]["output_tokens"] == 3
+
+
+def test_input_items_are_the_chat_messages_they_amount_to(served) -> None:
+    items = [
+        {"role": "developer", "content": [{"type": "input_text", "text": "rules"}]},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "flip "}, {"type": "input_text", "text": "it"}],
+        },
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "flip",
+            "arguments": "{}",
+            "id": "fc_1",
+            "status": "completed",
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "heads"},
+        {
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "It came up heads."}],
+            "id": "msg_1",
+            "status": "completed",
+        },
+        {"role": "user", "content": "again"},
+    ]
+    chat = [
+        {"role": "developer", "content": "rules"},
+        {"role": "user", "content": "flip it"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "flip", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "heads"},
+        {"role": "assistant", "content": "It came up heads."},
+        {"role": "user", "content": "again"},
+    ]
+    assert responses_api.messages(items, None) == chat
+    got = respond(served, {"input": items, "tools": [FLIP], "max_output_tokens": 1})["usage"]["input_tokens"]
+    tokens = post(served, {"model": NAME, "messages": chat, "tools": [CHAT_FLIP]}, "/tokenize")["count"]
+    assert got == tokens
+    # a call joins the assistant's text before it
+    joined = responses_api.messages([{"role": "assistant", "content": "let me"}, items[3]], "be kind")
+    assert joined[1] == {"role": "assistant", "content": "let me", "tool_calls": chat[2]["tool_calls"]}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "plain words, then more",
+        "<think>weigh it</think>the answer",
+        '<think>flip it</think><tool_call>\n{"name": "flip", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "flip", "arguments": {}}\n</tool_call>',
+        "",  # no text at all: one empty message, as the whole response gives it
+    ],
+)
+def test_streamed_events_add_up_to_the_whole_response(served, text) -> None:
+    body = {"input": "go", "tools": [FLIP], "max_output_tokens": 200, **forced(text)}
+    if not text:  # the end of the turn first
+        body = {"input": "go", "temperature": 0, "logit_bias": {str(served.llm.tokenizer.hf.eos_token_id): 100}}
+    whole = respond(served, body)
+    seen = events(served, body)
+    kinds = [e["type"] for e in seen]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [e["sequence_number"] for e in seen] == list(range(len(seen)))
+    final = seen[-1]["response"]
+    assert texts(final) == texts(whole) and final["usage"] == whole["usage"]
+    # each item opens, takes its deltas and closes in order, as the final response lists it
+    added = [e["item"]["type"] for e in seen if e["type"] == "response.output_item.added"]
+    done = [e["item"] for e in seen if e["type"] == "response.output_item.done"]
+    assert added == [item["type"] for item in final["output"]] and done == final["output"]
+    for item in final["output"]:
+        mine = [e for e in seen if e.get("item_id") == item["id"]]
+        if item["type"] == "message":
+            assert (
+                "".join(e["delta"] for e in mine if e["type"] == "response.output_text.delta")
+                == texts({"output": [item]})[0][1]
+            )
+        elif item["type"] == "reasoning":
+            assert (
+                "".join(e["delta"] for e in mine if e["type"] == "response.reasoning_text.delta")
+                == item["content"][0]["text"]
+            )
+        else:
+            assert [e["arguments"] for e in mine if e["type"] == "response.function_call_arguments.done"] == [
+                item["arguments"]
+            ]
+
+
+def test_calls_reasoning_and_text_come_back_as_their_own_items(served) -> None:
+    answer = respond(
+        served,
+        {
+            "input": "go",
+            "tools": [FLIP],
+            "max_output_tokens": 200,
+            **forced('<think>flip it</think><tool_call>\n{"name": "flip", "arguments": {}}\n</tool_call>'),
+        },
+    )
+    assert texts(answer) == [("reasoning", "flip it"), ("function_call", "flip({})")]
+    call = answer["output"][1]
+    assert call["call_id"].startswith("call_") and call["id"].startswith("fc_") and call["status"] == "completed"
+    assert answer["usage"]["output_tokens_details"]["reasoning_tokens"] == len(
+        "flip it"
+    )  # the tiny tokenizer: a character a token
+    # the call's result sent back as input answers on
+    follow = [
+        {"type": "function_call", "call_id": call["call_id"], "name": "flip", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "heads"},
+    ]
+    assert respond(served, {"input": follow, "tools": [FLIP], "max_output_tokens": 4})["output"][0]["type"] == "message"
+    # a named function forces its call
+    named = respond(
+        served,
+        {"input": "go", "tools": [FLIP], "tool_choice": {"type": "function", "name": "flip"}, "max_output_tokens": 60},
+    )
+    assert [item["type"] for item in named["output"]] == ["function_call"] and named["output"][0]["name"] == "flip"
+
+
+def test_text_format_asks_for_json_and_top_logprobs_give_each_tokens(served) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    fmt = {"format": {"type": "json_schema", "name": "count", "schema": schema, "strict": True}}
+    compact = {str(i): -100 for i in served.llm.tokenizer.encode(" \n")}  # the tiny model pads JSON with whitespace
+    answer = respond(
+        served, {"input": "count", "text": fmt, "max_output_tokens": 40, "temperature": 0, "logit_bias": compact}
+    )
+    assert set(json.loads(texts(answer)[0][1])) == {"n"} and answer["text"] == fmt
+    scored = respond(served, {"input": "hi", "top_logprobs": 2, "max_output_tokens": 5, "temperature": 0})
+    part = scored["output"][0]["content"][0]
+    assert len(part["logprobs"]) == scored["usage"]["output_tokens"]
+    assert all(len(entry["top_logprobs"]) == 2 and entry["logprob"] <= 0 for entry in part["logprobs"])
+    assert "".join(entry["token"] for entry in part["logprobs"]) == part["text"]
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+        ({"input": "x", "background": True}, "background", "foreground"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "no hosted tools"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content",
+            "text only",
+        ),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
+            "input[0].arguments",
+            "JSON object",
+        ),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]", "function_call_output"),
+        ({"input": [{"role": "user", "content": "x", "colour": 1}]}, "input[0].colour", "unknown field"),
+        ({"input": []}, "input", "non-empty"),
+        ({"input": "x", "truncation": "auto"}, "truncation", "refused, not cut"),
+        ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include", "output_text.logprobs"),
+        ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "enable_thinking"),
+        ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format", "json_schema"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+        ({"input": "x", "max_tokens": 5}, "max_tokens", "unknown field"),
+        ({"input": "x", "tool_choice": {"type": "allowed_tools"}}, "tool_choice", "required"),
+        ({"input": "x", "temperature": "hot"}, "temperature", "temperature"),
+        ({"input": "x", "stream": "yes"}, "stream", "stream"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "developer"),
+        ({"input": "x", "instructions": ["a"]}, "instructions", "a string"),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused_by_the_responses_name(served, body, param, words) -> None:
+    error = respond(served, body, 400)["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_neutral_settings_are_taken(served) -> None:
+    body = {
+        "input": "x",
+        "max_output_tokens": 2,
+        "store": True,
+        "reasoning": {"effort": None},
+        "truncation": "disabled",
+        "include": ["message.output_text.logprobs"],
+        "metadata": {"k": "v"},
+        "service_tier": "auto",
+        "stream_options": {"include_obfuscation": False},
+        "previous_response_id": None,
+        "background": False,
+    }
+    got = respond(served, body)
+    assert got["metadata"] == {"k": "v"} and got["store"] is False
+    assert len(got["output"][0]["content"][0]["logprobs"]) == got["usage"]["output_tokens"]
+
+
+def test_the_schema_lists_the_fields_the_route_takes() -> None:
+    assert set(ResponsesRequest.model_fields) == responses_api.FIELDS
+
+
+def test_openais_client_reads_the_response_and_follows_the_stream(served) -> None:
+    client = served.client()
+    body = {"model": NAME, "input": "go", "tools": [FLIP], "max_output_tokens": 200}
+    text = '<think>weigh it</think>heads, <tool_call>\n{"name": "flip", "arguments": {}}\n</tool_call>'
+    extra = {"extra_body": forced(text)}
+    whole = client.responses.create(**body, **extra)
+    assert whole.output_text == "heads," and [item.type for item in whole.output] == [
+        "reasoning",
+        "message",
+        "function_call",
+    ]
+    # the client's own stream reader checks each event against the items it has seen
+    with client.responses.stream(**body, **extra) as events:
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+        final = events.get_final_response()
+    assert "".join(deltas) == "heads," and final.output_text == "heads,"
+    assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output[2].name == "flip" and final.usage.output_tokens == whole.usage.output_tokens
