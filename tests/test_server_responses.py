@@ -134,6 +134,33 @@ def test_input_items_are_the_chat_messages_they_amount_to(served) -> None:
     assert joined[1] == {"role": "assistant", "content": "let me", "tool_calls": chat[2]["tool_calls"]}
 
 
+def test_reasoning_sent_back_reaches_the_template_in_chat_and_in_responses(served) -> None:
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+
+    def count(messages: list[dict]) -> int:
+        return post(served, {"model": NAME, "messages": messages}, "/tokenize")["count"]
+
+    bare = count(turns)
+    for name in ("reasoning_content", "reasoning"):  # vLLM's name and its newer one
+        assert count([turns[0], {**turns[1], name: "xyz"}, turns[2]]) == bare + len("<think>xyz</think>")
+    assert count([turns[0], {**turns[1], "reasoning_content": None, "reasoning": ""}, turns[2]]) == bare
+    both = {"model": NAME, "messages": [turns[0], {**turns[1], "reasoning": "x", "reasoning_content": "y"}]}
+    r = httpx.post(served.url + "/v1/chat/completions", json=both, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and "send one" in r.json()["error"]["message"]
+    # a Responses reasoning item goes to the assistant turn after it
+    items = [
+        turns[0],
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "xyz"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "b"}]},
+        turns[2],
+    ]
+    assert responses_api.messages(items, None)[1] == {"role": "assistant", "content": "b", "reasoning_content": "xyz"}
+    used = respond(served, {"input": items, "max_output_tokens": 1})["usage"]["input_tokens"]
+    assert used == bare + len("<think>xyz</think>")
+    # one that no assistant turn follows is dropped
+    assert responses_api.messages([turns[0], items[1], turns[2]], None) == [turns[0], turns[2]]
+
+
 @pytest.mark.parametrize(
     "text",
     [

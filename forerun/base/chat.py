@@ -9,11 +9,14 @@ from forerun.base.errors import ForerunError
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}  # developer: OpenAI's newer name for system
 # A message's fields beside role and content that go on to the chat template as given (OpenAI's
-# participant name, a tool result's call id).
-PASSED = ("name", "tool_call_id")
+# participant name, a tool result's call id, an answer's reasoning as vLLM's reasoning parsers give
+# it: Qwen3's template shows the reasoning of the turns since the last user message).
+PASSED = ("name", "tool_call_id", "reasoning_content")
+REASONING = ("reasoning_content",)  # passed where it holds text, dropped where empty
+RENAMED = {"reasoning": "reasoning_content"}  # vLLM's newer name for an answer's reasoning
 # Fields of an answer's message that a client sends back with the conversation: taken while they
 # are empty (null, "" or []), refused by name when they ask for something (forerun gives none of them).
-EMPTY_ONLY = ("function_call", "refusal", "audio", "annotations", "reasoning_content")
+EMPTY_ONLY = ("function_call", "refusal", "audio", "annotations")
 
 
 def chat_turns(messages: object) -> list[dict]:
@@ -75,11 +78,13 @@ def _tool_calls(calls: object, i: int) -> list[dict] | None:
 
 
 def _other_fields(message: dict, i: int) -> dict:
-    """A message's fields beside role and content: PASSED ones (strings) for the template, EMPTY_ONLY
-    ones dropped while empty; any other refused by name."""
+    """A message's fields beside role and content: PASSED ones (strings) for the template (an
+    answer's `reasoning` as `reasoning_content`), EMPTY_ONLY ones and empty reasoning dropped; any
+    other refused by name."""
     passed = {}
-    for name, value in message.items():
-        if name in ("role", "content", "tool_calls") or (name in EMPTY_ONLY and value in (None, "", [])):
+    for given, value in message.items():
+        name = RENAMED.get(given, given)
+        if name in ("role", "content", "tool_calls") or (name in EMPTY_ONLY + REASONING and value in (None, "", [])):
             continue
         if name in EMPTY_ONLY:
             raise ForerunError(
@@ -91,7 +96,9 @@ def _other_fields(message: dict, i: int) -> dict:
                 f"messages[{i}] has an unknown field {name[:40]!r}: a message takes role, content, {', '.join(PASSED)}"
             )
         if not isinstance(value, str):
-            raise ForerunError(f"messages[{i}].{name} must be a string")
+            raise ForerunError(f"messages[{i}].{given} must be a string")
+        if name in passed:
+            raise ForerunError(f"messages[{i}] gives reasoning and reasoning_content: send one")
         passed[name] = value
     return passed
 

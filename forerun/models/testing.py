@@ -74,7 +74,8 @@ def tiny_tokenizer_folder(folder: Path, infill: bool = False) -> Path:
         # tools as Qwen's template shows them, shortly: each function's name; calls in <tool_call> blocks
         "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
         "<|im_end|>\n{% endif %}"
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m['content'] }}"
         "{% for c in m.tool_calls or [] %}<tool_call>\n"
         '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
         "{% endfor %}<|im_end|>\n"

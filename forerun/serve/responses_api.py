@@ -2,7 +2,8 @@
 
 A Responses body is read into the chat body that asks for the same answer (`translate`): the input
 items become messages (instructions first, as a system turn; a function call joins the assistant
-turn before it; its output is a tool turn), function tools and `text.format` become chat's tools
+turn before it; its output is a tool turn; a reasoning item's text is the next assistant turn's
+`reasoning_content`, which Qwen3's template shows), function tools and `text.format` become chat's tools
 and response_format, `max_output_tokens` chat's `max_completion_tokens`. The chat route's checks,
 sampling and engine then run it unchanged, so its speculation, tool calls, structured outputs and
 reasoning parser hold here too; what comes back is shaped as a Responses object (`Translated.shaped`)
@@ -151,7 +152,8 @@ def _check_settings(body: dict) -> None:
 
 def messages(given: object, instructions: object) -> list[dict]:
     """Chat's messages for a Responses `input` (a string, or a list of message, function_call,
-    function_call_output and reasoning items) after `instructions`."""
+    function_call_output and reasoning items) after `instructions`. A reasoning item's text goes to
+    the assistant turn after it as `reasoning_content`, as chat takes an answer's reasoning back."""
     if instructions is not None and not isinstance(instructions, str):
         raise BadRequest("instructions must be a string", "instructions")
     if isinstance(given, str):
@@ -159,6 +161,7 @@ def messages(given: object, instructions: object) -> list[dict]:
     if not isinstance(given, list) or not given:
         raise BadRequest("input must be a string or a non-empty list of items (messages, function calls)", "input")
     out = [{"role": "system", "content": instructions}] if instructions else []
+    thought = ""  # a reasoning item's text, for the assistant turn the next item lands in
     for i, item in enumerate(given):
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind not in ITEM_FIELDS:
@@ -178,8 +181,21 @@ def messages(given: object, instructions: object) -> list[dict]:
         elif kind == "function_call_output":
             output = _text(item.get("output"), f"input[{i}].output")
             out.append({"role": "tool", "tool_call_id": _string(item, "call_id", i), "content": output})
-        # a reasoning item from an earlier answer: its text is not read again (as chat drops reasoning_content)
+        if kind == "reasoning":
+            thought = _reasoning(item, i)
+        else:
+            if thought and out[-1]["role"] == "assistant":
+                out[-1].setdefault("reasoning_content", thought)
+            thought = ""
     return out
+
+
+def _reasoning(item: dict, i: int) -> str:
+    """A reasoning item's text: its reasoning_text parts (else its summary's), joined."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise BadRequest(f"input[{i}] (reasoning): content and summary must be lists of text parts", f"input[{i}]")
+    return "".join(p["text"] for p in parts)
 
 
 def _text(content: object, where: str) -> str:

@@ -119,6 +119,10 @@ class ChatMessage(BaseModel):
     name: str | None = Field(None, description="passed to the chat template")
     tool_call_id: str | None = Field(None, description="a tool result's call; passed to the chat template")
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls, as its answer gave them")
+    reasoning_content: str | None = Field(
+        None, description="an answer's reasoning, as given back; passed to the template"
+    )
+    reasoning: str | None = Field(None, description="vLLM's newer name for reasoning_content")
 
 
 class Function(BaseModel):
