@@ -65,10 +65,13 @@ def write_gguf(
     quant: gguf.GGMLQuantizationType | str | Callable[[str], str | None] | None = None,
     skip_keys: tuple[str, ...] = (),
     extra: dict | None = None,
+    floats: dict | None = None,
+    rope_freqs: bool = True,
 ) -> Path:
     """Write `model` as llama.cpp would: metadata under `arch.*`, F32 tensors (2-D ones quantized if
     asked: one type for all, or per tensor, a function of its llama.cpp name returning a type name
-    or None for F32)."""
+    or None for F32); `extra` string and `floats` float32 metadata; the rope's factors as llama.cpp's
+    rope_freqs tensor unless `rope_freqs` is False)."""
     cfg = model.decoder.cfg
     arch = arch or cfg.architecture
     w = gguf.GGUFWriter(str(path), arch)
@@ -88,6 +91,8 @@ def write_gguf(
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     for key, value in (extra or {}).items():
         w.add_string(key, value)
+    for key, value in (floats or {}).items():
+        w.add_float32(key, value)
     state = model.decoder.state_dict()
     for hf, tensor in state.items():
         if hf == "lm_head.weight" and cfg.tie_embeddings:
@@ -104,6 +109,8 @@ def write_gguf(
             w.add_tensor(llama_cpp_name(hf), gguf_bytes(array, qtype.name), raw_dtype=qtype)
         else:
             w.add_tensor(llama_cpp_name(hf), array)
+    if cfg.rope_freq_factors is not None and rope_freqs:  # as llama.cpp's converter writes Llama 3.1's scaling
+        w.add_tensor("rope_freqs.weight", np.array(cfg.rope_freq_factors, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -58,7 +58,7 @@ class EagleHead(nn.Module):
         self.register_buffer("vocab", vocab.clone())
         for norm in (self.input_norm, self.post_norm):
             norm.weight.requires_grad_(True)
-        self._rope = Rope(d, cfg.rope_theta)
+        self._rope = Rope(d, cfg.rope_theta, cfg.rope_freq_factors)
         self._init_weights(h)
 
     def _init_weights(self, hidden: int) -> None:

@@ -9,6 +9,7 @@ verification), whose attention computes every row exactly as it would come out a
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -51,6 +52,14 @@ class DecoderConfig:
     attention_bias: bool  # q/k/v projections carry a bias (qwen2)
     tie_embeddings: bool  # LM head shares the embedding matrix
     qk_norm: bool = False  # each head's q and k pass an RMSNorm of their own before rope (qwen3)
+    # Scaled rope: rope frequency i is divided by factor i (head_dim / 2 of them; llama.cpp's
+    # rope_freqs): Llama 3.1's and 3.2's "llama3" scaling, and "linear" scaling (one factor for all).
+    rope_freq_factors: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_freq_factors is not None:  # a tuple of float32 values, as rope computes and GGUF stores them
+            rounded = torch.tensor([float(f) for f in self.rope_freq_factors], dtype=torch.float32).tolist()
+            object.__setattr__(self, "rope_freq_factors", tuple(rounded))
 
 
 def _scored_rows(segments: list[Segment] | None, last_only: bool) -> list[int] | slice | None:
@@ -79,8 +88,9 @@ class Rope:
     x·cos + rotate_half(x)·sin with one op fewer.
     """
 
-    def __init__(self, head_dim: int, theta: float) -> None:
-        self.head_dim, self.theta = head_dim, theta
+    def __init__(self, head_dim: int, theta: float, factors: tuple[float, ...] | None = None) -> None:
+        """`factors`: each frequency's divisor (DecoderConfig.rope_freq_factors), or None."""
+        self.head_dim, self.theta, self.factors = head_dim, theta, factors
         self.cos = self.sin = torch.empty(0, head_dim)  # [P, D]
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,12 +108,34 @@ class Rope:
         d = self.head_dim
         exponent = torch.arange(0, d, 2, dtype=torch.float32, device=device) / d
         inv_freq = 1.0 / (self.theta**exponent)  # [D/2]
+        if self.factors is not None:
+            inv_freq = inv_freq / torch.tensor(self.factors, dtype=torch.float32, device=device)
         freqs = torch.arange(length, device=device).float()[:, None] * inv_freq  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         sign = torch.ones(d, device=device)
         sign[: d // 2] = -1.0
         self.cos = emb.cos().to(dtype)
         self.sin = (emb.sin() * sign).to(dtype)
+
+
+def llama3_rope_factors(
+    head_dim: int, theta: float, factor: float, low_freq_factor: float, high_freq_factor: float, original: int
+) -> tuple[float, ...]:
+    """Llama 3.1's rope scaling as per-frequency divisors (what llama.cpp's converter writes as
+    rope_freqs): frequencies whose wavelength is past original / low_freq_factor are divided by
+    `factor`, those under original / high_freq_factor kept, and those between blended smoothly."""
+    low_wavelen, high_wavelen = original / low_freq_factor, original / high_freq_factor
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(factors)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -249,7 +281,7 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.activation_dtype: torch.dtype | None = None  # None: the weights' dtype; a format may set float32
-        self._rope = Rope(cfg.head_dim, cfg.rope_theta)
+        self._rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_freq_factors)
         self._native = False  # not looked at yet (`_native_layers`)
         self.kv_cache_dtype = "auto"  # a key of KV_CACHE_DTYPES: what `new_cache` stores entries in
 

@@ -68,12 +68,6 @@ def read_config(reader) -> DecoderConfig:
             f"unsupported architecture {arch!r} in GGUF file; forerun supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     names = {t.name for t in reader.tensors}
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none") or "rope_freqs.weight" in names:
-        # Plain rope on a model trained with scaled rope gives fluent-looking but wrong output.
-        raise ForerunError(
-            f"rope scaling ({scaling or 'rope_freqs'}) is not supported yet; use a model without rope scaling"
-        )
 
     def need(key: str) -> int:
         value = _field(reader, f"{arch}.{key}")
@@ -88,6 +82,7 @@ def read_config(reader) -> DecoderConfig:
         raise ForerunError("the GGUF file has no token_embd.weight tensor; it is not a complete model")
     heads = need("attention.head_count")
     hidden = need("embedding_length")
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
     emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
     return DecoderConfig(
         architecture=arch,
@@ -97,14 +92,42 @@ def read_config(reader) -> DecoderConfig:
         num_layers=need("block_count"),
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rope_theta=_float32_value(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_freq_factors=_rope_factors(reader, arch, head_dim),
         rms_norm_eps=_float32_value(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         max_position=int(_field(reader, f"{arch}.context_length", 4096)),
         attention_bias="blk.0.attn_q.bias" in names,
         tie_embeddings="output.weight" not in names,
         qk_norm=arch == "qwen3",
     )
+
+
+def _rope_factors(reader, arch: str, head_dim: int) -> tuple[float, ...] | None:
+    """Each rope frequency's divisor: the file's rope_freqs tensor (Llama 3.1's scaling, as
+    llama.cpp's converter writes it) times a linear scaling's factor; None for plain rope. Other
+    scalings are refused: plain rope on a model trained with scaled rope writes fluent, wrong text."""
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise ForerunError(
+            f"rope scaling {scaling!r} is not supported yet (llama3 and linear are); use a model without it"
+        )
+    factors = None
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is not None:
+        data = np.asarray(tensor.data)
+        if data.dtype != np.float32 or data.size != head_dim // 2 or not np.isfinite(data).all() or (data <= 0).any():
+            raise ForerunError(
+                f"the GGUF file's rope_freqs.weight must hold {head_dim // 2} positive float32 factors "
+                f"(one per rope frequency of a {head_dim}-wide head); it may be corrupt"
+            )
+        factors = tuple(float(f) for f in data.reshape(-1))
+    if scaling == "linear":
+        factor = _float32_value(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
+        if not factor > 0:
+            raise ForerunError(f"the GGUF file's {arch}.rope.scaling.factor must be positive, got {factor}")
+        factors = tuple(f * factor for f in factors or (1.0,) * (head_dim // 2))
+    return factors
 
 
 def hf_name(gguf_name: str) -> str | None:

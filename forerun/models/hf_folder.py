@@ -11,7 +11,7 @@ import torch
 from forerun.base.config import is_finite, is_whole
 from forerun.base.errors import ForerunError
 from forerun.base.files import load_tensors
-from forerun.models.decoder import SUPPORTED_ARCHITECTURES, DecoderConfig
+from forerun.models.decoder import SUPPORTED_ARCHITECTURES, DecoderConfig, llama3_rope_factors
 
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 INDEX = "model.safetensors.index.json"  # which shard holds each tensor, as save_pretrained writes it
@@ -37,6 +37,8 @@ def config_from_hf(raw: dict) -> DecoderConfig:
         raise ForerunError(
             f"config.json's num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}: {_OWN_CONFIG}"
         )
+    head_dim = _whole(raw, "head_dim", raw["hidden_size"] // heads)
+    theta = _number(_rope(raw), "rope_theta", 10000.0)
     return DecoderConfig(
         architecture=arch,
         vocab_size=raw["vocab_size"],
@@ -45,8 +47,9 @@ def config_from_hf(raw: dict) -> DecoderConfig:
         num_layers=raw["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=_whole(raw, "head_dim", raw["hidden_size"] // heads),
-        rope_theta=_number(_rope(raw), "rope_theta", 10000.0),
+        head_dim=head_dim,
+        rope_theta=theta,
+        rope_freq_factors=_rope_factors(_rope(raw).get("rope_scaling"), head_dim, theta),
         rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
         max_position=_context(raw, arch),
         attention_bias=_flag(raw, "attention_bias", arch == "qwen2"),
@@ -71,14 +74,37 @@ def _check_computable(raw: dict) -> None:
     scaling = _rope(raw).get("rope_scaling")
     if scaling is not None and not isinstance(scaling, dict):
         raise ForerunError(f"config.json's rope_scaling is {scaling!r}, not an object or null: {_OWN_CONFIG}")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ForerunError(f"rope scaling {scaling!r} is not supported yet; use a model without rope_scaling")
+    if scaling and _scaling_kind(scaling) not in (None, "default", "linear", "llama3"):
+        raise ForerunError(
+            f"rope scaling {scaling!r} is not supported yet (llama3 and linear are); use a model without it"
+        )
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # transformers' names for the same function
         raise ForerunError(
             f"config.json's hidden_act {act!r} is not supported: forerun's decoder computes silu (SwiGLU) "
             "MLPs only; use a model whose hidden_act is silu"
         )
+
+
+def _scaling_kind(scaling: dict) -> object:
+    return scaling.get("rope_type", scaling.get("type"))
+
+
+def _rope_factors(scaling: dict | None, head_dim: int, theta: float) -> tuple[float, ...] | None:
+    """Each rope frequency's divisor under config.json's rope_scaling (llama3 or linear), or None."""
+    kind = _scaling_kind(scaling) if scaling else None
+    if kind in (None, "default"):
+        return None
+    factor = _number(scaling, "factor", 0.0)
+    if not factor > 0:
+        raise ForerunError(f"config.json's rope_scaling {scaling!r} lacks its factor: {_OWN_CONFIG}")
+    if kind == "linear":
+        return (factor,) * (head_dim // 2)
+    low, high = _number(scaling, "low_freq_factor", 1.0), _number(scaling, "high_freq_factor", 4.0)
+    if not high > low:
+        raise ForerunError(f"config.json's rope_scaling needs high_freq_factor > low_freq_factor: {_OWN_CONFIG}")
+    original = _whole(scaling, "original_max_position_embeddings", 8192)
+    return llama3_rope_factors(head_dim, theta, factor, low, high, original)
 
 
 def _context(raw: dict, arch: str) -> int:
