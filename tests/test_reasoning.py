@@ -88,8 +88,13 @@ def _escaped(text: str) -> str:
 def test_chat_answers_give_their_reasoning_apart_whole_and_streamed(thinking) -> None:
     message = post(thinking, ask(THINK), "/v1/chat/completions")["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == ("ab c", "done")
+    assert message["reasoning"] == "ab c"  # vLLM's newer name beside the older
     deltas = [c["choices"][0]["delta"] for c in stream(thinking, ask(THINK), "/v1/chat/completions") if c["choices"]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "ab c"
+    assert "".join(d.get("reasoning", "") for d in deltas) == "ab c"
+    # the message sent back as the openai library dumps it (both names) is taken
+    back = [{"role": "user", "content": "think"}, dict(message), {"role": "user", "content": "x"}]
+    assert post(thinking, {"model": NAME, "messages": back, "max_tokens": 1}, "/v1/chat/completions")["choices"]
     assert "".join(d.get("content", "") or "" for d in deltas) == "done"
     plain = post(thinking, ask("no thought"), "/v1/chat/completions")["choices"][0]["message"]
     assert (plain["reasoning_content"], plain["content"]) == (None, "no thought")
@@ -121,6 +126,6 @@ def test_without_a_parser_the_tags_stay_in_the_content(target_tok) -> None:
     served = Served(LLM(target_tok))
     try:
         message = post(served, ask(THINK), "/v1/chat/completions")["choices"][0]["message"]
-        assert message["content"] == THINK and "reasoning_content" not in message
+        assert message["content"] == THINK and "reasoning_content" not in message and "reasoning" not in message
     finally:
         served.stop()

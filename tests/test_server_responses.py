@@ -144,9 +144,10 @@ def test_reasoning_sent_back_reaches_the_template_in_chat_and_in_responses(serve
     for name in ("reasoning_content", "reasoning"):  # vLLM's name and its newer one
         assert count([turns[0], {**turns[1], name: "xyz"}, turns[2]]) == bare + len("<think>xyz</think>")
     assert count([turns[0], {**turns[1], "reasoning_content": None, "reasoning": ""}, turns[2]]) == bare
+    assert count([turns[0], {**turns[1], "reasoning": "xyz", "reasoning_content": "xyz"}, turns[2]]) == bare + 18
     both = {"model": NAME, "messages": [turns[0], {**turns[1], "reasoning": "x", "reasoning_content": "y"}]}
     r = httpx.post(served.url + "/v1/chat/completions", json=both, headers=AUTH, timeout=60)
-    assert r.status_code == 400 and "send one" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "differ" in r.json()["error"]["message"]
     # a Responses reasoning item goes to the assistant turn after it
     items = [
         turns[0],

@@ -97,8 +97,8 @@ def _other_fields(message: dict, i: int) -> dict:
             )
         if not isinstance(value, str):
             raise ForerunError(f"messages[{i}].{given} must be a string")
-        if name in passed:
-            raise ForerunError(f"messages[{i}] gives reasoning and reasoning_content: send one")
+        if passed.get(name, value) != value:  # both names, as an answer gives them back: the same text
+            raise ForerunError(f"messages[{i}] gives a reasoning and a reasoning_content that differ: send one")
         passed[name] = value
     return passed
 

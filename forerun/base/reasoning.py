@@ -1,6 +1,7 @@
 """A thinking model's reasoning read apart from its answer, as vLLM's `--reasoning-parser` reads it:
 the model writes its reasoning between `<think>` and `</think>` before the answer, and a chat
-response gives that as `reasoning_content` and the rest as `content`, whole or streamed alike.
+response gives that as `reasoning` and `reasoning_content` and the rest as `content`, whole or
+streamed alike.
 
 Two parsers, named as vLLM names them:
 - `qwen3`: the reasoning is what a `<think>` at the start of the answer (after any whitespace)

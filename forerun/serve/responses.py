@@ -176,11 +176,11 @@ class Reply:
     def _message(self, choice: Choice, text: str) -> dict:
         """A whole answer's message: its text, or, with tools, its content and calls (content null
         when it only called tools, as OpenAI gives it); with a reasoning parser, the reasoning apart
-        (`reasoning_content`, as vLLM gives it; null without any)."""
+        (`reasoning` and `reasoning_content`, as vLLM gives it; null without any)."""
         thinking = {}
         if self.reasoning is not None:
             reasoning, text = split(self.reasoning, text)
-            thinking = {"reasoning_content": reasoning or None}
+            thinking = _thinking(reasoning or None)
         reader = self._reader(choice)
         if reader is None:
             return {"role": "assistant", "content": text, **thinking}
@@ -209,7 +209,7 @@ class Reply:
         """A streamed chunk's delta: the new text, or, with tools, the content given out and each call
         once it is whole (its arguments in one piece), numbered as OpenAI's stream numbers them."""
         reasoning, text = self._think(choice, text)
-        thinking = {"reasoning_content": reasoning} if reasoning else {}
+        thinking = _thinking(reasoning) if reasoning else {}
         reader = self._reader(choice)
         if reader is None:
             return {**thinking, "content": text} if text else thinking
@@ -339,6 +339,12 @@ def echo_texts(checked: Checked, prompt_ids: list[list[int]], tokenizer) -> list
         else ""
         for index, (prompt, ids) in enumerate(zip(checked.prompts, prompt_ids))
     ]
+
+
+def _thinking(reasoning: str | None) -> dict:
+    """An answer's reasoning under vLLM's name (`reasoning`) and its older one (`reasoning_content`,
+    which DeepSeek's API and many clients read)."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def error_body(exc: BadRequest) -> dict:
