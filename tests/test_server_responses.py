@@ -85,6 +85,11 @@ def test_an_answer_is_chats_answer_to_the_same_conversation(served) -> None:
     assert (ended["status"], ended["incomplete_details"], texts(ended)) == ("completed", None, [("message", "short.")])
     cut = respond(served, {"input": "x", "max_output_tokens": 3, **forced("a longer answer")})
     assert cut["status"] == "incomplete" and cut["usage"]["output_tokens"] == 3
+    assert cut["output"][0]["status"] == "incomplete"  # the message the limit cut
+    streamed = events(served, {"input": "x", "max_output_tokens": 3, **forced("a longer answer")})
+    assert streamed[-1]["type"] == "response.incomplete" and streamed[-1]["response"]["output"] == [
+        {**cut["output"][0], "id": streamed[-1]["response"]["output"][0]["id"]}
+    ]
 
 
 def test_input_items_are_the_chat_messages_they_amount_to(served) -> None:
@@ -129,6 +134,19 @@ def test_input_items_are_the_chat_messages_they_amount_to(served) -> None:
     got = respond(served, {"input": items, "tools": [FLIP], "max_output_tokens": 1})["usage"]["input_tokens"]
     tokens = post(served, {"model": NAME, "messages": chat, "tools": [CHAT_FLIP]}, "/tokenize")["count"]
     assert got == tokens
+    # a null type is a message; a call without arguments has none; reasoning items in a row join
+    loose = [
+        {"type": None, "role": "user", "content": "a"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "x"}]},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "y"}]},
+        {"type": "function_call", "call_id": "c", "name": "flip", "arguments": ""},
+    ]
+    assert responses_api.messages(loose, None)[1] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "flip", "arguments": "{}"}}],
+        "reasoning_content": "xy",
+    }
     # a call joins the assistant's text before it
     joined = responses_api.messages([{"role": "assistant", "content": "let me"}, items[3]], "be kind")
     assert joined[1] == {"role": "assistant", "content": "let me", "tool_calls": chat[2]["tool_calls"]}
@@ -170,10 +188,11 @@ def test_reasoning_sent_back_reaches_the_template_in_chat_and_in_responses(serve
         '<think>flip it</think><tool_call>\n{"name": "flip", "arguments": {}}\n</tool_call>',
         '<tool_call>\n{"name": "flip", "arguments": {}}\n</tool_call>',
         "",  # no text at all: one empty message, as the whole response gives it
+        "<think>only a thought</think>",  # reasoning alone: no message, as OpenAI gives it
     ],
 )
 def test_streamed_events_add_up_to_the_whole_response(served, text) -> None:
-    body = {"input": "go", "tools": [FLIP], "max_output_tokens": 200, **forced(text)}
+    body = {"input": "go", "tools": [FLIP], "max_output_tokens": 200, "top_logprobs": 1, **forced(text)}
     if not text:  # the end of the turn first
         body = {"input": "go", "temperature": 0, "logit_bias": {str(served.llm.tokenizer.hf.eos_token_id): 100}}
     whole = respond(served, body)
@@ -183,6 +202,11 @@ def test_streamed_events_add_up_to_the_whole_response(served, text) -> None:
     assert [e["sequence_number"] for e in seen] == list(range(len(seen)))
     final = seen[-1]["response"]
     assert texts(final) == texts(whole) and final["usage"] == whole["usage"]
+    # a message's logprobs are its own text's tokens, whatever was read apart, whole and streamed alike
+    for got, want in zip(final["output"], whole["output"]):
+        if got["type"] == "message":
+            assert got["content"][0]["logprobs"] == want["content"][0]["logprobs"]
+            assert "".join(e["token"] for e in got["content"][0]["logprobs"]) == got["content"][0]["text"]
     # each item opens, takes its deltas and closes in order, as the final response lists it
     added = [e["item"]["type"] for e in seen if e["type"] == "response.output_item.added"]
     done = [e["item"] for e in seen if e["type"] == "response.output_item.done"]
@@ -283,6 +307,9 @@ def test_text_format_asks_for_json_and_top_logprobs_give_each_tokens(served) -> 
         ({"input": "x", "tool_choice": {"type": "allowed_tools"}}, "tool_choice", "required"),
         ({"input": "x", "temperature": "hot"}, "temperature", "temperature"),
         ({"input": "x", "stream": "yes"}, "stream", "stream"),
+        ({"input": [{"type": ["message"], "role": "user", "content": "x"}]}, "input[0]", "message"),
+        ({"input": [{"type": {}, "role": "user", "content": "x"}]}, "input[0]", "message"),
+        ({"input": "x", "tools": [{"type": "function", "name": "no spaces"}]}, "tools", "tools[0].name"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "developer"),
         ({"input": "x", "instructions": ["a"]}, "instructions", "a string"),
     ],
@@ -333,3 +360,23 @@ def test_openais_client_reads_the_response_and_follows_the_stream(served) -> Non
     assert "".join(deltas) == "heads," and final.output_text == "heads,"
     assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
     assert final.output[2].name == "flip" and final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_a_failure_mid_answer_ends_the_stream_with_response_failed(target_tok) -> None:
+    from test_server import FlakyEngine
+
+    llm = LLM(target_tok)
+    opening = llm.tokenizer.apply_chat([{"role": "user", "content": "x"}])[0]  # every chat prompt's first token
+    failing = Served(llm, new_engine=lambda: FlakyEngine(llm, opening))
+    try:
+        seen = events(failing, {"input": "go", "max_output_tokens": 10, "temperature": 0})
+        kinds = [e["type"] for e in seen]
+        assert kinds[-2:] == ["error", "response.failed"] and "injected failure" in seen[-2]["message"]
+        assert (
+            seen[-1]["response"]["status"] == "failed"
+            and "injected failure" in seen[-1]["response"]["error"]["message"]
+        )
+        r = httpx.post(failing.url + "/v1/responses", json={"model": NAME, "input": "go"}, headers=AUTH, timeout=60)
+        assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
+    finally:
+        failing.stop()

@@ -18,6 +18,7 @@ names the Responses field the client sent (`max_output_tokens`, `input`, `text.f
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -85,6 +86,12 @@ UNHONOURED = {
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # What a refusal of the chat body names, as the Responses body names it.
 RENAMED = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+# Chat's shapes in a refusal's words, as Responses writes them.
+RESHAPED = (
+    (re.compile(r"tools\[(\d+)\]\.function\."), r"tools[\1]."),
+    (re.compile(r'\{"type": "function", "function": \{"name": \.\.\.\}\}'), '{"type": "function", "name": ...}'),
+    (re.compile(r'"json_schema": \{"name": \.\.\., "schema": \.\.\.\}'), '"name" and "schema"'),
+)
 ITEM_FIELDS = {
     "message": {"type", "role", "content", "id", "status"},
     "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
@@ -163,8 +170,9 @@ def messages(given: object, instructions: object) -> list[dict]:
     out = [{"role": "system", "content": instructions}] if instructions else []
     thought = ""  # a reasoning item's text, for the assistant turn the next item lands in
     for i, item in enumerate(given):
-        kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind not in ITEM_FIELDS:
+        kind = item.get("type") if isinstance(item, dict) else False
+        kind = "message" if kind is None else kind  # left out or null
+        if not isinstance(kind, str) or kind not in ITEM_FIELDS:
             raise BadRequest(
                 f"input[{i}] must be a message, function_call, function_call_output or reasoning item", f"input[{i}]"
             )
@@ -182,7 +190,7 @@ def messages(given: object, instructions: object) -> list[dict]:
             output = _text(item.get("output"), f"input[{i}].output")
             out.append({"role": "tool", "tool_call_id": _string(item, "call_id", i), "content": output})
         if kind == "reasoning":
-            thought = _reasoning(item, i)
+            thought += _reasoning(item, i)
         else:
             if thought and out[-1]["role"] == "assistant":
                 out[-1].setdefault("reasoning_content", thought)
@@ -221,7 +229,9 @@ def _string(item: dict, name: str, i: int) -> str:
 
 def _add_call(out: list[dict], item: dict, i: int) -> None:
     """A function_call item as a call of the assistant turn before it (a new turn if none)."""
-    arguments = _string(item, "arguments", i)
+    arguments = item.get("arguments") if item.get("arguments") != "" else "{}"  # a call without arguments
+    if not isinstance(arguments, str):
+        raise BadRequest(f"input[{i}].arguments must be a JSON object (as text)", f"input[{i}].arguments")
     try:
         ok = isinstance(json.loads(arguments), dict)
     except (ValueError, RecursionError):
@@ -318,6 +328,8 @@ class Translated:
     def renamed(self, exc: BadRequest) -> BadRequest:
         """A refusal of the chat body as one of the Responses body: its field names."""
         message, param = exc.message, exc.param
+        for pattern, own in RESHAPED:
+            message = pattern.sub(own, message)
         for chat_name, own in RENAMED.items():
             message = message.replace(chat_name, own)
             if param is not None and param.startswith(chat_name):
@@ -343,54 +355,90 @@ class Translated:
         """Chat's whole answer (one choice) as a Responses object."""
         choice = completion["choices"][0]
         message = choice["message"]
-        output = []
-        if message.get("reasoning_content"):
-            output.append(_reasoning_item(message["reasoning_content"]))
+        status, output = _status(choice["finish_reason"]), []
+        reasoning, content = message.get("reasoning_content"), message.get("content") or ""
+        if reasoning:
+            output.append(_reasoning_item(reasoning))
         calls = message.get("tool_calls") or []
-        if message.get("content") or not calls:
-            logprobs = (choice.get("logprobs") or {}).get("content")
-            output.append(_message_item(message.get("content") or "", logprobs, "completed"))
+        if content or not (calls or reasoning):  # an answer of nothing at all: one empty message
+            logprobs = own_logprobs((choice.get("logprobs") or {}).get("content"), content, reasoning)
+            output.append(
+                _message_item(content, logprobs, "incomplete" if status == "incomplete" and not calls else "completed")
+            )
         output += [_call_item(call) for call in calls]
-        usage = _usage(completion["usage"], message.get("reasoning_content"), tokenizer)
+        usage = _usage(completion["usage"], reasoning, tokenizer)
         stats = completion.get("speculative_decoding_stats")
         extra = {"speculative_decoding_stats": stats} if stats is not None else None
-        return self.response(_status(choice["finish_reason"]), output, usage, extra)
+        return self.response(status, output, usage, extra)
 
     async def events(self, run: InFlight) -> AsyncIterator[str]:
         """The answer as Responses' typed server-sent events, ending in response.completed (or
-        response.incomplete at the token limit; an error event if the engine fails)."""
-        items = _StreamedItems()
+        response.incomplete at the token limit; an error event and response.failed if the engine fails)."""
+        # Text read apart (reasoning, tool calls) is not cut where the tokens are: deltas then carry no
+        # logprobs, and the message's whole list comes with its done events.
+        read_apart = run.reply.reasoning is not None or self.chat.get("tools") not in (None, [])
+        items = _StreamedItems(read_apart)
         yield items.event("response.created", response=self.response("in_progress", [], None))
         yield items.event("response.in_progress", response=self.response("in_progress", [], None))
         try:
             reason = None
             while not run.done:
                 index, event = await run.events.get()
-                if isinstance(event, Failed):
-                    yield items.error(run.failure(event))
-                    return
-                choice = run.take(index, event)
-                try:
-                    chunk = run.reply.chunk(choice, run.stats_of(choice))
-                except Exception as exc:  # noqa: BLE001 - told to the client as an error event, not a cut stream
-                    yield items.error(run.unshaped(exc))
+                chunk, failure = _chunk(run, index, event)
+                if failure is not None:
+                    yield items.error(failure)
+                    failed = self.response("failed", items.output, None, items.failed(failure))
+                    yield items.event("response.failed", response=failed)
                     return
                 for entry in (chunk or {}).get("choices", []):
                     for text in items.feed(entry["delta"], (entry.get("logprobs") or {}).get("content")):
                         yield text
                     reason = entry["finish_reason"] or reason
-            for text in items.finish():
+            status = _status(reason)
+            for text in items.finish(status):
                 yield text
             usage = _usage(run.reply.usage(run.choices), items.reasoning_text, run.reply.tokenizer)
-            status = _status(reason)
-            final = self.response(status, items.output, usage)
-            yield items.event(f"response.{status}", response=final)
+            yield items.event(f"response.{status}", response=self.response(status, items.output, usage))
         finally:
             run.cancel()  # the client went away mid-stream: free the sequences
 
 
+def _chunk(run: InFlight, index: int, event) -> tuple[dict | None, BadRequest | None]:
+    """Chat's chunk for an engine event, or the failure to tell the client instead."""
+    if isinstance(event, Failed):
+        return None, run.failure(event)
+    choice = run.take(index, event)
+    try:
+        return run.reply.chunk(choice, run.stats_of(choice)), None
+    except Exception as exc:  # noqa: BLE001 - told to the client as an error event, not a cut stream
+        return None, run.unshaped(exc)
+
+
 def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
+
+
+def own_logprobs(entries: list | None, text: str, after: str | None = None) -> list:
+    """Of chat's logprob entries for every generated token, those of the tokens that wrote `text`, the
+    message's part of an answer whose reasoning (`after`) or calls are read apart: the tokens whose
+    bytes overlap the first place `text` stands in the answer's bytes past the reasoning; none where
+    it does not stand whole."""
+    if not entries or not text:
+        return []
+    spans, answer = [], b""
+    for entry in entries:
+        piece = bytes(entry.get("bytes") or [])
+        spans.append((len(answer), len(answer) + len(piece)))
+        answer += piece
+    begin = 0
+    if after:
+        thought = after.encode("utf-8")
+        begin = answer.find(thought) + len(thought) if thought in answer else 0
+    goal = text.encode("utf-8")
+    start = answer.find(goal, begin)
+    if start < 0:
+        return []
+    return [entry for entry, (a, b) in zip(entries, spans) if a < start + len(goal) and b > start]
 
 
 def _usage(usage: dict, reasoning: str | None, tokenizer) -> dict:
@@ -407,7 +455,7 @@ def _usage(usage: dict, reasoning: str | None, tokenizer) -> dict:
 
 def _message_item(text: str, logprobs: list | None, status: str, item_id: str | None = None) -> dict:
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-    content = [part] if status == "completed" else []
+    content = [] if status == "in_progress" else [part]
     return {
         "type": "message",
         "id": item_id or _item_id("msg"),
@@ -439,11 +487,20 @@ class _StreamedItems:
     """The output items of a streamed answer, opened as their first delta arrives and closed when
     another kind begins or the answer ends, with the events each step sends."""
 
-    def __init__(self) -> None:
+    def __init__(self, read_apart: bool) -> None:
+        """`read_apart`: the answer's text is read into reasoning or calls, so a chunk's logprobs are
+        not its content delta's: deltas carry none, the message's done events its own (own_logprobs)."""
         self.output: list[dict] = []  # the closed items, in order
         self.sequence = 0
-        self.open: dict | None = None  # the item receiving deltas: {"kind", "id", "text", "logprobs"}
+        self.open: dict | None = None  # the item receiving deltas: {"kind", "id", "text"}
         self.reasoning_text = ""
+        self.read_apart = read_apart
+        self.entries: list = []  # every generated token's logprobs so far
+
+    def failed(self, exc: BadRequest) -> dict:
+        """A failed response's error field."""
+        error = error_body(exc)["error"]
+        return {"error": {"code": error["code"] or error["type"], "message": error["message"]}}
 
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -456,20 +513,22 @@ class _StreamedItems:
 
     def feed(self, delta: dict, logprobs: list | None) -> list[str]:
         out = []
+        self.entries += logprobs or []
         if delta.get("reasoning_content"):
             out += self._text("reasoning", delta["reasoning_content"], None)
             self.reasoning_text += delta["reasoning_content"]
         if delta.get("content"):
-            out += self._text("message", delta["content"], logprobs)
+            out += self._text("message", delta["content"], None if self.read_apart else logprobs)
         for call in delta.get("tool_calls") or []:
             out += self._close() + self._call(call)
         return out
 
-    def finish(self) -> list[str]:
-        """Close the open item; an answer with no item at all gets an empty message."""
+    def finish(self, status: str) -> list[str]:
+        """Close the open item (a message cut by the token limit as `incomplete`); an answer with no
+        item at all gets an empty message."""
         if self.open is None and not self.output:
-            return self._open("message") + self._close()
-        return self._close()
+            return self._open("message") + self._close(status)
+        return self._close(status)
 
     def _text(self, kind: str, text: str, logprobs: list | None) -> list[str]:
         out = [] if self.open is not None and self.open["kind"] == kind else self._close() + self._open(kind)
@@ -478,11 +537,10 @@ class _StreamedItems:
         where = {"item_id": item["id"], "output_index": len(self.output), "content_index": 0}
         if kind == "reasoning":
             return out + [self.event("response.reasoning_text.delta", **where, delta=text)]
-        item["logprobs"] += logprobs or []
         return out + [self.event("response.output_text.delta", **where, delta=text, logprobs=logprobs or [])]
 
     def _open(self, kind: str) -> list[str]:
-        self.open = {"kind": kind, "id": _item_id("msg" if kind == "message" else "rs"), "text": "", "logprobs": []}
+        self.open = {"kind": kind, "id": _item_id("msg" if kind == "message" else "rs"), "text": ""}
         index = len(self.output)
         if kind == "reasoning":
             item = _reasoning_item("", self.open["id"])
@@ -494,7 +552,8 @@ class _StreamedItems:
         where = {"item_id": self.open["id"], "output_index": index, "content_index": 0}
         return [added, self.event("response.content_part.added", **where, part=part)]
 
-    def _close(self) -> list[str]:
+    def _close(self, status: str = "completed") -> list[str]:
+        """Close the open item: `status` is the response's where the answer ends with it."""
         if self.open is None:
             return []
         kind, text, item_id = self.open["kind"], self.open["text"], self.open["id"]
@@ -504,8 +563,9 @@ class _StreamedItems:
             done = self.event("response.reasoning_text.done", **where, text=text)
             part = {"type": "reasoning_text", "text": text}
         else:
-            item = _message_item(text, self.open["logprobs"], "completed", item_id)
-            done = self.event("response.output_text.done", **where, text=text, logprobs=self.open["logprobs"])
+            logprobs = own_logprobs(self.entries, text, self.reasoning_text)
+            item = _message_item(text, logprobs, status, item_id)
+            done = self.event("response.output_text.done", **where, text=text, logprobs=logprobs)
             part = item["content"][0]
         out = [done, self.event("response.content_part.done", **where, part=part)]
         out.append(self.event("response.output_item.done", output_index=len(self.output), item=item))

@@ -175,7 +175,7 @@ class InputText(BaseModel):
 class InputItem(BaseModel):
     model_config = ConfigDict(extra="allow")  # an earlier answer's items sent back (id, status, ...)
     type: Literal["message", "function_call", "function_call_output", "reasoning"] | None = Field(
-        None, description="message when left out; a reasoning item is taken and not read"
+        None, description="message when left out or null; a reasoning item's text goes to the assistant turn after it"
     )
     role: Literal["system", "developer", "user", "assistant"] | None = Field(None, description="a message's")
     content: str | list[InputText] | None = Field(None, description="a message's text, or text parts (joined)")
