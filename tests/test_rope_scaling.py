@@ -122,6 +122,8 @@ def test_a_gguf_file_carries_the_scaling_as_llama_cpp_writes_it(scaled, tmp_path
         path = write_gguf(original, tmp_path / "m.gguf", rope_freqs=False, **linear)
     loaded = load_model(str(path), dtype="float32", with_tokenizer=False)
     assert loaded.decoder.cfg == original.decoder.cfg
+    again = load_model(str(path), dtype="float32", with_tokenizer=False)  # the config the first load cached
+    assert again.decoder.cfg.rope_freq_factors == original.decoder.cfg.rope_freq_factors
     torch.testing.assert_close(logits_of(loaded, IDS), want, rtol=1e-4, atol=1e-4)
     # its own blocks through the native kernels: the file's weights in float, within the rows' int8 rounding
     q8 = write_gguf(original, tmp_path / "q8.gguf", quant="Q8_0")
@@ -137,7 +139,7 @@ def test_a_gguf_file_carries_the_scaling_as_llama_cpp_writes_it(scaled, tmp_path
     assert llm.generate(IDS, params)[0].token_ids == plain_ids
 
 
-def test_llama3_factors_are_llama_cpps_and_transformers_frequencies() -> None:
+def test_llama3_factors_give_transformers_frequencies() -> None:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

@@ -125,9 +125,11 @@ def llama3_rope_factors(
     rope_freqs): frequencies whose wavelength is past original / low_freq_factor are divided by
     `factor`, those under original / high_freq_factor kept, and those between blended smoothly."""
     low_wavelen, high_wavelen = original / low_freq_factor, original / high_freq_factor
+    # The frequencies in float32, as transformers and llama.cpp's converter take them.
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     factors = []
-    for i in range(0, head_dim, 2):
-        wavelen = 2 * math.pi * theta ** (i / head_dim)
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
         if wavelen < high_wavelen:
             factors.append(1.0)
         elif wavelen > low_wavelen:

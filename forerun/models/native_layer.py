@@ -179,6 +179,8 @@ def prepare(decoder) -> NativeLayers | None:
         norms += (attn.q_norm, attn.k_norm) if cfg.qk_norm else ()
         if not all(isinstance(n, RMSNorm) and n.weight.dtype == torch.float32 for n in norms) or attn.q_prescaled:
             return None
+        if any(n.eps != norms[0].eps for n in norms):  # the layer computes every norm with one eps
+            return None
         products = [_product(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(p is None for p in products):
             return None

@@ -23,7 +23,7 @@ import torch
 
 from forerun.base.errors import ForerunError
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 PATHS = ("scalar", "avx2", "avx512")  # bit i of fr_paths() is PATHS[i]
 PATH_ENV = "FORERUN_KERNEL_PATH"
 

@@ -1,4 +1,4 @@
-"""`forerun serve`'s HTTP app: OpenAI's completions and chat routes over the scheduler, wired.
+"""`forerun serve`'s HTTP app: OpenAI's completions, chat and Responses routes over the scheduler, wired.
 
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events ending in
 `data: [DONE]`, or whole), POST /v1/responses (OpenAI's Responses API read as a chat request:

@@ -120,9 +120,11 @@ def translate(body: dict) -> Translated:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
-    for name in ("tool_choice", "parallel_tool_calls", "service_tier"):
+    for name in ("parallel_tool_calls", "service_tier"):
         if body.get(name) is not None:
-            chat[name] = _tool_choice(body[name]) if name == "tool_choice" else body[name]
+            chat[name] = body[name]
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
     chat.update(_format(body.get("text")))
     top = body.get("top_logprobs")
     if top is not None or LOGPROBS_INCLUDE in (body.get("include") or []):
@@ -299,7 +301,7 @@ def _repeated(body: dict) -> dict:
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "previous_response_id": None,
         "reasoning": {"effort": None, "summary": None},
-        "service_tier": body.get("service_tier") or "default",
+        "service_tier": "default",  # the one tier served, whatever was asked
         "store": False,
         "temperature": body.get("temperature", 1.0),
         "text": body.get("text") or {"format": {"type": "text"}},
