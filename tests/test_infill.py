@@ -56,7 +56,8 @@ def marked(ids: list[int], tok: Tokenizer) -> str:
 
 def test_the_infill_prompt_is_prefix_marker_prefix_suffix_marker_suffix_middle_marker(coder) -> None:
     tok = coder.tokenizer
-    assert tok.infill_markers == (TINY_INFILL_VOCAB - 4, TINY_INFILL_VOCAB - 3, TINY_INFILL_VOCAB - 2)
+    assert tok.infill_markers == (TINY_INFILL_VOCAB - 6, TINY_INFILL_VOCAB - 5, TINY_INFILL_VOCAB - 4)
+    assert tok.repo_markers == (TINY_INFILL_VOCAB - 2, TINY_INFILL_VOCAB - 1)
     ids = tok.infill(PREFIX, SUFFIX)
     assert marked(ids, tok) == f"<|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>"
     assert ids == [tok.infill_markers[0], *tok.encode(PREFIX), tok.infill_markers[1], *tok.encode(SUFFIX), ids[-1]]
@@ -203,7 +204,18 @@ def coder_folder(coder, tmp_path_factory) -> Path:
 def test_generate_fills_the_gap_before_suffix_and_a_prompts_files_own(coder, coder_folder, tmp_path, capsys) -> None:
     file = tmp_path / "p.jsonl"
     file.write_text(json.dumps({"prompt": "x = ", "suffix": "\n"}) + "\n" + json.dumps({"prompt": "y"}) + "\n")
-    argv = ["generate", "--model", str(coder_folder), "--dtype", "float32", "--max-tokens", "6", "--json"]
+    argv = [
+        "generate",
+        "--model",
+        str(coder_folder),
+        "--dtype",
+        "float32",
+        "--quantization",
+        "none",
+        "--max-tokens",
+        "6",
+        "--json",
+    ]
     assert main([*argv, "--prompt", PREFIX, "--suffix", SUFFIX, "--prompts-file", str(file)]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     tok = coder.tokenizer

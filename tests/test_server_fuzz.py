@@ -16,6 +16,8 @@ from forerun.api import LLM
 
 EXAMPLES = 100  # per route and mode: bounded (about 15 s here)
 SECONDS = 120  # per mode, whatever the examples, shared out between the routes: later ones are skipped
+# Each generation route's field for the most tokens to write (the others' is max_tokens).
+LIMITS = {"/v1/responses": "max_output_tokens", "/completion": "n_predict", "/infill": "n_predict"}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def test_no_request_the_fuzzer_makes_gets_a_5xx(served, mode) -> None:
         def call(case) -> None:
             if time.monotonic() > stop_at[0]:
                 return
-            limit = "max_output_tokens" if case.path == "/v1/responses" else "max_tokens"
+            limit = LIMITS.get(case.path, "max_tokens")
             if isinstance(case.body, dict) and isinstance(case.body.get(limit, 0), int):
                 # Bounded work per example: the fuzzer's max_tokens and n (or no max_tokens: to the
                 # end of the context) would otherwise run for minutes.

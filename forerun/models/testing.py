@@ -15,7 +15,7 @@ from forerun.models.tokenizer import Tokenizer
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 # A code model's fill-in-the-middle markers and padding, after the characters (`infill=True`).
-_INFILL = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>"]
+_INFILL = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
 
 
 def tiny_config(vocab_size: int = 128, num_layers: int = 2, architecture: str = "qwen2", **overrides) -> DecoderConfig:

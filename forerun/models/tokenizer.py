@@ -25,6 +25,9 @@ INFILL_MARKERS = (
     ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),  # SantaCoder
     ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
 )
+# Repository-level markers that come with some families' fill-in-the-middle ones: before a
+# repository's name, and before each file's name (llama.cpp's /infill writes other files this way).
+REPO_MARKERS = (("<|repo_name|>", "<|file_sep|>"), ("<reponame>", "<file_sep>"))
 NO_INFILL = (
     "this model's vocabulary has no fill-in-the-middle tokens (such as <|fim_prefix|>), so it cannot fill "
     "in text before a suffix; leave out the suffix, or use a code model trained to fill in (Qwen2.5-Coder, "
@@ -109,6 +112,15 @@ class Tokenizer:
         for names in INFILL_MARKERS:
             if all(name in added for name in names):
                 return tuple(added[name] for name in names)
+        return None
+
+    @functools.cached_property
+    def repo_markers(self) -> tuple[int, int] | None:
+        """The ids of the vocabulary's repository-name and file-separator tokens, None where it has none."""
+        added = {str(token): int(i) for i, token in getattr(self.hf, "added_tokens_decoder", {}).items()}
+        for names in REPO_MARKERS:
+            if all(name in added for name in names):
+                return added[names[0]], added[names[1]]
         return None
 
     def infill(self, prefix: str | Sequence[int], suffix: str) -> list[int]:

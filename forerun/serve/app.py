@@ -1,8 +1,9 @@
-"""`forerun serve`'s HTTP app: OpenAI's completions, chat and Responses routes over the scheduler, wired.
+"""`forerun serve`'s HTTP app: OpenAI's completions, chat and Responses routes and llama.cpp's, wired.
 
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events ending in
 `data: [DONE]`, or whole), POST /v1/responses (OpenAI's Responses API read as a chat request:
-forerun/serve/responses_api.py), POST /tokenize and /detokenize (vLLM's), GET /v1/models and
+forerun/serve/responses_api.py), POST /completion and /infill (llama.cpp's own, read as completions:
+forerun/serve/llamacpp_api.py), POST /tokenize and /detokenize (vLLM's), GET /v1/models and
 /v1/models/{id}, /health, /metrics (Prometheus text), /openapi.json and /docs. Fields are OpenAI's
 (checked in forerun/serve/requests.py) plus vLLM's (`top_k`, `ignore_eos`, ...);
 `n` samples share the prompt's prefill; `logprobs` are the target's own; with speculation each
@@ -36,6 +37,8 @@ from forerun.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LlamaCompletionRequest,
+    LlamaInfillRequest,
     ResponsesRequest,
     TokenizeRequest,
     openapi_schema,
@@ -81,6 +84,8 @@ def app_for(state: ServerState) -> FastAPI:
             "OpenAI's Responses API: text, function tools, structured outputs",
             ResponsesRequest,
         ),
+        ("/completion", routes.llamacpp_completion, "llama.cpp's own completion route", LlamaCompletionRequest),
+        ("/infill", routes.llamacpp_infill, "llama.cpp's code infilling (fill in the middle)", LlamaInfillRequest),
         ("/tokenize", routes.tokenize, "vLLM's: a prompt's or a chat's token ids", TokenizeRequest),
         ("/detokenize", routes.detokenize, "vLLM's: the text of token ids", DetokenizeRequest),
     )
@@ -132,7 +137,13 @@ class _Routes:
         return await generation(self.state, request, chat=True)
 
     async def responses(self, request: HTTPRequest) -> Response:
-        return await generation(self.state, request, chat=True, responses=True)
+        return await generation(self.state, request, chat=True, api="responses")
+
+    async def llamacpp_completion(self, request: HTTPRequest) -> Response:
+        return await generation(self.state, request, chat=False, api="completion")
+
+    async def llamacpp_infill(self, request: HTTPRequest) -> Response:
+        return await generation(self.state, request, chat=False, api="infill")
 
     async def tokenize(self, request: HTTPRequest) -> Response:
         return await tokenize_route(self.state, request)

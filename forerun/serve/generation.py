@@ -1,4 +1,4 @@
-"""The generation routes' work: a completions, chat or Responses request from its body to its answer.
+"""The generation routes' work: a completions, chat, Responses or llama.cpp request from its body to its answer.
 
 The body is read and checked, the prompts tokenized (off the event loop: a long prompt takes seconds,
 and every other client would wait), every prompt checked against the context, the samples (`n` of
@@ -19,6 +19,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from forerun.base.config import SamplingParams
+from forerun.serve import llamacpp_api, responses_api
 from forerun.serve.inflight import InFlight, new_group
 from forerun.serve.requests import (
     BadRequest,
@@ -31,7 +32,6 @@ from forerun.serve.requests import (
     tokenize,
 )
 from forerun.serve.responses import Reply, echo_texts, refused
-from forerun.serve.responses_api import Translated, translate
 from forerun.serve.scheduler import Failed
 from forerun.serve.state import ServerState
 from forerun.serve.stream import stream
@@ -43,17 +43,18 @@ ROUTING_PREFIX = 256  # prompt tokens that place a request without one
 REPLICA_HEADER = "x-forerun-replica"  # the replica that ran a request (replicas only)
 
 
-async def generation(state: ServerState, http: HTTPRequest, chat: bool, responses: bool = False) -> Response:
-    """Answer one completions (`chat` False) or chat request; with `responses`, a Responses API
-    request, read as the chat request it amounts to and answered in its own shapes."""
+async def generation(state: ServerState, http: HTTPRequest, chat: bool, api: str | None = None) -> Response:
+    """Answer one completions (`chat` False) or chat request; with `api`, another API's request read
+    as the one it amounts to and answered in its own shapes: "responses" (OpenAI's Responses API, as
+    chat), "completion" and "infill" (llama.cpp's own routes, as completions)."""
     config = state.config
-    api: Translated | None = None
+    reader = None
     try:
         state.check_access(http)
         body = await read_json(http, config.max_body_bytes, config.body_timeout)
-        if responses:
-            api = translate(body)
-            body = api.chat
+        if api is not None:
+            reader = await asyncio.to_thread(_reader, api, body, state)  # llama.cpp's routes tokenize
+            body = reader.body
         checked = check(body, chat, config.served_model_name, state.limits)
         prompts = await asyncio.to_thread(tokenize, checked, state.tokenizer, state.limits)
         params = sampling(checked, [len(ids) for ids in prompts], state.limits)
@@ -61,14 +62,24 @@ async def generation(state: ServerState, http: HTTPRequest, chat: bool, response
         replica = await state.backend.submit(run.requests, routing_key(http, prompts[0]), whole=not checked.stream)
         headers = {REPLICA_HEADER: replica} if replica is not None else None
         if checked.stream:
-            events = api.events(run) if api is not None else stream(run)
+            events = reader.events(run) if reader is not None else stream(run)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return await _complete_response(http, run, headers, api)
+        return await _complete_response(http, run, headers, reader)
     except BadRequest as exc:
         state.metrics.rejected(exc.status)
-        return refused(api.renamed(exc) if api is not None else exc)
+        return refused(reader.renamed(exc) if reader is not None else exc)
     except ClientGone:
         return Response(status_code=CLIENT_GONE)
+
+
+def _reader(api: str, body: dict, state: ServerState) -> responses_api.Translated | llamacpp_api.Translated:
+    """The reader of another API's body: its body in chat's or completions' terms, and its shapes."""
+    if api == "responses":
+        return responses_api.translate(body)
+    config = state.config
+    return llamacpp_api.translate(
+        body, api == "infill", config.served_model_name, state.tokenizer, config.max_model_len
+    )
 
 
 def routing_key(http: HTTPRequest, prompt_ids: list[int]) -> str:
@@ -95,9 +106,7 @@ def _in_flight(
     return InFlight(group, events, reply, state.config.spec_stats, state.metrics)
 
 
-async def _complete_response(
-    http: HTTPRequest, run: InFlight, headers: dict | None, api: Translated | None
-) -> Response:
+async def _complete_response(http: HTTPRequest, run: InFlight, headers: dict | None, reader) -> Response:
     """Every sample's whole answer in one JSON response, once all have finished; 499 if the client left."""
     last_check = time.monotonic()
     try:
@@ -118,8 +127,8 @@ async def _complete_response(
             run.take(index, event)
         try:
             body = run.reply.complete(run.choices, run.stats())
-            if api is not None:
-                body = api.shaped(body, run.reply.tokenizer)
+            if reader is not None:
+                body = reader.shaped(body, run)
         except Exception as exc:  # noqa: BLE001 - OpenAI's error shape, as for any other failure
             return refused(run.unshaped(exc))
         return JSONResponse(body, headers=headers)

@@ -353,7 +353,12 @@ class Translated:
         }
         return out | (extra or {})
 
-    def shaped(self, completion: dict, tokenizer) -> dict:
+    @property
+    def body(self) -> dict:
+        """The chat body that runs."""
+        return self.chat
+
+    def shaped(self, completion: dict, run: InFlight) -> dict:
         """Chat's whole answer (one choice) as a Responses object."""
         choice = completion["choices"][0]
         message = choice["message"]
@@ -368,7 +373,7 @@ class Translated:
                 _message_item(content, logprobs, "incomplete" if status == "incomplete" and not calls else "completed")
             )
         output += [_call_item(call) for call in calls]
-        usage = _usage(completion["usage"], reasoning, tokenizer)
+        usage = _usage(completion["usage"], reasoning, run.reply.tokenizer)
         stats = completion.get("speculative_decoding_stats")
         extra = {"speculative_decoding_stats": stats} if stats is not None else None
         return self.response(status, output, usage, extra)

@@ -251,6 +251,63 @@ class ResponsesRequest(BaseModel):
     structured_outputs: dict | None = Field(None, description="vLLM's: json, regex, choice or grammar, as in chat")
 
 
+class LlamaCompletionRequest(BaseModel):
+    """llama.cpp's /completion (forerun/serve/llamacpp_api.py): its defaults where a field is left out."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: str | list[int] = Field(description="text (BOS first where the model adds one) or token ids")
+    n_predict: int | None = Field(
+        None, ge=-1, description="most tokens to write (-1, the default: to the context's end; 0: none)"
+    )
+    temperature: float | None = Field(None, ge=0, description="default 0.8")
+    top_k: int | None = Field(None, ge=-1, description="default 40")
+    top_p: float | None = Field(None, gt=0, le=1, description="default 0.95")
+    min_p: float | None = Field(None, ge=0, le=1, description="default 0.05")
+    stop: list[str] | None = None
+    stream: bool | None = Field(None, description="data: chunks of new content, then one with stop true")
+    seed: int | None = Field(None, ge=-1, description="-1 (the default): a random one")
+    ignore_eos: bool | None = None
+    logit_bias: list[list[int | float | bool]] | dict[str, float] | None = Field(
+        None, description="[[token id, bias or false], ...] or {token id: bias}"
+    )
+    json_schema: dict | None = Field(None, description="the answer follows this JSON schema")
+    return_tokens: bool | None = Field(None, description="the answer's token ids beside its text")
+    response_fields: list[str] | None = Field(None, description='only these fields, keys or paths ("timings/prompt_n")')
+    cache_prompt: bool | None = Field(None, description="taken and ignored: forerun's prefix cache is always on")
+    id_slot: int | None = Field(None, description="taken and ignored")
+    samplers: list[str] | None = Field(None, description="taken and ignored: forerun samples in its own order")
+    t_max_prompt_ms: int | None = Field(None, description="taken and ignored")
+    t_max_predict_ms: int | None = Field(None, description="taken and ignored")
+    n_indent: int | None = Field(None, description="taken and ignored")
+    n_keep: int | None = Field(None, description="taken and ignored")
+    n_probs: Literal[0] | None = Field(None, description="not supported: 0 only")
+    typical_p: Literal[1] | None = None
+    dynatemp_range: Literal[0] | None = None
+    mirostat: Literal[0] | None = None
+    n_cmpl: Literal[1] | None = None
+    xtc_probability: Literal[0] | None = None
+    dry_multiplier: Literal[0] | None = None
+    grammar: Literal[""] | None = Field(None, description="not supported: use json_schema")
+    repeat_penalty: Literal[1] | None = Field(None, description="not supported: 1 only")
+    presence_penalty: Literal[0] | None = None
+    frequency_penalty: Literal[0] | None = None
+    post_sampling_probs: Literal[False] | None = None
+
+
+class ExtraFile(BaseModel):
+    filename: str | None = Field(None, description='default "tmp"')
+    text: str
+
+
+class LlamaInfillRequest(LlamaCompletionRequest):
+    """llama.cpp's /infill: the gap between input_prefix and input_suffix, other files before it."""
+
+    prompt: str | None = Field(None, description="text after the prefix, where the answer goes on from")
+    input_prefix: str | None = Field(None, description="the code before the gap")
+    input_suffix: str | None = Field(None, description="the code after the gap")
+    input_extra: list[ExtraFile] | None = Field(None, description="other files, written before the prefix")
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = Field(None, description="the served model's name, or left out")
@@ -288,7 +345,15 @@ def openapi_schema(app: FastAPI) -> dict:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest):
+        for model in (
+            CompletionRequest,
+            ChatCompletionRequest,
+            ResponsesRequest,
+            LlamaCompletionRequest,
+            LlamaInfillRequest,
+            TokenizeRequest,
+            DetokenizeRequest,
+        ):
             spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(spec.pop("$defs", {}))
             generates = model in (CompletionRequest, ChatCompletionRequest)

@@ -1,0 +1,279 @@
+"""llama.cpp's own completion routes (`POST /completion` and `/infill`), as its server answers them,
+over the completions route's work: the editors' code-completion plugins (llama.vim, llama.vscode)
+speak these.
+
+A body is read into a completions body of token ids (`translate`): /completion's prompt tokenized
+as llama.cpp tokenizes it; /infill's prompt laid out as llama.cpp lays it out, the other files
+(`input_extra`) first under the repository-level markers where the vocabulary has them, then
+`[FIM_PRE] prefix prompt [FIM_SUF] suffix [FIM_MID]`, each side cut to fit as llama.cpp cuts it.
+llama.cpp's sampling defaults apply where a field is left out (temperature 0.8, top_k 40, top_p
+0.95, min_p 0.05), and `n_predict` -1 (its default) writes to the end of the context. The
+completions route's checks and engine then run it, so speculation drafts these answers too. The
+answer comes back in llama.cpp's shape (`content`, `stop`, `stop_type`, `tokens_predicted`,
+`timings`, ...), filtered by `response_fields`, or streamed as its `data:` chunks ending in one
+with `stop: true`. Fields of llama.cpp's that ask for something forerun does not do are refused by
+name; a few that only tune llama.cpp's own machinery (`cache_prompt`, `id_slot`, `samplers`,
+`t_max_predict_ms`, `n_indent`) are taken and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from forerun.base.config import is_whole
+from forerun.base.errors import ForerunError
+from forerun.models.tokenizer import NO_INFILL, valid_unicode
+from forerun.serve.inflight import InFlight
+from forerun.serve.requests import BadRequest
+from forerun.serve.responses import error_body
+from forerun.serve.scheduler import Delta, Failed
+
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}  # llama.cpp's
+PASSED_ON = {"temperature", "top_k", "top_p", "min_p", "stop", "ignore_eos"}
+# Taken and ignored: they tune llama.cpp's own cache, slots, sampler chain, time limits and indenting.
+IGNORED = {"cache_prompt", "id_slot", "samplers", "t_max_prompt_ms", "t_max_predict_ms", "n_indent", "n_keep"}
+# Taken where they ask for nothing (llama.cpp's neutral values).
+NEUTRAL = {
+    "n_probs": (0,),
+    "typical_p": (1,),
+    "dynatemp_range": (0,),
+    "mirostat": (0,),
+    "n_cmpl": (1,),
+    "xtc_probability": (0,),
+    "dry_multiplier": (0,),
+    "grammar": ("",),
+    "repeat_penalty": (1,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "post_sampling_probs": (False,),
+}
+OWN = {"prompt", "n_predict", "stream", "seed", "logit_bias", "json_schema", "return_tokens", "response_fields"}
+INFILL_OWN = {"input_prefix", "input_suffix", "input_extra"}
+BATCH = 2048  # llama.cpp's default batch, which its /infill fits the prefix and suffix into
+PROJECT = "myproject\n"  # the repository name llama.cpp's /infill writes
+
+
+def fields(infill: bool) -> set[str]:
+    return OWN | PASSED_ON | IGNORED | set(NEUTRAL) | (INFILL_OWN if infill else set())
+
+
+def translate(body: dict, infill: bool, model: str, tokenizer, max_model_len: int) -> Translated:
+    """The completions body (token ids) that asks what llama.cpp's `body` asks. Tokenizes: run it
+    off the event loop."""
+    route = "/infill" if infill else "/completion"
+    for name, value in body.items():
+        if name not in fields(infill):
+            raise BadRequest(f"unknown field {name[:60]!r}: {route} takes {', '.join(sorted(fields(infill)))}", name)
+        if name in NEUTRAL and value not in NEUTRAL[name]:
+            raise BadRequest(f"{name} is not supported by this server; leave it out or send {NEUTRAL[name][0]!r}", name)
+    if tokenizer is None:
+        raise BadRequest(f"{route} takes text, and this model has no tokenizer; use /v1/completions with token ids")
+    ids = _infill_ids(body, tokenizer, max_model_len) if infill else _prompt_ids(body.get("prompt"), tokenizer)
+    out = {name: body.get(name, DEFAULTS.get(name)) for name in PASSED_ON if name in body or name in DEFAULTS}
+    out.update(model=model, prompt=ids, stream=body.get("stream", False))
+    if body.get("seed") not in (None, -1):
+        out["seed"] = body["seed"]
+    if body.get("logit_bias") is not None:
+        out["logit_bias"] = _logit_bias(body["logit_bias"])
+    if body.get("json_schema") is not None:
+        out["structured_outputs"] = {"json": body["json_schema"]}
+    predict = body.get("n_predict", -1)
+    if not is_whole(predict) or predict < -1:
+        raise BadRequest(
+            f"n_predict must be a whole number >= -1 (-1: to the end of the context), got {predict!r}", "n_predict"
+        )
+    if predict == 0:  # the prompt read into the cache, nothing written
+        out.update(echo=True, max_tokens=0)
+    else:
+        room = max_model_len - len(ids)
+        out["max_tokens"] = predict if predict > 0 else max(room, 1)
+    return Translated(out, body, infill, ids, tokenizer)
+
+
+def _prompt_ids(prompt: object, tokenizer) -> list[int]:
+    """/completion's one prompt: text (BOS first where the tokenizer adds one) or token ids."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(_unicode(prompt, "prompt"))
+    if isinstance(prompt, list) and prompt and all(is_whole(t) for t in prompt):
+        return [int(t) for t in prompt]
+    raise BadRequest("prompt must be a string or a non-empty list of token ids (one prompt a request)", "prompt")
+
+
+def _text(body: dict, name: str) -> str:
+    value = body.get(name, "")
+    if not isinstance(value, str):
+        raise BadRequest(f"{name} must be a string", name)
+    return _unicode(value, name)
+
+
+def _infill_ids(body: dict, tokenizer, max_model_len: int) -> list[int]:
+    """llama.cpp's /infill prompt: [extra] [BOS] FIM_PRE prefix prompt FIM_SUF suffix FIM_MID, the
+    prefix's last 3/4 of a batch and the suffix's first quarter kept, the other files' last tokens
+    as many as the context leaves."""
+    markers = tokenizer.infill_markers
+    if markers is None:
+        raise BadRequest(NO_INFILL, "input_suffix")
+    before_gap, after_gap, middle = markers
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.hf.encode(text, add_special_tokens=False)
+
+    prefix, suffix, prompt = (encode(_text(body, name)) for name in ("input_prefix", "input_suffix", "prompt"))
+    extra = _extra_ids(body.get("input_extra"), tokenizer, encode)
+    prefix = prefix[len(prefix) - min(len(prefix), 3 * (BATCH // 4)) :]
+    suffix = suffix[: min(len(suffix), max(0, BATCH // 4 - (2 + len(prompt))))]
+    predict = body.get("n_predict", -1)
+    room = max(0, max_model_len - BATCH - 2 * (predict if is_whole(predict) and predict > 0 else 0))
+    extra = extra[len(extra) - min(room, len(extra)) :]
+    return [*extra, *tokenizer.opening, before_gap, *prefix, *prompt, after_gap, *suffix, middle]
+
+
+def _extra_ids(chunks: object, tokenizer, encode) -> list[int]:
+    """The other files (`input_extra`: {"filename", "text"} each), under the repository's markers
+    where the vocabulary has them, else each after a snippet rule, as llama.cpp writes them."""
+    if chunks is None:
+        chunks = []
+    if not isinstance(chunks, list):
+        raise BadRequest('input_extra must be a list of {"filename": string, "text": string}', "input_extra")
+    repo = tokenizer.repo_markers
+    out = [repo[0], *encode(PROJECT)] if repo else []
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
+            raise BadRequest(f"input_extra[{i}] must hold a text (a string)", "input_extra")
+        name = chunk.get("filename", "tmp")
+        if not isinstance(name, str):
+            raise BadRequest(f"input_extra[{i}].filename must be a string", "input_extra")
+        out += [repo[1], *encode(_unicode(name, "input_extra") + "\n")] if repo else encode("\n\n--- snippet ---\n\n")
+        out += encode(_unicode(chunk["text"], "input_extra"))
+    return out + ([repo[1], *encode("filename\n")] if repo else [])
+
+
+def _unicode(text: str, name: str) -> str:
+    """`text`, or a 400 naming `name` where it holds a lone surrogate."""
+    try:
+        return valid_unicode(text, name)
+    except ForerunError as exc:
+        raise BadRequest(str(exc), name) from None
+
+
+def _logit_bias(given: object) -> dict:
+    """llama.cpp's logit_bias ([[id, bias], ...], false for never, or {id: bias}) as OpenAI's."""
+    pairs = list(given.items()) if isinstance(given, dict) else given
+    shape = "logit_bias must be [[token id, bias or false], ...] or {token id: bias}"
+    if not isinstance(pairs, list):
+        raise BadRequest(shape, "logit_bias")
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise BadRequest(shape, "logit_bias")
+        token, bias = pair
+        if not (is_whole(token) or (isinstance(token, str) and token.isdecimal())):
+            raise BadRequest(f"{shape}; a token given as text is not supported, give its id", "logit_bias")
+        out[str(int(token))] = -100 if bias is False else bias
+    return out
+
+
+@dataclass
+class Translated:
+    """A llama.cpp request read as a completions request, and how its answer goes back."""
+
+    body: dict  # the completions body that runs
+    given: dict  # the request as sent
+    infill: bool
+    ids: list[int]
+    tokenizer: object
+
+    def renamed(self, exc: BadRequest) -> BadRequest:
+        """A refusal of the completions body in llama.cpp's names."""
+        message, param = exc.message.replace("max_tokens", "n_predict"), exc.param
+        param = "n_predict" if param == "max_tokens" else param
+        return BadRequest(message, param, exc.status, exc.kind, exc.code)
+
+    def shaped(self, completion: dict, run: InFlight) -> dict:
+        """The whole answer in llama.cpp's shape, filtered by response_fields."""
+        choice = run.choices[0]
+        text = "" if self.body.get("echo") else completion["choices"][0]["text"]
+        return self._filtered(self._final(choice, text, completion["model"]))
+
+    def _final(self, choice, text: str, model: str) -> dict:
+        output = choice.output
+        reason, stopped_by = choice.reason, choice.stop_reason
+        stop_type = "limit" if reason == "length" else "word" if isinstance(stopped_by, str) else "eos"
+        generated = 0 if self.body.get("echo") else len(choice.token_ids)
+        first_ms, all_ms = output.first_token_s * 1000, output.elapsed_s * 1000
+        evaluated = len(self.ids) - output.num_cached_tokens
+        timings = {
+            "prompt_n": evaluated,
+            "prompt_ms": first_ms,
+            "prompt_per_token_ms": first_ms / max(evaluated, 1),
+            "prompt_per_second": evaluated / (first_ms / 1000) if first_ms > 0 else 0.0,
+            "predicted_n": generated,
+            "predicted_ms": all_ms - first_ms,
+            "predicted_per_token_ms": (all_ms - first_ms) / max(generated, 1),
+            "predicted_per_second": generated / ((all_ms - first_ms) / 1000) if all_ms > first_ms else 0.0,
+        }
+        out = {
+            "index": 0,
+            "content": text,
+            "tokens": list(choice.token_ids) if self.given.get("return_tokens") and generated else [],
+            "id_slot": self.given.get("id_slot", 0) if is_whole(self.given.get("id_slot", 0)) else 0,
+            "stop": True,
+            "model": model,
+            "tokens_predicted": generated,
+            "tokens_evaluated": len(self.ids),
+            "generation_settings": self._settings(),
+            "prompt": self.tokenizer.decode(self.ids, skip_special_tokens=False),
+            "has_new_line": "\n" in text,
+            "truncated": False,
+            "stop_type": stop_type if generated else "none",
+            "stopping_word": stopped_by if isinstance(stopped_by, str) else "",
+            "tokens_cached": output.num_cached_tokens + generated,
+            "timings": timings,
+        }
+        return out
+
+    def _settings(self) -> dict:
+        settings = {name: self.body.get(name) for name in ("temperature", "top_k", "top_p", "min_p", "seed")}
+        return {**settings, "n_predict": self.given.get("n_predict", -1), "stop": self.body.get("stop") or []}
+
+    def _filtered(self, answer: dict) -> dict:
+        """response_fields: only these of the answer, each a key or a path of keys ("timings/prompt_n"),
+        under its own name, as llama.cpp gives them."""
+        wanted = self.given.get("response_fields")
+        if not wanted:
+            return answer
+        out = {}
+        for path in wanted:
+            value, found = answer, True
+            for key in str(path).split("/"):
+                found = isinstance(value, dict) and key in value
+                value = value[key] if found else None
+                if not found:
+                    break
+            if found:
+                out[str(path)] = value
+        return out
+
+    async def events(self, run: InFlight) -> AsyncIterator[str]:
+        """llama.cpp's stream: a `data:` chunk of new content (and tokens) per step, then the whole
+        answer's fields with `stop: true`; an error as a `data:` error object."""
+        try:
+            while not run.done:
+                index, event = await run.events.get()
+                if isinstance(event, Failed):
+                    yield _sse(error_body(run.failure(event)))
+                    return
+                run.take(index, event)
+                if isinstance(event, Delta) and event.text and not self.body.get("echo"):
+                    tokens = event.token_ids if self.given.get("return_tokens") else []
+                    yield _sse({"index": 0, "content": event.text, "tokens": tokens, "stop": False})
+            choice = run.choices[0]
+            yield _sse(self._filtered(self._final(choice, "", run.reply.model)))
+        finally:
+            run.cancel()
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,178 @@
+"""llama.cpp's own routes over a running server: /completion and /infill write what /v1/completions
+writes for the same tokens and settings (llama.cpp's defaults where a field is left out), /infill
+lays its prompt out as llama.cpp's server does (other files under the repository markers, the gap's
+sides cut to a batch), answers and streams come in llama.cpp's shape, `response_fields` filters
+them, speculation writes the same, and what forerun cannot do is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from test_server import CONTEXT, NAME, Served
+from test_server_api import AUTH, post
+
+from forerun.api import LLM
+from forerun.models.testing import tiny_model, tiny_tokenizer
+from forerun.serve import llamacpp_api
+from forerun.serve.schemas import LlamaCompletionRequest, LlamaInfillRequest
+
+PREFIX, SUFFIX = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+EXTRA = [{"filename": "util.py", "text": "def one():\n    return 1\n"}, {"text": "x = 2\n"}]
+
+
+@pytest.fixture(scope="module")
+def coder(tmp_path_factory) -> LLM:
+    """The tiny target with Qwen2.5-Coder's infill and repository markers in its vocabulary."""
+    return LLM(tiny_model(0, tiny_tokenizer(tmp_path_factory.mktemp("tok"), infill=True), name="target"))
+
+
+@pytest.fixture(scope="module")
+def servers(coder):
+    """(a server of the coder alone, one whose suffix drafter drafts 4 tokens a step)."""
+    drafting = LLM(coder.target, speculative_method="suffix", num_speculative_tokens=4, speculative_k_policy="fixed")
+    both = Served(coder), Served(drafting)
+    yield both
+    for s in both:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(servers):
+    return servers[0]
+
+
+def call(served, path: str, body: dict, status: int = 200) -> dict:
+    r = httpx.post(served.url + path, json=body, headers=AUTH, timeout=60)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def chunks(served, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", served.url + path, json={**body, "stream": True}, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        text = "".join(r.iter_text())
+    assert "[DONE]" not in text  # llama.cpp's stream ends with its last chunk
+    return [json.loads(block.removeprefix("data: ")) for block in text.strip().split("\n\n")]
+
+
+def test_the_infill_prompt_is_llama_cpps(coder) -> None:
+    tok = coder.tokenizer
+    ids = llamacpp_api.translate(
+        {"input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": EXTRA, "prompt": "ret"}, True, NAME, tok, 4096
+    ).body["prompt"]
+    want = (
+        "<|repo_name|>myproject\n<|file_sep|>util.py\ndef one():\n    return 1\n<|file_sep|>tmp\nx = 2\n"
+        f"<|file_sep|>filename\n<|fim_prefix|>{PREFIX}ret<|fim_suffix|>{SUFFIX}<|fim_middle|>"
+    )
+    assert tok.decode(ids, skip_special_tokens=False) == want
+    # the prefix keeps its last 3/4 of a batch, the suffix its first quarter less the prompt and markers
+    long = llamacpp_api.translate(
+        {"input_prefix": "a" * 2000, "input_suffix": "b" * 600, "prompt": "cd"}, True, NAME, tok, 8192
+    ).body["prompt"]
+    text = tok.decode(long, skip_special_tokens=False)
+    gap = text.split("<|fim_prefix|>")[1]
+    assert gap == "a" * 1536 + "cd<|fim_suffix|>" + "b" * (512 - 4) + "<|fim_middle|>"
+    # the other files get what the context leaves past a batch and twice n_predict
+    squeezed = llamacpp_api.translate(
+        {"input_prefix": "p", "input_extra": EXTRA, "n_predict": 8}, True, NAME, tok, 2048 + 16 + 10
+    ).body["prompt"]
+    assert tok.decode(squeezed, skip_special_tokens=False).startswith("<|file_sep|>filename\n<|fim_prefix|>")
+
+
+def test_an_infill_writes_what_a_completion_of_its_tokens_writes(plain, servers) -> None:
+    body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": EXTRA, "n_predict": 12, "temperature": 0}
+    got = call(plain, "/infill", body)
+    tokens = llamacpp_api.translate(body, True, NAME, plain.llm.tokenizer, CONTEXT).body["prompt"]
+    llama_defaults = {"top_k": 40, "top_p": 0.95, "min_p": 0.05}
+    want = post(plain, {"model": NAME, "prompt": tokens, "max_tokens": 12, "temperature": 0, **llama_defaults})
+    assert got["content"] == want["choices"][0]["text"]
+    assert got["tokens_predicted"] == want["usage"]["completion_tokens"] and got["tokens_evaluated"] == len(tokens)
+    assert got["stop"] is True and got["stop_type"] in ("eos", "limit") and got["model"] == NAME
+    assert got["prompt"].endswith("<|fim_middle|>") and got["has_new_line"] == ("\n" in got["content"])
+    assert set(got["timings"]) >= {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second"}
+    assert call(servers[1], "/infill", body)["content"] == got["content"]  # speculation writes the same
+    # llama.cpp's sampling defaults where the request leaves them out: a seeded sample equals one with them given
+    seeded = {"prompt": "abc", "n_predict": 10, "seed": 5}
+    given = {"model": NAME, "prompt": "abc", "max_tokens": 10, "seed": 5, "temperature": 0.8, **llama_defaults}
+    sampled = call(plain, "/completion", seeded)
+    assert sampled["content"] == post(plain, given)["choices"][0]["text"]
+    settings = sampled["generation_settings"]
+    assert (settings["temperature"], settings["top_k"], settings["top_p"], settings["min_p"]) == (0.8, 40, 0.95, 0.05)
+    # n_predict left out (llama.cpp's -1): to the end of the context
+    endless = call(plain, "/completion", {"prompt": "abc", "temperature": 0, "ignore_eos": True})
+    assert endless["tokens_predicted"] == CONTEXT - endless["tokens_evaluated"] and endless["stop_type"] == "limit"
+
+
+def test_the_stream_adds_up_to_the_answer_and_ends_with_stop(plain) -> None:
+    body = {"prompt": "abc", "n_predict": 9, "temperature": 0, "return_tokens": True}
+    whole = call(plain, "/completion", body)
+    streamed = chunks(plain, "/completion", body)
+    assert all(c["stop"] is False for c in streamed[:-1]) and streamed[-1]["stop"] is True
+    assert "".join(c["content"] for c in streamed) == whole["content"]
+    assert [t for c in streamed[:-1] for t in c["tokens"]] == whole["tokens"] and len(whole["tokens"]) == 9
+    assert streamed[-1]["tokens_predicted"] == 9 and streamed[-1]["stop_type"] == "limit"
+
+
+def test_stops_response_fields_and_cache_warming(plain) -> None:
+    words = call(plain, "/completion", {"prompt": "abc", "n_predict": 40, "temperature": 0})["content"]
+    word = words[3:5]
+    cut = call(plain, "/completion", {"prompt": "abc", "n_predict": 40, "temperature": 0, "stop": [word]})
+    assert (cut["stop_type"], cut["stopping_word"], cut["content"]) == ("word", word, words[: words.index(word)])
+    fields = ["content", "timings/predicted_n", "timings/nothing", "stop_type"]
+    few = call(plain, "/completion", {"prompt": "abc", "n_predict": 3, "ignore_eos": True, "response_fields": fields})
+    assert set(few) == {"content", "timings/predicted_n", "stop_type"} and few["timings/predicted_n"] == 3
+    warm = call(plain, "/infill", {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 0})
+    assert (warm["content"], warm["tokens_predicted"], warm["stop_type"]) == ("", 0, "none")
+    # what llama.vim sends beside the gap is taken
+    vim = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 4, "samplers": ["top_k", "top_p", "infill"]}
+    vim["ignore_eos"] = True  # sampled at llama.cpp's temperature: no early end
+    vim |= {"cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 250, "n_indent": 4, "id_slot": -1}
+    assert call(plain, "/infill", vim)["tokens_predicted"] == 4
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/completion", {"prompt": "a", "grammar": "root ::= x"}, "grammar"),
+        ("/completion", {"prompt": "a", "n_probs": 3}, "n_probs"),
+        ("/completion", {"prompt": "a", "repeat_penalty": 1.1}, "repeat_penalty"),
+        ("/completion", {"prompt": "a", "mirostat": 2}, "mirostat"),
+        ("/completion", {"prompt": ["a", "b"]}, "prompt"),
+        ("/completion", {"prompt": "a", "n_predict": -2}, "n_predict"),
+        ("/completion", {"prompt": "a", "n_predict": 100000}, "n_predict"),
+        ("/completion", {"prompt": "a", "logit_bias": [["a", 1]]}, "logit_bias"),
+        ("/completion", {"prompt": "a", "input_prefix": "x"}, "input_prefix"),
+        ("/completion", {"prompt": "a", "temperature": -1}, "temperature"),
+        ("/infill", {"input_prefix": 3}, "input_prefix"),
+        ("/infill", {"input_prefix": "a", "input_extra": [{"filename": "x"}]}, "input_extra"),
+        ("/infill", {"input_prefix": "a", "input_extra": "x"}, "input_extra"),
+    ],
+)
+def test_what_cannot_be_done_is_refused_by_llama_cpps_name(plain, path, body, param) -> None:
+    assert call(plain, path, body, 400)["error"]["param"] == param
+
+
+def test_a_lone_surrogate_is_refused_naming_its_field(plain) -> None:
+    for path, field in (("/infill", "input_prefix"), ("/infill", "input_suffix"), ("/completion", "prompt")):
+        body = {field: "a\ud800b", "prompt": "x"} if field != "prompt" else {field: "a\ud800b"}
+        raw = json.dumps(body)  # the lone surrogate as JSON's escape
+        r = httpx.post(plain.url + path, content=raw, headers={**AUTH, "content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_a_model_without_infill_markers_refuses_infill(target_tok) -> None:
+    s = Served(LLM(target_tok))
+    try:
+        error = call(s, "/infill", {"input_prefix": "a", "input_suffix": "b"}, 400)["error"]
+        assert "fill-in-the-middle" in error["message"]
+        body = {"prompt": "ab", "n_predict": 2, "ignore_eos": True, "logit_bias": [[5, False]]}
+        assert call(s, "/completion", body)["tokens_predicted"] == 2
+    finally:
+        s.stop()
+
+
+def test_the_schemas_list_the_fields_the_routes_take() -> None:
+    assert set(LlamaCompletionRequest.model_fields) == llamacpp_api.fields(False)
+    assert set(LlamaInfillRequest.model_fields) == llamacpp_api.fields(True)
