@@ -67,13 +67,16 @@ def test_the_infill_prompt_is_llama_cpps(coder) -> None:
         f"<|file_sep|>filename\n<|fim_prefix|>{PREFIX}ret<|fim_suffix|>{SUFFIX}<|fim_middle|>"
     )
     assert tok.decode(ids, skip_special_tokens=False) == want
+    # a marker's text in the code is text, not the marker (the prompt after the prefix is read as llama.cpp reads it)
+    marked = llamacpp_api.translate({"input_prefix": "x<|fim_middle|>y"}, True, NAME, tok, 4096).body["prompt"]
+    assert marked.count(tok.infill_markers[2]) == 1 and marked[-1] == tok.infill_markers[2]
     # the prefix keeps its last 3/4 of a batch, the suffix its first quarter less the prompt and markers
     long = llamacpp_api.translate(
         {"input_prefix": "a" * 2000, "input_suffix": "b" * 600, "prompt": "cd"}, True, NAME, tok, 8192
     ).body["prompt"]
     text = tok.decode(long, skip_special_tokens=False)
     gap = text.split("<|fim_prefix|>")[1]
-    assert gap == "a" * 1536 + "cd<|fim_suffix|>" + "b" * (512 - 4) + "<|fim_middle|>"
+    assert gap == "a" * 1536 + "cd<|fim_suffix|>" + "b" * (512 - 2 - 2) + "<|fim_middle|>"  # 2 markers, 2 of prompt
     # the other files get what the context leaves past a batch and twice n_predict
     squeezed = llamacpp_api.translate(
         {"input_prefix": "p", "input_extra": EXTRA, "n_predict": 8}, True, NAME, tok, 2048 + 16 + 10
@@ -105,14 +108,20 @@ def test_an_infill_writes_what_a_completion_of_its_tokens_writes(plain, servers)
     assert endless["tokens_predicted"] == CONTEXT - endless["tokens_evaluated"] and endless["stop_type"] == "limit"
 
 
-def test_the_stream_adds_up_to_the_answer_and_ends_with_stop(plain) -> None:
-    body = {"prompt": "abc", "n_predict": 9, "temperature": 0, "return_tokens": True}
+@pytest.mark.parametrize("stop", [None, "stop word"])
+def test_the_stream_adds_up_to_the_answer_and_ends_with_stop(plain, stop) -> None:
+    body = {"prompt": "abc", "n_predict": 30, "temperature": 0, "return_tokens": True}
+    if stop:  # a word of the answer ends it: its tokens are written, its text held back
+        body["stop"] = [call(plain, "/completion", body)["content"][6:9]]
     whole = call(plain, "/completion", body)
     streamed = chunks(plain, "/completion", body)
     assert all(c["stop"] is False for c in streamed[:-1]) and streamed[-1]["stop"] is True
     assert "".join(c["content"] for c in streamed) == whole["content"]
-    assert [t for c in streamed[:-1] for t in c["tokens"]] == whole["tokens"] and len(whole["tokens"]) == 9
-    assert streamed[-1]["tokens_predicted"] == 9 and streamed[-1]["stop_type"] == "limit"
+    assert [t for c in streamed[:-1] for t in c["tokens"]] == whole["tokens"]  # every token, text or not
+    assert (streamed[-1]["content"], streamed[-1]["tokens"]) == ("", [])  # the last chunk repeats neither
+    for name in ("tokens_predicted", "stop_type", "stopping_word", "has_new_line", "tokens_cached"):
+        assert streamed[-1][name] == whole[name], name
+    assert whole["stop_type"] == "word" if stop else whole["stop_type"] in ("eos", "limit")
 
 
 def test_stops_response_fields_and_cache_warming(plain) -> None:
@@ -125,11 +134,25 @@ def test_stops_response_fields_and_cache_warming(plain) -> None:
     assert set(few) == {"content", "timings/predicted_n", "stop_type"} and few["timings/predicted_n"] == 3
     warm = call(plain, "/infill", {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 0})
     assert (warm["content"], warm["tokens_predicted"], warm["stop_type"]) == ("", 0, "none")
+    # n_predict past the context stops at its end, as llama.cpp does; a null field is one left out
+    endless = call(plain, "/completion", {"prompt": "abc", "n_predict": 100000, "ignore_eos": True, "temperature": 0})
+    assert endless["tokens_predicted"] == CONTEXT - 3 and endless["stop_type"] == "limit"
+    nulls = call(plain, "/completion", {"prompt": "abc", "n_predict": 2, "temperature": None, "seed": None})
+    assert nulls["generation_settings"]["temperature"] == 0.8
+    # samplers left out of `samplers` are off, as in llama.cpp
+    listed = call(plain, "/completion", {"prompt": "abc", "n_predict": 2, "samplers": ["top_k", "infill"]})
+    settings = listed["generation_settings"]
+    assert (settings["temperature"], settings["top_k"], settings["top_p"], settings["min_p"]) == (1.0, 40, 1.0, 0.0)
+    # several completions: llama.cpp's list, one answer each
+    many = call(plain, "/completion", {"prompt": "abc", "n_predict": 3, "n_cmpl": 3, "seed": 4, "ignore_eos": True})
+    assert [a["index"] for a in many] == [0, 1, 2] and all(a["tokens_predicted"] == 3 for a in many)
+    assert len(chunks(plain, "/completion", {"prompt": "abc", "n_predict": 3, "n_cmpl": 2})) >= 2
     # what llama.vim sends beside the gap is taken
     vim = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 4, "samplers": ["top_k", "top_p", "infill"]}
     vim["ignore_eos"] = True  # sampled at llama.cpp's temperature: no early end
     vim |= {"cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 250, "n_indent": 4, "id_slot": -1}
-    assert call(plain, "/infill", vim)["tokens_predicted"] == 4
+    vim |= {"model": "", "top_k": 40, "top_p": 0.9, "input_extra": EXTRA, "prompt": "", "response_fields": ["content"]}
+    assert set(call(plain, "/infill", vim)) == {"content"}
 
 
 @pytest.mark.parametrize(
@@ -141,7 +164,11 @@ def test_stops_response_fields_and_cache_warming(plain) -> None:
         ("/completion", {"prompt": "a", "mirostat": 2}, "mirostat"),
         ("/completion", {"prompt": ["a", "b"]}, "prompt"),
         ("/completion", {"prompt": "a", "n_predict": -2}, "n_predict"),
-        ("/completion", {"prompt": "a", "n_predict": 100000}, "n_predict"),
+        ("/completion", {"prompt": "a", "response_fields": "content"}, "response_fields"),
+        ("/completion", {"prompt": "a", "logit_bias": [["9" * 5000, 1]]}, "logit_bias"),
+        ("/completion", {"prompt": "a", "json_schema": {"type": "nothing"}}, "json_schema"),
+        ("/completion", {"prompt": "a", "samplers": "kpt"}, "samplers"),
+        ("/completion", {"prompt": "a", "n_cmpl": 0}, "n_cmpl"),
         ("/completion", {"prompt": "a", "logit_bias": [["a", 1]]}, "logit_bias"),
         ("/completion", {"prompt": "a", "input_prefix": "x"}, "input_prefix"),
         ("/completion", {"prompt": "a", "temperature": -1}, "temperature"),

@@ -12,8 +12,11 @@ completions route's checks and engine then run it, so speculation drafts these a
 answer comes back in llama.cpp's shape (`content`, `stop`, `stop_type`, `tokens_predicted`,
 `timings`, ...), filtered by `response_fields`, or streamed as its `data:` chunks ending in one
 with `stop: true`. Fields of llama.cpp's that ask for something forerun does not do are refused by
-name; a few that only tune llama.cpp's own machinery (`cache_prompt`, `id_slot`, `samplers`,
-`t_max_predict_ms`, `n_indent`) are taken and ignored.
+name. `samplers` says which of temperature, top_k, top_p and min_p apply (a sampler left out is
+off, as in llama.cpp; forerun applies them in its own order, and has no `infill` sampler); a few
+fields are taken and ignored: `model`, `cache_prompt` and `id_slot` (llama.cpp's cache and slots),
+`t_max_prompt_ms`, `t_max_predict_ms` and `n_indent` (its time and indentation limits: an answer
+here runs to its own end, `n_predict` or a stop), `n_keep`. A null field is a field left out.
 """
 
 from __future__ import annotations
@@ -32,15 +35,15 @@ from forerun.serve.scheduler import Delta, Failed
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}  # llama.cpp's
 PASSED_ON = {"temperature", "top_k", "top_p", "min_p", "stop", "ignore_eos"}
-# Taken and ignored: they tune llama.cpp's own cache, slots, sampler chain, time limits and indenting.
-IGNORED = {"cache_prompt", "id_slot", "samplers", "t_max_prompt_ms", "t_max_predict_ms", "n_indent", "n_keep"}
+OFF = {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0}  # a sampler `samplers` leaves out
+# Taken and ignored: the model's name, llama.cpp's cache and slots, its time and indentation limits.
+IGNORED = {"model", "cache_prompt", "id_slot", "t_max_prompt_ms", "t_max_predict_ms", "n_indent", "n_keep"}
 # Taken where they ask for nothing (llama.cpp's neutral values).
 NEUTRAL = {
     "n_probs": (0,),
     "typical_p": (1,),
     "dynatemp_range": (0,),
     "mirostat": (0,),
-    "n_cmpl": (1,),
     "xtc_probability": (0,),
     "dry_multiplier": (0,),
     "grammar": ("",),
@@ -50,6 +53,7 @@ NEUTRAL = {
     "post_sampling_probs": (False,),
 }
 OWN = {"prompt", "n_predict", "stream", "seed", "logit_bias", "json_schema", "return_tokens", "response_fields"}
+OWN |= {"samplers", "n_cmpl"}
 INFILL_OWN = {"input_prefix", "input_suffix", "input_extra"}
 BATCH = 2048  # llama.cpp's default batch, which its /infill fits the prefix and suffix into
 PROJECT = "myproject\n"  # the repository name llama.cpp's /infill writes
@@ -63,6 +67,7 @@ def translate(body: dict, infill: bool, model: str, tokenizer, max_model_len: in
     """The completions body (token ids) that asks what llama.cpp's `body` asks. Tokenizes: run it
     off the event loop."""
     route = "/infill" if infill else "/completion"
+    body = {name: value for name, value in body.items() if value is not None}  # null: left out, as llama.cpp reads it
     for name, value in body.items():
         if name not in fields(infill):
             raise BadRequest(f"unknown field {name[:60]!r}: {route} takes {', '.join(sorted(fields(infill)))}", name)
@@ -72,7 +77,10 @@ def translate(body: dict, infill: bool, model: str, tokenizer, max_model_len: in
         raise BadRequest(f"{route} takes text, and this model has no tokenizer; use /v1/completions with token ids")
     ids = _infill_ids(body, tokenizer, max_model_len) if infill else _prompt_ids(body.get("prompt"), tokenizer)
     out = {name: body.get(name, DEFAULTS.get(name)) for name in PASSED_ON if name in body or name in DEFAULTS}
-    out.update(model=model, prompt=ids, stream=body.get("stream", False))
+    out.update(_samplers(body.get("samplers")))
+    out.update(model=model, prompt=ids, stream=body.get("stream", False), n=body.get("n_cmpl", 1))
+    if isinstance(out.get("stop"), list):
+        out["stop"] = [word for word in out["stop"] if word != ""]  # llama.cpp skips empty stop words
     if body.get("seed") not in (None, -1):
         out["seed"] = body["seed"]
     if body.get("logit_bias") is not None:
@@ -86,10 +94,29 @@ def translate(body: dict, infill: bool, model: str, tokenizer, max_model_len: in
         )
     if predict == 0:  # the prompt read into the cache, nothing written
         out.update(echo=True, max_tokens=0)
-    else:
-        room = max_model_len - len(ids)
-        out["max_tokens"] = predict if predict > 0 else max(room, 1)
+    else:  # llama.cpp stops at the context's end, whatever n_predict says
+        room = max(max_model_len - len(ids), 1)
+        out["max_tokens"] = min(predict, room) if predict > 0 else room
+    _check_fields(body.get("response_fields"))
     return Translated(out, body, infill, ids, tokenizer)
+
+
+def _samplers(given: object) -> dict:
+    """The samplers a `samplers` list leaves out, off (llama.cpp runs only those it names)."""
+    if given is None:
+        return {}
+    if not isinstance(given, list) or not all(isinstance(name, str) for name in given):
+        raise BadRequest(
+            'samplers must be a list of sampler names, such as ["top_k", "top_p", "temperature"]', "samplers"
+        )
+    return {name: value for name, value in OFF.items() if name not in given}
+
+
+def _check_fields(wanted: object) -> None:
+    if not isinstance(wanted, (list, type(None))) or not all(isinstance(path, str) for path in wanted or []):
+        raise BadRequest(
+            'response_fields must be a list of field names or paths, such as "timings/prompt_n"', "response_fields"
+        )
 
 
 def _prompt_ids(prompt: object, tokenizer) -> list[int]:
@@ -117,15 +144,17 @@ def _infill_ids(body: dict, tokenizer, max_model_len: int) -> list[int]:
         raise BadRequest(NO_INFILL, "input_suffix")
     before_gap, after_gap, middle = markers
 
-    def encode(text: str) -> list[int]:
-        return tokenizer.hf.encode(text, add_special_tokens=False)
+    def encode(text: str) -> list[int]:  # a file's text: special tokens' text stays text, as llama.cpp reads it
+        return tokenizer.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
 
-    prefix, suffix, prompt = (encode(_text(body, name)) for name in ("input_prefix", "input_suffix", "prompt"))
+    prefix, suffix = (encode(_text(body, name)) for name in ("input_prefix", "input_suffix"))
+    prompt = tokenizer.hf.encode(_text(body, "prompt"), add_special_tokens=False)
     extra = _extra_ids(body.get("input_extra"), tokenizer, encode)
-    prefix = prefix[len(prefix) - min(len(prefix), 3 * (BATCH // 4)) :]
-    suffix = suffix[: min(len(suffix), max(0, BATCH // 4 - (2 + len(prompt))))]
+    batch = min(BATCH, max_model_len)  # llama.cpp's batch is never longer than its context
+    prefix = prefix[len(prefix) - min(len(prefix), 3 * (batch // 4)) :]
+    suffix = suffix[: min(len(suffix), max(0, batch // 4 - (2 + len(prompt))))]
     predict = body.get("n_predict", -1)
-    room = max(0, max_model_len - BATCH - 2 * (predict if is_whole(predict) and predict > 0 else 0))
+    room = max(0, max_model_len - batch - 2 * (predict if is_whole(predict) and predict > 0 else 0))
     extra = extra[len(extra) - min(room, len(extra)) :]
     return [*extra, *tokenizer.opening, before_gap, *prefix, *prompt, after_gap, *suffix, middle]
 
@@ -169,7 +198,7 @@ def _logit_bias(given: object) -> dict:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise BadRequest(shape, "logit_bias")
         token, bias = pair
-        if not (is_whole(token) or (isinstance(token, str) and token.isdecimal())):
+        if not (is_whole(token) or (isinstance(token, str) and token.isdecimal() and len(token) < 20)):
             raise BadRequest(f"{shape}; a token given as text is not supported, give its id", "logit_bias")
         out[str(int(token))] = -100 if bias is False else bias
     return out
@@ -187,38 +216,31 @@ class Translated:
 
     def renamed(self, exc: BadRequest) -> BadRequest:
         """A refusal of the completions body in llama.cpp's names."""
-        message, param = exc.message.replace("max_tokens", "n_predict"), exc.param
-        param = "n_predict" if param == "max_tokens" else param
+        message, param = exc.message, exc.param
+        for theirs, ours in (("max_tokens", "n_predict"), ("structured_outputs", "json_schema"), ("'n'", "n_cmpl")):
+            message = message.replace(theirs, ours)
+        param = {"max_tokens": "n_predict", "structured_outputs": "json_schema", "n": "n_cmpl"}.get(param, param)
         return BadRequest(message, param, exc.status, exc.kind, exc.code)
 
-    def shaped(self, completion: dict, run: InFlight) -> dict:
-        """The whole answer in llama.cpp's shape, filtered by response_fields."""
-        choice = run.choices[0]
-        text = "" if self.body.get("echo") else completion["choices"][0]["text"]
-        return self._filtered(self._final(choice, text, completion["model"]))
+    def shaped(self, completion: dict, run: InFlight) -> dict | list:
+        """The whole answer in llama.cpp's shape (one per completion where n_cmpl asks for several),
+        filtered by response_fields."""
+        answers = [self._filtered(self._final(choice, completion["model"], streamed=False)) for choice in run.choices]
+        return answers[0] if len(answers) == 1 else answers
 
-    def _final(self, choice, text: str, model: str) -> dict:
-        output = choice.output
+    def _final(self, choice, model: str, streamed: bool) -> dict:
+        """A completion's answer; streamed, its last chunk (the text and tokens sent already)."""
+        output, echo = choice.output, bool(self.body.get("echo"))
+        text = "" if echo else "".join(choice.pieces)
         reason, stopped_by = choice.reason, choice.stop_reason
         stop_type = "limit" if reason == "length" else "word" if isinstance(stopped_by, str) else "eos"
-        generated = 0 if self.body.get("echo") else len(choice.token_ids)
-        first_ms, all_ms = output.first_token_s * 1000, output.elapsed_s * 1000
-        evaluated = len(self.ids) - output.num_cached_tokens
-        timings = {
-            "prompt_n": evaluated,
-            "prompt_ms": first_ms,
-            "prompt_per_token_ms": first_ms / max(evaluated, 1),
-            "prompt_per_second": evaluated / (first_ms / 1000) if first_ms > 0 else 0.0,
-            "predicted_n": generated,
-            "predicted_ms": all_ms - first_ms,
-            "predicted_per_token_ms": (all_ms - first_ms) / max(generated, 1),
-            "predicted_per_second": generated / ((all_ms - first_ms) / 1000) if all_ms > first_ms else 0.0,
-        }
-        out = {
-            "index": 0,
-            "content": text,
-            "tokens": list(choice.token_ids) if self.given.get("return_tokens") and generated else [],
-            "id_slot": self.given.get("id_slot", 0) if is_whole(self.given.get("id_slot", 0)) else 0,
+        generated = 0 if echo else len(choice.token_ids)
+        tokens = list(choice.token_ids) if self.given.get("return_tokens") and generated and not streamed else []
+        return {
+            "index": choice.index,
+            "content": "" if streamed else text,
+            "tokens": tokens,
+            "id_slot": self._slot(),
             "stop": True,
             "model": model,
             "tokens_predicted": generated,
@@ -229,10 +251,13 @@ class Translated:
             "truncated": False,
             "stop_type": stop_type if generated else "none",
             "stopping_word": stopped_by if isinstance(stopped_by, str) else "",
-            "tokens_cached": output.num_cached_tokens + generated,
-            "timings": timings,
+            "tokens_cached": len(self.ids) + generated,  # the tokens the cache holds now
+            "timings": _timings(output, len(self.ids) - output.num_cached_tokens, generated),
         }
-        return out
+
+    def _slot(self) -> int:
+        slot = self.given.get("id_slot", 0)
+        return slot if is_whole(slot) else 0
 
     def _settings(self) -> dict:
         settings = {name: self.body.get(name) for name in ("temperature", "top_k", "top_p", "min_p", "seed")}
@@ -257,22 +282,48 @@ class Translated:
         return out
 
     async def events(self, run: InFlight) -> AsyncIterator[str]:
-        """llama.cpp's stream: a `data:` chunk of new content (and tokens) per step, then the whole
-        answer's fields with `stop: true`; an error as a `data:` error object."""
+        """llama.cpp's stream: a `data:` chunk per step's new tokens (and their text), then each
+        completion's answer fields with `stop: true`; an error as a `data:` error object."""
+        echo, tokens = bool(self.body.get("echo")), bool(self.given.get("return_tokens"))
         try:
             while not run.done:
                 index, event = await run.events.get()
                 if isinstance(event, Failed):
                     yield _sse(error_body(run.failure(event)))
                     return
-                run.take(index, event)
-                if isinstance(event, Delta) and event.text and not self.body.get("echo"):
-                    tokens = event.token_ids if self.given.get("return_tokens") else []
-                    yield _sse({"index": 0, "content": event.text, "tokens": tokens, "stop": False})
-            choice = run.choices[0]
-            yield _sse(self._filtered(self._final(choice, "", run.reply.model)))
+                choice = run.take(index, event)
+                if isinstance(event, Delta) and event.token_ids and not echo:
+                    yield _sse(
+                        {
+                            "index": choice.index,
+                            "content": event.text,
+                            "tokens": event.token_ids if tokens else [],
+                            "stop": False,
+                            "id_slot": self._slot(),
+                            "tokens_predicted": len(choice.token_ids),
+                            "tokens_evaluated": len(self.ids),
+                        }
+                    )
+            for choice in run.choices:
+                yield _sse(self._filtered(self._final(choice, run.reply.model, streamed=True)))
         finally:
             run.cancel()
+
+
+def _timings(output, evaluated: int, generated: int) -> dict:
+    """llama.cpp's timings of one completion, from its first-token and elapsed times."""
+    first_ms, all_ms = output.first_token_s * 1000, output.elapsed_s * 1000
+    predicted_ms = all_ms - first_ms
+    return {
+        "prompt_n": evaluated,
+        "prompt_ms": first_ms,
+        "prompt_per_token_ms": first_ms / max(evaluated, 1),
+        "prompt_per_second": evaluated / (first_ms / 1000) if first_ms > 0 else 0.0,
+        "predicted_n": generated,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / max(generated, 1),
+        "predicted_per_second": generated / (predicted_ms / 1000) if predicted_ms > 0 else 0.0,
+    }
 
 
 def _sse(obj: dict) -> str:

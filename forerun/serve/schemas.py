@@ -255,6 +255,7 @@ class LlamaCompletionRequest(BaseModel):
     """llama.cpp's /completion (forerun/serve/llamacpp_api.py): its defaults where a field is left out."""
 
     model_config = ConfigDict(extra="forbid")
+    model: str | None = Field(None, description="taken and ignored: the served model answers")
     prompt: str | list[int] = Field(description="text (BOS first where the model adds one) or token ids")
     n_predict: int | None = Field(
         None, ge=-1, description="most tokens to write (-1, the default: to the context's end; 0: none)"
@@ -275,16 +276,18 @@ class LlamaCompletionRequest(BaseModel):
     response_fields: list[str] | None = Field(None, description='only these fields, keys or paths ("timings/prompt_n")')
     cache_prompt: bool | None = Field(None, description="taken and ignored: forerun's prefix cache is always on")
     id_slot: int | None = Field(None, description="taken and ignored")
-    samplers: list[str] | None = Field(None, description="taken and ignored: forerun samples in its own order")
-    t_max_prompt_ms: int | None = Field(None, description="taken and ignored")
-    t_max_predict_ms: int | None = Field(None, description="taken and ignored")
-    n_indent: int | None = Field(None, description="taken and ignored")
+    samplers: list[str] | None = Field(
+        None, description="which of temperature, top_k, top_p and min_p apply (one left out is off); no infill sampler"
+    )
+    n_cmpl: int | None = Field(None, ge=1, le=MAX_N, description="completions of the prompt: a list of answers")
+    t_max_prompt_ms: int | None = Field(None, description="taken and ignored: no time limit")
+    t_max_predict_ms: int | None = Field(None, description="taken and ignored: no time limit")
+    n_indent: int | None = Field(None, description="taken and ignored: no stop on a dedent")
     n_keep: int | None = Field(None, description="taken and ignored")
     n_probs: Literal[0] | None = Field(None, description="not supported: 0 only")
     typical_p: Literal[1] | None = None
     dynatemp_range: Literal[0] | None = None
     mirostat: Literal[0] | None = None
-    n_cmpl: Literal[1] | None = None
     xtc_probability: Literal[0] | None = None
     dry_multiplier: Literal[0] | None = None
     grammar: Literal[""] | None = Field(None, description="not supported: use json_schema")
