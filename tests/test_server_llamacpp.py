@@ -6,6 +6,7 @@ them, speculation writes the same, and what forerun cannot do is refused by name
 
 from __future__ import annotations
 
+import copy
 import json
 
 import httpx
@@ -67,6 +68,14 @@ def test_the_infill_prompt_is_llama_cpps(coder) -> None:
         f"<|file_sep|>filename\n<|fim_prefix|>{PREFIX}ret<|fim_suffix|>{SUFFIX}<|fim_middle|>"
     )
     assert tok.decode(ids, skip_special_tokens=False) == want
+    # a vocabulary without the repository markers: each file after llama.cpp's snippet rule
+    plainer = copy.copy(tok)
+    plainer.__dict__["repo_markers"] = None
+    ids = llamacpp_api.translate({"input_prefix": "p", "input_extra": EXTRA[:1]}, True, NAME, plainer, 4096).body[
+        "prompt"
+    ]
+    snippet = "\n\n--- snippet ---\n\ndef one():\n    return 1\n<|fim_prefix|>p<|fim_suffix|><|fim_middle|>"
+    assert tok.decode(ids, skip_special_tokens=False) == snippet
     # a marker's text in the code is text, not the marker (the prompt after the prefix is read as llama.cpp reads it)
     marked = llamacpp_api.translate({"input_prefix": "x<|fim_middle|>y"}, True, NAME, tok, 4096).body["prompt"]
     assert marked.count(tok.infill_markers[2]) == 1 and marked[-1] == tok.infill_markers[2]
