@@ -38,7 +38,8 @@ def config_from_hf(raw: dict) -> DecoderConfig:
             f"config.json's num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}: {_OWN_CONFIG}"
         )
     head_dim = _whole(raw, "head_dim", raw["hidden_size"] // heads)
-    theta = _number(_rope(raw), "rope_theta", 10000.0)
+    rope = _rope(raw)
+    theta = _number(rope, "rope_theta", 10000.0)
     return DecoderConfig(
         architecture=arch,
         vocab_size=raw["vocab_size"],
@@ -49,7 +50,7 @@ def config_from_hf(raw: dict) -> DecoderConfig:
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rope_theta=theta,
-        rope_freq_factors=_rope_factors(_rope(raw).get("rope_scaling"), head_dim, theta),
+        rope_freq_factors=_rope_factors(rope.get("rope_scaling"), head_dim, theta),
         rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
         max_position=_context(raw, arch),
         attention_bias=_flag(raw, "attention_bias", arch == "qwen2"),

@@ -108,19 +108,19 @@ class Tokenizer:
     def infill_markers(self) -> tuple[int, int, int] | None:
         """The ids of the vocabulary's fill-in-the-middle markers (prefix, suffix, middle), None where
         it has none: each must be one added token."""
-        added = {str(token): int(i) for i, token in getattr(self.hf, "added_tokens_decoder", {}).items()}
-        for names in INFILL_MARKERS:
-            if all(name in added for name in names):
-                return tuple(added[name] for name in names)
-        return None
+        return self._added_set(INFILL_MARKERS)
 
     @functools.cached_property
     def repo_markers(self) -> tuple[int, int] | None:
         """The ids of the vocabulary's repository-name and file-separator tokens, None where it has none."""
+        return self._added_set(REPO_MARKERS)
+
+    def _added_set(self, families: tuple[tuple[str, ...], ...]) -> tuple[int, ...] | None:
+        """The ids of the first of `families` (token texts) whose every token is an added token."""
         added = {str(token): int(i) for i, token in getattr(self.hf, "added_tokens_decoder", {}).items()}
-        for names in REPO_MARKERS:
+        for names in families:
             if all(name in added for name in names):
-                return added[names[0]], added[names[1]]
+                return tuple(added[name] for name in names)
         return None
 
     def infill(self, prefix: str | Sequence[int], suffix: str) -> list[int]:

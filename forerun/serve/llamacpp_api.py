@@ -21,7 +21,7 @@ here runs to its own end, `n_predict` or a stop), `n_keep`. A null field is a fi
 
 from __future__ import annotations
 
-import json
+import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -32,6 +32,7 @@ from forerun.serve.inflight import InFlight
 from forerun.serve.requests import BadRequest
 from forerun.serve.responses import error_body
 from forerun.serve.scheduler import Delta, Failed
+from forerun.serve.stream import sse
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}  # llama.cpp's
 PASSED_ON = {"temperature", "top_k", "top_p", "min_p", "stop", "ignore_eos"}
@@ -246,7 +247,7 @@ class Translated:
             "tokens_predicted": generated,
             "tokens_evaluated": len(self.ids),
             "generation_settings": self._settings(),
-            "prompt": self.tokenizer.decode(self.ids, skip_special_tokens=False),
+            "prompt": self.prompt_text,
             "has_new_line": "\n" in text,
             "truncated": False,
             "stop_type": stop_type if generated else "none",
@@ -254,6 +255,11 @@ class Translated:
             "tokens_cached": len(self.ids) + generated,  # the tokens the cache holds now
             "timings": _timings(output, len(self.ids) - output.num_cached_tokens, generated),
         }
+
+    @functools.cached_property
+    def prompt_text(self) -> str:
+        """The prompt as text, special tokens and all (decoded once, whatever the completions)."""
+        return self.tokenizer.decode(self.ids, skip_special_tokens=False)
 
     def _slot(self) -> int:
         slot = self.given.get("id_slot", 0)
@@ -289,11 +295,11 @@ class Translated:
             while not run.done:
                 index, event = await run.events.get()
                 if isinstance(event, Failed):
-                    yield _sse(error_body(run.failure(event)))
+                    yield sse(error_body(run.failure(event)))
                     return
                 choice = run.take(index, event)
                 if isinstance(event, Delta) and event.token_ids and not echo:
-                    yield _sse(
+                    yield sse(
                         {
                             "index": choice.index,
                             "content": event.text,
@@ -305,7 +311,7 @@ class Translated:
                         }
                     )
             for choice in run.choices:
-                yield _sse(self._filtered(self._final(choice, run.reply.model, streamed=True)))
+                yield sse(self._filtered(self._final(choice, run.reply.model, streamed=True)))
         finally:
             run.cancel()
 
@@ -324,7 +330,3 @@ def _timings(output, evaluated: int, generated: int) -> dict:
         "predicted_per_token_ms": predicted_ms / max(generated, 1),
         "predicted_per_second": generated / (predicted_ms / 1000) if predicted_ms > 0 else 0.0,
     }
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

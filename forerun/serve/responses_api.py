@@ -17,6 +17,7 @@ names the Responses field the client sent (`max_output_tokens`, `input`, `text.f
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -432,11 +433,10 @@ def own_logprobs(entries: list | None, text: str, after: str | None = None) -> l
     it does not stand whole."""
     if not entries or not text:
         return []
-    spans, answer = [], b""
-    for entry in entries:
-        piece = bytes(entry.get("bytes") or [])
-        spans.append((len(answer), len(answer) + len(piece)))
-        answer += piece
+    pieces = [bytes(entry.get("bytes") or []) for entry in entries]
+    ends = list(itertools.accumulate(len(piece) for piece in pieces))
+    spans = [(end - len(piece), end) for piece, end in zip(pieces, ends)]
+    answer = b"".join(pieces)
     begin = 0
     if after:
         thought = after.encode("utf-8")
@@ -490,6 +490,12 @@ def _call_item(call: dict, status: str = "completed") -> dict:
     }
 
 
+def _error_fields(exc: BadRequest) -> tuple[str, str, str | None]:
+    """(code, message, param) of a failure as Responses' events give it (the type where no code)."""
+    error = error_body(exc)["error"]
+    return error["code"] or error["type"], error["message"], error["param"]
+
+
 class _StreamedItems:
     """The output items of a streamed answer, opened as their first delta arrives and closed when
     another kind begins or the answer ends, with the events each step sends."""
@@ -506,8 +512,8 @@ class _StreamedItems:
 
     def failed(self, exc: BadRequest) -> dict:
         """A failed response's error field."""
-        error = error_body(exc)["error"]
-        return {"error": {"code": error["code"] or error["type"], "message": error["message"]}}
+        code, message, _ = _error_fields(exc)
+        return {"error": {"code": code, "message": message}}
 
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -515,8 +521,8 @@ class _StreamedItems:
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
     def error(self, exc: BadRequest) -> str:
-        error = error_body(exc)["error"]
-        return self.event("error", code=error["code"] or error["type"], message=error["message"], param=error["param"])
+        code, message, param = _error_fields(exc)
+        return self.event("error", code=code, message=message, param=param)
 
     def feed(self, delta: dict, logprobs: list | None) -> list[str]:
         out = []
