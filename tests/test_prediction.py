@@ -76,8 +76,11 @@ def test_greedy_output_is_the_targets_whatever_the_prediction(target_tok, plain_
     right = llm.generate(PROMPT, SamplingParams(max_tokens=40, prediction=plain_text))[0]
     assert right.token_ids == plain_text
     assert right.prediction_tokens == (len(plain_text), 0)
-    # the answer was copied from the prediction: few target passes for 40 tokens
-    assert right.metrics.num_accepted_tokens >= 24, right.metrics.to_dict()  # of at most 31 at K 4
+    # the answer was copied from the prediction: few target passes for 40 tokens (auto's cost policy
+    # picks its draft length from the machine's timings, so it may draft fewer a step than 4)
+    metrics = right.metrics
+    assert metrics.num_accepted_tokens >= (24 if method == "suffix" else 16), metrics.to_dict()  # of at most 31 at K 4
+    assert metrics.num_accepted_tokens >= 0.8 * metrics.num_draft_tokens, metrics.to_dict()
     if method == "auto":
         assert llm.engine.drafter.steps["suffix"] > 0
     wrong = [(t * 7 + 3) % TINY_VOCAB for t in plain_text]
