@@ -1,16 +1,19 @@
-"""`forerun serve`'s HTTP app: OpenAI's completions, chat and Responses routes and llama.cpp's, wired.
+"""`forerun serve`'s HTTP app: OpenAI's completions, chat and Responses routes, Anthropic's Messages route and
+llama.cpp's, wired.
 
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events ending in
 `data: [DONE]`, or whole), POST /v1/responses (OpenAI's Responses API read as a chat request:
-forerun/serve/responses_api.py), POST /completion and /infill (llama.cpp's own, read as completions:
-forerun/serve/llamacpp_api.py), POST /tokenize and /detokenize (vLLM's), GET /v1/models and
+forerun/serve/responses_api.py), POST /v1/messages and /v1/messages/count_tokens (Anthropic's
+Messages API read as a chat request, its errors in Anthropic's shape: forerun/serve/messages_api.py),
+POST /completion and /infill (llama.cpp's own, read as completions: forerun/serve/llamacpp_api.py),
+POST /tokenize and /detokenize (vLLM's), GET /v1/models and
 /v1/models/{id}, /health, /metrics (Prometheus text), /openapi.json and /docs. Fields are OpenAI's
 (checked in forerun/serve/requests.py) plus vLLM's (`top_k`, `ignore_eos`, ...);
 `n` samples share the prompt's prefill; `logprobs` are the target's own; with speculation each
 choice can carry its speculation figures in vLLM's per-request shape. Anything wrong gets an HTTP
 4xx in OpenAI's error shape naming the field, before the engine sees it, and is counted apart from
 engine failures. With an API key every route but /health, /openapi.json and /docs wants
-`Authorization: Bearer <key>` (unknown routes too, so they reveal nothing without it).
+`Authorization: Bearer <key>` or `x-api-key: <key>` (unknown routes too, so they reveal nothing without it).
 
 This module only wires: the handlers here are thin, the generation routes' work is in
 forerun/serve/generation.py, the token routes' in forerun/serve/tokens.py, the state they share in
@@ -36,16 +39,18 @@ from forerun.serve.scheduler import Scheduler
 from forerun.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    CountTokensRequest,
     DetokenizeRequest,
     LlamaCompletionRequest,
     LlamaInfillRequest,
+    MessagesRequest,
     ResponsesRequest,
     TokenizeRequest,
     openapi_schema,
     request_body,
 )
 from forerun.serve.state import ServerConfig, ServerState
-from forerun.serve.tokens import detokenize_route, tokenize_route
+from forerun.serve.tokens import count_tokens_route, detokenize_route, tokenize_route
 
 log = logging.getLogger("forerun.serve.app")
 
@@ -83,6 +88,13 @@ def app_for(state: ServerState) -> FastAPI:
             routes.responses,
             "OpenAI's Responses API: text, function tools, structured outputs",
             ResponsesRequest,
+        ),
+        ("/v1/messages", routes.messages, "Anthropic's Messages API: text, tools, thinking", MessagesRequest),
+        (
+            "/v1/messages/count_tokens",
+            routes.count_tokens,
+            "Anthropic's: the tokens of the prompt a Messages request runs",
+            CountTokensRequest,
         ),
         ("/completion", routes.llamacpp_completion, "llama.cpp's own completion route", LlamaCompletionRequest),
         ("/infill", routes.llamacpp_infill, "llama.cpp's code infilling (fill in the middle)", LlamaInfillRequest),
@@ -138,6 +150,12 @@ class _Routes:
 
     async def responses(self, request: HTTPRequest) -> Response:
         return await generation(self.state, request, chat=True, api="responses")
+
+    async def messages(self, request: HTTPRequest) -> Response:
+        return await generation(self.state, request, chat=True, api="messages")
+
+    async def count_tokens(self, request: HTTPRequest) -> Response:
+        return await count_tokens_route(self.state, request)
 
     async def llamacpp_completion(self, request: HTTPRequest) -> Response:
         return await generation(self.state, request, chat=False, api="completion")

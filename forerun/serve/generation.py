@@ -1,4 +1,4 @@
-"""The generation routes' work: a completions, chat, Responses or llama.cpp request from its body to its answer.
+"""The generation routes' work: a completions, chat, Responses, Messages or llama.cpp request, body to answer.
 
 The body is read and checked, the prompts tokenized (off the event loop: a long prompt takes seconds,
 and every other client would wait), every prompt checked against the context, the samples (`n` of
@@ -19,7 +19,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from forerun.base.config import SamplingParams
-from forerun.serve import llamacpp_api, responses_api
+from forerun.serve import llamacpp_api, messages_api, responses_api
 from forerun.serve.inflight import InFlight, new_group
 from forerun.serve.requests import (
     BadRequest,
@@ -41,14 +41,17 @@ CLIENT_GONE = 499  # nginx's status for a client that closed the connection: nob
 ROUTING_HEADER = "x-routing-key"  # a client's own key for where its requests run (replicas)
 ROUTING_PREFIX = 256  # prompt tokens that place a request without one
 REPLICA_HEADER = "x-forerun-replica"  # the replica that ran a request (replicas only)
+REFUSALS = {"messages": messages_api.refused}  # another API's error shape (else OpenAI's)
 
 
 async def generation(state: ServerState, http: HTTPRequest, chat: bool, api: str | None = None) -> Response:
     """Answer one completions (`chat` False) or chat request; with `api`, another API's request read
     as the one it amounts to and answered in its own shapes: "responses" (OpenAI's Responses API, as
-    chat), "completion" and "infill" (llama.cpp's own routes, as completions)."""
+    chat), "messages" (Anthropic's Messages API, as chat), "completion" and "infill" (llama.cpp's own
+    routes, as completions)."""
     config = state.config
     reader = None
+    refuse = REFUSALS.get(api, refused)
     try:
         state.check_access(http)
         body = await read_json(http, config.max_body_bytes, config.body_timeout)
@@ -64,18 +67,22 @@ async def generation(state: ServerState, http: HTTPRequest, chat: bool, api: str
         if checked.stream:
             events = reader.events(run) if reader is not None else stream(run)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return await _complete_response(http, run, headers, reader)
+        return await _complete_response(http, run, headers, reader, refuse)
     except BadRequest as exc:
         state.metrics.rejected(exc.status)
-        return refused(reader.renamed(exc) if reader is not None else exc)
+        return refuse(reader.renamed(exc) if reader is not None else exc)
     except ClientGone:
         return Response(status_code=CLIENT_GONE)
 
 
-def _reader(api: str, body: dict, state: ServerState) -> responses_api.Translated | llamacpp_api.Translated:
+def _reader(
+    api: str, body: dict, state: ServerState
+) -> responses_api.Translated | messages_api.Translated | llamacpp_api.Translated:
     """The reader of another API's body: its body in chat's or completions' terms, and its shapes."""
     if api == "responses":
         return responses_api.translate(body)
+    if api == "messages":
+        return messages_api.translate(body)
     config = state.config
     return llamacpp_api.translate(
         body, api == "infill", config.served_model_name, state.tokenizer, config.max_model_len
@@ -106,7 +113,7 @@ def _in_flight(
     return InFlight(group, events, reply, state.config.spec_stats, state.metrics)
 
 
-async def _complete_response(http: HTTPRequest, run: InFlight, headers: dict | None, reader) -> Response:
+async def _complete_response(http: HTTPRequest, run: InFlight, headers: dict | None, reader, refuse) -> Response:
     """Every sample's whole answer in one JSON response, once all have finished; 499 if the client left."""
     last_check = time.monotonic()
     try:
@@ -123,14 +130,14 @@ async def _complete_response(http: HTTPRequest, run: InFlight, headers: dict | N
             if event is None:
                 continue
             if isinstance(event, Failed):
-                return refused(run.failure(event))
+                return refuse(run.failure(event))
             run.take(index, event)
         try:
             body = run.reply.complete(run.choices, run.stats())
             if reader is not None:
                 body = reader.shaped(body, run)
-        except Exception as exc:  # noqa: BLE001 - OpenAI's error shape, as for any other failure
-            return refused(run.unshaped(exc))
+        except Exception as exc:  # noqa: BLE001 - the API's error shape, as for any other failure
+            return refuse(run.unshaped(exc))
         return JSONResponse(body, headers=headers)
     finally:
         run.cancel()  # a no-op once finished; frees the sequences if we left early

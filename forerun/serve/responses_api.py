@@ -392,7 +392,7 @@ class Translated:
             reason = None
             while not run.done:
                 index, event = await run.events.get()
-                chunk, failure = _chunk(run, index, event)
+                chunk, failure = chat_chunk(run, index, event)
                 if failure is not None:
                     yield items.error(failure)
                     failed = self.response("failed", items.output, None, items.failed(failure))
@@ -411,7 +411,7 @@ class Translated:
             run.cancel()  # the client went away mid-stream: free the sequences
 
 
-def _chunk(run: InFlight, index: int, event) -> tuple[dict | None, BadRequest | None]:
+def chat_chunk(run: InFlight, index: int, event) -> tuple[dict | None, BadRequest | None]:
     """Chat's chunk for an engine event, or the failure to tell the client instead."""
     if isinstance(event, Failed):
         return None, run.failure(event)

@@ -201,7 +201,24 @@ class ResponsesText(BaseModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(BaseModel):
+class _VllmSampling(BaseModel):
+    """vLLM's sampling fields that its other APIs (Responses, Messages) take as chat does."""
+
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1] - MAX_N, description="vLLM's, as in chat")
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    structured_outputs: dict | None = Field(None, description="vLLM's: json, regex, choice or grammar, as in chat")
+
+
+class ResponsesRequest(_VllmSampling):
     """OpenAI's Responses API, read as the chat request it amounts to (forerun/serve/responses_api.py)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -234,21 +251,78 @@ class ResponsesRequest(BaseModel):
     conversation: None = Field(None, description="not supported: nothing is stored")
     prompt: None = Field(None, description="not supported: no stored prompt templates")
     max_tool_calls: None = None
-    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1] - MAX_N, description="vLLM's, as in chat")
     top_k: int | None = Field(None, ge=-1, description="vLLM's, as in chat")
-    min_p: float | None = Field(None, ge=0, le=1)
     stop: str | list[str] | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
-    logit_bias: dict[str, float] | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = Field(None, ge=0)
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
     chat_template_kwargs: dict | None = Field(None, description="more variables for the chat template, as in chat")
-    structured_outputs: dict | None = Field(None, description="vLLM's: json, regex, choice or grammar, as in chat")
+
+
+class MessageBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")  # cache_control, citations, signature: taken
+    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]
+    text: str | None = Field(None, description="a text block's")
+    id: str | None = Field(None, description="a tool_use block's call id")
+    name: str | None = Field(None, description="a tool_use block's tool")
+    input: dict | None = Field(None, description="a tool_use block's arguments")
+    tool_use_id: str | None = Field(None, description="a tool_result block's call")
+    content: str | list[MessageBlock] | None = Field(None, description="a tool_result block's text")
+    thinking: str | None = Field(None, description="a thinking block's reasoning, passed to the template")
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: str | list[MessageBlock]
+
+
+class AnthropicTool(BaseModel):
+    model_config = ConfigDict(extra="allow")  # cache_control: taken
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    input_schema: dict = Field(description="a JSON schema of the input object")
+    type: Literal["custom"] | None = Field(None, description="client tools only: no server tools")
+    strict: bool | None = Field(None, description="a forced call's input takes no property the schema does not name")
+
+
+class _MessagesBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(description="the name /v1/models lists")
+    messages: list[Message] = Field(min_length=1, description="ending with the assistant's: its text is continued")
+    system: str | list[MessageBlock] | None = Field(None, description="a system turn before the messages")
+    tools: list[AnthropicTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: dict | None = Field(None, description='{"type": "auto", "any", "none" or "tool", "name"}')
+    thinking: dict | None = Field(
+        None,
+        description='{"type": "enabled", "adaptive", "between_tools" or "disabled", "display"}: the template\'s '
+        "enable_thinking; a budget taken, not enforced",
+    )
+    chat_template_kwargs: dict | None = Field(None, description="more variables for the chat template, as in chat")
+    cache_control: dict | None = Field(None, description="taken and ignored: the prefix cache works unasked")
+
+
+class CountTokensRequest(_MessagesBody):
+    """Anthropic's /v1/messages/count_tokens: the prompt's tokens (forerun/serve/messages_api.py)."""
+
+
+class MessagesRequest(_MessagesBody, _VllmSampling):
+    """Anthropic's Messages API, read as the chat request it amounts to (forerun/serve/messages_api.py)."""
+
+    max_tokens: int = Field(ge=1, description="most tokens to generate")
+    metadata: dict | None = Field(None, description='{"user_id": ...}: chat\'s user')
+    stop_sequences: list[str] | None = None
+    stream: bool | None = Field(None, description="Anthropic's events: message_start ... message_stop")
+    temperature: float | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=-1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    service_tier: Literal["auto", "standard_only"] | None = Field(None, description="taken and ignored: one tier")
+    output_config: dict | None = Field(
+        None, description='{"format": {"type": "json_schema", "schema"}} for JSON; "effort" taken and ignored'
+    )
+    speed: Literal["standard", "fast"] | None = Field(None, description="taken and ignored: speculation always runs")
+    inference_geo: str | None = Field(None, description="taken and ignored")
+    diagnostics: dict | None = Field(None, description="taken and ignored")
+    user_profile_id: str | None = Field(None, description="taken and ignored")
+    workspace_id: str | None = Field(None, description="taken and ignored")
+    container: None = Field(None, description="not supported: no code-execution containers")
 
 
 class LlamaCompletionRequest(BaseModel):
@@ -352,6 +426,8 @@ def openapi_schema(app: FastAPI) -> dict:
             CompletionRequest,
             ChatCompletionRequest,
             ResponsesRequest,
+            MessagesRequest,
+            CountTokensRequest,
             LlamaCompletionRequest,
             LlamaInfillRequest,
             TokenizeRequest,

@@ -70,9 +70,11 @@ class ServerState:
         key, limit = self.config.api_key, self.config.max_body_bytes
         if key:
             given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            other = request.headers.get("x-api-key", "")  # Anthropic's header, as llama.cpp takes it too
+            bearer = hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+            if not (bearer or (other and hmac.compare_digest(other.encode(), key.encode()))):
                 raise BadRequest(
-                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                     None,
                     401,
                     "invalid_request_error",  # OpenAI's type for a wrong key (code invalid_api_key)

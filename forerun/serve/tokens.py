@@ -8,7 +8,9 @@
 asked). /detokenize takes `tokens` and answers `prompt`, special tokens' text included. `model` may
 be left out; given, it must be the served one. The fields are checked as the generation routes
 check them (`requests.check`), so a prompt that tokenizes here is the prompt a completion would
-run, and tokenizing runs on a worker thread, off the event loop.
+run, and tokenizing runs on a worker thread, off the event loop. Anthropic's
+/v1/messages/count_tokens counts the prompt a Messages request would run the same way
+(`count_tokens_route`), answering `input_tokens` and refusing in Anthropic's shape.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import in_vocabulary
+from forerun.serve import messages_api
 from forerun.serve.requests import BadRequest, check, flag, not_served, read_json, shown, tokenize
 from forerun.serve.responses import refused
 from forerun.serve.state import ServerState
@@ -44,6 +47,20 @@ async def tokenize_route(state: ServerState, http: HTTPRequest) -> Response:
     except BadRequest as exc:
         state.metrics.rejected(exc.status)
         return refused(exc)
+
+
+async def count_tokens_route(state: ServerState, http: HTTPRequest) -> Response:
+    """Anthropic's /v1/messages/count_tokens: the tokens of the prompt a Messages request runs."""
+    try:
+        body = await _body(state, http, tuple(messages_api.COUNT_FIELDS))
+        if "model" not in body:
+            raise BadRequest("model is required", "model")
+        chat = messages_api.count_body(body)
+        ids = await _token_ids(state, {name: value for name, value in chat.items() if name in FORWARDED})
+        return JSONResponse({"input_tokens": len(ids)})
+    except BadRequest as exc:
+        state.metrics.rejected(exc.status)
+        return messages_api.refused(messages_api.renamed(exc))
 
 
 async def detokenize_route(state: ServerState, http: HTTPRequest) -> Response:
