@@ -398,3 +398,37 @@ def test_a_failure_mid_answer_ends_the_stream_with_an_error_event(target_tok) ->
         assert "injected failure" in r.json()["error"]["message"]
     finally:
         failing.stop()
+
+
+def test_a_served_model_answers_to_its_aliases(target_tok) -> None:
+    """--served-model-name NAME ALIAS...: a client that names its own model (Claude Code's) is
+    answered; /v1/models lists each name; chat's answers give the first, a Message the one asked."""
+    from forerun.cli import build_parser
+    from forerun.commands.serve import server_config
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--served-model-name", "qwen", "claude-x", "qwen"])
+    config = server_config(args, 1024)
+    assert (config.served_model_name, config.aliases, config.model_names) == (
+        "qwen",
+        ("claude-x",),
+        ("qwen", "claude-x"),
+    )
+    assert server_config(build_parser().parse_args(["serve", "--model", "m"]), 1024).model_names == ("m",)
+    served = Served(LLM(target_tok), aliases=("claude-x", "gpt-y"))
+    try:
+        go = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 2}
+        assert ask(served, {**go, "model": "claude-x"})["model"] == "claude-x"
+        chat = post(served, {**go, "model": "gpt-y"}, "/v1/chat/completions")
+        assert chat["model"] == NAME
+        assert [m["id"] for m in httpx.get(served.url + "/v1/models", headers=AUTH).json()["data"]] == [
+            NAME,
+            "claude-x",
+            "gpt-y",
+        ]
+        assert httpx.get(served.url + "/v1/models/gpt-y", headers=AUTH).json()["id"] == "gpt-y"
+        wrong = ask(served, {**go, "model": "other"}, 404)["error"]["message"]
+        assert f"serves {NAME!r} (also as 'claude-x', 'gpt-y')" in wrong
+        counted = ask(served, {"messages": go["messages"], "model": "gpt-y"}, path="/v1/messages/count_tokens")
+        assert counted["input_tokens"] > 0
+    finally:
+        served.stop()

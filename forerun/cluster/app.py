@@ -174,7 +174,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             lifecycle.say("stopped before the application was ready; removing it")
             return 0
         lifecycle.say(
-            f"serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1 "
+            f"serving {(args.served_model_name or [args.model])[0]} on http://{args.host}:{args.port}/v1 "
             f"under Ray Serve ({_replicas_said(args)}; Ray cluster at {where})"
         )
         stop.wait()

@@ -42,7 +42,14 @@ def register(sub) -> None:
         default=None,
         help="require 'Authorization: Bearer KEY' on every route but /health (default: $FORERUN_API_KEY)",
     )
-    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model name clients send (default: --model); more names are accepted too (a client's own model "
+        "names, such as Claude Code's), and answers give the first",
+    )
     g.add_argument(
         "--max-model-len",
         type=int,
@@ -211,7 +218,8 @@ def server_config(args: argparse.Namespace, context: int):
             f"--max-model-len must be between 2 and the model's context ({context}), got {max_model_len}"
         )
     return ServerConfig(
-        served_model_name=args.served_model_name or args.model,
+        served_model_name=(args.served_model_name or [args.model])[0],
+        aliases=tuple(dict.fromkeys(args.served_model_name or []))[1:],
         max_model_len=max_model_len,
         api_key=args.api_key or os.environ.get("FORERUN_API_KEY") or None,
         body_timeout=args.body_timeout,

@@ -127,14 +127,14 @@ class _Routes:
         if (denied := self.state.refusal(request)) is not None:
             return denied
         config = self.state.config
-        if model != config.served_model_name:
+        if model not in config.model_names:
             self.state.metrics.rejected(404)
-            return refused(not_served(model, config.served_model_name))
-        return JSONResponse(self._listed()["data"][0])
+            return refused(not_served(model, config.model_names))
+        return JSONResponse(next(entry for entry in self._listed()["data"] if entry["id"] == model))
 
     def _listed(self) -> dict:
         config = self.state.config
-        return model_list(config.served_model_name, self.state.created, config.max_model_len, config.speculative_model)
+        return model_list(config.model_names, self.state.created, config.max_model_len, config.speculative_model)
 
     async def prometheus(self, request: HTTPRequest) -> Response:
         if (denied := self.state.refusal(request)) is not None:

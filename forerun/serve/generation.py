@@ -58,7 +58,7 @@ async def generation(state: ServerState, http: HTTPRequest, chat: bool, api: str
         if api is not None:
             reader = await asyncio.to_thread(_reader, api, body, state)  # llama.cpp's routes tokenize
             body = reader.body
-        checked = check(body, chat, config.served_model_name, state.limits)
+        checked = check(body, chat, config.model_names, state.limits)
         prompts = await asyncio.to_thread(tokenize, checked, state.tokenizer, state.limits)
         params = sampling(checked, [len(ids) for ids in prompts], state.limits)
         run = _in_flight(state, checked, prompts, params)

@@ -190,26 +190,29 @@ async def read_json(request, max_bytes: int, timeout: float) -> dict:
     return body
 
 
-def not_served(model: str, served_name: str) -> BadRequest:
-    """404 for a model this server does not serve, as OpenAI and vLLM answer it."""
+def not_served(model: str, names: tuple[str, ...]) -> BadRequest:
+    """404 for a model this server does not serve, as OpenAI and vLLM answer it (`names`: the
+    served model's name, then its aliases)."""
+    also = f" (also as {', '.join(map(repr, names[1:]))})" if names[1:] else ""
     return BadRequest(
-        f"model {shown(model)} is not served here; this server serves {served_name!r}",
+        f"model {shown(model)} is not served here; this server serves {names[0]!r}{also}",
         "model",
         status=404,
         code="model_not_found",
     )
 
 
-def check(body: dict, chat: bool, served_name: str, limits: Limits) -> Checked:
-    """Every field of a completions (`chat` False) or chat request, before any tokenizing."""
+def check(body: dict, chat: bool, names: tuple[str, ...], limits: Limits) -> Checked:
+    """Every field of a completions (`chat` False) or chat request, before any tokenizing; `names`:
+    the served model's name and aliases, one of which `model` must be."""
     _check_names(body, chat)
     _check_ignored(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         got = "" if model is None or model == "" else f", not {type(model).__name__}"
         raise BadRequest(f"'model' is required as a string{got}: the name /v1/models lists", "model")
-    if model != served_name:
-        raise not_served(model, served_name)
+    if model not in names:
+        raise not_served(model, names)
     n = _samples(body, limits)
     stream = flag(body, "stream")
     include_usage, continuous_usage = _include_usage(body.get("stream_options"), stream)

@@ -363,8 +363,9 @@ def refused(exc: BadRequest) -> JSONResponse:
     return JSONResponse(error_body(exc), status_code=exc.status)
 
 
-def model_list(name: str, created: int, max_model_len: int, speculative_model: str | None) -> dict:
-    """/v1/models: the one served model, naming the speculator that drafts for it (None: none)."""
+def model_list(names: tuple[str, ...], created: int, max_model_len: int, speculative_model: str | None) -> dict:
+    """/v1/models: the one served model under each of its names, naming the speculator that drafts
+    for it (None: none)."""
     return {
         "object": "list",
         "data": [
@@ -376,6 +377,7 @@ def model_list(name: str, created: int, max_model_len: int, speculative_model: s
                 "max_model_len": max_model_len,
                 "speculative_model": speculative_model,
             }
+            for name in names
         ],
     }
 

@@ -90,8 +90,8 @@ async def _body(state: ServerState, http: HTTPRequest, fields: tuple[str, ...]) 
         if name not in fields:
             raise BadRequest(f"unknown field {shown(name)}: this route takes {', '.join(fields)}", name)
     model = body.get("model")
-    if model is not None and model != state.config.served_model_name:
-        raise not_served(model, state.config.served_model_name)
+    if model is not None and model not in state.config.model_names:
+        raise not_served(model, state.config.model_names)
     if state.tokenizer is None:
         raise BadRequest(NO_TOKENIZER, None)
     return body
@@ -109,7 +109,7 @@ async def _token_ids(state: ServerState, body: dict) -> list[int]:
         raise BadRequest(f"{stray} goes with messages, not a prompt", stray)
     named = state.config.served_model_name
     given = {name: body[name] for name in FORWARDED if body.get(name) is not None}
-    checked = check({**given, "model": named}, chat, named, state.limits)
+    checked = check({**given, "model": named}, chat, (named,), state.limits)
     special = flag(body, "add_special_tokens") if body.get("add_special_tokens") is not None else not chat
     tokenizer = state.tokenizer
     if not chat and not special:
