@@ -142,6 +142,12 @@ def test_content_blocks_are_the_chat_messages_they_amount_to(served) -> None:
     stamped = "x-anthropic-billing-header: cc_version=2.1; cch=a5145; You are Claude Code."
     read = messages_api.count_body({"model": NAME, "messages": [{"role": "user", "content": "x"}], "system": stamped})
     assert read["messages"][0]["content"] == "x-anthropic-billing-header: cc_version=2.1; cch=; You are Claude Code."
+    blocked = [{"type": "text", "text": "First. "}, {"type": "text", "text": stamped}]  # in any system block
+    read = messages_api.count_body({"model": NAME, "messages": [{"role": "user", "content": "x"}], "system": blocked})
+    assert (
+        read["messages"][0]["content"]
+        == "First. x-anthropic-billing-header: cc_version=2.1; cch=; You are Claude Code."
+    )
 
 
 def test_the_assistants_last_text_is_continued(served) -> None:
@@ -173,15 +179,23 @@ def test_the_assistants_last_text_is_continued(served) -> None:
         "<think>weigh it</think>the answer",
         f"<think>flip it</think>{CALL}",
         f"heads, {CALL}",
+        f"heads, {CALL} and more",  # text after a call joins the text before it, as the whole answer has it
+        f"{CALL}{CALL}",
+        "words to a STOP sign",  # stop_sequences ["STOP"]
         "",  # no text at all: one empty text block, as the whole message gives it
         "<think>only a thought</think>",
+        None,  # max_tokens 0: the prompt read, nothing answered
     ],
 )
 def test_streamed_events_add_up_to_the_whole_message(served, text) -> None:
-    body = {"messages": [{"role": "user", "content": "go"}], "tools": [FLIP], "max_tokens": 200, **forced(text)}
-    if not text:  # the end of the turn first
+    body = {"messages": [{"role": "user", "content": "go"}], "tools": [FLIP], "max_tokens": 200}
+    if text == "":  # the end of the turn first
         eos = served.llm.tokenizer.hf.eos_token_id
         body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 9, "logit_bias": {str(eos): 100}}
+    elif text is None:
+        body["max_tokens"] = 0
+    else:
+        body |= forced(text) | {"stop_sequences": ["STOP"]}
     whole = ask(served, body)
     seen = events(served, body)
     kinds = [e["type"] for e in seen]
@@ -189,7 +203,8 @@ def test_streamed_events_add_up_to_the_whole_message(served, text) -> None:
     start = seen[0]["message"]
     assert start["content"] == [] and start["stop_reason"] is None
     assert start["usage"]["input_tokens"] == whole["usage"]["input_tokens"] + whole["usage"]["cache_read_input_tokens"]
-    assert seen[-2]["delta"] == {"stop_reason": whole["stop_reason"], "stop_sequence": None}
+    assert seen[-2]["delta"] == {"stop_reason": whole["stop_reason"], "stop_sequence": whole["stop_sequence"]}
+    assert (whole["stop_sequence"] == "STOP") == ("STOP" in (text or ""))
     assert seen[-2]["usage"]["output_tokens"] == whole["usage"]["output_tokens"]
     # each block starts, takes its deltas and stops in order, and they add up to the whole message's
     built: list[dict] = []
@@ -221,6 +236,7 @@ def without_ids(content: list[dict]) -> list[dict]:
 
 def test_tool_use_and_thinking_come_back_as_their_own_blocks(served) -> None:
     go = [{"role": "user", "content": "go"}]
+    cold = {"temperature": 0}  # sampled, a call's free arguments may run past the limit
     answer = ask(
         served, {"messages": go, "tools": [FLIP], "max_tokens": 200, **forced(f"<think>flip it</think>{CALL}")}
     )
@@ -233,7 +249,10 @@ def test_tool_use_and_thinking_come_back_as_their_own_blocks(served) -> None:
         {"role": "assistant", "content": answer["content"]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"], "content": "heads"}]},
     ]
-    assert ask(served, {"messages": follow, "tools": [FLIP], "max_tokens": 4})["content"][0]["type"] == "text"
+    answered = ask(served, {"messages": follow, "tools": [FLIP], "max_tokens": 4})["usage"]
+    follow[-1]["content"][0]["content"] = "tails!"  # the result is in the prompt: two characters more
+    longer = ask(served, {"messages": follow, "tools": [FLIP], "max_tokens": 4})["usage"]
+    assert longer["input_tokens"] == answered["input_tokens"] + 1
     # a named tool forces its call; "any" asks for one; "none" for none
     named = ask(
         served,
@@ -247,9 +266,33 @@ def test_tool_use_and_thinking_come_back_as_their_own_blocks(served) -> None:
     )
     assert [b["type"] for b in named["content"]] == ["tool_use"] and named["stop_reason"] == "tool_use"
     chosen = messages_api.count_body(
-        {"model": NAME, "messages": go, "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
+        {
+            "model": NAME,
+            "messages": go,
+            "tools": [FLIP],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        }
     )
     assert (chosen["tool_choice"], chosen["parallel_tool_calls"]) == ("required", False)
+    strict = {**FLIP, "input_schema": {**FLIP["input_schema"], "additionalProperties": False}}
+    called = ask(
+        served,
+        {
+            "messages": go,
+            "tools": [strict],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+            "max_tokens": 60,
+        }
+        | cold,
+    )
+    assert called["stop_reason"] == "tool_use" and blocks(called) == [("tool_use", ("flip", {}))]
+    kept = ask(
+        served, {"messages": go, "tools": [FLIP], "tool_choice": {"type": "none"}, "max_tokens": 60} | forced(CALL)
+    )
+    assert blocks(kept) == [("text", CALL)] and kept["stop_reason"] == "end_turn"
+    # arguments that JSON cannot hold (NaN) are not a call: the text comes back as text
+    nan = CALL.replace("{}", '{"x": NaN}')
+    assert blocks(ask(served, {"messages": go, "tools": [FLIP], "max_tokens": 200} | forced(nan))) == [("text", nan)]
     # thinking is the template's enable_thinking
     for kind, enabled in (("disabled", False), ("adaptive", True), ("between_tools", True)):
         read = messages_api.count_body({"model": NAME, "messages": go, "thinking": {"type": kind}})
@@ -285,6 +328,14 @@ def headers_without_bearer() -> dict:
 
 def test_errors_come_in_anthropics_shape_naming_the_messages_field(served) -> None:
     go = [{"role": "user", "content": "go"}]
+    # count_tokens checks its body as a request's, and takes the fields the client sends it
+    count = "/v1/messages/count_tokens"
+    assert "give tools" in ask(served, {"messages": go, "tool_choice": {"type": "any"}}, 400, count)["error"]["message"]
+    assert "model is required" in ask(served, {"messages": go, "model": None}, 400, count)["error"]["message"]
+    fields = {"output_config": {"effort": "low"}, "speed": "fast", "workspace_id": "w", "user_profile_id": "u"}
+    assert ask(served, {"messages": go, **fields}, path=count)["input_tokens"] > 0
+    r = httpx.get(served.url + "/v1/messages", headers=AUTH)  # a route's other refusals too
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error" and r.json()["type"] == "error"
     error = ask(served, {"messages": go}, 400)  # max_tokens left out
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert "max_tokens is required" in error["error"]["message"]
@@ -331,6 +382,27 @@ def test_errors_come_in_anthropics_shape_naming_the_messages_field(served) -> No
         ({"service_tier": "priority"}, "service_tier"),
         ({"container": "x"}, "containers"),
         ({"colour": "x"}, "unknown field 'colour'"),
+        ({"messages": [{"role": ["user"], "content": "x"}]}, "messages[0] must be"),
+        ({"max_tokens": None}, "max_tokens is required"),
+        ({"max_tokens": -1}, "max_tokens is required"),
+        ({"tools": [{"name": "f", "input_schema": None}]}, "input_schema"),
+        ({"tool_choice": {"type": "tool", "name": "flip"}}, "give tools"),
+        (
+            {
+                "tools": [FLIP],
+                "tool_choice": {"type": "any"},
+                "output_config": {"format": {"type": "json_schema", "schema": {}}},
+            },
+            "give one",
+        ),
+        (
+            {"output_config": {"format": {"type": "json_schema", "schema": {"type": "frobnicate"}}}},
+            "output_config.format",
+        ),
+        ({"speed": "ludicrous"}, "speed must be one of"),
+        ({"cache_control": 5}, "cache_control must be an object"),
+        ({"inference_geo": [1]}, "inference_geo must be a string"),
+        ({"model": None}, "model is required"),
         ({"thinking": {"type": "enabled", "budget_tokens": 9, "display": "full"}}, "thinking.display"),
         ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
         ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format"),

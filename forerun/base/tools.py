@@ -351,11 +351,16 @@ _NO_VALUE = object()
 
 
 def _json(text: str) -> object:
-    """`text`'s JSON value; _NO_VALUE when it is none (or nested past what Python parses)."""
+    """`text`'s JSON value; _NO_VALUE when it is none (or nested past what Python parses, or holds
+    NaN or Infinity, which Python reads but JSON has not: a client's parser would refuse them)."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_not_json)
     except (ValueError, RecursionError):
         return _NO_VALUE
+
+
+def _not_json(constant: str) -> object:
+    raise ValueError(f"{constant} is not JSON")
 
 
 def _parsed(block: str) -> Call | None:

@@ -37,19 +37,7 @@ def register(sub) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on every route but /health (default: $FORERUN_API_KEY)",
-    )
-    g.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="the model name clients send (default: --model); more names are accepted too (a client's own model "
-        "names, such as Claude Code's), and answers give the first",
-    )
+    _add_access_args(g)
     g.add_argument(
         "--max-model-len",
         type=int,
@@ -92,6 +80,24 @@ def register(sub) -> None:
     )
     _add_ray_args(p)
     p.set_defaults(func=run)
+
+
+def _add_access_args(g: argparse._ArgumentGroup) -> None:
+    """Flags for who may call and the names they call the model by."""
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health "
+        "(default: $FORERUN_API_KEY)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model name clients send (default: --model); more names are accepted too (a client's own model "
+        "names, such as Claude Code's), and answers give the first",
+    )
 
 
 def _add_answer_args(g: argparse._ArgumentGroup) -> None:

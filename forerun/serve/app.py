@@ -30,6 +30,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from forerun.serve import messages_api
 from forerun.serve.backend import LocalBackend
 from forerun.serve.generation import generation
 from forerun.serve.metrics import ServerMetrics
@@ -107,6 +108,14 @@ def app_for(state: ServerState) -> FastAPI:
     return app
 
 
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # their errors in Anthropic's shape
+
+
+def _refusal_for(request: HTTPRequest):
+    """The error response maker for a request's route: Anthropic's shape on its routes, else OpenAI's."""
+    return messages_api.refused if request.url.path in ANTHROPIC_PATHS else refused
+
+
 class _Routes:
     """The handlers over one app's state. Their names are the routes' OpenAPI operation names."""
 
@@ -170,7 +179,8 @@ class _Routes:
         return await detokenize_route(self.state, request)
 
     async def unknown_route(self, request: HTTPRequest, exc: StarletteHTTPException) -> Response:
-        """404 and 405 in OpenAI's shape, after the key (so an unknown route reveals nothing without it)."""
+        """404 and 405 in OpenAI's shape (Anthropic's on its routes), after the key (so an unknown route
+        reveals nothing without it)."""
         if (denied := self.state.refusal(request)) is not None:
             return denied
         self.state.metrics.rejected(exc.status_code)
@@ -178,11 +188,10 @@ class _Routes:
             404: f"no route {request.url.path}: see /docs",
             405: f"{request.method} is not allowed on {request.url.path}",
         }.get(exc.status_code, str(exc.detail))
-        return refused(BadRequest(what, None, exc.status_code))
+        return _refusal_for(request)(BadRequest(what, None, exc.status_code))
 
     async def server_error(self, request: HTTPRequest, exc: Exception) -> Response:
         """A 500 in OpenAI's shape naming the exception's type; the details go to the log, not the client."""
         log.error("forerun: %s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
-        return refused(
-            BadRequest(f"the server failed on this request: {type(exc).__name__}", None, 500, "server_error")
-        )
+        failure = BadRequest(f"the server failed on this request: {type(exc).__name__}", None, 500, "server_error")
+        return _refusal_for(request)(failure)

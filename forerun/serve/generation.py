@@ -136,8 +136,8 @@ async def _complete_response(http: HTTPRequest, run: InFlight, headers: dict | N
             body = run.reply.complete(run.choices, run.stats())
             if reader is not None:
                 body = reader.shaped(body, run)
+            return JSONResponse(body, headers=headers)  # renders here: a value JSON cannot hold fails here
         except Exception as exc:  # noqa: BLE001 - the API's error shape, as for any other failure
             return refuse(run.unshaped(exc))
-        return JSONResponse(body, headers=headers)
     finally:
         run.cancel()  # a no-op once finished; frees the sequences if we left early

@@ -64,7 +64,15 @@ OWN = {
 }
 # Fields that tune Anthropic's own service, taken and ignored: caching breakpoints (the prefix cache
 # works unasked), the fast mode (speculation always runs), region, cache diagnostics, accounts.
-IGNORED = ("cache_control", "speed", "inference_geo", "diagnostics", "user_profile_id", "workspace_id")
+# Each one's shape: the values taken, or the type.
+IGNORED = {
+    "cache_control": dict,
+    "speed": ("standard", "fast"),
+    "inference_geo": str,
+    "diagnostics": dict,
+    "user_profile_id": str,
+    "workspace_id": str,
+}
 # vLLM's sampling fields, as chat and the Responses route take them (`stop` is stop_sequences here).
 FIELDS = OWN | (PASSED_ON - {"stop"})
 COUNT_FIELDS = {
@@ -74,9 +82,10 @@ COUNT_FIELDS = {
     "tools",
     "tool_choice",
     "thinking",
+    "output_config",
     "chat_template_kwargs",
-    "cache_control",
 }
+COUNT_FIELDS |= set(IGNORED)
 THINKING = ("enabled", "adaptive", "between_tools", "disabled")
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
 SERVICE_TIERS = ("auto", "standard_only")
@@ -96,6 +105,7 @@ RENAMED = (
     (re.compile(r"tools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
     (re.compile(r"tools\[(\d+)\]\.function\."), r"tools[\1]."),
     (re.compile(r"\Auser\b"), "metadata.user_id"),
+    (re.compile(r"\bresponse_format\b"), "output_config.format"),
 )
 BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
 # Claude Code's billing line: `cch=` is a per-request stamp (blanked so the prompt's prefix repeats).
@@ -104,17 +114,18 @@ BILLING = re.compile(r"\A(x-anthropic-billing-header:[^\n]*?\bcch=)[0-9a-zA-Z]+;
 
 def translate(body: dict) -> Translated:
     """The chat body that asks what the Messages `body` asks, and how its answer goes back."""
-    for name in body:
-        if name not in FIELDS:
-            raise BadRequest(f"unknown field {name[:60]!r}: /v1/messages takes {', '.join(sorted(FIELDS))}", name)
-    for name in ("model", "max_tokens"):
-        if name not in body:
-            raise BadRequest(f"{name} is required", name)
+    _check_names(body, FIELDS, "/v1/messages")
+    limit = body.get("max_tokens")
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise BadRequest("max_tokens is required: the most tokens to write (0: read the prompt only)", "max_tokens")
     chat = _conversation(body)
     chat |= {name: body[name] for name in PASSED_ON - {"stop"} if name in body}
-    for name in ("model", "temperature", "top_p", "top_k", "max_tokens"):
+    for name in ("temperature", "top_p", "top_k"):
         if name in body:
             chat[name] = body[name]
+    # max_tokens 0 reads the prompt into the prefix cache (Anthropic's pre-warming): one token is
+    # written, for the engine's sake, and not answered.
+    chat["max_tokens"] = max(limit, 1)
     chat["stream"] = False if body.get("stream") is None else body["stream"]  # a non-bool refused by chat's check
     if body.get("stop_sequences") is not None:
         chat["stop"] = _stop_sequences(body["stop_sequences"])
@@ -125,26 +136,39 @@ def translate(body: dict) -> Translated:
         raise BadRequest(f"service_tier must be one of {', '.join(SERVICE_TIERS)}", "service_tier")
     if body.get("container") is not None:
         raise BadRequest("container is not supported: this server runs no code-execution containers", "container")
-    chat |= _output_config(body.get("output_config"))
     display = body["thinking"].get("display") if isinstance(body.get("thinking"), dict) else None
-    return Translated(chat, body["model"], show_thinking=display != "omitted")
+    return Translated(chat, body["model"], show_thinking=display != "omitted", warm_only=limit == 0)
 
 
 def count_body(body: dict) -> dict:
     """The chat body of a count_tokens request (the prompt a Messages request would run)."""
-    for name in body:
-        if name not in COUNT_FIELDS:
-            raise BadRequest(
-                f"unknown field {name[:60]!r}: /v1/messages/count_tokens takes {', '.join(sorted(COUNT_FIELDS))}",
-                name,
-            )
+    _check_names(body, COUNT_FIELDS, "/v1/messages/count_tokens")
     return _conversation(body)
 
 
+def _check_names(body: dict, fields: set[str], route: str) -> None:
+    """No field but `fields`; `model` a name; the fields taken and ignored of their shapes."""
+    for name in body:
+        if name not in fields:
+            raise BadRequest(f"unknown field {name[:60]!r}: {route} takes {', '.join(sorted(fields))}", name)
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise BadRequest("model is required: the name /v1/models lists", "model")
+    for name, shape in IGNORED.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(shape, tuple) and value not in shape:
+            raise BadRequest(f"{name} must be one of {', '.join(shape)} (taken and ignored here)", name)
+        if isinstance(shape, type) and not isinstance(value, shape):
+            kind = "an object" if shape is dict else "a string"
+            raise BadRequest(f"{name} must be {kind} (taken and ignored here)", name)
+
+
 def _conversation(body: dict) -> dict:
-    """Chat's messages, tools, tool choice and template flags for the Messages body's conversation."""
+    """Chat's model, messages, tools, tool choice, template flags and output format for the Messages
+    body's conversation."""
     messages = _messages(body.get("messages"), body.get("system"))
-    chat: dict = {"messages": messages}
+    chat: dict = {"model": body["model"], "messages": messages}
     last = body["messages"][-1]
     if last["role"] == "assistant":  # Anthropic's prefill: the answer continues the assistant's text
         if messages[-1]["role"] != "assistant" or messages[-1].get("tool_calls"):
@@ -156,10 +180,15 @@ def _conversation(body: dict) -> dict:
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
-        chat |= _tool_choice(body["tool_choice"])
+        chat |= _tool_choice(body["tool_choice"], bool(chat.get("tools")))
     kwargs = _thinking(body.get("thinking"), body.get("chat_template_kwargs"))
     if kwargs is not None:
         chat["chat_template_kwargs"] = kwargs
+    chat |= _output_config(body.get("output_config"))
+    if "response_format" in chat and chat.get("tool_choice") not in (None, "auto", "none"):
+        raise BadRequest(
+            "output_config.format asks for text in a schema, tool_choice for a tool call: give one", "tool_choice"
+        )
     return chat
 
 
@@ -169,11 +198,11 @@ def _messages(given: object, system: object) -> list[dict]:
     if not isinstance(given, list) or not given:
         raise BadRequest('messages must be a non-empty list of {"role", "content"} objects', "messages")
     out = []
-    if system is not None:
-        out.append({"role": "system", "content": BILLING.sub(r"\1;", _text(system, "system"))})
+    if system is not None:  # each block's billing stamp blanked, as llama.cpp does
+        out.append({"role": "system", "content": _text(system, "system", lambda text: BILLING.sub(r"\1;", text))})
     for i, message in enumerate(given):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in BLOCKS:
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise BadRequest(f'{where} must be {{"role": "user" or "assistant", "content"}} (system apart)', where)
         unknown = set(message) - {"role", "content"}
         if unknown:
@@ -222,16 +251,16 @@ def _kind(block: object, at: str, kinds: tuple[str, ...]) -> str:
     return kind
 
 
-def _text(content: object, where: str) -> str:
-    """A string, or text blocks joined."""
+def _text(content: object, where: str, each=lambda text: text) -> str:
+    """A string, or text blocks joined (`each` applied to each)."""
     if isinstance(content, str):
-        return content
+        return each(content)
     if not isinstance(content, list):
         raise BadRequest(f"{where} must be a string or a list of text blocks", where)
     texts = []
     for j, block in enumerate(content):
         _kind(block, f"{where}[{j}]", ("text",))
-        texts.append(_string(block, "text", f"{where}[{j}]"))
+        texts.append(each(_string(block, "text", f"{where}[{j}]")))
     return "".join(texts)
 
 
@@ -261,7 +290,7 @@ def _tools(tools: object) -> list:
         kind = tool.get("type", "custom") if isinstance(tool, dict) else None
         if kind not in ("custom", None):
             raise BadRequest(f"tools[{i}] is a {kind!r} tool: this server runs client tools only", f"tools[{i}]")
-        if not isinstance(tool, dict) or "input_schema" not in tool:
+        if not isinstance(tool, dict) or not isinstance(tool.get("input_schema"), dict):
             raise BadRequest(f'tools[{i}] must be {{"name", "description", "input_schema"}}', f"tools[{i}]")
         function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
         for name in ("description", "strict"):
@@ -271,12 +300,15 @@ def _tools(tools: object) -> list:
     return out
 
 
-def _tool_choice(choice: object) -> dict:
-    """Anthropic's tool_choice as chat's tool_choice (and parallel_tool_calls)."""
+def _tool_choice(choice: object, tools: bool) -> dict:
+    """Anthropic's tool_choice as chat's tool_choice (and parallel_tool_calls); `tools`: whether
+    the request offers any."""
     kind = choice.get("type") if isinstance(choice, dict) else None
     named = kind == "tool" and isinstance(choice.get("name"), str)
     if kind not in ("auto", "any", "none", "tool") or (kind == "tool" and not named):
         raise BadRequest('tool_choice must be {"type": "auto", "any", "none" or "tool" (with "name")}', "tool_choice")
+    if kind in ("any", "tool") and not tools:
+        raise BadRequest(f'tool_choice {{"type": "{kind}"}} asks for a tool call: give tools to call', "tool_choice")
     function = {"type": "function", "function": {"name": choice["name"]}} if named else None
     out = {"tool_choice": function or {"any": "required"}.get(kind, kind)}
     parallel = choice.get("disable_parallel_tool_use")
@@ -350,7 +382,8 @@ def refused(exc: BadRequest) -> JSONResponse:
 
 def anthropic_error(exc: BadRequest) -> dict:
     message = error_body(exc)["error"]["message"]
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(exc.status, "api_error"), "message": message}}
+    kind = ERROR_TYPES.get(exc.status, "invalid_request_error" if exc.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def renamed(exc: BadRequest) -> BadRequest:
@@ -373,6 +406,7 @@ class Translated:
     chat: dict
     model: str
     show_thinking: bool = True  # false: thinking blocks come back empty (thinking.display "omitted")
+    warm_only: bool = False  # max_tokens 0: the prompt read, nothing answered
     id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
 
     @property
@@ -396,7 +430,10 @@ class Translated:
         }
 
     def shaped(self, completion: dict, run: InFlight) -> dict:
-        """Chat's whole answer (one choice) as a Message."""
+        """Chat's whole answer (one choice) as a Message: thinking, then text, then tool_use blocks
+        (the order the stream sends them in)."""
+        if self.warm_only:
+            return self.message([], ("max_tokens", None), usage(completion["usage"], warm_only=True))
         choice = completion["choices"][0]
         message = choice["message"]
         reasoning, text = message.get("reasoning_content"), message.get("content") or ""
@@ -415,7 +452,7 @@ class Translated:
     async def events(self, run: InFlight) -> AsyncIterator[str]:
         """The answer as Anthropic's server-sent events, ending in message_delta and message_stop
         (an error event if the engine fails)."""
-        blocks = _Blocks(self.show_thinking)
+        blocks = _Blocks(self.show_thinking, self.warm_only)
         opening = {"input_tokens": sum(len(ids) for ids in run.reply.prompt_ids), "output_tokens": 0}
         yield _event("message_start", message=self.message([], (None, None), opening))
         yield _event("ping")
@@ -433,9 +470,10 @@ class Translated:
                     reason, stopped = entry["finish_reason"] or reason, entry["stop_reason"] or stopped
             for text in blocks.finish():
                 yield text
-            stop_reason, sequence = _stop(reason, stopped, blocks.called)
+            stop_reason, sequence = _stop(reason, stopped, bool(blocks.calls))
             delta = {"stop_reason": stop_reason, "stop_sequence": sequence}
-            yield _event("message_delta", delta=delta, usage=usage(run.reply.usage(run.choices)))
+            figures = usage(run.reply.usage(run.choices), self.warm_only)
+            yield _event("message_delta", delta=delta, usage=figures)
             yield _event("message_stop")
         finally:
             run.cancel()  # the client went away mid-stream: free the sequences
@@ -457,15 +495,15 @@ def _stop(finish_reason: str | None, stop_reason: object, called: bool) -> tuple
     return "end_turn", None
 
 
-def usage(usage: dict) -> dict:
+def usage(usage: dict, warm_only: bool = False) -> dict:
     """Chat's usage as Anthropic's: the prompt's tokens from the prefix cache are cache reads, the
-    rest input tokens."""
+    rest input tokens (`warm_only`: the token written for the engine's sake not counted)."""
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {
         "input_tokens": usage["prompt_tokens"] - cached,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached,
-        "output_tokens": usage["completion_tokens"],
+        "output_tokens": 0 if warm_only else usage["completion_tokens"],
     }
 
 
@@ -480,36 +518,40 @@ def _tool_use(call: dict) -> dict:
 
 class _Blocks:
     """The content blocks of a streamed answer, opened as their first delta arrives and stopped when
-    another kind begins or the answer ends, with the events each step sends."""
+    another kind begins or the answer ends, with the events each step sends. Calls are sent last, as
+    the whole answer lists them: text written after a call joins the text block before it."""
 
-    def __init__(self, show_thinking: bool) -> None:
-        self.show_thinking = show_thinking
+    def __init__(self, show_thinking: bool, warm_only: bool) -> None:
+        self.show_thinking, self.warm_only = show_thinking, warm_only
         self.count = 0  # blocks opened so far: the next one's index
         self.open: str | None = None  # the kind of the block receiving deltas
-        self.called = False  # whether a tool_use block was sent
+        self.calls: list[dict] = []  # the answer's calls, sent once it ends
 
     def feed(self, delta: dict) -> list[str]:
         out = []
+        if self.warm_only:
+            return out
         if delta.get("reasoning_content"):
             out += self._text("thinking", delta["reasoning_content"])
         if delta.get("content"):
             out += self._text("text", delta["content"])
-        for call in delta.get("tool_calls") or []:
+        self.calls += delta.get("tool_calls") or []
+        return out
+
+    def finish(self) -> list[str]:
+        """Stop the open block and send the calls; an answer with no block at all gets an empty
+        text block (max_tokens 0: none)."""
+        if self.warm_only:
+            return []
+        out = self._start("text") + self._stop() if self.count == 0 and not self.calls else self._stop()
+        for call in self.calls:
             block = _tool_use(call)
-            out += self._stop()
             out.append(_event("content_block_start", index=self.count, content_block={**block, "input": {}}))
             arguments = {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}
             out.append(_event("content_block_delta", index=self.count, delta=arguments))
             out.append(_event("content_block_stop", index=self.count))
             self.count += 1
-            self.called = True
         return out
-
-    def finish(self) -> list[str]:
-        """Stop the open block; an answer with no block at all gets an empty text block."""
-        if self.count == 0:
-            return self._start("text") + self._stop()
-        return self._stop()
 
     def _text(self, kind: str, text: str) -> list[str]:
         out = [] if self.open == kind else self._stop() + self._start(kind)

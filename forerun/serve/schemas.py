@@ -297,6 +297,14 @@ class _MessagesBody(BaseModel):
     )
     chat_template_kwargs: dict | None = Field(None, description="more variables for the chat template, as in chat")
     cache_control: dict | None = Field(None, description="taken and ignored: the prefix cache works unasked")
+    output_config: dict | None = Field(
+        None, description='{"format": {"type": "json_schema", "schema"}} for JSON; "effort" taken and ignored'
+    )
+    speed: Literal["standard", "fast"] | None = Field(None, description="taken and ignored: speculation always runs")
+    inference_geo: str | None = Field(None, description="taken and ignored")
+    diagnostics: dict | None = Field(None, description="taken and ignored")
+    user_profile_id: str | None = Field(None, description="taken and ignored")
+    workspace_id: str | None = Field(None, description="taken and ignored")
 
 
 class CountTokensRequest(_MessagesBody):
@@ -314,14 +322,6 @@ class MessagesRequest(_MessagesBody, _VllmSampling):
     top_k: int | None = Field(None, ge=-1)
     top_p: float | None = Field(None, gt=0, le=1)
     service_tier: Literal["auto", "standard_only"] | None = Field(None, description="taken and ignored: one tier")
-    output_config: dict | None = Field(
-        None, description='{"format": {"type": "json_schema", "schema"}} for JSON; "effort" taken and ignored'
-    )
-    speed: Literal["standard", "fast"] | None = Field(None, description="taken and ignored: speculation always runs")
-    inference_geo: str | None = Field(None, description="taken and ignored")
-    diagnostics: dict | None = Field(None, description="taken and ignored")
-    user_profile_id: str | None = Field(None, description="taken and ignored")
-    workspace_id: str | None = Field(None, description="taken and ignored")
     container: None = Field(None, description="not supported: no code-execution containers")
 
 

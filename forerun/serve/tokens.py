@@ -53,9 +53,9 @@ async def count_tokens_route(state: ServerState, http: HTTPRequest) -> Response:
     """Anthropic's /v1/messages/count_tokens: the tokens of the prompt a Messages request runs."""
     try:
         body = await _body(state, http, tuple(messages_api.COUNT_FIELDS))
-        if "model" not in body:
-            raise BadRequest("model is required", "model")
         chat = messages_api.count_body(body)
+        named = state.config.served_model_name
+        check({**chat, "model": named}, True, (named,), state.limits)  # tool_choice, output_config: as a request's
         ids = await _token_ids(state, {name: value for name, value in chat.items() if name in FORWARDED})
         return JSONResponse({"input_tokens": len(ids)})
     except BadRequest as exc:
