@@ -133,6 +133,28 @@ def test_the_stream_adds_up_to_the_answer_and_ends_with_stop(plain, stop) -> Non
     assert whole["stop_type"] == "word" if stop else whole["stop_type"] in ("eos", "limit")
 
 
+def test_n_probs_gives_each_tokens_probabilities_whole_and_streamed(plain) -> None:
+    """llama.cpp's completion_probabilities: each written token's id, text, bytes and logprob and its
+    n_probs likeliest alternatives', the target's distribution as completions' logprobs give it."""
+    body = {"prompt": "abc", "n_predict": 6, "temperature": 0, "n_probs": 3, "return_tokens": True}
+    whole = call(plain, "/completion", body)
+    probs = whole["completion_probabilities"]
+    assert [p["id"] for p in probs] == whole["tokens"] and "".join(p["token"] for p in probs) == whole["content"]
+    want = post(plain, {"model": NAME, "prompt": "abc", "max_tokens": 6, "temperature": 0, "logprobs": 3})
+    want = want["choices"][0]["logprobs"]
+    assert [p["logprob"] for p in probs] == want["token_logprobs"]
+    for p, top in zip(probs, want["top_logprobs"]):
+        assert len(p["top_logprobs"]) == 3 and {t["token"]: t["logprob"] for t in p["top_logprobs"]} == top
+        assert p["top_logprobs"][0]["id"] == p["id"]  # greedy: the chosen token is the likeliest
+        assert all(bytes(t["bytes"]).decode() == t["token"] for t in [p, *p["top_logprobs"]])
+    streamed = chunks(plain, "/completion", body)
+    assert [p for c in streamed[:-1] for p in c["completion_probabilities"]] == probs
+    assert "completion_probabilities" not in streamed[-1]  # as llama.cpp: the last chunk repeats none
+    assert "completion_probabilities" not in call(plain, "/completion", {**body, "n_probs": 0})
+    warm = call(plain, "/completion", {**body, "n_predict": 0})  # nothing written: nothing to score
+    assert warm["tokens_predicted"] == 0 and "completion_probabilities" not in warm
+
+
 def test_stops_response_fields_and_cache_warming(plain) -> None:
     words = call(plain, "/completion", {"prompt": "abc", "n_predict": 40, "temperature": 0})["content"]
     word = words[3:5]
@@ -168,7 +190,9 @@ def test_stops_response_fields_and_cache_warming(plain) -> None:
     "path, body, param",
     [
         ("/completion", {"prompt": "a", "grammar": "root ::= x"}, "grammar"),
-        ("/completion", {"prompt": "a", "n_probs": 3}, "n_probs"),
+        ("/completion", {"prompt": "a", "n_probs": -1}, "n_probs"),
+        ("/completion", {"prompt": "a", "n_probs": 10**6}, "n_probs"),
+        ("/completion", {"prompt": "a", "n_probs": 2, "post_sampling_probs": True}, "post_sampling_probs"),
         ("/completion", {"prompt": "a", "repeat_penalty": 1.1}, "repeat_penalty"),
         ("/completion", {"prompt": "a", "mirostat": 2}, "mirostat"),
         ("/completion", {"prompt": ["a", "b"]}, "prompt"),

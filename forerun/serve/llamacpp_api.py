@@ -11,8 +11,9 @@ llama.cpp's sampling defaults apply where a field is left out (temperature 0.8, 
 completions route's checks and engine then run it, so speculation drafts these answers too. The
 answer comes back in llama.cpp's shape (`content`, `stop`, `stop_type`, `tokens_predicted`,
 `timings`, ...), filtered by `response_fields`, or streamed as its `data:` chunks ending in one
-with `stop: true`. Fields of llama.cpp's that ask for something forerun does not do are refused by
-name. `samplers` says which of temperature, top_k, top_p and min_p apply (a sampler left out is
+with `stop: true`; `n_probs` adds each token's `completion_probabilities` (the target's log
+probabilities before sampling). Fields of llama.cpp's that ask for something forerun does not do
+are refused by name. `samplers` says which of temperature, top_k, top_p and min_p apply (a sampler left out is
 off, as in llama.cpp; forerun applies them in its own order, and has no `infill` sampler); a few
 fields are taken and ignored: `model`, `cache_prompt` and `id_slot` (llama.cpp's cache and slots),
 `t_max_prompt_ms`, `t_max_predict_ms` and `n_indent` (its time and indentation limits: an answer
@@ -30,7 +31,7 @@ from forerun.base.errors import ForerunError
 from forerun.models.tokenizer import NO_INFILL, valid_unicode
 from forerun.serve.inflight import InFlight
 from forerun.serve.requests import BadRequest
-from forerun.serve.responses import error_body
+from forerun.serve.responses import LOGPROB_FLOOR, error_body
 from forerun.serve.scheduler import Delta, Failed
 from forerun.serve.stream import sse
 
@@ -41,7 +42,6 @@ OFF = {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0}  # a sampler
 IGNORED = {"model", "cache_prompt", "id_slot", "t_max_prompt_ms", "t_max_predict_ms", "n_indent", "n_keep"}
 # Taken where they ask for nothing (llama.cpp's neutral values).
 NEUTRAL = {
-    "n_probs": (0,),
     "typical_p": (1,),
     "dynatemp_range": (0,),
     "mirostat": (0,),
@@ -54,7 +54,7 @@ NEUTRAL = {
     "post_sampling_probs": (False,),
 }
 OWN = {"prompt", "n_predict", "stream", "seed", "logit_bias", "json_schema", "return_tokens", "response_fields"}
-OWN |= {"samplers", "n_cmpl"}
+OWN |= {"samplers", "n_cmpl", "n_probs"}
 INFILL_OWN = {"input_prefix", "input_suffix", "input_extra"}
 BATCH = 2048  # llama.cpp's default batch, which its /infill fits the prefix and suffix into
 PROJECT = "myproject\n"  # the repository name llama.cpp's /infill writes
@@ -98,6 +98,11 @@ def translate(body: dict, infill: bool, model: str, tokenizer, max_model_len: in
     else:  # llama.cpp stops at the context's end, whatever n_predict says
         room = max(max_model_len - len(ids), 1)
         out["max_tokens"] = min(predict, room) if predict > 0 else room
+        probs = body.get("n_probs", 0)
+        if not is_whole(probs) or probs < 0:
+            raise BadRequest(f"n_probs must be a whole number >= 0, got {probs!r}", "n_probs")
+        if probs > 0:  # each token's and its n_probs likeliest ones' log probabilities, before sampling
+            out["logprobs"] = probs
     _check_fields(body.get("response_fields"))
     return Translated(out, body, infill, ids, tokenizer)
 
@@ -218,9 +223,11 @@ class Translated:
     def renamed(self, exc: BadRequest) -> BadRequest:
         """A refusal of the completions body in llama.cpp's names."""
         message, param = exc.message, exc.param
-        for theirs, ours in (("max_tokens", "n_predict"), ("structured_outputs", "json_schema"), ("'n'", "n_cmpl")):
+        names = {"max_tokens": "n_predict", "structured_outputs": "json_schema", "'n'": "n_cmpl", "logprobs": "n_probs"}
+        for theirs, ours in names.items():
             message = message.replace(theirs, ours)
         param = {"max_tokens": "n_predict", "structured_outputs": "json_schema", "n": "n_cmpl"}.get(param, param)
+        param = "n_probs" if param == "logprobs" else param
         return BadRequest(message, param, exc.status, exc.kind, exc.code)
 
     def shaped(self, completion: dict, run: InFlight) -> dict | list:
@@ -237,7 +244,8 @@ class Translated:
         stop_type = "limit" if reason == "length" else "word" if isinstance(stopped_by, str) else "eos"
         generated = 0 if echo else len(choice.token_ids)
         tokens = list(choice.token_ids) if self.given.get("return_tokens") and generated and not streamed else []
-        return {
+        probabilities = {} if streamed or "logprobs" not in self.body else self._probabilities(choice.logprobs)
+        return probabilities | {
             "index": choice.index,
             "content": "" if streamed else text,
             "tokens": tokens,
@@ -255,6 +263,23 @@ class Translated:
             "tokens_cached": len(self.ids) + generated,  # the tokens the cache holds now
             "timings": _timings(output, len(self.ids) - output.num_cached_tokens, generated),
         }
+
+    def _probabilities(self, entries: list | None) -> dict:
+        """n_probs: llama.cpp's `completion_probabilities` for these tokens' logprob entries (the
+        target's distribution before sampling, as llama.cpp gives it with post_sampling_probs off)."""
+        if not entries:
+            return {}
+        return {
+            "completion_probabilities": [
+                {**self._token(e.token_id, e.logprob), "top_logprobs": [self._token(t, lp) for t, lp in e.top]}
+                for e in entries
+            ]
+        }
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        raw = self.tokenizer.token_bytes(token_id)
+        text = raw.decode("utf-8", "ignore")  # llama.cpp's: a character's part cut from the text
+        return {"id": token_id, "token": text, "bytes": list(raw), "logprob": max(float(logprob), LOGPROB_FLOOR)}
 
     @functools.cached_property
     def prompt_text(self) -> str:
@@ -309,6 +334,7 @@ class Translated:
                             "tokens_predicted": len(choice.token_ids),
                             "tokens_evaluated": len(self.ids),
                         }
+                        | self._probabilities(event.logprobs)
                     )
             for choice in run.choices:
                 yield sse(self._filtered(self._final(choice, run.reply.model, streamed=True)))

@@ -358,7 +358,7 @@ class LlamaCompletionRequest(BaseModel):
     t_max_predict_ms: int | None = Field(None, description="taken and ignored: no time limit")
     n_indent: int | None = Field(None, description="taken and ignored: no stop on a dedent")
     n_keep: int | None = Field(None, description="taken and ignored")
-    n_probs: Literal[0] | None = Field(None, description="not supported: 0 only")
+    n_probs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="completion_probabilities: n likeliest")
     typical_p: Literal[1] | None = None
     dynatemp_range: Literal[0] | None = None
     mirostat: Literal[0] | None = None
