@@ -12,7 +12,7 @@ import re
 import anthropic
 import httpx
 import pytest
-from test_server import KEY, NAME, Served
+from test_server import CONTEXT, KEY, NAME, Served
 from test_server_api import AUTH, post
 from test_server_responses import events as typed_events
 
@@ -344,10 +344,15 @@ def test_errors_come_in_anthropics_shape_naming_the_messages_field(served) -> No
     assert "messages[1].content[0].text" in ask(served, {"messages": two, "max_tokens": 2}, 400)["error"]["message"]
     empty = ask(served, {"messages": go, "max_tokens": 2, "stop_sequences": [""]}, 400)["error"]["message"]
     assert empty.startswith("stop_sequences")
-    system = ask(
-        served, {"system": "s", "messages": [{"role": "assistant", "content": "x" * 10}], "max_tokens": 10**6}, 400
-    )
-    assert "max_tokens" in system["error"]["message"]
+    # max_tokens is a most: past the context's room, the answer stops at the context's end (Claude Code
+    # asks 32,000 whatever the model); a prompt that fills the context is refused, naming the messages
+    capped = ask(served, {"messages": go, "max_tokens": 10**6, "ignore_eos": True, "temperature": 0})
+    assert capped["stop_reason"] == "max_tokens"
+    assert capped["usage"]["input_tokens"] + capped["usage"]["output_tokens"] == CONTEXT
+    full = ask(served, {"messages": [{"role": "user", "content": "x" * CONTEXT}], "max_tokens": 5}, 400)
+    assert "messages" in full["error"]["message"] and "context" in full["error"]["message"]
+    chat = {"model": NAME, "messages": go, "max_tokens": 10**6}  # chat's stays a refusal, as vLLM's
+    assert httpx.post(served.url + "/v1/chat/completions", json=chat, headers=AUTH).status_code == 400
     wrong = ask(served, {"messages": go, "max_tokens": 2, "model": "claude-x"}, 404)
     assert wrong["error"]["type"] == "not_found_error" and "claude-x" in wrong["error"]["message"]
     # the key in Anthropic's header is taken; a wrong one is refused in Anthropic's shape

@@ -60,7 +60,8 @@ async def generation(state: ServerState, http: HTTPRequest, chat: bool, api: str
             body = reader.body
         checked = check(body, chat, config.model_names, state.limits)
         prompts = await asyncio.to_thread(tokenize, checked, state.tokenizer, state.limits)
-        params = sampling(checked, [len(ids) for ids in prompts], state.limits)
+        # Anthropic's max_tokens is a most (Claude Code asks 32,000 whatever the context): the room left
+        params = sampling(checked, [len(ids) for ids in prompts], state.limits, fit=api == "messages")
         run = _in_flight(state, checked, prompts, params)
         replica = await state.backend.submit(run.requests, routing_key(http, prompts[0]), whole=not checked.stream)
         headers = {REPLICA_HEADER: replica} if replica is not None else None

@@ -9,8 +9,9 @@ assistant's text is continued from that text (Anthropic's prefill, chat's contin
 `tools` and `tool_choice` become chat's functions and choice, `stop_sequences` chat's `stop`,
 `thinking` the template's `enable_thinking` (Qwen3's; a budget is taken, not enforced: the reasoning
 runs within max_tokens; `display: "omitted"` sends its blocks empty), `output_config.format` chat's
-JSON-schema response_format. Fields that tune Anthropic's service (`IGNORED`, `output_config.effort`)
-are taken and ignored; code-execution containers and server tools are refused. The chat route's
+JSON-schema response_format; a max_tokens past the context's room is that room (`sampling`'s `fit`).
+Fields that tune Anthropic's service (`IGNORED`, `output_config.effort`) are taken and ignored;
+code-execution containers and server tools are refused. The chat route's
 checks, sampling and engine then run it unchanged, so its speculation, tool calls and reasoning
 parser hold here too; what comes back is shaped as a Message (`Translated.shaped`: thinking, text
 and tool_use blocks, the stop reason and usage with the prefix cache's tokens as cache reads) or

@@ -512,10 +512,13 @@ def _chat_turns(body: dict, limits: Limits) -> list[dict]:
     return turns
 
 
-def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list[list[SamplingParams]]:
+def sampling(
+    checked: Checked, prompt_tokens: list[int], limits: Limits, fit: bool = False
+) -> list[list[SamplingParams]]:
     """Per prompt (of `prompt_tokens` tokens each), one SamplingParams per choice: the same for every
     prompt but max_tokens' default (a completion's 16, chat's the room left, each within its prompt's
-    room), and with a seed, sample i of every prompt seeded seed + i (as vLLM does)."""
+    room), and with a seed, sample i of every prompt seeded seed + i (as vLLM does). With `fit`, a
+    max_tokens past the context's room is that room (it is a most, as llama.cpp reads it), not refused."""
     body = checked.body
     temperature, top_p = number(body, "temperature", 1.0), number(body, "top_p", 1.0)
     top_k = integer(body, "top_k", 0)
@@ -526,7 +529,7 @@ def sampling(checked: Checked, prompt_tokens: list[int], limits: Limits) -> list
     max_tokens = []
     for index, length in enumerate(prompt_tokens):
         with naming_prompt(index, len(prompt_tokens)):
-            max_tokens.append(_max_tokens(checked, length, limits)[0])
+            max_tokens.append(_max_tokens(checked, length, limits, fit)[0])
     seed = integer(body, "seed", None)
     if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1] - (checked.n - 1):
         raise BadRequest(f"seed must be in [-2**63, 2**64 - n), got {seed}", "seed")
@@ -634,14 +637,15 @@ def _stop_strings(stop) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _max_tokens(checked: Checked, prompt_tokens: int, limits: Limits) -> tuple[int, str]:
+def _max_tokens(checked: Checked, prompt_tokens: int, limits: Limits, fit: bool = False) -> tuple[int, str]:
     """The most tokens to generate and the field that said so. `echo` with max_tokens 0 scores the
-    prompt alone (evaluation harnesses): one token is generated and left out of the answer."""
+    prompt alone (evaluation harnesses): one token is generated and left out of the answer. `fit`:
+    one past the context's room is the room (where there is any)."""
     body = checked.body
     room = limits.max_model_len - prompt_tokens
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = integer(body, name, None)
-    if max_tokens is None:
+    if max_tokens is None or fit:
         if room < 1:
             where = "messages" if checked.chat else "prompt"
             raise BadRequest(
@@ -649,7 +653,8 @@ def _max_tokens(checked: Checked, prompt_tokens: int, limits: Limits) -> tuple[i
                 f"leaving no room to generate; shorten the {where}",
                 where,
             )
-        max_tokens = room if checked.chat else min(COMPLETION_MAX_TOKENS, room)
+        default = room if checked.chat else min(COMPLETION_MAX_TOKENS, room)
+        max_tokens = default if max_tokens is None else min(max_tokens, room)
     scoring = max_tokens == 0 and checked.echo
     if scoring:
         max_tokens = 1
