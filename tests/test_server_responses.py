@@ -19,6 +19,7 @@ from forerun.serve import responses_api
 from forerun.serve.schemas import ResponsesRequest
 
 FLIP = {"type": "function", "name": "flip", "parameters": {"type": "object", "properties": {}}}
+CALL_TEXT = '<tool_call>\n{"name": "flip", "arguments": {}}\n</tool_call>'
 CHAT_FLIP = {"type": "function", "function": {k: v for k, v in FLIP.items() if k != "type"}}
 
 
@@ -77,7 +78,7 @@ def test_an_answer_is_chats_answer_to_the_same_conversation(served) -> None:
     assert got["usage"]["input_tokens"] == want["usage"]["prompt_tokens"]
     assert got["usage"]["output_tokens"] == want["usage"]["completion_tokens"]
     assert got["usage"]["total_tokens"] == want["usage"]["total_tokens"]
-    assert (got["object"], got["model"], got["id"][:5], got["store"]) == ("response", NAME, "resp_", False)
+    assert (got["object"], got["model"], got["id"][:5], got["store"]) == ("response", NAME, "resp_", True)
     assert (got["instructions"], got["max_output_tokens"], got["temperature"]) == ("be brief", 12, 0)
     # the token limit reached: incomplete, as OpenAI says it; an answer that ends: completed
     ended = respond(served, {"input": "x", "max_output_tokens": 40, **forced("short.")})
@@ -283,7 +284,6 @@ def test_text_format_asks_for_json_and_top_logprobs_give_each_tokens(served) -> 
 @pytest.mark.parametrize(
     "body, param, words",
     [
-        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
         ({"input": "x", "background": True}, "background", "foreground"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "no hosted tools"),
         (
@@ -335,8 +335,65 @@ def test_neutral_settings_are_taken(served) -> None:
         "background": False,
     }
     got = respond(served, body)
-    assert got["metadata"] == {"k": "v"} and got["store"] is False
+    assert got["metadata"] == {"k": "v"} and got["store"] is True
     assert len(got["output"][0]["content"][0]["logprobs"]) == got["usage"]["output_tokens"]
+
+
+def test_a_stored_response_continues_as_the_conversation_it_ends(served) -> None:
+    """store (the default) keeps a response with its conversation: previous_response_id puts it before
+    the new input (its instructions left out, as OpenAI leaves them), GET reads it back, DELETE forgets it."""
+    first = respond(served, {**forced_call_body(), "instructions": "be brief"})
+    assert first["store"] is True and texts(first) == [("function_call", "flip({})")]
+    call_id = first["output"][0]["call_id"]
+    result = [{"type": "function_call_output", "call_id": call_id, "output": "heads"}]
+    second = respond(
+        served,
+        {"input": result, "previous_response_id": first["id"], "tools": [FLIP], "max_output_tokens": 9}
+        | forced("Heads."),
+    )
+    assert second["previous_response_id"] == first["id"]
+    whole = [
+        {"role": "user", "content": "go"},
+        {"type": "function_call", "call_id": call_id, "name": "flip", "arguments": "{}"},
+        *result,
+    ]
+    sent = respond(served, {"input": whole, "tools": [FLIP], "max_output_tokens": 9, "store": False} | forced("x"))
+    assert second["usage"]["input_tokens"] == sent["usage"]["input_tokens"]  # the same prompt, sent or stored
+    # a chain goes on from the last: its conversation holds every turn before
+    third = respond(served, {"input": "again", "previous_response_id": second["id"], "max_output_tokens": 2})
+    again = [*whole, {"role": "assistant", "content": "Heads."}, {"role": "user", "content": "again"}]
+    assert texts(second) == [("message", "Heads.")]
+    assert (
+        third["usage"]["input_tokens"]
+        == respond(served, {"input": again, "max_output_tokens": 2})["usage"]["input_tokens"]
+    )
+    # read back, streamed ones too; forgotten on DELETE; store false keeps nothing
+    assert httpx.get(served.url + f"/v1/responses/{first['id']}", headers=AUTH).json() == first
+    final = events(served, {"input": "x", "max_output_tokens": 3})[-1]["response"]
+    assert httpx.get(served.url + f"/v1/responses/{final['id']}", headers=AUTH).json() == final
+    gone = httpx.delete(served.url + f"/v1/responses/{final['id']}", headers=AUTH)
+    assert gone.json() == {"id": final["id"], "object": "response", "deleted": True}
+    assert httpx.get(served.url + f"/v1/responses/{final['id']}", headers=AUTH).status_code == 404
+    missing = respond(served, {"input": "x", "previous_response_id": sent["id"]}, 404)["error"]  # store false
+    assert missing["param"] == "previous_response_id" and "no stored response" in missing["message"]
+
+
+def test_the_store_forgets_the_oldest_past_its_bounds() -> None:
+    from forerun.serve.response_store import ResponseStore
+
+    store = ResponseStore(max_responses=2, max_chars=10**6)
+    for i in range(3):
+        store.put({"id": f"r{i}"}, [{"role": "user", "content": str(i)}])
+    assert store.get("r0") is None and store.get("r1").messages == [{"role": "user", "content": "1"}]
+    small = ResponseStore(max_responses=10, max_chars=250)  # about 100 characters each
+    for i in range(3):
+        small.put({"id": f"r{i}"}, [{"role": "user", "content": "x" * 60}])
+    assert [small.get(f"r{i}") is not None for i in range(3)] == [False, True, True]
+    assert small.delete("r2") and not small.delete("r2")
+
+
+def forced_call_body() -> dict:
+    return {"input": "go", "tools": [FLIP], "max_output_tokens": 200, **forced(CALL_TEXT)}
 
 
 def test_the_schema_lists_the_fields_the_route_takes() -> None:

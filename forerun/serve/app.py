@@ -3,17 +3,18 @@ llama.cpp's, wired.
 
 Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events ending in
 `data: [DONE]`, or whole), POST /v1/responses (OpenAI's Responses API read as a chat request:
-forerun/serve/responses_api.py), POST /v1/messages and /v1/messages/count_tokens (Anthropic's
-Messages API read as a chat request, its errors in Anthropic's shape: forerun/serve/messages_api.py),
-POST /completion and /infill (llama.cpp's own, read as completions: forerun/serve/llamacpp_api.py),
-POST /tokenize and /detokenize (vLLM's), GET /v1/models and
-/v1/models/{id}, /health, /metrics (Prometheus text), /openapi.json and /docs. Fields are OpenAI's
-(checked in forerun/serve/requests.py) plus vLLM's (`top_k`, `ignore_eos`, ...);
-`n` samples share the prompt's prefill; `logprobs` are the target's own; with speculation each
-choice can carry its speculation figures in vLLM's per-request shape. Anything wrong gets an HTTP
-4xx in OpenAI's error shape naming the field, before the engine sees it, and is counted apart from
-engine failures. With an API key every route but /health, /openapi.json and /docs wants
-`Authorization: Bearer <key>` or `x-api-key: <key>` (unknown routes too, so they reveal nothing without it).
+forerun/serve/responses_api.py; GET and DELETE /v1/responses/{id} for the stored ones), POST
+/v1/messages and /v1/messages/count_tokens (Anthropic's Messages API read as a chat request, its
+errors in Anthropic's shape: forerun/serve/messages_api.py), POST /completion and /infill
+(llama.cpp's own, read as completions: forerun/serve/llamacpp_api.py), POST /tokenize and
+/detokenize (vLLM's), GET /v1/models and /v1/models/{id}, /health, /metrics (Prometheus text),
+/openapi.json and /docs. Fields are OpenAI's (checked in forerun/serve/requests.py) plus vLLM's
+(`top_k`, `ignore_eos`, ...); `n` samples share the prompt's prefill; `logprobs` are the target's
+own; with speculation each choice can carry its speculation figures in vLLM's per-request shape.
+Anything wrong gets an HTTP 4xx in OpenAI's error shape naming the field, before the engine sees
+it, and is counted apart from engine failures. With an API key every route but /health,
+/openapi.json and /docs wants `Authorization: Bearer <key>` or `x-api-key: <key>` (unknown routes
+too, so they reveal nothing without it).
 
 This module only wires: the handlers here are thin, the generation routes' work is in
 forerun/serve/generation.py, the token routes' in forerun/serve/tokens.py, the state they share in
@@ -81,6 +82,9 @@ def app_for(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/models", routes.models, methods=["GET"], summary="the served model (and its speculator)")
     app.add_api_route("/v1/models/{model:path}", routes.model, methods=["GET"], summary="one served model, by id")
     app.add_api_route("/metrics", routes.prometheus, methods=["GET"], summary="Prometheus metrics")
+    stored = "a stored Responses API response"
+    app.add_api_route("/v1/responses/{response_id}", routes.stored_response, methods=["GET"], summary=stored)
+    app.add_api_route("/v1/responses/{response_id}", routes.forget_response, methods=["DELETE"], summary=stored)
     posted = (
         ("/v1/completions", routes.completions, "OpenAI's completions", CompletionRequest),
         ("/v1/chat/completions", routes.chat, "OpenAI's chat completions", ChatCompletionRequest),
@@ -140,6 +144,29 @@ class _Routes:
             self.state.metrics.rejected(404)
             return refused(not_served(model, config.model_names))
         return JSONResponse(next(entry for entry in self._listed()["data"] if entry["id"] == model))
+
+    async def stored_response(self, request: HTTPRequest, response_id: str) -> Response:
+        """GET /v1/responses/{id}: a response kept with `store`, as it was answered; 404 for another id."""
+        if (denied := self.state.refusal(request)) is not None:
+            return denied
+        stored = self.state.responses.get(response_id)
+        if stored is None:
+            return self._unknown_response(response_id)
+        return JSONResponse(stored.response)
+
+    async def forget_response(self, request: HTTPRequest, response_id: str) -> Response:
+        """DELETE /v1/responses/{id}: the response forgotten, as OpenAI answers it."""
+        if (denied := self.state.refusal(request)) is not None:
+            return denied
+        if not self.state.responses.delete(response_id):
+            return self._unknown_response(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    def _unknown_response(self, response_id: str) -> Response:
+        self.state.metrics.rejected(404)
+        return refused(
+            BadRequest(f"no stored response {response_id[:80]!r}", "response_id", 404, code="response_not_found")
+        )
 
     def _listed(self) -> dict:
         config = self.state.config

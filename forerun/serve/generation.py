@@ -81,7 +81,7 @@ def _reader(
 ) -> responses_api.Translated | messages_api.Translated | llamacpp_api.Translated:
     """The reader of another API's body: its body in chat's or completions' terms, and its shapes."""
     if api == "responses":
-        return responses_api.translate(body)
+        return responses_api.translate(body, state.responses)
     if api == "messages":
         return messages_api.translate(body)
     config = state.config

@@ -10,7 +10,9 @@ reasoning parser hold here too; what comes back is shaped as a Responses object 
 or streamed as its typed events (`Translated.events`: response.created, output items opened, text
 and argument deltas, items done, response.completed or response.incomplete).
 
-Nothing is stored: `store` is taken and the response says false; `previous_response_id`,
+A response asked with `store` (the default) is kept in this server's memory with its conversation
+(forerun/serve/response_store.py): a `previous_response_id` naming it puts that conversation, its
+answer last, before the new input (its instructions left out, as OpenAI leaves them). `conversation`,
 `background`, hosted tools and images are refused by name. A refusal from the chat route's checks
 names the Responses field the client sent (`max_output_tokens`, `input`, `text.format`).
 """
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 from forerun.serve.inflight import InFlight
 from forerun.serve.requests import SERVICE_TIERS, BadRequest
+from forerun.serve.response_store import ResponseStore
 from forerun.serve.responses import error_body
 from forerun.serve.scheduler import Failed
 
@@ -78,8 +81,8 @@ PASSED_ON = {
 FIELDS = OWN | PASSED_ON
 # Responses fields forerun cannot honour: taken only as these values (they ask for nothing).
 UNHONOURED = {
-    "previous_response_id": "this server stores no responses; send the whole conversation as input",
-    "conversation": "this server stores no conversations; send the whole conversation as input",
+    "conversation": "this server keeps no conversations; send the whole conversation as input, or name a "
+    "stored response as previous_response_id",
     "background": "responses run in the foreground here; leave it out or set it false",
     "prompt": "this server has no stored prompt templates; send the text as input",
     "max_tool_calls": "leave it out",
@@ -103,8 +106,9 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 ROLES = ("user", "assistant", "system", "developer")
 
 
-def translate(body: dict) -> Translated:
-    """The chat body that asks what the Responses `body` asks, with what the answer repeats of it."""
+def translate(body: dict, store: ResponseStore) -> Translated:
+    """The chat body that asks what the Responses `body` asks, with what the answer repeats of it;
+    a `previous_response_id` is read from `store`, where the answer is kept unless `store` is false."""
     for name in body:
         if name not in FIELDS:
             raise BadRequest(f"unknown field {name[:60]!r}: /v1/responses takes {', '.join(sorted(FIELDS))}", name)
@@ -115,7 +119,11 @@ def translate(body: dict) -> Translated:
     chat = {
         name: body[name] for name in PASSED_ON | {"model", "temperature", "top_p", "user", "metadata"} if name in body
     }
-    chat["messages"] = messages(body.get("input"), body.get("instructions"))
+    history = _history(body.get("previous_response_id"), store) + messages(body.get("input"), None)
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise BadRequest("instructions must be a string", "instructions")
+    chat["messages"] = ([{"role": "system", "content": instructions}] if instructions else []) + history
     chat["stream"] = False if body.get("stream") is None else body["stream"]  # a non-bool refused by chat's check
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
@@ -130,7 +138,8 @@ def translate(body: dict) -> Translated:
     top = body.get("top_logprobs")
     if top is not None or LOGPROBS_INCLUDE in (body.get("include") or []):
         chat["logprobs"], chat["top_logprobs"] = True, 0 if top is None else top
-    return Translated(chat, _repeated(body))
+    kept = store if body.get("store") is not False else None
+    return Translated(chat, _repeated(body, kept is not None), history, kept)
 
 
 def _check_settings(body: dict) -> None:
@@ -152,12 +161,31 @@ def _check_settings(body: dict) -> None:
             "reasoning",
         )
     if body.get("store") is not None and not isinstance(body["store"], bool):
-        raise BadRequest("store must be true or false (nothing is stored either way)", "store")
+        raise BadRequest("store must be true or false", "store")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_obfuscation"}):
         raise BadRequest('stream_options takes {"include_obfuscation": bool} only', "stream_options")
     if body.get("service_tier") is not None and body["service_tier"] not in SERVICE_TIERS:
         raise BadRequest(f"service_tier must be one of {', '.join(SERVICE_TIERS)}", "service_tier")
+
+
+def _history(previous: object, store: ResponseStore) -> list[dict]:
+    """The stored conversation a previous_response_id names, its answer last (its instructions
+    left out, as OpenAI leaves them)."""
+    if previous is None:
+        return []
+    if not isinstance(previous, str) or not previous:
+        raise BadRequest("previous_response_id must be a response's id", "previous_response_id")
+    stored = store.get(previous)
+    if stored is None:
+        raise BadRequest(
+            f"no stored response {previous[:80]!r}: never stored here (store false, or another server), deleted, or "
+            f"forgotten (this server keeps its last {store.max_responses}); send the whole conversation as input",
+            "previous_response_id",
+            404,
+            code="response_not_found",
+        )
+    return [dict(message) for message in stored.messages]
 
 
 def messages(given: object, instructions: object) -> list[dict]:
@@ -293,17 +321,17 @@ def _format(text: object) -> dict:
     raise BadRequest('text.format.type must be "text", "json_object" or "json_schema"', "text.format")
 
 
-def _repeated(body: dict) -> dict:
+def _repeated(body: dict, stored: bool) -> dict:
     """What a Responses object repeats of its request, with OpenAI's defaults."""
     return {
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
         "metadata": body.get("metadata") or {},
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "previous_response_id": None,
+        "previous_response_id": body.get("previous_response_id"),
         "reasoning": {"effort": None, "summary": None},
         "service_tier": "default",  # the one tier served, whatever was asked
-        "store": False,
+        "store": stored,
         "temperature": body.get("temperature", 1.0),
         "text": body.get("text") or {"format": {"type": "text"}},
         "tool_choice": body.get("tool_choice", "auto"),
@@ -325,6 +353,8 @@ class Translated:
 
     chat: dict
     repeated: dict
+    history: list[dict] = field(default_factory=list)  # the conversation without instructions, to store
+    store: ResponseStore | None = None  # where the answer is kept (None: store false)
     id: str = field(default_factory=lambda: _item_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -377,7 +407,13 @@ class Translated:
         usage = _usage(completion["usage"], reasoning, run.reply.tokenizer)
         stats = completion.get("speculative_decoding_stats")
         extra = {"speculative_decoding_stats": stats} if stats is not None else None
-        return self.response(status, output, usage, extra)
+        return self._kept(self.response(status, output, usage, extra))
+
+    def _kept(self, response: dict) -> dict:
+        """`response`, stored with its conversation where the request asked (store, the default)."""
+        if self.store is not None:
+            self.store.put(response, [*self.history, assistant_turn(response["output"])])
+        return response
 
     async def events(self, run: InFlight) -> AsyncIterator[str]:
         """The answer as Responses' typed server-sent events, ending in response.completed (or
@@ -406,9 +442,27 @@ class Translated:
             for text in items.finish(status):
                 yield text
             usage = _usage(run.reply.usage(run.choices), items.reasoning_text, run.reply.tokenizer)
-            yield items.event(f"response.{status}", response=self.response(status, items.output, usage))
+            final = self._kept(self.response(status, items.output, usage))
+            yield items.event(f"response.{status}", response=final)
         finally:
             run.cancel()  # the client went away mid-stream: free the sequences
+
+
+def assistant_turn(output: list[dict]) -> dict:
+    """Chat's assistant message for a response's output items: its reasoning, text and calls."""
+    reasoning = "".join(p["text"] for item in output if item["type"] == "reasoning" for p in item["content"])
+    text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
+    calls = [
+        {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+        for item in output
+        if item["type"] == "function_call"
+    ]
+    turn = {"role": "assistant", "content": text if text or not calls else None}
+    if calls:
+        turn["tool_calls"] = calls
+    if reasoning:
+        turn["reasoning_content"] = reasoning
+    return turn
 
 
 def chat_chunk(run: InFlight, index: int, event) -> tuple[dict | None, BadRequest | None]:

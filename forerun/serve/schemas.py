@@ -240,13 +240,17 @@ class ResponsesRequest(_VllmSampling):
     text: ResponsesText | None = Field(None, description="text.format: text, json_object or json_schema")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with it, output_text carries logprobs")
     include: list[Literal["message.output_text.logprobs"]] | None = None
-    store: bool | None = Field(None, description="taken; nothing is stored (the response says false)")
+    store: bool | None = Field(
+        None, description="keep the response in this server's memory (default true): previous_response_id, GET"
+    )
     metadata: dict[str, str] | None = Field(None, description="repeated in the response")
     user: str | None = None
     service_tier: Literal[SERVICE_TIERS] | None = Field(None, description="taken and ignored: one tier")
     truncation: Literal["disabled"] | None = Field(None, description="an input over the context is refused")
     reasoning: dict | None = Field(None, description="not supported: taken only as null or with null settings")
-    previous_response_id: None = Field(None, description="not supported: nothing is stored; send the whole input")
+    previous_response_id: str | None = Field(
+        None, description="a stored response (store, the default): its conversation goes before the input"
+    )
     background: Literal[False] | None = None
     conversation: None = Field(None, description="not supported: nothing is stored")
     prompt: None = Field(None, description="not supported: no stored prompt templates")

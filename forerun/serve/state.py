@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
@@ -20,6 +20,7 @@ from forerun.models.tokenizer import Tokenizer
 from forerun.serve.backend import Backend
 from forerun.serve.metrics import ServerMetrics
 from forerun.serve.requests import BadRequest, Limits
+from forerun.serve.response_store import ResponseStore
 from forerun.serve.responses import refused
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413)
@@ -53,6 +54,7 @@ class ServerState:
     tokenizer: Tokenizer | None  # None: a model without one, whose prompts come as token ids
     limits: Limits
     created: int  # when the app was made, in seconds since the epoch (/v1/models' `created`)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored answers
 
     @classmethod
     def build(
