@@ -10,6 +10,7 @@ import json
 import re
 
 import httpx
+import openai
 import pytest
 from test_server import NAME, Served
 from test_server_api import AUTH, post
@@ -418,6 +419,15 @@ def test_openais_client_reads_the_response_and_follows_the_stream(served) -> Non
     assert "".join(deltas) == "heads," and final.output_text == "heads,"
     assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
     assert final.output[2].name == "flip" and final.usage.output_tokens == whole.usage.output_tokens
+    # the client's stored-response calls: continue, read back, delete
+    call = whole.output[2]
+    result = [{"type": "function_call_output", "call_id": call.call_id, "output": "heads"}]
+    follow = client.responses.create(model=NAME, input=result, previous_response_id=whole.id, max_output_tokens=3)
+    assert follow.previous_response_id == whole.id and follow.usage.input_tokens > whole.usage.input_tokens
+    assert client.responses.retrieve(whole.id).output_text == "heads,"
+    client.responses.delete(whole.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(whole.id)
 
 
 def test_a_failure_mid_answer_ends_the_stream_with_response_failed(target_tok) -> None:
