@@ -155,6 +155,31 @@ def test_n_probs_gives_each_tokens_probabilities_whole_and_streamed(plain) -> No
     assert warm["tokens_predicted"] == 0 and "completion_probabilities" not in warm
 
 
+def test_n_probs_gives_a_character_split_over_tokens_one_entry_as_llama_cpp_does() -> None:
+    """A token that leaves a character unfinished gets no entry; the next token's carries the whole
+    character's text and bytes, whole and across streamed chunks; an alternative that is part of a
+    character shows it as U+FFFD (llama.cpp's validate_utf8 keeps only whole characters)."""
+    from types import SimpleNamespace
+
+    pieces = {1: b"a", 2: "é".encode()[:1], 3: "é".encode()[1:], 4: "😀".encode()[:2], 5: "😀".encode()[2:]}
+    tokenizer = SimpleNamespace(token_bytes=lambda t: pieces[t])
+
+    def entry(token: int) -> SimpleNamespace:
+        return SimpleNamespace(token_id=token, logprob=-0.5, top=[(token, -0.5), (3, -2.0)])
+
+    def read(entries, stream=None) -> list[tuple[int, str, bytes]]:
+        got = translated._probabilities(entries, stream).get("completion_probabilities", [])
+        return [(p["id"], p["token"], bytes(p["bytes"])) for p in got]
+
+    translated = llamacpp_api.Translated({}, {}, False, [], tokenizer)
+    whole = read([entry(t) for t in (1, 2, 3, 4, 5)])
+    assert whole == [(1, "a", b"a"), (3, "é", "é".encode()), (5, "😀", "😀".encode())]
+    streamed = read([entry(1), entry(2)], 0) + read([entry(3), entry(4)], 0) + read([entry(5)], 0)
+    assert streamed == whole and translated.held == {}
+    alternative = translated._probabilities([entry(1)], None)["completion_probabilities"][0]["top_logprobs"][1]
+    assert (alternative["token"], alternative["bytes"]) == ("\ufffd", list("é".encode()[1:]))
+
+
 def test_stops_response_fields_and_cache_warming(plain) -> None:
     words = call(plain, "/completion", {"prompt": "abc", "n_predict": 40, "temperature": 0})["content"]
     word = words[3:5]
@@ -191,6 +216,7 @@ def test_stops_response_fields_and_cache_warming(plain) -> None:
     [
         ("/completion", {"prompt": "a", "grammar": "root ::= x"}, "grammar"),
         ("/completion", {"prompt": "a", "n_probs": -1}, "n_probs"),
+        ("/completion", {"prompt": "a", "n_predict": 0, "n_probs": "x"}, "n_probs"),
         ("/completion", {"prompt": "a", "n_probs": 10**6}, "n_probs"),
         ("/completion", {"prompt": "a", "n_probs": 2, "post_sampling_probs": True}, "post_sampling_probs"),
         ("/completion", {"prompt": "a", "repeat_penalty": 1.1}, "repeat_penalty"),

@@ -479,7 +479,8 @@ def test_a_failure_mid_answer_ends_the_stream_with_an_error_event(target_tok) ->
 
 def test_a_served_model_answers_to_its_aliases(target_tok) -> None:
     """--served-model-name NAME ALIAS...: a client that names its own model (Claude Code's) is
-    answered; /v1/models lists each name; chat's answers give the first, a Message the one asked."""
+    answered; /v1/models lists each name; an answer names the model as the request did (vLLM's)."""
+    from forerun.base.errors import ForerunError
     from forerun.cli import build_parser
     from forerun.commands.serve import server_config
 
@@ -491,12 +492,14 @@ def test_a_served_model_answers_to_its_aliases(target_tok) -> None:
         ("qwen", "claude-x"),
     )
     assert server_config(build_parser().parse_args(["serve", "--model", "m"]), 1024).model_names == ("m",)
+    with pytest.raises(ForerunError, match="not empty"):
+        server_config(build_parser().parse_args(["serve", "--model", "m", "--served-model-name", ""]), 1024)
     served = Served(LLM(target_tok), aliases=("claude-x", "gpt-y"))
     try:
         go = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 2}
         assert ask(served, {**go, "model": "claude-x"})["model"] == "claude-x"
         chat = post(served, {**go, "model": "gpt-y"}, "/v1/chat/completions")
-        assert chat["model"] == NAME
+        assert chat["model"] == "gpt-y"
         assert [m["id"] for m in httpx.get(served.url + "/v1/models", headers=AUTH).json()["data"]] == [
             NAME,
             "claude-x",

@@ -375,8 +375,14 @@ def test_a_stored_response_continues_as_the_conversation_it_ends(served) -> None
     gone = httpx.delete(served.url + f"/v1/responses/{final['id']}", headers=AUTH)
     assert gone.json() == {"id": final["id"], "object": "response", "deleted": True}
     assert httpx.get(served.url + f"/v1/responses/{final['id']}", headers=AUTH).status_code == 404
-    missing = respond(served, {"input": "x", "previous_response_id": sent["id"]}, 404)["error"]  # store false
-    assert missing["param"] == "previous_response_id" and "no stored response" in missing["message"]
+    missing = respond(served, {"input": "x", "previous_response_id": sent["id"]}, 400)["error"]  # store false
+    assert (missing["param"], missing["code"]) == ("previous_response_id", "previous_response_not_found")
+    # input may be left out after a stored response: the conversation as it stands, answered again
+    bare = respond(served, {"previous_response_id": second["id"], "max_output_tokens": 2})
+    assert (
+        bare["usage"]["input_tokens"]
+        == respond(served, {"input": again[:-1], "max_output_tokens": 2})["usage"]["input_tokens"]
+    )
 
 
 def test_the_store_forgets_the_oldest_past_its_bounds() -> None:
@@ -423,7 +429,15 @@ def test_openais_client_reads_the_response_and_follows_the_stream(served) -> Non
     call = whole.output[2]
     result = [{"type": "function_call_output", "call_id": call.call_id, "output": "heads"}]
     follow = client.responses.create(model=NAME, input=result, previous_response_id=whole.id, max_output_tokens=3)
-    assert follow.previous_response_id == whole.id and follow.usage.input_tokens > whole.usage.input_tokens
+    sent = [
+        {"role": "user", "content": "go"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "weigh it"}]},
+        {"role": "assistant", "content": "heads,"},
+        {"type": "function_call", "call_id": call.call_id, "name": "flip", "arguments": "{}"},
+        *result,
+    ]
+    again = client.responses.create(model=NAME, input=sent, max_output_tokens=3, store=False)
+    assert follow.previous_response_id == whole.id and follow.usage.input_tokens == again.usage.input_tokens
     assert client.responses.retrieve(whole.id).output_text == "heads,"
     client.responses.delete(whole.id)
     with pytest.raises(openai.NotFoundError):
@@ -444,6 +458,11 @@ def test_a_failure_mid_answer_ends_the_stream_with_response_failed(target_tok) -
             seen[-1]["response"]["status"] == "failed"
             and "injected failure" in seen[-1]["response"]["error"]["message"]
         )
+        failed = failing.client().responses.retrieve(seen[-1]["response"]["id"])  # a failed one is kept, to read
+        assert failed.status == "failed"
+        again = {"model": NAME, "input": "x", "previous_response_id": failed.id}
+        r = httpx.post(failing.url + "/v1/responses", json=again, headers=AUTH, timeout=60)
+        assert r.status_code == 400 and "cannot be continued" in r.json()["error"]["message"]
         r = httpx.post(failing.url + "/v1/responses", json={"model": NAME, "input": "go"}, headers=AUTH, timeout=60)
         assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
     finally:

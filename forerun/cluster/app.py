@@ -132,6 +132,8 @@ def build_app(config_args: dict):
         flag = "--" + str(key).replace("_", "-")
         if value is True:
             argv.append(flag)
+        elif isinstance(value, (list, tuple)):  # a flag of several values (served_model_name: [a, b])
+            argv += [flag, *map(str, value)]
         elif value not in (False, None):
             argv += [flag, str(value)]
     try:

@@ -96,7 +96,7 @@ def _add_access_args(g: argparse._ArgumentGroup) -> None:
         default=None,
         metavar="NAME",
         help="the model name clients send (default: --model); more names are accepted too (a client's own model "
-        "names, such as Claude Code's), and answers give the first",
+        "names, such as Claude Code's), each answer naming the one its request gave",
     )
 
 
@@ -218,14 +218,17 @@ def server_config(args: argparse.Namespace, context: int):
     """The app's options from the flags (--max-model-len checked against the model's `context`)."""
     from forerun.serve.state import ServerConfig
 
+    names = args.served_model_name or [args.model]
+    if not all(name.strip() for name in names):
+        raise ForerunError(f"--served-model-name takes names that are not empty, got {names!r}")
     max_model_len = context if args.max_model_len is None else args.max_model_len
     if not 1 < max_model_len <= context:
         raise ForerunError(
             f"--max-model-len must be between 2 and the model's context ({context}), got {max_model_len}"
         )
     return ServerConfig(
-        served_model_name=(args.served_model_name or [args.model])[0],
-        aliases=tuple(dict.fromkeys(args.served_model_name or []))[1:],
+        served_model_name=names[0],
+        aliases=tuple(dict.fromkeys(names))[1:],
         max_model_len=max_model_len,
         api_key=args.api_key or os.environ.get("FORERUN_API_KEY") or None,
         body_timeout=args.body_timeout,

@@ -110,7 +110,8 @@ def _in_flight(
     group = new_group(prompts, params, events, scores_prompt_only(checked))
     texts = echo_texts(checked, prompts, state.tokenizer)
     config = state.config
-    reply = Reply(checked, config.served_model_name, prompts, state.tokenizer, texts, config.reasoning_parser)
+    model = checked.body["model"]  # the name the request gave (one of the served model's), as vLLM answers
+    reply = Reply(checked, model, prompts, state.tokenizer, texts, config.reasoning_parser)
     return InFlight(group, events, reply, state.config.spec_stats, state.metrics)
 
 

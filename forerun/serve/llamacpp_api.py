@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from forerun.base.config import is_whole
 from forerun.base.errors import ForerunError
@@ -93,14 +93,14 @@ def translate(body: dict, infill: bool, model: str, tokenizer, max_model_len: in
         raise BadRequest(
             f"n_predict must be a whole number >= -1 (-1: to the end of the context), got {predict!r}", "n_predict"
         )
+    probs = body.get("n_probs", 0)
+    if not is_whole(probs) or probs < 0:
+        raise BadRequest(f"n_probs must be a whole number >= 0, got {probs!r}", "n_probs")
     if predict == 0:  # the prompt read into the cache, nothing written
         out.update(echo=True, max_tokens=0)
     else:  # llama.cpp stops at the context's end, whatever n_predict says
         room = max(max_model_len - len(ids), 1)
         out["max_tokens"] = min(predict, room) if predict > 0 else room
-        probs = body.get("n_probs", 0)
-        if not is_whole(probs) or probs < 0:
-            raise BadRequest(f"n_probs must be a whole number >= 0, got {probs!r}", "n_probs")
         if probs > 0:  # each token's and its n_probs likeliest ones' log probabilities, before sampling
             out["logprobs"] = probs
     _check_fields(body.get("response_fields"))
@@ -219,6 +219,7 @@ class Translated:
     infill: bool
     ids: list[int]
     tokenizer: object
+    held: dict = field(default_factory=dict)  # n_probs: a streamed completion's bytes of an unfinished character
 
     def renamed(self, exc: BadRequest) -> BadRequest:
         """A refusal of the completions body in llama.cpp's names."""
@@ -244,7 +245,7 @@ class Translated:
         stop_type = "limit" if reason == "length" else "word" if isinstance(stopped_by, str) else "eos"
         generated = 0 if echo else len(choice.token_ids)
         tokens = list(choice.token_ids) if self.given.get("return_tokens") and generated and not streamed else []
-        probabilities = {} if streamed or "logprobs" not in self.body else self._probabilities(choice.logprobs)
+        probabilities = {} if streamed or "logprobs" not in self.body else self._probabilities(choice.logprobs, None)
         return probabilities | {
             "index": choice.index,
             "content": "" if streamed else text,
@@ -264,21 +265,26 @@ class Translated:
             "timings": _timings(output, len(self.ids) - output.num_cached_tokens, generated),
         }
 
-    def _probabilities(self, entries: list | None) -> dict:
+    def _probabilities(self, entries: list | None, stream: int | None) -> dict:
         """n_probs: llama.cpp's `completion_probabilities` for these tokens' logprob entries (the
-        target's distribution before sampling, as llama.cpp gives it with post_sampling_probs off)."""
-        if not entries:
-            return {}
-        return {
-            "completion_probabilities": [
-                {**self._token(e.token_id, e.logprob), "top_logprobs": [self._token(t, lp) for t, lp in e.top]}
-                for e in entries
-            ]
-        }
+        target's distribution before sampling, as llama.cpp gives it with post_sampling_probs off).
+        As llama.cpp, a token that leaves a character unfinished gets no entry: its bytes go to the
+        next token's, whose text is the whole character (`stream`: the completion whose held bytes
+        carry over between chunks; None: a whole answer's entries, read at once)."""
+        held, out = self.held.pop(stream, b"") if stream is not None else b"", []
+        for e in entries or []:
+            held += self.tokenizer.token_bytes(e.token_id)
+            if _whole_length(held) < len(held):
+                continue
+            top = [self._token(t, lp, self.tokenizer.token_bytes(t)) for t, lp in e.top]
+            out.append({**self._token(e.token_id, e.logprob, held), "top_logprobs": top})
+            held = b""
+        if stream is not None and held:
+            self.held[stream] = held
+        return {"completion_probabilities": out} if out else {}
 
-    def _token(self, token_id: int, logprob: float) -> dict:
-        raw = self.tokenizer.token_bytes(token_id)
-        text = raw.decode("utf-8", "ignore")  # llama.cpp's: a character's part cut from the text
+    def _token(self, token_id: int, logprob: float, raw: bytes) -> dict:
+        text = raw[: _whole_length(raw)].decode("utf-8", "replace")  # llama.cpp's: an unfinished character cut
         return {"id": token_id, "token": text, "bytes": list(raw), "logprob": max(float(logprob), LOGPROB_FLOOR)}
 
     @functools.cached_property
@@ -334,12 +340,23 @@ class Translated:
                             "tokens_predicted": len(choice.token_ids),
                             "tokens_evaluated": len(self.ids),
                         }
-                        | self._probabilities(event.logprobs)
+                        | self._probabilities(event.logprobs, choice.index)
                     )
             for choice in run.choices:
                 yield sse(self._filtered(self._final(choice, run.reply.model, streamed=True)))
         finally:
             run.cancel()
+
+
+def _whole_length(raw: bytes) -> int:
+    """llama.cpp's validate_utf8: the length of `raw` without a last character it leaves unfinished."""
+    for back in range(1, min(4, len(raw)) + 1):
+        lead = raw[-back]
+        if lead & 0xC0 == 0x80:  # a continuation byte: the character starts further back
+            continue
+        need = 2 if lead & 0xE0 == 0xC0 else 3 if lead & 0xF0 == 0xE0 else 4 if lead & 0xF8 == 0xF0 else 1
+        return len(raw) - back if need > back else len(raw)
+    return len(raw)
 
 
 def _timings(output, evaluated: int, generated: int) -> dict:

@@ -3,10 +3,12 @@
 `previous_response_id` instead of sending the conversation again, and `GET /v1/responses/{id}`
 reads it back (`DELETE` forgets it).
 
-The store is bounded: at most MAX_RESPONSES responses and MAX_CHARS characters of their
-conversations together, the oldest forgotten first (a request naming a forgotten one gets a 404
-that says so). Nothing is written to disk: a restart forgets every response, as vLLM's in-memory
-store does. With replicas, each ingress keeps its own.
+The store is bounded: at most MAX_RESPONSES responses and MAX_CHARS characters of them and their
+conversations together (as JSON), the oldest forgotten first (a request naming a forgotten one gets
+OpenAI's 400 `previous_response_not_found`, which says so). A response that failed is kept to be
+read back, not continued; one whose client left mid-stream is not kept. Nothing is written to
+disk: a restart forgets every response, as vLLM's in-memory store does. With replicas, the one
+ingress keeps them.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ class ResponseStore:
         self._lock = threading.Lock()
 
     def put(self, response: dict, messages: list[dict]) -> None:
-        chars = len(json.dumps(messages, ensure_ascii=False)) + len(json.dumps(response, ensure_ascii=False))
+        """Keep `response` (ValueError, and nothing kept, where JSON cannot hold it: as its answer fails)."""
+        text = json.dumps([response, messages], ensure_ascii=False, allow_nan=False)
+        chars = len(text)
         with self._lock:
             self._drop(response["id"])
             self._kept[response["id"]] = Stored(response, messages, chars)

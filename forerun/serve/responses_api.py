@@ -119,7 +119,9 @@ def translate(body: dict, store: ResponseStore) -> Translated:
     chat = {
         name: body[name] for name in PASSED_ON | {"model", "temperature", "top_p", "user", "metadata"} if name in body
     }
-    history = _history(body.get("previous_response_id"), store) + messages(body.get("input"), None)
+    previous = body.get("previous_response_id")
+    given = [] if previous is not None and body.get("input") is None else messages(body.get("input"), None)
+    history = _history(previous, store) + given
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise BadRequest("instructions must be a string", "instructions")
@@ -177,14 +179,16 @@ def _history(previous: object, store: ResponseStore) -> list[dict]:
     if not isinstance(previous, str) or not previous:
         raise BadRequest("previous_response_id must be a response's id", "previous_response_id")
     stored = store.get(previous)
-    if stored is None:
+    if stored is None:  # OpenAI's status and code, which clients read to send the whole conversation instead
         raise BadRequest(
-            f"no stored response {previous[:80]!r}: never stored here (store false, or another server), deleted, or "
-            f"forgotten (this server keeps its last {store.max_responses}); send the whole conversation as input",
+            f"Previous response with id {previous[:80]!r} not found: never stored here (store false, or another "
+            f"server), deleted, or forgotten (this server keeps its last {store.max_responses}); send the whole "
+            "conversation as input",
             "previous_response_id",
-            404,
-            code="response_not_found",
+            code="previous_response_not_found",
         )
+    if stored.response["status"] == "failed":
+        raise BadRequest(f"response {previous[:80]!r} failed: it cannot be continued", "previous_response_id")
     return [dict(message) for message in stored.messages]
 
 
@@ -431,7 +435,7 @@ class Translated:
                 chunk, failure = chat_chunk(run, index, event)
                 if failure is not None:
                     yield items.error(failure)
-                    failed = self.response("failed", items.output, None, items.failed(failure))
+                    failed = self._kept(self.response("failed", items.output, None, items.failed(failure)))
                     yield items.event("response.failed", response=failed)
                     return
                 for entry in (chunk or {}).get("choices", []):

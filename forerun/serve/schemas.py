@@ -223,7 +223,9 @@ class ResponsesRequest(_VllmSampling):
 
     model_config = ConfigDict(extra="forbid")
     model: str = Field(description="the name /v1/models lists")
-    input: str | list[InputItem] = Field(description="the user's text, or the conversation's items in order")
+    input: str | list[InputItem] | None = Field(
+        None, description="the user's text, or the conversation's items in order (may be left out after a stored one)"
+    )
     instructions: str | None = Field(None, description="a system turn before the input")
     max_output_tokens: int | None = Field(
         None, ge=1, description="most tokens to generate (default: the context's room)"
@@ -252,7 +254,7 @@ class ResponsesRequest(_VllmSampling):
         None, description="a stored response (store, the default): its conversation goes before the input"
     )
     background: Literal[False] | None = None
-    conversation: None = Field(None, description="not supported: nothing is stored")
+    conversation: None = Field(None, description="not supported: name a stored response as previous_response_id")
     prompt: None = Field(None, description="not supported: no stored prompt templates")
     max_tool_calls: None = None
     top_k: int | None = Field(None, ge=-1, description="vLLM's, as in chat")

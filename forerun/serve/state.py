@@ -38,7 +38,7 @@ class ServerConfig:
     speculative_model: str | None = None  # /v1/models lists it as the served model's speculator
     spec_stats: str = "none"  # per-request speculation figures: none, summary or detailed
     reasoning_parser: str | None = None  # chat answers' <think> reasoning apart (`base.reasoning`): qwen3, deepseek_r1
-    aliases: tuple[str, ...] = ()  # other names a request may give the model (answers name served_model_name)
+    aliases: tuple[str, ...] = ()  # other names a request may give the model (its answer names it so)
 
     @property
     def model_names(self) -> tuple[str, ...]:
