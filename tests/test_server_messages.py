@@ -297,6 +297,9 @@ def test_tool_use_and_thinking_come_back_as_their_own_blocks(served) -> None:
     for kind, enabled in (("disabled", False), ("adaptive", True), ("between_tools", True)):
         read = messages_api.count_body({"model": NAME, "messages": go, "thinking": {"type": kind}})
         assert read["chat_template_kwargs"] == {"enable_thinking": enabled}
+    both = {"model": NAME, "messages": go, "max_tokens": 5, "thinking": {"type": "disabled"}}
+    both["chat_template_kwargs"] = {"flavour": "x"}  # the template's other variables beside it
+    assert messages_api.translate(both).chat["chat_template_kwargs"] == {"flavour": "x", "enable_thinking": False}
     # display "omitted": the thinking block comes back empty, whole and streamed
     hidden = {"messages": go, "max_tokens": 200, "thinking": {"type": "adaptive", "display": "omitted"}}
     hidden |= forced("<think>secret</think>shown")

@@ -119,8 +119,8 @@ def translate(body: dict) -> Translated:
     limit = body.get("max_tokens")
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise BadRequest("max_tokens is required: the most tokens to write (0: read the prompt only)", "max_tokens")
-    chat = _conversation(body)
-    chat |= {name: body[name] for name in PASSED_ON - {"stop"} if name in body}
+    chat = _conversation(body)  # chat_template_kwargs there, with `thinking`
+    chat |= {name: body[name] for name in PASSED_ON - {"stop", "chat_template_kwargs"} if name in body}
     for name in ("temperature", "top_p", "top_k"):
         if name in body:
             chat[name] = body[name]
