@@ -7,14 +7,15 @@ field, and anthropic's own client reads the answers and follows the stream."""
 from __future__ import annotations
 
 import json
-import re
 
 import anthropic
 import httpx
 import pytest
 from test_server import CONTEXT, KEY, NAME, Served
 from test_server_api import AUTH, post
+from test_server_responses import CALL_TEXT as CALL
 from test_server_responses import events as typed_events
+from test_server_responses import forced
 
 from forerun.api import LLM
 from forerun.serve import messages_api
@@ -25,7 +26,6 @@ CHAT_FLIP = {
     "type": "function",
     "function": {"name": "flip", "parameters": FLIP["input_schema"], "description": "flip a coin"},
 }
-CALL = '<tool_call>\n{"name": "flip", "arguments": {}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +43,6 @@ def ask(served, body: dict, status: int = 200, path: str = "/v1/messages", heade
 
 def events(served, body: dict) -> list[dict]:
     return typed_events(served, body, "/v1/messages")
-
-
-def forced(text: str) -> dict:
-    return {"structured_outputs": {"regex": re.escape(text)}}
 
 
 def blocks(message: dict) -> list[tuple[str, object]]:

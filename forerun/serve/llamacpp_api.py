@@ -31,7 +31,7 @@ from forerun.base.errors import ForerunError
 from forerun.models.tokenizer import NO_INFILL, valid_unicode
 from forerun.serve.inflight import InFlight
 from forerun.serve.requests import BadRequest
-from forerun.serve.responses import LOGPROB_FLOOR, error_body
+from forerun.serve.responses import error_body, floored
 from forerun.serve.scheduler import Delta, Failed
 from forerun.serve.stream import sse
 
@@ -56,6 +56,8 @@ NEUTRAL = {
 OWN = {"prompt", "n_predict", "stream", "seed", "logit_bias", "json_schema", "return_tokens", "response_fields"}
 OWN |= {"samplers", "n_cmpl", "n_probs"}
 INFILL_OWN = {"input_prefix", "input_suffix", "input_extra"}
+# The completions body's fields a refusal may name, as llama.cpp names them.
+RENAMED = {"max_tokens": "n_predict", "structured_outputs": "json_schema", "n": "n_cmpl", "logprobs": "n_probs"}
 BATCH = 2048  # llama.cpp's default batch, which its /infill fits the prefix and suffix into
 PROJECT = "myproject\n"  # the repository name llama.cpp's /infill writes
 
@@ -223,13 +225,10 @@ class Translated:
 
     def renamed(self, exc: BadRequest) -> BadRequest:
         """A refusal of the completions body in llama.cpp's names."""
-        message, param = exc.message, exc.param
-        names = {"max_tokens": "n_predict", "structured_outputs": "json_schema", "'n'": "n_cmpl", "logprobs": "n_probs"}
-        for theirs, ours in names.items():
-            message = message.replace(theirs, ours)
-        param = {"max_tokens": "n_predict", "structured_outputs": "json_schema", "n": "n_cmpl"}.get(param, param)
-        param = "n_probs" if param == "logprobs" else param
-        return BadRequest(message, param, exc.status, exc.kind, exc.code)
+        message = exc.message
+        for theirs, ours in RENAMED.items():
+            message = message.replace("'n'" if theirs == "n" else theirs, ours)  # a bare n only where quoted
+        return BadRequest(message, RENAMED.get(exc.param, exc.param), exc.status, exc.kind, exc.code)
 
     def shaped(self, completion: dict, run: InFlight) -> dict | list:
         """The whole answer in llama.cpp's shape (one per completion where n_cmpl asks for several),
@@ -285,7 +284,7 @@ class Translated:
 
     def _token(self, token_id: int, logprob: float, raw: bytes) -> dict:
         text = raw[: _whole_length(raw)].decode("utf-8", "replace")  # llama.cpp's: an unfinished character cut
-        return {"id": token_id, "token": text, "bytes": list(raw), "logprob": max(float(logprob), LOGPROB_FLOOR)}
+        return {"id": token_id, "token": text, "bytes": list(raw), "logprob": floored(logprob)}
 
     @functools.cached_property
     def prompt_text(self) -> str:

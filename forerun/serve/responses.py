@@ -297,11 +297,11 @@ class Reply:
             else:
                 token = self._piece(entry.token_id)
                 tokens.append(token)
-                token_logprobs.append(_floor(entry.logprob))
+                token_logprobs.append(floored(entry.logprob))
                 # The chosen token's logprob always among them, as OpenAI and vLLM give it: up to
                 # logprobs + 1 entries where it is not among the likeliest (sampled, or a logit bias).
-                likeliest = {self._piece(t): _floor(lp) for t, lp in entry.top}
-                top.append(likeliest | {token: likeliest.get(token, _floor(entry.logprob))})
+                likeliest = {self._piece(t): floored(lp) for t, lp in entry.top}
+                top.append(likeliest | {token: likeliest.get(token, floored(entry.logprob))})
             offsets.append(offset)
             offset += len(token)
         choice.text_offset = offset
@@ -320,7 +320,7 @@ class Reply:
     def _token(self, token_id: int, logprob: float) -> dict:
         piece = self._piece(token_id)
         raw = self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else piece.encode("utf-8", "replace")
-        return {"token": piece, "logprob": _floor(logprob), "bytes": list(raw)}
+        return {"token": piece, "logprob": floored(logprob), "bytes": list(raw)}
 
     def _piece(self, token_id: int) -> str:
         return self.tokenizer.piece(token_id) if self.tokenizer is not None else f"<{token_id}>"
@@ -382,7 +382,8 @@ def model_list(names: tuple[str, ...], created: int, max_model_len: int, specula
     }
 
 
-def _floor(logprob: float) -> float:
+def floored(logprob: float) -> float:
+    """A logprob JSON can hold: -inf (a token the model rules out) as LOGPROB_FLOOR."""
     return max(float(logprob), LOGPROB_FLOOR)
 
 
