@@ -220,6 +220,8 @@ def test_generate_takes_the_adjustments_and_writes_what_the_api_writes(folder) -
     flags = ["--presence-penalty", "0.5", "--frequency-penalty", "0.2", "--repetition-penalty", "1.2"]
     flags += ["--min-p", "0.05", "--min-tokens", "4", "--logit-bias", "7=-100", "9=2.5"]
     argv = ["generate", "--model", str(folder), "--dtype", "float32", "--prompt", "abcabcabc", "--max-tokens", "16"]
+    # the API's weights: float32 as stored (the CLI's default `auto` picks w8a8 on a CPU)
+    argv += ["--quantization", "none"]
     (line,) = _cli([*argv, "--ignore-eos", "--json", *flags, "--speculative-method", "ngram"])
     params = SamplingParams(
         max_tokens=16,

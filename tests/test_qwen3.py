@@ -17,6 +17,7 @@ from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.base.errors import ForerunError
 from forerun.engine.engine import Engine
+from forerun.models import w8a8
 from forerun.models.load import load_model
 from forerun.models.testing import TINY_VOCAB, save_hf_folder, tiny_model, tiny_tokenizer_folder
 
@@ -95,7 +96,9 @@ def test_greedy_speculation_writes_plains_text(reference, tmp_path, quantization
     target = load_model(source, dtype="float32", quantization=quantization, with_tokenizer=False)
     if quantization == "w8a8":
         want = transformers_logits(model, IDS)
-        assert (logits_of(target, IDS) - want).abs().max() < 0.05 * want.abs().max()
+        # 7-bit activations (fbgemm without VNNI) round twice as coarsely as 8-bit ones
+        bound = 0.05 * w8a8.levels(False) / w8a8.levels(w8a8.reduce_range_needed())
+        assert (logits_of(target, IDS) - want).abs().max() < bound * want.abs().max()
     params = SamplingParams(max_tokens=40)
     plain = Engine(target).generate(IDS, params).token_ids
     for method in ("suffix", "early-exit"):
