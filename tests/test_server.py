@@ -57,7 +57,12 @@ class Served:
         self.metrics = ServerMetrics(self.batch)
         self.scheduler = Scheduler(self.batch, max_waiting)
         self.scheduler.start()
-        app = create_app(llm, self.scheduler, ServerConfig(NAME, CONTEXT, api_key, **config), self.metrics)
+        app = create_app(
+            llm,
+            self.scheduler,
+            ServerConfig(NAME, CONTEXT, api_key, **{"max_num_seqs": max_num_seqs, **config}),
+            self.metrics,
+        )
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -1,8 +1,11 @@
 """vLLM's /tokenize and /detokenize over a running server: a prompt's and a chat's token ids are the
 ones the generation routes run (their usage counts as many), each token's text on request, ids back
-to text, and every bad field, model or key refused in OpenAI's error shape."""
+to text, and every bad field, model or key refused in OpenAI's error shape. llama.cpp's bodies on the
+same routes (`content`, its pieces), and its GET /props."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -57,9 +60,10 @@ def test_a_chats_tokens_are_the_ones_chat_runs(plain) -> None:
 def test_detokenize_gives_the_text_special_tokens_and_all(plain) -> None:
     tok = plain.llm.tokenizer
     ids = tok.apply_chat(CHAT)
-    assert ask(plain, "/detokenize", {"model": NAME, "tokens": ids}) == {"prompt": tok.decode(ids, False)}
+    text = tok.decode(ids, False)
+    assert ask(plain, "/detokenize", {"model": NAME, "tokens": ids}) == {"prompt": text, "content": text}
     assert ask(plain, "/detokenize", {"tokens": tok.encode("abc")})["prompt"] == "abc"
-    assert ask(plain, "/detokenize", {"tokens": []})["prompt"] == ""
+    assert ask(plain, "/detokenize", {"tokens": []})["content"] == ""
 
 
 @pytest.mark.parametrize(
@@ -80,6 +84,16 @@ def test_detokenize_gives_the_text_special_tokens_and_all(plain) -> None:
         ("/detokenize", {"tokens": [1, True]}, 400, "tokens"),
         ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),
         ("/detokenize", {"tokens": [1], "prompt": "a"}, 400, "prompt"),
+        ("/tokenize", {"content": 5}, 400, "content"),
+        ("/tokenize", {"content": "x" * (CONTEXT * 16 + 1)}, 400, "content"),
+        ("/tokenize", {"content": ["a", 1.5]}, 400, "content"),
+        ("/tokenize", {"content": [10**6]}, 400, "content"),
+        ("/tokenize", {"content": "a", "prompt": "b"}, 400, "prompt"),
+        ("/tokenize", {"content": "a", "return_token_strs": True}, 400, "return_token_strs"),
+        ("/tokenize", {"content": "a", "with_pieces": "yes"}, 400, "with_pieces"),
+        ("/tokenize", {"content": "a", "parse_special": 1}, 400, "parse_special"),
+        ("/tokenize", {"prompt": "a", "with_pieces": True}, 400, "with_pieces"),
+        ("/tokenize", {"content": "a", "model": "other"}, 404, "model"),
     ],
 )
 def test_a_bad_token_request_is_refused_naming_the_field(plain, path, body, status, param) -> None:
@@ -99,11 +113,90 @@ def test_the_token_routes_want_the_key_and_are_in_the_schema(plain) -> None:
     )
 
 
+def test_content_is_tokenized_as_llamacpp_tokenizes_it(plain) -> None:
+    tok = plain.llm.tokenizer
+    own = tok.hf.encode("abc def", add_special_tokens=False)
+    assert ask(plain, "/tokenize", {"content": "abc def"}) == {"tokens": own}
+    pieces = ask(plain, "/tokenize", {"model": NAME, "content": "abc def", "with_pieces": True})["tokens"]
+    assert [p["id"] for p in pieces] == own and "".join(p["piece"] for p in pieces) == "abc def"
+    # special tokens' text is read as them unless parse_special is false (then it is text)
+    special = tok.hf.convert_tokens_to_ids("<|im_start|>")
+    assert ask(plain, "/tokenize", {"content": "<|im_start|>ab"})["tokens"][0] == special
+    as_text = ask(plain, "/tokenize", {"content": "<|im_start|>ab", "parse_special": False})["tokens"]
+    assert special not in as_text and tok.decode(as_text, False) == "<|im_start|>ab"
+    assert ask(plain, "/tokenize", {"content": "<|im_start|>", "with_pieces": True})["tokens"] == [
+        {"id": special, "piece": "<|im_start|>"}
+    ]
+    # texts and ids joined in order; the tokenizer adds no BOS here, asked or not
+    mixed = ask(plain, "/tokenize", {"content": ["ab", 5, "c"], "add_special": True})["tokens"]
+    assert mixed == [*tok.hf.encode("ab", add_special_tokens=False), 5, *tok.hf.encode("c", add_special_tokens=False)]
+    assert ask(plain, "/tokenize", {"content": []}) == {"tokens": []}
+    # the other shape's fields left null are fields left out
+    assert ask(plain, "/tokenize", {"prompt": "ab", "with_pieces": None})["count"] == 2
+    assert ask(plain, "/tokenize", {"content": "ab", "return_token_strs": None})["tokens"] == mixed[:-2]
+
+
+def test_reading_special_tokens_as_text_leaves_the_shared_tokenizer_alone(plain) -> None:
+    """transformers' split_special_tokens is a switch on the backend every thread shares; flipping
+    it per call changed other requests' encodings meanwhile (/infill's files, parse_special)."""
+    tok = plain.llm.tokenizer
+    special = tok.hf.convert_tokens_to_ids("<|im_start|>")
+    assert special not in tok.encode_as_text("<|im_start|>ab")
+    assert tok.hf.backend_tokenizer.encode_special_tokens is False
+    assert tok.hf.encode("<|im_start|>ab", add_special_tokens=False)[0] == special
+
+
+def test_a_lone_surrogate_in_content_is_refused(plain) -> None:
+    for body in ({"content": "a\ud800"}, {"content": ["b", "a\ud800"]}):
+        raw = json.dumps(body)  # the lone surrogate as JSON's escape
+        r = httpx.post(plain.url + "/tokenize", content=raw, headers={**AUTH, "content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "content", r.text
+
+
+def test_a_piece_that_is_not_whole_utf8_is_its_bytes() -> None:
+    from test_token_bytes import _byte_level
+
+    from forerun.serve.requests import Limits
+    from forerun.serve.tokens import _llamacpp_tokens
+
+    tok = _byte_level()
+    answer = _llamacpp_tokens(tok, {"content": "a🐍", "with_pieces": True}, Limits(64, tok.vocab_size, 1 << 20))
+    pieces = json.loads(answer)["tokens"]
+    assert pieces[0]["piece"] == "a" and all(isinstance(p["piece"], list) for p in pieces[1:])
+    assert bytes(b for p in pieces[1:] for b in p["piece"]) == "🐍".encode()
+
+
+def test_serve_takes_its_slots_and_model_path_for_props() -> None:
+    from forerun.cli import build_parser
+    from forerun.commands.serve import server_config
+
+    args = build_parser().parse_args(["serve", "--model", "some/model.gguf", "--max-num-seqs", "3"])
+    config = server_config(args, 1024)
+    assert (config.max_num_seqs, config.model_path) == (3, "some/model.gguf")
+
+
+def test_props_answers_as_llamacpp_does(plain) -> None:
+    tok = plain.llm.tokenizer
+    r = httpx.get(plain.url + "/props", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    props = r.json()
+    assert props["default_generation_settings"]["n_ctx"] == CONTEXT
+    assert props["default_generation_settings"]["params"]["temperature"] == 0.8  # /completion's default
+    assert props["total_slots"] == plain.scheduler.batch.max_seqs and props["model_alias"] == NAME
+    assert props["chat_template"] == tok.template_text and props["chat_template"].startswith("{%")
+    assert props["eos_token"] == tok.hf.eos_token and props["modalities"]["vision"] is False
+    assert httpx.get(plain.url + "/props", timeout=30).status_code == 401
+    assert "/props" in httpx.get(plain.url + "/openapi.json").json()["paths"]
+
+
 def test_a_model_without_a_tokenizer_says_so(target) -> None:
     served = Served(LLM(target))
     try:
         assert "no tokenizer" in ask(served, "/tokenize", {"prompt": "a"}, 400)["error"]["message"]
         assert "no tokenizer" in ask(served, "/detokenize", {"tokens": [1]}, 400)["error"]["message"]
+        assert "no tokenizer" in ask(served, "/tokenize", {"content": "a"}, 400)["error"]["message"]
+        props = httpx.get(served.url + "/props", headers=AUTH, timeout=30).json()
+        assert props["chat_template"] == "" and props["bos_token"] == ""
     finally:
         served.stop()
 
@@ -136,3 +229,9 @@ def test_add_special_tokens_puts_bos_before_a_prompt_by_default_and_before_a_cha
     chat = tok.apply_chat(CHAT)
     assert ask(opens_with_bos, "/tokenize", {"messages": CHAT})["tokens"] == chat
     assert ask(opens_with_bos, "/tokenize", {"messages": CHAT, "add_special_tokens": True})["tokens"] == [0, *chat]
+    # llama.cpp's body: no BOS unless add_special asks for it, and then only before a text
+    bare = tok.hf.encode("ab", add_special_tokens=False)
+    assert ask(opens_with_bos, "/tokenize", {"content": "ab"})["tokens"] == bare
+    assert ask(opens_with_bos, "/tokenize", {"content": "ab", "add_special": True})["tokens"] == [0, *bare]
+    assert ask(opens_with_bos, "/tokenize", {"content": ["ab", 5], "add_special": True})["tokens"] == [0, *bare, 5]
+    assert ask(opens_with_bos, "/tokenize", {"content": [5, "ab"], "add_special": True})["tokens"] == [5, *bare]

@@ -50,3 +50,21 @@ def test_the_bytes_of_a_text_s_tokens_joined_are_its_utf8(make) -> None:
     assert "\ufffd" in [tok.piece(i) for i in ids]  # a character split over tokens: its pieces show U+FFFD
     assert b"".join(tok.token_bytes(i) for i in ids) == TEXT.encode()
     assert tok.token_bytes(tok.hf.convert_tokens_to_ids("a")) == b"a"
+
+
+def test_a_sentencepiece_pieces_space_is_kept_where_decoding_it_alone_strips_it() -> None:
+    """Llama 2's and Mistral's decoders strip a text's first space: a token's own bytes must not."""
+    from tokenizers import AddedToken, decoders, models
+    from tokenizers import Tokenizer as HFTok
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "a", "▁", "▁a", *(f"<0x{b:02X}>" for b in range(256))]
+    tok = HFTok(models.BPE({p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens([AddedToken("<s>", special=True)])
+    spm = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>"))
+    assert spm.hf.decode([3]) == "a"  # decoding alone strips the space
+    assert spm.token_bytes(3) == b" a" and spm.token_bytes(2) == b" " and spm.token_bytes(1) == b"a"
+    assert spm.token_bytes(spm.hf.convert_tokens_to_ids("<s>")) == b"<s>"

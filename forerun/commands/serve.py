@@ -235,6 +235,8 @@ def server_config(args: argparse.Namespace, context: int):
         speculative_model=args.speculative_model,
         spec_stats=args.per_request_spec_decode_stats,
         reasoning_parser=args.reasoning_parser,
+        max_num_seqs=args.max_num_seqs,
+        model_path=args.model,
     )
 
 

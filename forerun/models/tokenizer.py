@@ -40,6 +40,7 @@ TEMPLATE_SETS = frozenset(
     + ("chat_template", "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs")
 )
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece vocabulary's byte fallback
+METASPACE = "\u2581"  # SentencePiece's space
 
 
 class Tokenizer:
@@ -86,7 +87,8 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own bytes: part of a character where it holds only part of one (`piece` shows
         that as U+FFFD), so a client joins a character split over tokens (OpenAI's `bytes`). From
-        the vocabulary's byte-level alphabet or byte fallback; else the piece's UTF-8."""
+        the vocabulary's byte-level alphabet or byte fallback, or a SentencePiece piece with its ▁
+        as a space; else the piece's UTF-8."""
         raw = self.hf.convert_ids_to_tokens(int(token_id))
         if isinstance(raw, str):
             table = _byte_of_char() if self._byte_level else {}
@@ -94,7 +96,36 @@ class Tokenizer:
                 return bytes(table[c] for c in raw)
             if match := _BYTE_TOKEN.fullmatch(raw):
                 return bytes([int(match.group(1), 16)])
+            if self._metaspace and int(token_id) not in self.hf.all_special_ids:
+                return raw.replace(METASPACE, " ").encode("utf-8")  # decoding one token alone strips its space
         return self.piece(token_id).encode("utf-8")
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """`text`'s ids without BOS, special tokens' text read as plain text (a file's contents). A
+        copy of the backend made once does it: the shared one's `split_special_tokens` switch, set
+        per call, would change other threads' encodings meanwhile."""
+        backend = self._text_backend
+        if backend is None:
+            return self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+        return backend.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _text_backend(self):
+        """The backend tokenizer's copy that never reads special tokens (None: no fast backend)."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        from tokenizers import Tokenizer as Backend
+
+        copy = Backend.from_str(backend.to_str())
+        copy.encode_special_tokens = True
+        return copy
+
+    @functools.cached_property
+    def _metaspace(self) -> bool:
+        """Whether the vocabulary spells a space as SentencePiece's ▁ (its decoder turns ▁ back)."""
+        decoder = getattr(getattr(self.hf, "backend_tokenizer", None), "decoder", None)
+        return decoder is not None and METASPACE.encode() in decoder.__getstate__()
 
     @functools.cached_property
     def _byte_level(self) -> bool:
@@ -190,6 +221,14 @@ class Tokenizer:
         """Whether the chat template teaches the model to write calls as `base.tools` reads them
         (<tool_call> blocks, as Qwen's and Hermes' templates do)."""
         return CALL_OPEN in self._template_text
+
+    @property
+    def template_text(self) -> str:
+        """The chat template's source: the default one where the tokenizer names several; "" without one."""
+        template = getattr(self.hf, "chat_template", None)
+        if isinstance(template, dict):
+            template = template.get("default")
+        return template if isinstance(template, str) else ""
 
     @property
     def _template_text(self) -> str:

@@ -6,8 +6,9 @@ Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent e
 forerun/serve/responses_api.py; GET and DELETE /v1/responses/{id} for the stored ones), POST
 /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API read as a chat request, its
 errors in Anthropic's shape: forerun/serve/messages_api.py), POST /completion and /infill
-(llama.cpp's own, read as completions: forerun/serve/llamacpp_api.py), POST /tokenize and
-/detokenize (vLLM's), GET /v1/models and /v1/models/{id}, /health, /metrics (Prometheus text),
+(llama.cpp's own, read as completions: forerun/serve/llamacpp_api.py) and GET /props (llama.cpp's),
+POST /tokenize and /detokenize (vLLM's, and llama.cpp's shape), GET /v1/models and
+/v1/models/{id}, /health, /metrics (Prometheus text),
 /openapi.json and /docs. Fields are OpenAI's (checked in forerun/serve/requests.py) plus vLLM's
 (`top_k`, `ignore_eos`, ...); `n` samples share the prompt's prefill; `logprobs` are the target's
 own; with speculation each choice can carry its speculation figures in vLLM's per-request shape.
@@ -31,7 +32,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from forerun.serve import messages_api
+from forerun.serve import llamacpp_api, messages_api
 from forerun.serve.backend import LocalBackend
 from forerun.serve.generation import generation
 from forerun.serve.metrics import ServerMetrics
@@ -82,6 +83,8 @@ def app_for(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/models", routes.models, methods=["GET"], summary="the served model (and its speculator)")
     app.add_api_route("/v1/models/{model:path}", routes.model, methods=["GET"], summary="one served model, by id")
     app.add_api_route("/metrics", routes.prometheus, methods=["GET"], summary="Prometheus metrics")
+    props = "llama.cpp's: the server's context, slots, defaults, model and chat template"
+    app.add_api_route("/props", routes.props, methods=["GET"], summary=props)
     stored = "a stored Responses API response"
     app.add_api_route("/v1/responses/{response_id}", routes.stored_response, methods=["GET"], summary=stored)
     app.add_api_route("/v1/responses/{response_id}", routes.forget_response, methods=["DELETE"], summary=stored)
@@ -171,6 +174,11 @@ class _Routes:
     def _listed(self) -> dict:
         config = self.state.config
         return model_list(config.model_names, self.state.created, config.max_model_len, config.speculative_model)
+
+    async def props(self, request: HTTPRequest) -> Response:
+        if (denied := self.state.refusal(request)) is not None:
+            return denied
+        return JSONResponse(llamacpp_api.props(self.state.config, self.state.tokenizer))
 
     async def prometheus(self, request: HTTPRequest) -> Response:
         if (denied := self.state.refusal(request)) is not None:

@@ -1,6 +1,6 @@
 """llama.cpp's own completion routes (`POST /completion` and `/infill`), as its server answers them,
 over the completions route's work: the editors' code-completion plugins (llama.vim, llama.vscode)
-speak these.
+speak these. `props` answers its GET /props.
 
 A body is read into a completions body of token ids (`translate`): /completion's prompt tokenized
 as llama.cpp tokenizes it; /infill's prompt laid out as llama.cpp lays it out, the other files
@@ -26,13 +26,15 @@ import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from forerun import __version__
 from forerun.base.config import is_whole
 from forerun.base.errors import ForerunError
-from forerun.models.tokenizer import NO_INFILL, valid_unicode
+from forerun.models.tokenizer import NO_INFILL, Tokenizer, valid_unicode
 from forerun.serve.inflight import InFlight
 from forerun.serve.requests import BadRequest
 from forerun.serve.responses import error_body, floored
 from forerun.serve.scheduler import Delta, Failed
+from forerun.serve.state import ServerConfig
 from forerun.serve.stream import sse
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}  # llama.cpp's
@@ -58,8 +60,40 @@ OWN |= {"samplers", "n_cmpl", "n_probs"}
 INFILL_OWN = {"input_prefix", "input_suffix", "input_extra"}
 # The completions body's fields a refusal may name, as llama.cpp names them.
 RENAMED = {"max_tokens": "n_predict", "structured_outputs": "json_schema", "n": "n_cmpl", "logprobs": "n_probs"}
+LLAMACPP_SEED = 0xFFFFFFFF  # llama.cpp's "a random seed" (LLAMA_DEFAULT_SEED)
 BATCH = 2048  # llama.cpp's default batch, which its /infill fits the prefix and suffix into
 PROJECT = "myproject\n"  # the repository name llama.cpp's /infill writes
+
+
+def props(config: ServerConfig, tokenizer: Tokenizer | None) -> dict:
+    """llama.cpp's GET /props for this server (`config`: its ServerConfig; `tokenizer` or None): the
+    defaults /completion applies, the context, the slots (requests run at once; under Ray Serve, a
+    replica's), the model, its chat templates and tokens. forerun has no web UI, no media and no
+    sleeping, and /props and /slots cannot be changed or listed; /metrics is served."""
+    hf = getattr(tokenizer, "hf", None)
+    params = {**DEFAULTS, "n_predict": -1, "max_tokens": -1, "seed": LLAMACPP_SEED, "n_probs": 0}
+    answer = {
+        "default_generation_settings": {
+            "params": {**params, "samplers": ["top_k", "top_p", "min_p", "temperature"]},  # in llama.cpp's order
+            "n_ctx": config.max_model_len,
+        },
+        "total_slots": config.max_num_seqs,
+        "model_alias": config.served_model_name,
+        "model_path": config.model_path,
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "endpoint_slots": False,
+        "endpoint_props": False,
+        "endpoint_metrics": True,
+        "chat_template": tokenizer.template_text if tokenizer is not None else "",
+        "bos_token": getattr(hf, "bos_token", None) or "",
+        "eos_token": getattr(hf, "eos_token", None) or "",
+        "build_info": f"forerun {__version__}",
+        "is_sleeping": False,
+    }
+    named = getattr(hf, "chat_template", None)
+    if isinstance(named, dict) and isinstance(named.get("tool_use"), str):
+        answer["chat_template_tool_use"] = named["tool_use"]
+    return answer
 
 
 def fields(infill: bool) -> set[str]:
@@ -152,8 +186,7 @@ def _infill_ids(body: dict, tokenizer, max_model_len: int) -> list[int]:
         raise BadRequest(NO_INFILL, "input_suffix")
     before_gap, after_gap, middle = markers
 
-    def encode(text: str) -> list[int]:  # a file's text: special tokens' text stays text, as llama.cpp reads it
-        return tokenizer.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+    encode = tokenizer.encode_as_text  # a file's text: special tokens' text stays text, as llama.cpp reads it
 
     prefix, suffix = (encode(_text(body, name)) for name in ("input_prefix", "input_suffix"))
     prompt = tokenizer.hf.encode(_text(body, "prompt"), add_special_tokens=False)

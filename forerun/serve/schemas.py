@@ -405,6 +405,12 @@ class TokenizeRequest(BaseModel):
         description="the tokens the tokenizer puts around a text (BOS); default true for a prompt, false for messages",
     )
     return_token_strs: bool | None = Field(None, description="each token's text beside its id")
+    content: str | list[str | int] | None = Field(
+        None, description="llama.cpp's body: text, or texts and token ids in order (instead of prompt or messages)"
+    )
+    add_special: bool | None = Field(None, description="with content: BOS first where the model has one (false)")
+    parse_special: bool | None = Field(None, description="with content: special tokens' text read as them (true)")
+    with_pieces: bool | None = Field(None, description="with content: each id with its piece")
 
 
 class DetokenizeRequest(BaseModel):

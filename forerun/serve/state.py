@@ -39,6 +39,8 @@ class ServerConfig:
     spec_stats: str = "none"  # per-request speculation figures: none, summary or detailed
     reasoning_parser: str | None = None  # chat answers' <think> reasoning apart (`base.reasoning`): qwen3, deepseek_r1
     aliases: tuple[str, ...] = ()  # other names a request may give the model (its answer names it so)
+    max_num_seqs: int = 1  # requests run at once (llama.cpp's /props calls them slots)
+    model_path: str = ""  # what --model named (llama.cpp's /props shows it)
 
     @property
     def model_names(self) -> tuple[str, ...]:

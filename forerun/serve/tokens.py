@@ -1,5 +1,5 @@
-"""vLLM's /tokenize and /detokenize: a prompt's or a chat's token ids as the server would run them
-(and each token's text), and the text of token ids, with the served model's tokenizer.
+"""/tokenize and /detokenize, vLLM's and llama.cpp's: a prompt's or a chat's token ids as the server
+would run them (and each token's text), and the text of token ids, with the served model's tokenizer.
 
 /tokenize takes `prompt` (text) or `messages` (with `add_generation_prompt`,
 `continue_final_message`, `tools` and `chat_template_kwargs`, as chat takes them),
@@ -11,33 +11,55 @@ check them (`requests.check`), so a prompt that tokenizes here is the prompt a c
 run, and tokenizing runs on a worker thread, off the event loop. Anthropic's
 /v1/messages/count_tokens counts the prompt a Messages request would run the same way
 (`count_tokens_route`), answering `input_tokens` and refusing in Anthropic's shape.
+
+A /tokenize body with `content` is llama.cpp's: `content` (text, or a list of texts and token ids,
+joined in order), `add_special` (BOS where the model has one, before a content that starts with
+text; default false), `parse_special` (special tokens' text read as those tokens; default true) and
+`with_pieces`; it answers `tokens`, the ids or, with pieces, `{"id", "piece"}` each, a piece that
+is not whole UTF-8 given as its byte values, as llama.cpp's server does. The two shapes' fields do
+not mix (a null one is left out). /detokenize answers llama.cpp's `content` beside vLLM's `prompt`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
+from forerun.base.config import is_whole
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import in_vocabulary
+from forerun.models.tokenizer import Tokenizer, valid_unicode
 from forerun.serve import messages_api
-from forerun.serve.requests import BadRequest, check, flag, not_served, read_json, shown, tokenize
+from forerun.serve.requests import BadRequest, Limits, check, flag, not_served, read_json, shown, tokenize
 from forerun.serve.responses import refused
 from forerun.serve.state import ServerState
 
 CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs")  # messages' alone
 FORWARDED = ("prompt", "messages", *CHAT_ONLY)  # handed on to the generation routes' checks
 TOKENIZE_FIELDS = ("model", *FORWARDED, "add_special_tokens", "return_token_strs")
+LLAMACPP_FIELDS = ("model", "content", "add_special", "parse_special", "with_pieces")  # llama.cpp's /tokenize
+LLAMACPP_NAMES = {  # what a vLLM body says instead of each llama.cpp field
+    "content": "send prompt or messages, not both",
+    "add_special": "with prompt or messages it is add_special_tokens",
+    "parse_special": "prompt and messages read special tokens' text as those tokens",
+    "with_pieces": "with prompt or messages it is return_token_strs",
+}
 DETOKENIZE_FIELDS = ("model", "tokens")
 NO_TOKENIZER = "this model has no tokenizer: its prompts and answers are token ids already"
 
 
 async def tokenize_route(state: ServerState, http: HTTPRequest) -> Response:
-    """/tokenize: the prompt's or the messages' token ids."""
+    """/tokenize: the prompt's or the messages' token ids (vLLM's), or llama.cpp's content's."""
     try:
-        body = await _body(state, http, TOKENIZE_FIELDS)
+        body = await _body(state, http, tuple(dict.fromkeys(TOKENIZE_FIELDS + LLAMACPP_FIELDS)))
+        if body.get("content") is not None:
+            answer = await asyncio.to_thread(_llamacpp_tokens, state.tokenizer, body, state.limits)
+            return Response(answer, media_type="application/json")  # made on the worker thread: it may be long
+        if stray := next((name for name in body if name not in TOKENIZE_FIELDS and body[name] is not None), None):
+            raise BadRequest(f"{stray} is llama.cpp's, for a body with content; {LLAMACPP_NAMES[stray]}", stray)
         ids = await _token_ids(state, body)
         pieces = state.tokenizer.piece
         strs = await asyncio.to_thread(lambda: [pieces(t) for t in ids]) if flag(body, "return_token_strs") else None
@@ -75,7 +97,7 @@ async def detokenize_route(state: ServerState, http: HTTPRequest) -> Response:
         except ForerunError as exc:
             raise BadRequest(str(exc), "tokens") from None
         text = await asyncio.to_thread(state.tokenizer.decode, tokens, False)
-        return JSONResponse({"prompt": text})
+        return JSONResponse({"prompt": text, "content": text})  # vLLM's name and llama.cpp's
     except BadRequest as exc:
         state.metrics.rejected(exc.status)
         return refused(exc)
@@ -116,3 +138,50 @@ async def _token_ids(state: ServerState, body: dict) -> list[int]:
         return await asyncio.to_thread(tokenizer.hf.encode, body["prompt"], add_special_tokens=False)
     ids = (await asyncio.to_thread(tokenize, checked, tokenizer, state.limits))[0]
     return [*tokenizer.opening, *ids] if chat and special else ids
+
+
+def _llamacpp_tokens(tokenizer: Tokenizer, body: dict, limits: Limits) -> bytes:
+    """llama.cpp's /tokenize answer for `body` (its `content`, `add_special`, `parse_special`,
+    `with_pieces`), as JSON: the ids, or each id with its piece. BOS (where the model has one) only
+    before a content that starts with text, as llama.cpp's `tokenize_mixed` puts it."""
+    if stray := next((name for name in body if name not in LLAMACPP_FIELDS and body[name] is not None), None):
+        raise BadRequest(
+            f"{stray} is vLLM's: send content (llama.cpp's) or prompt or messages (vLLM's), not both", stray
+        )
+    content = body["content"]
+    parts = content if isinstance(content, list) else [content]
+    if not isinstance(content, (str, list)) or not all(isinstance(part, str) or is_whole(part) for part in parts):
+        raise BadRequest(f"content must be text or a list of texts and token ids, got {shown(content)}", "content")
+    if sum(len(part) for part in parts if isinstance(part, str)) > limits.max_prompt_chars:
+        raise BadRequest(f"content is longer than {limits.max_prompt_chars} characters", "content")
+    split = body.get("parse_special") is not None and not flag(body, "parse_special")
+    ids = list(tokenizer.opening) if flag(body, "add_special") and parts and isinstance(parts[0], str) else []
+    for part in parts:
+        if not isinstance(part, str):
+            ids.append(int(part))
+        elif split:
+            ids += tokenizer.encode_as_text(_unicode(part))
+        else:
+            ids += tokenizer.hf.encode(_unicode(part), add_special_tokens=False)
+    try:
+        ids = in_vocabulary(ids, limits.vocab_size)
+    except ForerunError as exc:
+        raise BadRequest(str(exc), "content") from None
+    if flag(body, "with_pieces"):
+        return json.dumps({"tokens": [{"id": t, "piece": _piece(tokenizer.token_bytes(t))} for t in ids]}).encode()
+    return json.dumps({"tokens": ids}).encode()
+
+
+def _piece(raw: bytes) -> str | list[int]:
+    """A token's piece as llama.cpp gives it: its text where its bytes are whole UTF-8, else the bytes."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+def _unicode(text: str) -> str:
+    try:
+        return valid_unicode(text, "content")
+    except ForerunError as exc:
+        raise BadRequest(str(exc), "content") from None
