@@ -12,6 +12,7 @@ import pytest
 from test_server import CONTEXT, NAME, Served
 from test_server_api import AUTH, post
 
+import forerun
 from forerun.api import LLM
 
 CHAT = [{"role": "user", "content": "hi there"}]
@@ -185,6 +186,7 @@ def test_props_answers_as_llamacpp_does(plain) -> None:
     assert props["total_slots"] == plain.scheduler.batch.max_seqs and props["model_alias"] == NAME
     assert props["chat_template"] == tok.template_text and props["chat_template"].startswith("{%")
     assert props["eos_token"] == tok.hf.eos_token and props["modalities"]["vision"] is False
+    assert props["build_info"] == f"forerun {forerun.__version__}"
     assert httpx.get(plain.url + "/props", timeout=30).status_code == 401
     assert "/props" in httpx.get(plain.url + "/openapi.json").json()["paths"]
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from importlib import metadata
 
-from forerun import __version__
 from forerun.base.config import is_whole
 from forerun.base.errors import ForerunError
 from forerun.models.tokenizer import NO_INFILL, Tokenizer, valid_unicode
@@ -87,13 +87,21 @@ def props(config: ServerConfig, tokenizer: Tokenizer | None) -> dict:
         "chat_template": tokenizer.template_text if tokenizer is not None else "",
         "bos_token": getattr(hf, "bos_token", None) or "",
         "eos_token": getattr(hf, "eos_token", None) or "",
-        "build_info": f"forerun {__version__}",
+        "build_info": _build_info(),
         "is_sleeping": False,
     }
     named = getattr(hf, "chat_template", None)
     if isinstance(named, dict) and isinstance(named.get("tool_use"), str):
         answer["chat_template_tool_use"] = named["tool_use"]
     return answer
+
+
+def _build_info() -> str:
+    """forerun and its installed version (llama.cpp gives its build's)."""
+    try:
+        return f"forerun {metadata.version('forerun')}"
+    except metadata.PackageNotFoundError:
+        return "forerun"
 
 
 def fields(infill: bool) -> set[str]:
