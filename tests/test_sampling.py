@@ -175,6 +175,16 @@ def test_a_temperature_below_the_epsilon_is_greedy_not_nonsense(temperature):
     assert not SamplingParams(temperature=1e-4).greedy
 
 
+@pytest.mark.parametrize("temperature", [1e30, 3.4e38, 1e39, 8.8e306])
+def test_a_temperature_past_float32_is_uniform_over_the_allowed_tokens_not_nonsense(temperature):
+    # 8.8e306 was infinity in float32, a structured output's masked -inf / inf NaN, the row NaN, and
+    # the draw a token the grammar refused (a server 500 the schema fuzzer found).
+    logits = torch.tensor([[0.1, 2.0, float("-inf"), 1.9, float("-inf")]])
+    probs = probabilities(logits, SamplingParams(temperature=temperature))
+    assert torch.allclose(probs, torch.tensor([[1 / 3, 1 / 3, 0.0, 1 / 3, 0.0]]))
+    assert int(sample(probs, make_generator(0))[0]) in (0, 1, 3)
+
+
 @pytest.mark.parametrize("top_p", [1e-46, 1e-50, 5e-324, 1e-9])
 def test_any_top_p_keeps_the_likeliest_token(top_p):
     # top_p under float32's smallest number compares as 0 and once dropped every token (NaN rows).

@@ -22,6 +22,8 @@ from forerun import native
 from forerun.base.config import SamplingParams
 from forerun.verification.grammar import Grammar
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 def one_hot(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     """ids [...] -> float32 rows [..., vocab], 1 at each id: the greedy distribution."""
@@ -98,7 +100,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return one_hot(native.argmax(logits), logits.shape[-1])
-    logits = logits / params.temperature
+    # A temperature past float32's range would become infinity there, and a masked token's -inf / inf
+    # NaN, which spoils the whole row; at float32's largest every finite logit / T is 0 all the same.
+    logits = logits / min(params.temperature, FLOAT32_MAX)
     if params.min_p > 0:  # tokens less likely than min_p x the likeliest, before top-k and top-p
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
