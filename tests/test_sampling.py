@@ -185,6 +185,15 @@ def test_a_temperature_past_float32_is_uniform_over_the_allowed_tokens_not_nonse
     assert int(sample(probs, make_generator(0))[0]) in (0, 1, 3)
 
 
+def test_a_repetition_penalty_near_zero_gives_the_repeated_tokens_the_row_not_nan():
+    from forerun.verification.sampling import adjusted
+
+    params = SamplingParams(temperature=0.5, repetition_penalty=1e-40)  # positive logits / 1e-40: +inf
+    logits = adjusted(torch.tensor([[0.5, 2.0, -1.0, 1.0]]), params, [1, 3], [()])
+    assert torch.isinf(logits[0, 1]) and torch.isinf(logits[0, 3])
+    assert torch.equal(probabilities(logits, params), torch.tensor([[0.0, 0.5, 0.0, 0.5]]))
+
+
 @pytest.mark.parametrize("top_p", [1e-46, 1e-50, 5e-324, 1e-9])
 def test_any_top_p_keeps_the_likeliest_token(top_p):
     # top_p under float32's smallest number compares as 0 and once dropped every token (NaN rows).

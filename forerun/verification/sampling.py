@@ -102,7 +102,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         return one_hot(native.argmax(logits), logits.shape[-1])
     # A temperature past float32's range would become infinity there, and a masked token's -inf / inf
     # NaN, which spoils the whole row; at float32's largest every finite logit / T is 0 all the same.
-    logits = logits / min(params.temperature, FLOAT32_MAX)
+    # A logit pushed to +inf (a repetition penalty near 0 dividing it) is float32's largest, so the
+    # softmax gives those tokens the row (inf - inf would be NaN); -inf stays -inf.
+    logits = (logits / min(params.temperature, FLOAT32_MAX)).clamp(max=FLOAT32_MAX)
     if params.min_p > 0:  # tokens less likely than min_p x the likeliest, before top-k and top-p
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
