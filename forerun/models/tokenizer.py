@@ -96,7 +96,7 @@ class Tokenizer:
                 return bytes(table[c] for c in raw)
             if match := _BYTE_TOKEN.fullmatch(raw):
                 return bytes([int(match.group(1), 16)])
-            if self._metaspace and int(token_id) not in self.hf.all_special_ids:
+            if self._metaspace and int(token_id) not in self._special_ids:
                 return raw.replace(METASPACE, " ").encode("utf-8")  # decoding one token alone strips its space
         return self.piece(token_id).encode("utf-8")
 
@@ -120,6 +120,10 @@ class Tokenizer:
         copy = Backend.from_str(backend.to_str())
         copy.encode_special_tokens = True
         return copy
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(self.hf.all_special_ids)  # transformers builds the list anew on every read
 
     @functools.cached_property
     def _metaspace(self) -> bool:

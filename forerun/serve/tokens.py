@@ -31,9 +31,9 @@ from fastapi.responses import JSONResponse, Response
 from forerun.base.config import is_whole
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import in_vocabulary
-from forerun.models.tokenizer import Tokenizer, valid_unicode
+from forerun.models.tokenizer import Tokenizer
 from forerun.serve import messages_api
-from forerun.serve.requests import BadRequest, Limits, check, flag, not_served, read_json, shown, tokenize
+from forerun.serve.requests import BadRequest, Limits, check, flag, not_served, read_json, shown, text, tokenize
 from forerun.serve.responses import refused
 from forerun.serve.state import ServerState
 
@@ -58,7 +58,7 @@ async def tokenize_route(state: ServerState, http: HTTPRequest) -> Response:
         if body.get("content") is not None:
             answer = await asyncio.to_thread(_llamacpp_tokens, state.tokenizer, body, state.limits)
             return Response(answer, media_type="application/json")  # made on the worker thread: it may be long
-        if stray := next((name for name in body if name not in TOKENIZE_FIELDS and body[name] is not None), None):
+        if stray := _stray(body, TOKENIZE_FIELDS):
             raise BadRequest(f"{stray} is llama.cpp's, for a body with content; {LLAMACPP_NAMES[stray]}", stray)
         ids = await _token_ids(state, body)
         pieces = state.tokenizer.piece
@@ -144,7 +144,7 @@ def _llamacpp_tokens(tokenizer: Tokenizer, body: dict, limits: Limits) -> bytes:
     """llama.cpp's /tokenize answer for `body` (its `content`, `add_special`, `parse_special`,
     `with_pieces`), as JSON: the ids, or each id with its piece. BOS (where the model has one) only
     before a content that starts with text, as llama.cpp's `tokenize_mixed` puts it."""
-    if stray := next((name for name in body if name not in LLAMACPP_FIELDS and body[name] is not None), None):
+    if stray := _stray(body, LLAMACPP_FIELDS):
         raise BadRequest(
             f"{stray} is vLLM's: send content (llama.cpp's) or prompt or messages (vLLM's), not both", stray
         )
@@ -160,9 +160,9 @@ def _llamacpp_tokens(tokenizer: Tokenizer, body: dict, limits: Limits) -> bytes:
         if not isinstance(part, str):
             ids.append(int(part))
         elif split:
-            ids += tokenizer.encode_as_text(_unicode(part))
+            ids += tokenizer.encode_as_text(text(part, "content", limits.max_prompt_chars))
         else:
-            ids += tokenizer.hf.encode(_unicode(part), add_special_tokens=False)
+            ids += tokenizer.hf.encode(text(part, "content", limits.max_prompt_chars), add_special_tokens=False)
     try:
         ids = in_vocabulary(ids, limits.vocab_size)
     except ForerunError as exc:
@@ -180,8 +180,6 @@ def _piece(raw: bytes) -> str | list[int]:
         return list(raw)
 
 
-def _unicode(text: str) -> str:
-    try:
-        return valid_unicode(text, "content")
-    except ForerunError as exc:
-        raise BadRequest(str(exc), "content") from None
+def _stray(body: dict, fields: tuple[str, ...]) -> str | None:
+    """The first field of `body` given (not null) that is not one of `fields`."""
+    return next((name for name in body if name not in fields and body[name] is not None), None)
