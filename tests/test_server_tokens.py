@@ -1,7 +1,8 @@
 """vLLM's /tokenize and /detokenize over a running server: a prompt's and a chat's token ids are the
 ones the generation routes run (their usage counts as many), each token's text on request, ids back
 to text, and every bad field, model or key refused in OpenAI's error shape. llama.cpp's bodies on the
-same routes (`content`, its pieces), and its GET /props."""
+same routes (`content`, its pieces), its GET /props and /apply-template, and its names for the
+OpenAI routes (without /v1)."""
 
 from __future__ import annotations
 
@@ -191,12 +192,45 @@ def test_props_answers_as_llamacpp_does(plain) -> None:
     assert "/props" in httpx.get(plain.url + "/openapi.json").json()["paths"]
 
 
+def test_apply_template_answers_the_text_a_chat_with_that_body_runs(plain) -> None:
+    tok = plain.llm.tokenizer
+    body = {"messages": CHAT, "temperature": 0.5, "max_tokens": 3}  # a chat body, sampling fields and all
+    text = ask(plain, "/apply-template", body)["prompt"]
+    assert text == tok.chat_text(CHAT) and text.endswith("<|im_start|>assistant\n")
+    assert tok.hf.encode(text, add_special_tokens=False) == ask(plain, "/tokenize", {"messages": CHAT})["tokens"]
+    turns = [*CHAT, {"role": "assistant", "content": "hel"}]
+    left_open = {"model": NAME, "messages": turns, "add_generation_prompt": False, "continue_final_message": True}
+    assert ask(plain, "/apply-template", left_open)["prompt"].endswith("assistant\nhel")
+    assert ask(plain, "/apply-template", {"messages": CHAT, "model": "other"}, 404)["error"]["param"] == "model"
+    assert ask(plain, "/apply-template", {"prompt": "a"}, 400)["error"]["message"]
+    assert ask(plain, "/apply-template", {"messages": CHAT, "tempreature": 1}, 400)["error"]["param"] == "tempreature"
+    assert ask(plain, "/apply-template", {"messages": CHAT}, 401, headers={})["error"]["code"] == "invalid_api_key"
+    assert "/apply-template" in httpx.get(plain.url + "/openapi.json").json()["paths"]
+
+
+def test_llamacpps_names_for_the_routes_answer_as_they_do_there(plain) -> None:
+    chat = {"model": NAME, "messages": CHAT, "max_tokens": 2, "temperature": 0}
+    assert post(plain, chat, "/chat/completions")["choices"] == post(plain, chat, "/v1/chat/completions")["choices"]
+    native = {"prompt": "abc", "n_predict": 2, "temperature": 0}  # /completions is its own /completion
+    assert post(plain, native, "/completions")["content"] == post(plain, native, "/completion")["content"]
+    listed = httpx.get(plain.url + "/models", headers=AUTH, timeout=30)
+    assert listed.status_code == 200 and listed.json() == httpx.get(plain.url + "/v1/models", headers=AUTH).json()
+    assert httpx.get(plain.url + "/models", timeout=30).status_code == 401
+    health = httpx.get(plain.url + "/v1/health", timeout=30)
+    assert health.status_code == 200 and health.json() == httpx.get(plain.url + "/health").json()
+    assert httpx.head(plain.url + "/v1/health", timeout=30).status_code == 200
+    assert not {"/chat/completions", "/completions", "/models"} & set(
+        httpx.get(plain.url + "/openapi.json").json()["paths"]
+    )
+
+
 def test_a_model_without_a_tokenizer_says_so(target) -> None:
     served = Served(LLM(target))
     try:
         assert "no tokenizer" in ask(served, "/tokenize", {"prompt": "a"}, 400)["error"]["message"]
         assert "no tokenizer" in ask(served, "/detokenize", {"tokens": [1]}, 400)["error"]["message"]
         assert "no tokenizer" in ask(served, "/tokenize", {"content": "a"}, 400)["error"]["message"]
+        assert "no tokenizer" in ask(served, "/apply-template", {"messages": CHAT}, 400)["error"]["message"]
         props = httpx.get(served.url + "/props", headers=AUTH, timeout=30).json()
         assert props["chat_template"] == "" and props["bos_token"] == ""
     finally:

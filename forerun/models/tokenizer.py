@@ -185,7 +185,19 @@ class Tokenizer:
         tools: Sequence[dict] | None = None,
         template_kwargs: dict | None = None,
     ) -> list[int]:
-        """The chat template's tokens for `messages`, opening the assistant's turn (`add_generation_prompt`)
+        """The chat template's tokens for `messages`: `chat_text`'s text, encoded."""
+        text = self.chat_text(messages, add_generation_prompt, continue_final, tools, template_kwargs)
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def chat_text(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final: bool = False,
+        tools: Sequence[dict] | None = None,
+        template_kwargs: dict | None = None,
+    ) -> str:
+        """The chat template's text for `messages`, opening the assistant's turn (`add_generation_prompt`)
         or, with `continue_final`, leaving the last (assistant) message open for the answer to continue;
         with `tools` ({"type": "function", "function": ...} each), the template shows the model them;
         `template_kwargs` are more of the template's variables (vLLM's chat_template_kwargs, such as
@@ -205,8 +217,7 @@ class Tokenizer:
             continue_final_message=continue_final,
             **check_template_kwargs(template_kwargs),
         )
-        text = valid_unicode(text, "the chat prompt (the messages in the chat template)")
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return valid_unicode(text, "the chat prompt (the messages in the chat template)")
 
     @property
     def shows_tools(self) -> bool:

@@ -53,7 +53,7 @@ from forerun.serve.schemas import (
     request_body,
 )
 from forerun.serve.state import ServerConfig, ServerState
-from forerun.serve.tokens import count_tokens_route, detokenize_route, tokenize_route
+from forerun.serve.tokens import apply_template_route, count_tokens_route, detokenize_route, tokenize_route
 
 log = logging.getLogger("forerun.serve.app")
 
@@ -108,9 +108,20 @@ def app_for(state: ServerState) -> FastAPI:
         ("/infill", routes.llamacpp_infill, "llama.cpp's code infilling (fill in the middle)", LlamaInfillRequest),
         ("/tokenize", routes.tokenize, "vLLM's: a prompt's or a chat's token ids", TokenizeRequest),
         ("/detokenize", routes.detokenize, "vLLM's: the text of token ids", DetokenizeRequest),
+        ("/apply-template", routes.apply_template, "llama.cpp's: a chat request's prompt text", ChatCompletionRequest),
     )
     for path, handler, said, body in posted:
         app.add_api_route(path, handler, methods=["POST"], summary=said, openapi_extra=request_body(body))
+    # llama.cpp's names for the same routes (an OpenAI client whose base URL leaves out /v1 calls them);
+    # its /completions is its own /completion.
+    for path, handler, method in (
+        ("/chat/completions", routes.chat, "POST"),
+        ("/completions", routes.llamacpp_completion, "POST"),
+        ("/models", routes.models, "GET"),
+        ("/v1/health", routes.health, "GET"),
+        ("/v1/health", routes.health, "HEAD"),
+    ):
+        app.add_api_route(path, handler, methods=[method], include_in_schema=False)
     app.openapi = partial(openapi_schema, app)
     return app
 
@@ -212,6 +223,9 @@ class _Routes:
 
     async def detokenize(self, request: HTTPRequest) -> Response:
         return await detokenize_route(self.state, request)
+
+    async def apply_template(self, request: HTTPRequest) -> Response:
+        return await apply_template_route(self.state, request)
 
     async def unknown_route(self, request: HTTPRequest, exc: StarletteHTTPException) -> Response:
         """404 and 405 in OpenAI's shape (Anthropic's on its routes), after the key (so an unknown route

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -742,20 +742,28 @@ def _tokenize_one(checked: Checked, prompt: str | list[int] | list[dict], tokeni
             "this model has no tokenizer: send prompt as a list of token ids to /v1/completions",
             "messages" if chat else "prompt",
         )
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
-    else:
-        tools = checked.tools.tools if checked.tools is not None else None
-        try:
-            options, kwargs = _template_options(checked.body, prompt), _template_kwargs(checked.body)
-            ids = tokenizer.apply_chat(prompt, *options, tools=tools, template_kwargs=kwargs)
-        except ForerunError as exc:
-            raise BadRequest(str(exc), "messages") from None
-        except Exception as exc:  # noqa: BLE001 - a template that rejects these turns
-            raise BadRequest(f"the chat template rejected these messages: {exc}", "messages") from None
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else _templated(checked, prompt, tokenizer.apply_chat)
     if not ids:
         raise BadRequest("the prompt encodes to no tokens", "prompt")
     return ids
+
+
+def chat_text(checked: Checked, tokenizer: Tokenizer) -> str:
+    """A checked chat request's prompt as text: its messages in the chat template, as it would run."""
+    return _templated(checked, checked.prompts[0], tokenizer.chat_text)
+
+
+def _templated(checked: Checked, turns: list[dict], template: Callable):
+    """`template` (the tokenizer's apply_chat or chat_text) over a chat request's turns, with its
+    options and tools; a template that rejects them a 400 naming messages."""
+    tools = checked.tools.tools if checked.tools is not None else None
+    try:
+        options, kwargs = _template_options(checked.body, turns), _template_kwargs(checked.body)
+        return template(turns, *options, tools=tools, template_kwargs=kwargs)
+    except ForerunError as exc:
+        raise BadRequest(str(exc), "messages") from None
+    except Exception as exc:  # noqa: BLE001 - a template that rejects these turns
+        raise BadRequest(f"the chat template rejected these messages: {exc}", "messages") from None
 
 
 def _prediction_ids(prediction: str, tokenizer: Tokenizer | None, limit: int) -> tuple[int, ...]:

@@ -1,5 +1,6 @@
 """/tokenize and /detokenize, vLLM's and llama.cpp's: a prompt's or a chat's token ids as the server
-would run them (and each token's text), and the text of token ids, with the served model's tokenizer.
+would run them (and each token's text), and the text of token ids, with the served model's tokenizer;
+llama.cpp's /apply-template, a chat's prompt as text.
 
 /tokenize takes `prompt` (text) or `messages` (with `add_generation_prompt`,
 `continue_final_message`, `tools` and `chat_template_kwargs`, as chat takes them),
@@ -18,6 +19,10 @@ text; default false), `parse_special` (special tokens' text read as those tokens
 `with_pieces`; it answers `tokens`, the ids or, with pieces, `{"id", "piece"}` each, a piece that
 is not whole UTF-8 given as its byte values, as llama.cpp's server does. The two shapes' fields do
 not mix (a null one is left out). /detokenize answers llama.cpp's `content` beside vLLM's `prompt`.
+
+llama.cpp's /apply-template takes a chat request's body (its sampling fields checked and left
+unused; `model` may be left out) and answers `prompt`: the text of the messages in the chat
+template, the text a chat request with that body would run.
 """
 
 from __future__ import annotations
@@ -33,7 +38,18 @@ from forerun.base.errors import ForerunError
 from forerun.base.prompts import in_vocabulary
 from forerun.models.tokenizer import Tokenizer
 from forerun.serve import messages_api
-from forerun.serve.requests import BadRequest, Limits, check, flag, not_served, read_json, shown, text, tokenize
+from forerun.serve.requests import (
+    BadRequest,
+    Limits,
+    chat_text,
+    check,
+    flag,
+    not_served,
+    read_json,
+    shown,
+    text,
+    tokenize,
+)
 from forerun.serve.responses import refused
 from forerun.serve.state import ServerState
 
@@ -98,6 +114,22 @@ async def detokenize_route(state: ServerState, http: HTTPRequest) -> Response:
             raise BadRequest(str(exc), "tokens") from None
         text = await asyncio.to_thread(state.tokenizer.decode, tokens, False)
         return JSONResponse({"prompt": text, "content": text})  # vLLM's name and llama.cpp's
+    except BadRequest as exc:
+        state.metrics.rejected(exc.status)
+        return refused(exc)
+
+
+async def apply_template_route(state: ServerState, http: HTTPRequest) -> Response:
+    """llama.cpp's /apply-template: the text a chat request with this body would run."""
+    try:
+        state.check_access(http)
+        body = await read_json(http, state.config.max_body_bytes, state.config.body_timeout)
+        if state.tokenizer is None:
+            raise BadRequest(NO_TOKENIZER, None)
+        names = state.config.model_names
+        named = body.get("model") if body.get("model") is not None else state.config.served_model_name
+        checked = check({**body, "model": named}, True, names, state.limits)
+        return JSONResponse({"prompt": await asyncio.to_thread(chat_text, checked, state.tokenizer)})
     except BadRequest as exc:
         state.metrics.rejected(exc.status)
         return refused(exc)
