@@ -7,6 +7,8 @@ OpenAI routes (without /v1)."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import httpx
 import pytest
@@ -222,6 +224,17 @@ def test_llamacpps_names_for_the_routes_answer_as_they_do_there(plain) -> None:
     assert not {"/chat/completions", "/completions", "/models"} & set(
         httpx.get(plain.url + "/openapi.json").json()["paths"]
     )
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/apply-template"])
+def test_a_client_that_hangs_up_mid_body_is_no_server_error(plain, path, caplog) -> None:
+    with socket.create_connection(("127.0.0.1", int(plain.url.rsplit(":", 1)[1])), timeout=10) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: {AUTH['Authorization']}\r\n"
+        sock.sendall((head + "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{").encode())
+        time.sleep(0.3)
+    time.sleep(0.5)  # the route reads the body to its end: the hang-up
+    assert not [r for r in caplog.records if r.name == "forerun.serve.app" and r.levelname == "ERROR"]
+    assert ask(plain, "/tokenize", {"prompt": "ab"})["count"] == 2
 
 
 def test_a_model_without_a_tokenizer_says_so(target) -> None:

@@ -34,9 +34,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from forerun.serve import llamacpp_api, messages_api
 from forerun.serve.backend import LocalBackend
-from forerun.serve.generation import generation
+from forerun.serve.generation import CLIENT_GONE, generation
 from forerun.serve.metrics import ServerMetrics
-from forerun.serve.requests import BadRequest, not_served
+from forerun.serve.requests import BadRequest, ClientGone, not_served
 from forerun.serve.responses import model_list, refused
 from forerun.serve.scheduler import Scheduler
 from forerun.serve.schemas import (
@@ -77,6 +77,7 @@ def app_for(state: ServerState) -> FastAPI:
     )
     app.add_exception_handler(StarletteHTTPException, routes.unknown_route)
     app.add_exception_handler(Exception, routes.server_error)
+    app.add_exception_handler(ClientGone, routes.client_gone)
     summary = "200 while the engine runs; 503 once it stopped or is shutting down"
     app.add_api_route("/health", routes.health, methods=["GET"], summary=summary)
     app.add_api_route("/health", routes.health, methods=["HEAD"], include_in_schema=False)  # load balancers' probes
@@ -112,8 +113,14 @@ def app_for(state: ServerState) -> FastAPI:
     )
     for path, handler, said, body in posted:
         app.add_api_route(path, handler, methods=["POST"], summary=said, openapi_extra=request_body(body))
-    # llama.cpp's names for the same routes (an OpenAI client whose base URL leaves out /v1 calls them);
-    # its /completions is its own /completion.
+    _llamacpp_names(app, routes)
+    app.openapi = partial(openapi_schema, app)
+    return app
+
+
+def _llamacpp_names(app: FastAPI, routes: _Routes) -> None:
+    """llama.cpp's names for routes served above, out of the schema: what an OpenAI client whose base
+    URL leaves out /v1 calls (its /completions is its own /completion)."""
     for path, handler, method in (
         ("/chat/completions", routes.chat, "POST"),
         ("/completions", routes.llamacpp_completion, "POST"),
@@ -122,8 +129,6 @@ def app_for(state: ServerState) -> FastAPI:
         ("/v1/health", routes.health, "HEAD"),
     ):
         app.add_api_route(path, handler, methods=[method], include_in_schema=False)
-    app.openapi = partial(openapi_schema, app)
-    return app
 
 
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # their errors in Anthropic's shape
@@ -238,6 +243,11 @@ class _Routes:
             405: f"{request.method} is not allowed on {request.url.path}",
         }.get(exc.status_code, str(exc.detail))
         return _refusal_for(request)(BadRequest(what, None, exc.status_code))
+
+    async def client_gone(self, request: HTTPRequest, exc: ClientGone) -> Response:
+        """A client that hung up mid-body (a route that reads its own body): nobody reads the answer,
+        and nothing failed."""
+        return Response(status_code=CLIENT_GONE)
 
     async def server_error(self, request: HTTPRequest, exc: Exception) -> Response:
         """A 500 in OpenAI's shape naming the exception's type; the details go to the log, not the client."""
