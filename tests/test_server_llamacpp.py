@@ -112,6 +112,10 @@ def test_an_infill_writes_what_a_completion_of_its_tokens_writes(plain, servers)
     assert sampled["content"] == post(plain, given)["choices"][0]["text"]
     settings = sampled["generation_settings"]
     assert (settings["temperature"], settings["top_k"], settings["top_p"], settings["min_p"]) == (0.8, 40, 0.95, 0.05)
+    # max_tokens is n_predict's other name, read where n_predict is left out (as llama.cpp reads it)
+    assert call(plain, "/completion", {"prompt": "abc", "max_tokens": 3, "ignore_eos": True})["tokens_predicted"] == 3
+    both = {"prompt": "abc", "n_predict": 4, "max_tokens": 2, "ignore_eos": True}
+    assert call(plain, "/completion", both)["tokens_predicted"] == 4
     # n_predict left out (llama.cpp's -1): to the end of the context
     endless = call(plain, "/completion", {"prompt": "abc", "temperature": 0, "ignore_eos": True})
     assert endless["tokens_predicted"] == CONTEXT - endless["tokens_evaluated"] and endless["stop_type"] == "limit"

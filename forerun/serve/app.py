@@ -7,14 +7,15 @@ forerun/serve/responses_api.py; GET and DELETE /v1/responses/{id} for the stored
 /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API read as a chat request, its
 errors in Anthropic's shape: forerun/serve/messages_api.py), POST /completion and /infill
 (llama.cpp's own, read as completions: forerun/serve/llamacpp_api.py) and GET /props (llama.cpp's),
-POST /tokenize and /detokenize (vLLM's, and llama.cpp's shape), GET /v1/models and
-/v1/models/{id}, /health, /metrics (Prometheus text),
-/openapi.json and /docs. Fields are OpenAI's (checked in forerun/serve/requests.py) plus vLLM's
+POST /tokenize and /detokenize (vLLM's, and llama.cpp's shape), POST /apply-template (llama.cpp's),
+GET /v1/models and /v1/models/{id}, /health, /metrics (Prometheus text), /openapi.json and /docs;
+llama.cpp's names for some of them, out of the schema (POST /chat/completions, /completions as its
+/completion, GET /models, /v1/health). Fields are OpenAI's (checked in forerun/serve/requests.py) plus vLLM's
 (`top_k`, `ignore_eos`, ...); `n` samples share the prompt's prefill; `logprobs` are the target's
 own; with speculation each choice can carry its speculation figures in vLLM's per-request shape.
 Anything wrong gets an HTTP 4xx in OpenAI's error shape naming the field, before the engine sees
-it, and is counted apart from engine failures. With an API key every route but /health,
-/openapi.json and /docs wants `Authorization: Bearer <key>` or `x-api-key: <key>` (unknown routes
+it, and is counted apart from engine failures. With an API key every route but /health (and
+/v1/health), /openapi.json and /docs wants `Authorization: Bearer <key>` or `x-api-key: <key>` (unknown routes
 too, so they reveal nothing without it).
 
 This module only wires: the handlers here are thin, the generation routes' work is in
@@ -40,6 +41,7 @@ from forerun.serve.requests import BadRequest, ClientGone, not_served
 from forerun.serve.responses import model_list, refused
 from forerun.serve.scheduler import Scheduler
 from forerun.serve.schemas import (
+    ApplyTemplateRequest,
     ChatCompletionRequest,
     CompletionRequest,
     CountTokensRequest,
@@ -109,7 +111,7 @@ def app_for(state: ServerState) -> FastAPI:
         ("/infill", routes.llamacpp_infill, "llama.cpp's code infilling (fill in the middle)", LlamaInfillRequest),
         ("/tokenize", routes.tokenize, "vLLM's: a prompt's or a chat's token ids", TokenizeRequest),
         ("/detokenize", routes.detokenize, "vLLM's: the text of token ids", DetokenizeRequest),
-        ("/apply-template", routes.apply_template, "llama.cpp's: a chat request's prompt text", ChatCompletionRequest),
+        ("/apply-template", routes.apply_template, "llama.cpp's: a chat request's prompt text", ApplyTemplateRequest),
     )
     for path, handler, said, body in posted:
         app.add_api_route(path, handler, methods=["POST"], summary=said, openapi_extra=request_body(body))
@@ -119,8 +121,9 @@ def app_for(state: ServerState) -> FastAPI:
 
 
 def _llamacpp_names(app: FastAPI, routes: _Routes) -> None:
-    """llama.cpp's names for routes served above, out of the schema: what an OpenAI client whose base
-    URL leaves out /v1 calls (its /completions is its own /completion)."""
+    """llama.cpp's names for routes served above, out of the schema: /chat/completions and /models
+    (what an OpenAI client whose base URL leaves out /v1 calls), /completions (llama.cpp's own
+    /completion, as there) and /v1/health."""
     for path, handler, method in (
         ("/chat/completions", routes.chat, "POST"),
         ("/completions", routes.llamacpp_completion, "POST"),

@@ -56,7 +56,7 @@ NEUTRAL = {
     "post_sampling_probs": (False,),
 }
 OWN = {"prompt", "n_predict", "stream", "seed", "logit_bias", "json_schema", "return_tokens", "response_fields"}
-OWN |= {"samplers", "n_cmpl", "n_probs"}
+OWN |= {"samplers", "n_cmpl", "n_probs", "max_tokens"}  # max_tokens: n_predict where that is left out
 INFILL_OWN = {"input_prefix", "input_suffix", "input_extra"}
 # The completions body's fields a refusal may name, as llama.cpp names them.
 RENAMED = {"max_tokens": "n_predict", "structured_outputs": "json_schema", "n": "n_cmpl", "logprobs": "n_probs"}
@@ -132,10 +132,11 @@ def translate(body: dict, infill: bool, model: str, tokenizer, max_model_len: in
         out["logit_bias"] = _logit_bias(body["logit_bias"])
     if body.get("json_schema") is not None:
         out["structured_outputs"] = {"json": body["json_schema"]}
-    predict = body.get("n_predict", -1)
+    named = "max_tokens" if "n_predict" not in body and "max_tokens" in body else "n_predict"  # as llama.cpp
+    predict = body.get(named, -1)
     if not is_whole(predict) or predict < -1:
         raise BadRequest(
-            f"n_predict must be a whole number >= -1 (-1: to the end of the context), got {predict!r}", "n_predict"
+            f"{named} must be a whole number >= -1 (-1: to the end of the context), got {predict!r}", named
         )
     probs = body.get("n_probs", 0)
     if not is_whole(probs) or probs < 0:

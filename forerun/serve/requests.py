@@ -748,12 +748,18 @@ def _tokenize_one(checked: Checked, prompt: str | list[int] | list[dict], tokeni
     return ids
 
 
-def chat_text(checked: Checked, tokenizer: Tokenizer) -> str:
-    """A checked chat request's prompt as text: its messages in the chat template, as it would run."""
+def chat_text(checked: Checked, tokenizer: Tokenizer, limits: Limits) -> str:
+    """A checked chat request's prompt as text: its messages in the chat template, as it would run,
+    after every check `tokenize` makes (its tools and structured output against the vocabulary)."""
+    if checked.truncate is not None:
+        raise BadRequest(
+            "truncate_prompt_tokens cuts the prompt's tokens, not its text: leave it out here", "truncate_prompt_tokens"
+        )
+    tokenize(checked, tokenizer, limits)
     return _templated(checked, checked.prompts[0], tokenizer.chat_text)
 
 
-def _templated(checked: Checked, turns: list[dict], template: Callable):
+def _templated(checked: Checked, turns: list[dict], template: Callable[..., list[int] | str]) -> list[int] | str:
     """`template` (the tokenizer's apply_chat or chat_text) over a chat request's turns, with its
     options and tools; a template that rejects them a 400 naming messages."""
     tools = checked.tools.tools if checked.tools is not None else None

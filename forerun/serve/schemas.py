@@ -340,6 +340,7 @@ class LlamaCompletionRequest(BaseModel):
     n_predict: int | None = Field(
         None, ge=-1, description="most tokens to write (-1, the default: to the context's end; 0: none)"
     )
+    max_tokens: int | None = Field(None, ge=-1, description="n_predict's other name, read where n_predict is left out")
     temperature: float | None = Field(None, ge=0, description="default 0.8")
     top_k: int | None = Field(None, ge=-1, description="default 40")
     top_p: float | None = Field(None, gt=0, le=1, description="default 0.95")
@@ -413,6 +414,12 @@ class TokenizeRequest(BaseModel):
     with_pieces: bool | None = Field(None, description="with content: each id with its piece")
 
 
+class ApplyTemplateRequest(ChatCompletionRequest):
+    """llama.cpp's /apply-template: a chat request's body, whose `model` may be left out."""
+
+    model: str | None = Field(None, description="the served model's name, or left out")
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = Field(None, description="the served model's name, or left out")
@@ -444,10 +451,11 @@ def openapi_schema(app: FastAPI) -> dict:
             LlamaInfillRequest,
             TokenizeRequest,
             DetokenizeRequest,
+            ApplyTemplateRequest,
         ):
             spec = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(spec.pop("$defs", {}))
-            generates = model in (CompletionRequest, ChatCompletionRequest)
+            generates = model in (CompletionRequest, ChatCompletionRequest, ApplyTemplateRequest)
             for name, values in NEUTRAL.items() if generates else ():  # fields taken only when they ask for nothing
                 shown = " or ".join(json.dumps(v) for v in values)
                 spec["properties"].setdefault(name, {"description": f"not supported: taken only as {shown}"})

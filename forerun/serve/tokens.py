@@ -21,8 +21,9 @@ is not whole UTF-8 given as its byte values, as llama.cpp's server does. The two
 not mix (a null one is left out). /detokenize answers llama.cpp's `content` beside vLLM's `prompt`.
 
 llama.cpp's /apply-template takes a chat request's body (its sampling fields checked and left
-unused; `model` may be left out) and answers `prompt`: the text of the messages in the chat
-template, the text a chat request with that body would run.
+unused; `model` may be left out; no `truncate_prompt_tokens`) and answers `prompt`: the text of the
+messages in the chat template, the text a chat request with that body would template, after the
+checks its tokenizing makes (tools, structured outputs).
 """
 
 from __future__ import annotations
@@ -126,10 +127,12 @@ async def apply_template_route(state: ServerState, http: HTTPRequest) -> Respons
         body = await read_json(http, state.config.max_body_bytes, state.config.body_timeout)
         if state.tokenizer is None:
             raise BadRequest(NO_TOKENIZER, None)
-        names = state.config.model_names
-        named = body.get("model") if body.get("model") is not None else state.config.served_model_name
-        checked = check({**body, "model": named}, True, names, state.limits)
-        return JSONResponse({"prompt": await asyncio.to_thread(chat_text, checked, state.tokenizer)})
+        config = state.config
+        model = body.get("model")
+        if model is not None and model not in config.model_names:
+            raise not_served(model, config.model_names)
+        checked = check({**body, "model": config.served_model_name}, True, config.model_names, state.limits)
+        return JSONResponse({"prompt": await asyncio.to_thread(chat_text, checked, state.tokenizer, state.limits)})
     except BadRequest as exc:
         state.metrics.rejected(exc.status)
         return refused(exc)
