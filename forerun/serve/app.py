@@ -10,13 +10,13 @@ errors in Anthropic's shape: forerun/serve/messages_api.py), POST /completion an
 POST /tokenize and /detokenize (vLLM's, and llama.cpp's shape), POST /apply-template (llama.cpp's),
 GET /v1/models and /v1/models/{id}, /health, /metrics (Prometheus text), /openapi.json and /docs;
 llama.cpp's names for some of them, out of the schema (POST /chat/completions, /completions as its
-/completion, GET /models, /v1/health). Fields are OpenAI's (checked in forerun/serve/requests.py) plus vLLM's
-(`top_k`, `ignore_eos`, ...); `n` samples share the prompt's prefill; `logprobs` are the target's
-own; with speculation each choice can carry its speculation figures in vLLM's per-request shape.
-Anything wrong gets an HTTP 4xx in OpenAI's error shape naming the field, before the engine sees
-it, and is counted apart from engine failures. With an API key every route but /health (and
-/v1/health), /openapi.json and /docs wants `Authorization: Bearer <key>` or `x-api-key: <key>` (unknown routes
-too, so they reveal nothing without it).
+/completion, GET /models, /v1/health). Fields are OpenAI's (checked in forerun/serve/requests.py)
+plus vLLM's (`top_k`, `ignore_eos`, ...); `n` samples share the prompt's prefill; `logprobs` are the
+target's own; with speculation each choice can carry its speculation figures in vLLM's per-request
+shape. Anything wrong gets an HTTP 4xx in OpenAI's error shape naming the field, before the engine
+sees it, and is counted apart from engine failures. With an API key every route but /health (and
+/v1/health), /openapi.json and /docs wants `Authorization: Bearer <key>` or `x-api-key: <key>`
+(unknown routes too, so they reveal nothing without it).
 
 This module only wires: the handlers here are thin, the generation routes' work is in
 forerun/serve/generation.py, the token routes' in forerun/serve/tokens.py, the state they share in

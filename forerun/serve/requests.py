@@ -686,13 +686,7 @@ def tokenize(checked: Checked, tokenizer: Tokenizer | None, limits: Limits) -> l
     model's tokens (a forced tool call's made here, and its tags' text kept where the vocabulary marks
     them special: `grammar.tool_output`). Slow for long prompts (and a first structured output): the
     server runs it on a worker thread."""
-    if checked.tools is not None and tokenizer is not None:
-        try:
-            forced, skip = grammar.tool_output(checked.tools, tokenizer)
-        except ForerunError as exc:
-            raise BadRequest(str(exc), "tools") from None
-        checked.structured = forced or checked.structured
-        checked.skip_special_tokens = checked.skip_special_tokens and skip
+    _tool_output(checked, tokenizer)
     if checked.prediction is not None:
         checked.prediction = _prediction_ids(checked.prediction, tokenizer, limits.max_model_len)
     prompts = checked.prompts
@@ -702,6 +696,23 @@ def tokenize(checked: Checked, tokenizer: Tokenizer | None, limits: Limits) -> l
             one = _tokenize_one(checked, prompt, tokenizer)
         checked.cut.append(checked.truncate is not None and len(one) > checked.truncate)
         ids.append(one[-checked.truncate :] if checked.cut[-1] else one)
+    _check_structured(checked, tokenizer, limits)
+    return ids
+
+
+def _tool_output(checked: Checked, tokenizer: Tokenizer | None) -> None:
+    """A forced tool call's structured output, made from the request's tools (`grammar.tool_output`)."""
+    if checked.tools is not None and tokenizer is not None:
+        try:
+            forced, skip = grammar.tool_output(checked.tools, tokenizer)
+        except ForerunError as exc:
+            raise BadRequest(str(exc), "tools") from None
+        checked.structured = forced or checked.structured
+        checked.skip_special_tokens = checked.skip_special_tokens and skip
+
+
+def _check_structured(checked: Checked, tokenizer: Tokenizer | None, limits: Limits) -> None:
+    """The request's structured output checked against the model's tokens (400 where it cannot be followed)."""
     if checked.structured is not None:
         name = next((name for name in STRUCTURED_FIELDS if checked.body.get(name) is not None), "tool_choice")
         try:
@@ -710,7 +721,6 @@ def tokenize(checked: Checked, tokenizer: Tokenizer | None, limits: Limits) -> l
             if checked.tools is not None and checked.tools.forced:
                 raise _faulty_tool(checked.tools, exc) from None
             raise BadRequest(f"{name}: {exc}", name) from None
-    return ids
 
 
 def _faulty_tool(tools: ToolChoice, exc: ForerunError) -> BadRequest:
@@ -750,13 +760,15 @@ def _tokenize_one(checked: Checked, prompt: str | list[int] | list[dict], tokeni
 
 def chat_text(checked: Checked, tokenizer: Tokenizer, limits: Limits) -> str:
     """A checked chat request's prompt as text: its messages in the chat template, as it would run,
-    after every check `tokenize` makes (its tools and structured output against the vocabulary)."""
+    after the checks `tokenize` makes of its tools and structured output against the vocabulary."""
     if checked.truncate is not None:
         raise BadRequest(
             "truncate_prompt_tokens cuts the prompt's tokens, not its text: leave it out here", "truncate_prompt_tokens"
         )
-    tokenize(checked, tokenizer, limits)
-    return _templated(checked, checked.prompts[0], tokenizer.chat_text)
+    _tool_output(checked, tokenizer)
+    text = _templated(checked, checked.prompts[0], tokenizer.chat_text)
+    _check_structured(checked, tokenizer, limits)
+    return text
 
 
 def _templated(checked: Checked, turns: list[dict], template: Callable[..., list[int] | str]) -> list[int] | str:

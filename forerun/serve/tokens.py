@@ -123,14 +123,8 @@ async def detokenize_route(state: ServerState, http: HTTPRequest) -> Response:
 async def apply_template_route(state: ServerState, http: HTTPRequest) -> Response:
     """llama.cpp's /apply-template: the text a chat request with this body would run."""
     try:
-        state.check_access(http)
-        body = await read_json(http, state.config.max_body_bytes, state.config.body_timeout)
-        if state.tokenizer is None:
-            raise BadRequest(NO_TOKENIZER, None)
+        body = await _body(state, http, None)  # a chat body: `check` knows its fields
         config = state.config
-        model = body.get("model")
-        if model is not None and model not in config.model_names:
-            raise not_served(model, config.model_names)
         checked = check({**body, "model": config.served_model_name}, True, config.model_names, state.limits)
         return JSONResponse({"prompt": await asyncio.to_thread(chat_text, checked, state.tokenizer, state.limits)})
     except BadRequest as exc:
@@ -138,12 +132,12 @@ async def apply_template_route(state: ServerState, http: HTTPRequest) -> Respons
         return refused(exc)
 
 
-async def _body(state: ServerState, http: HTTPRequest, fields: tuple[str, ...]) -> dict:
-    """The request's body, its key checked, no field but `fields`, the served model if one is named,
-    and a model with a tokenizer."""
+async def _body(state: ServerState, http: HTTPRequest, fields: tuple[str, ...] | None) -> dict:
+    """The request's body, its key checked, no field but `fields` (None: the route's own checks know
+    them), the served model if one is named, and a model with a tokenizer."""
     state.check_access(http)
     body = await read_json(http, state.config.max_body_bytes, state.config.body_timeout)
-    for name in body:
+    for name in body if fields is not None else ():
         if name not in fields:
             raise BadRequest(f"unknown field {shown(name)}: this route takes {', '.join(fields)}", name)
     model = body.get("model")
