@@ -24,19 +24,9 @@ constexpr int ROWS = 8;
 constexpr int HALF = 8;   // lanes a ymm holds
 
 inline int32_t ld32(const void* p) { int32_t v; memcpy(&v, p, 4); return v; }
-inline uint32_t ldu32(const void* p) { uint32_t v; memcpy(&v, p, 4); return v; }
 inline __m256i load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
 inline __m256 f16x8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 inline __m256i ones16() { return _mm256_set1_epi16(1); }
-
-// 32 bits -> 32 bytes, 0xFF where the bit is set.
-inline __m256i bit_bytes(uint32_t bits) {
-    const __m256i shuffle = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                             2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuffle);
-    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
-}
 
 // Groups 4 * part .. 4 * part + 3 of half h of a 32-input unit (part 0: the low nibbles).
 inline void quad(const uint8_t* qs, int h, int part, __m256i* w) {
@@ -47,11 +37,19 @@ inline void quad(const uint8_t* qs, int h, int part, __m256i* w) {
     }
 }
 
-// The fifth bit of those groups' weights (Q5_K, Q5_0, Q5_1), from the unit's 32-bit masks.
+// The fifth bit of those groups' weights (Q5_K, Q5_0, Q5_1), from half h of the unit's plane:
+// group g's bit g of each byte moved to bit 4 (16-bit shifts: no bit crosses into a byte's bit 4).
 inline void add_bit4_quad(const uint8_t* qh, int h, int part, __m256i* w) {
-    const __m256i sixteen = _mm256_set1_epi8(16);
-    for (int g = 0; g < 4; ++g)
-        w[g] = _mm256_or_si256(w[g], _mm256_and_si256(bit_bytes(ldu32(qh + 8 * (4 * part + g) + 4 * h)), sixteen));
+    const __m256i sixteen = _mm256_set1_epi8(16), p = load(qh + 32 * h);
+    __m256i at4[4];
+    if (part == 0) {
+        at4[0] = _mm256_slli_epi16(p, 4); at4[1] = _mm256_slli_epi16(p, 3);
+        at4[2] = _mm256_slli_epi16(p, 2); at4[3] = _mm256_slli_epi16(p, 1);
+    } else {
+        at4[0] = p; at4[1] = _mm256_srli_epi16(p, 1);
+        at4[2] = _mm256_srli_epi16(p, 2); at4[3] = _mm256_srli_epi16(p, 3);
+    }
+    for (int v = 0; v < 4; ++v) w[v] = _mm256_or_si256(w[v], _mm256_and_si256(at4[v], sixteen));
 }
 
 // Half h of a 32-input unit's 8 k-group vectors (and with `qh` their fifth bits): both quads.

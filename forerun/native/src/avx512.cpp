@@ -20,7 +20,6 @@ namespace {
 
 constexpr int ROWS = 8;   // rows per group: each group reuses the tile's unpacked weights
 
-inline uint64_t ld64(const void* p) { uint64_t v; memcpy(&v, p, 8); return v; }
 inline __m512i load(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline __m512 f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 // acc + the dot products of w with the 4 bytes (dot) or 2 int16 (dot16) at p in every lane: one
@@ -74,10 +73,18 @@ inline void nibbles(const uint8_t* qs, __m512i* w) {
     }
 }
 
+// The fifth bit from the unit's plane: group g's bit g of each byte moved to bit 4 (16-bit shifts:
+// no bit crosses into a byte's bit 4) and or-ed in (0xF8: a | (b & c)).
 inline void add_bit4(const uint8_t* qh, __m512i* w) {
-    const __m512i sixteen = _mm512_set1_epi8(16);
-    #pragma GCC unroll 8
-    for (int g = 0; g < 8; ++g) w[g] = _mm512_mask_add_epi8(w[g], (__mmask64)ld64(qh + 8 * g), w[g], sixteen);
+    const __m512i s = _mm512_set1_epi8(16), p = load(qh);
+    w[0] = _mm512_ternarylogic_epi32(w[0], _mm512_slli_epi16(p, 4), s, 0xF8);
+    w[1] = _mm512_ternarylogic_epi32(w[1], _mm512_slli_epi16(p, 3), s, 0xF8);
+    w[2] = _mm512_ternarylogic_epi32(w[2], _mm512_slli_epi16(p, 2), s, 0xF8);
+    w[3] = _mm512_ternarylogic_epi32(w[3], _mm512_slli_epi16(p, 1), s, 0xF8);
+    w[4] = _mm512_ternarylogic_epi32(w[4], p, s, 0xF8);
+    w[5] = _mm512_ternarylogic_epi32(w[5], _mm512_srli_epi16(p, 1), s, 0xF8);
+    w[6] = _mm512_ternarylogic_epi32(w[6], _mm512_srli_epi16(p, 2), s, 0xF8);
+    w[7] = _mm512_ternarylogic_epi32(w[7], _mm512_srli_epi16(p, 3), s, 0xF8);
 }
 
 // Bytes ahead of the chunk being computed that are requested from memory: one core's stream is

@@ -38,21 +38,22 @@ constexpr int GGUF_BYTES_Q4_0 = 18, GGUF_BYTES_Q4_1 = 20, GGUF_BYTES_Q5_0 = 22, 
 // Within a chunk, a "k-group vector" is 64 bytes: byte (lane * 4 + i) belongs to output lane and
 // to the 4 consecutive inputs k = 4g + i of k-group g, the operand of one 4-way integer dot product
 // per lane. Nibble vectors hold k-group g in the low nibbles and k-group g + 4 in the high ones.
-// A high-bit plane (5-bit formats) is one 64-bit word per k-group: bit (lane * 4 + i).
+// A high-bit plane (5-bit formats) is 64 bytes per 32-input unit: byte (lane * 4 + i), bit g = the
+// fifth bit of that byte's input in k-group g (one shift and mask a group on every vector path).
 //
 // Q4_K (256 inputs, 8 sub-blocks of 32):
 //   d[16] f16 | dmin[16] f16 | sc[8][16] u8 | mn[4][16][2] u8 (mins paired for 16-bit dots) |
 //   qs[8 sub-blocks][4 nibble vectors]                                             = 2368 bytes
-// Q5_K: Q4_K's chunk, then qh[8 sub-blocks][8 k-groups] u64                        = 2880 bytes
+// Q5_K: Q4_K's chunk, then qh[8 sub-blocks][64] (planes)                           = 2880 bytes
 // Q6_K (256 inputs, 16 sub-blocks of 16):
 //   d[16] f16 | sc[16][16] i8 | ql[8 units of 32][4 nibble vectors] |
 //   qh[8 units][2 vectors]: vector h, byte (lane * 4 + i), bits 2s..2s+1 = the top two bits of
 //   k-group 4h + s                                                                  = 3360 bytes
 // Q8_0 (32 inputs): d[16] f16 | q[8 k-groups] i8                                    =  544 bytes
 // Q4_0: d[16] f16 | qs[4 nibble vectors]                                            =  288 bytes
-// Q5_0: d[16] f16 | qs[4 nibble vectors] | qh[8 k-groups] u64                       =  352 bytes
+// Q5_0: d[16] f16 | qs[4 nibble vectors] | qh[64] (plane)                            =  352 bytes
 // Q4_1: d[16] f16 | m[16] f16 | qs[4 nibble vectors]                                =  320 bytes
-// Q5_1: d[16] f16 | m[16] f16 | qs[4 nibble vectors] | qh[8] u64                    =  384 bytes
+// Q5_1: d[16] f16 | m[16] f16 | qs[4 nibble vectors] | qh[64] (plane)                =  384 bytes
 namespace q4k { constexpr int D = 0, DMIN = 32, SC = 64, MN = 192, QS = 320, QH = 2368, BYTES = 2368; }
 namespace q5k { constexpr int BYTES = 2880; }
 namespace q6k { constexpr int D = 0, SC = 32, QL = 288, QH = 2336, BYTES = 3360; }

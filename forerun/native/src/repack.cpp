@@ -239,15 +239,15 @@ void put_nibbles(uint8_t* dst, const Decoded* lanes, int offset) {
             }
 }
 
-// The bit-4 plane of 32 inputs of 16 lanes: 8 words of 64 bits.
+// The bit-4 plane of 32 inputs of 16 lanes: 64 bytes, bit g of byte (lane * 4 + i) from k-group g.
 void put_bit4(uint8_t* dst, const Decoded* lanes, int offset) {
-    for (int g = 0; g < 8; ++g) {
-        uint64_t word = 0;
-        for (int lane = 0; lane < LANES; ++lane)
-            for (int i = 0; i < 4; ++i)
-                if (lanes[lane].q[offset + 4 * g + i] & 0x10) word |= (uint64_t)1 << (lane * 4 + i);
-        memcpy(dst + 8 * g, &word, 8);
-    }
+    for (int lane = 0; lane < LANES; ++lane)
+        for (int i = 0; i < 4; ++i) {
+            uint8_t byte = 0;
+            for (int g = 0; g < 8; ++g)
+                if (lanes[lane].q[offset + 4 * g + i] & 0x10) byte |= (uint8_t)(1 << g);
+            dst[lane * 4 + i] = byte;
+        }
 }
 
 void put_f16s(uint8_t* dst, const Decoded* lanes, bool second) {

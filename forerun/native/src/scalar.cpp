@@ -22,7 +22,6 @@ int8_t to_level(float v) {
 }
 
 uint16_t rd16(const uint8_t* p) { uint16_t v; memcpy(&v, p, 2); return v; }
-uint64_t rd64(const uint8_t* p) { uint64_t v; memcpy(&v, p, 8); return v; }
 
 // The stored (unsigned) 4-bit value of input k (0..31) of a 32-input unit's nibble vectors.
 int nibble(const uint8_t* qs, int lane, int k) {
@@ -31,7 +30,7 @@ int nibble(const uint8_t* qs, int lane, int k) {
 }
 
 int bit4(const uint8_t* qh, int lane, int k) {
-    return (int)((rd64(qh + 8 * (k / 4)) >> (lane * 4 + k % 4)) & 1) << 4;
+    return ((qh[lane * 4 + k % 4] >> (k / 4)) & 1) << 4;
 }
 
 float f16(const uint8_t* base, int lane) { return f16_to_f32(rd16(base + 2 * lane)); }
