@@ -257,6 +257,14 @@ def test_the_key_and_client_mistakes_are_refused_as_forerun_serve_refuses_them(c
     assert counter(cluster.metrics(), "forerun:request_rejected_total", "ingress") >= 3
 
 
+def test_slots_number_both_replicas_lanes_on(cluster) -> None:
+    r = httpx.get(cluster.url + "/slots", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    lanes = r.json()
+    assert [lane["id"] for lane in lanes] == list(range(16))  # two replicas of 8 lanes (--max-num-seqs)
+    assert all(lane["speculative"] and lane["params"]["speculative.n_max"] == 5 for lane in lanes)
+
+
 def test_requests_go_to_the_replica_their_key_prefers_and_spread_over_both(cluster) -> None:
     replicas = cluster.wait_replicas(2)
     before = cluster.settled_metrics()

@@ -6,8 +6,9 @@ published since it last asked; its suffix drafter then drafts from them (forerun
 So a question answered on one replica drafts from that answer on every other. The memory is bounded
 in tokens, oldest out first; a replica that starts (or restarts) takes all that is kept.
 
-Metrics: each replica pushes its Prometheus text every second; the ingress merges them at its
-/metrics with a `replica` label (forerun/cluster/metrics.py). A report not renewed for GAUGE_TTL
+Metrics: each replica pushes its Prometheus text every second, and its lanes (GET /slots); the
+ingress merges the texts at its /metrics with a `replica` label (forerun/cluster/metrics.py) and
+numbers the lanes on from one replica to the next. A report not renewed for GAUGE_TTL
 seconds (a replica gone) loses its gauges (its running and waiting requests, which would otherwise
 count as load no replica carries); one not renewed for REPORT_TTL seconds is dropped.
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import collections
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 REPORT_TTL = 120.0  # seconds a replica's last counters stay after it stopped reporting
 GAUGE_TTL = 5.0  # seconds its last gauges stay (it reports every second)
@@ -66,6 +67,7 @@ class Report:
     text: str  # the replica's Prometheus text
     busy: int = 0  # its requests running or waiting
     draining: bool = False  # it heard of the shutdown
+    slots: list = field(default_factory=list)  # its lanes (forerun/serve/scheduler.Slot), for GET /slots
 
 
 class Hub:
@@ -88,10 +90,17 @@ class Hub:
         seq, fresh = self.answers.since(reader, seq)
         return (self.epoch, seq), fresh
 
-    async def report(self, replica: str, text: str, busy: int = 0, draining: bool = False) -> float | None:
-        """A replica's metrics and state; the grace it should drain with once the app is stopping."""
-        self.reports[replica] = Report(time.monotonic(), text, busy, draining)
+    async def report(
+        self, replica: str, text: str, busy: int = 0, draining: bool = False, slots: list | None = None
+    ) -> float | None:
+        """A replica's metrics, state and lanes; the grace it should drain with once the app is stopping."""
+        self.reports[replica] = Report(time.monotonic(), text, busy, draining, slots or [])
         return self.grace
+
+    async def slots(self) -> dict[str, list]:
+        """The lanes of every replica that reported within GAUGE_TTL seconds, by replica."""
+        now = time.monotonic()
+        return {r: report.slots for r, report in sorted(self.reports.items()) if now - report.when < GAUGE_TTL}
 
     async def live(self, within_s: float) -> list[str]:
         """The replicas that reported within the last `within_s` seconds."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 
 from fastapi import FastAPI
@@ -27,7 +28,7 @@ from forerun.cluster.metrics import IngressMetrics
 from forerun.commands.serve import server_config
 from forerun.serve.app import app_for
 from forerun.serve.backend import Backend
-from forerun.serve.scheduler import Delta, Event, Failed, Request
+from forerun.serve.scheduler import Delta, Event, Failed, Request, Slot
 from forerun.serve.state import ServerState
 
 log = logging.getLogger("forerun.cluster.ingress")
@@ -100,6 +101,17 @@ class ReplicaBackend(Backend):
         except Exception as exc:  # noqa: BLE001 - the hub restarting: the ingress's own series only
             log.warning("forerun: the hub did not answer for /metrics: %s: %s", type(exc).__name__, exc)
         return self._metrics.merged(reports)
+
+    async def slots(self) -> list[Slot] | None:
+        """Every replica's lanes as each last reported them (within a second or so), numbered on from
+        one replica to the next in the replicas' name order; None when the hub does not answer."""
+        try:
+            reported = await asyncio.wait_for(self.hub.slots.remote(), HUB_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - the hub restarting: unknown now
+            log.warning("forerun: the hub did not answer for /slots: %s: %s", type(exc).__name__, exc)
+            return None
+        lanes = [slot for replica in sorted(reported) for slot in reported[replica]]
+        return [dataclasses.replace(slot, id=number) for number, slot in enumerate(lanes)]
 
     async def _relay(self, job: Job, group: list[Request], started: asyncio.Future, whole: bool) -> None:
         """Run `job` on a replica, again on another while nothing of it reached the client."""

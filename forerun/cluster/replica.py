@@ -152,7 +152,7 @@ class EngineReplica:
             await asyncio.sleep(ANSWERS_PERIOD)
 
     async def _report_metrics(self) -> None:
-        """Every METRICS_PERIOD: this replica's metrics and state to the hub; once the app is
+        """Every METRICS_PERIOD: this replica's metrics, state and lanes to the hub; once the app is
         stopping (the hub says with what grace), the scheduler drains as `forerun serve`'s does."""
         metrics, scheduler = self.engine.metrics, self.engine.scheduler
         while True:
@@ -160,7 +160,8 @@ class EngineReplica:
             metrics.set_queue(running, waiting)
             try:
                 text = metrics.render()[0].decode()
-                self.hear(await self.hub.report.remote(self.name, text, running + waiting, scheduler.draining))
+                busy, slots = running + waiting, scheduler.slots()
+                self.hear(await self.hub.report.remote(self.name, text, busy, scheduler.draining, slots))
             except Exception as exc:  # noqa: BLE001 - the hub restarting: report again later
                 log.warning("forerun: could not report metrics to the hub: %s", exc)
             await asyncio.sleep(DRAINING_PERIOD if scheduler.draining else METRICS_PERIOD)

@@ -237,6 +237,7 @@ def server_config(args: argparse.Namespace, context: int):
         reasoning_parser=args.reasoning_parser,
         max_num_seqs=args.max_num_seqs,
         model_path=args.model,
+        speculative_tokens=args.num_speculative_tokens if args.speculative_method or args.speculative_model else 0,
     )
 
 

@@ -6,7 +6,7 @@ Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent e
 forerun/serve/responses_api.py; GET and DELETE /v1/responses/{id} for the stored ones), POST
 /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API read as a chat request, its
 errors in Anthropic's shape: forerun/serve/messages_api.py), POST /completion and /infill
-(llama.cpp's own, read as completions: forerun/serve/llamacpp_api.py) and GET /props (llama.cpp's),
+(llama.cpp's own, read as completions: forerun/serve/llamacpp_api.py), GET /props and /slots (llama.cpp's),
 POST /tokenize and /detokenize (vLLM's, and llama.cpp's shape), POST /apply-template (llama.cpp's),
 GET /v1/models and /v1/models/{id}, /health, /metrics (Prometheus text), /openapi.json and /docs;
 llama.cpp's names for some of them, out of the schema (POST /chat/completions, /completions as its
@@ -88,6 +88,9 @@ def app_for(state: ServerState) -> FastAPI:
     app.add_api_route("/metrics", routes.prometheus, methods=["GET"], summary="Prometheus metrics")
     props = "llama.cpp's: the server's context, slots, defaults, model and chat template"
     app.add_api_route("/props", routes.props, methods=["GET"], summary=props)
+    slots = "llama.cpp's: each slot (a lane of the batch) and the request it runs"
+    app.add_api_route("/slots", routes.slots, methods=["GET"], summary=slots)
+    app.add_api_route("/slots/{slot_id}", routes.slot_action, methods=["POST"], include_in_schema=False)
     stored = "a stored Responses API response"
     app.add_api_route("/v1/responses/{response_id}", routes.stored_response, methods=["GET"], summary=stored)
     app.add_api_route("/v1/responses/{response_id}", routes.forget_response, methods=["DELETE"], summary=stored)
@@ -198,6 +201,35 @@ class _Routes:
         if (denied := self.state.refusal(request)) is not None:
             return denied
         return JSONResponse(llamacpp_api.props(self.state.config, self.state.tokenizer))
+
+    async def slots(self, request: HTTPRequest) -> Response:
+        """GET /slots: every lane and the request it runs, as llama.cpp gives them; with a non-empty
+        `fail_on_no_slot`, 503 while no lane is idle (llama.cpp's)."""
+        if (denied := self.state.refusal(request)) is not None:
+            return denied
+        slots = await self.state.backend.slots()
+        if slots is None:
+            why = "the replicas' slots are unknown now: the hub did not answer; try again in a few seconds"
+            return self._unavailable(BadRequest(why, None, 503, "server_error", "hub_unavailable"))
+        if request.query_params.get("fail_on_no_slot") and all(slot.task is not None for slot in slots):
+            busy = BadRequest("no slot available", None, 503, "unavailable_error", "no_slot_available")
+            return self._unavailable(busy)
+        return JSONResponse([llamacpp_api.slot_entry(slot, self.state.config) for slot in slots])
+
+    async def slot_action(self, request: HTTPRequest, slot_id: str) -> Response:
+        """POST /slots/{id} (llama.cpp's save, restore and erase of a slot's cache): not done here."""
+        if (denied := self.state.refusal(request)) is not None:
+            return denied
+        self.state.metrics.rejected(501)
+        why = (
+            "forerun does not save, restore or erase a slot's cache: its prefix cache keeps and reuses "
+            "prompts by itself; send the request again and its cached prefix is reused"
+        )
+        return refused(BadRequest(why, None, 501, "not_supported_error", "not_supported"))
+
+    def _unavailable(self, exc: BadRequest) -> Response:
+        self.state.metrics.rejected(503)
+        return refused(exc)
 
     async def prometheus(self, request: HTTPRequest) -> Response:
         if (denied := self.state.refusal(request)) is not None:

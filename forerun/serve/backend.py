@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from forerun.base.errors import ForerunError
 from forerun.serve.metrics import ServerMetrics
 from forerun.serve.requests import BadRequest
-from forerun.serve.scheduler import EngineStopped, QueueFull, Request, Scheduler, ShuttingDown, TooManySamples
+from forerun.serve.scheduler import EngineStopped, QueueFull, Request, Scheduler, ShuttingDown, Slot, TooManySamples
 
 
 class Backend(ABC):
@@ -36,6 +36,11 @@ class Backend(ABC):
     @abstractmethod
     async def metrics(self) -> tuple[bytes, str]:
         """/metrics' body and content type (Prometheus text)."""
+
+    @abstractmethod
+    async def slots(self) -> list[Slot] | None:
+        """Every lane, numbered from 0, with the request running there (GET /slots); None when
+        that cannot be known now."""
 
 
 def refusal(exc: ForerunError) -> BadRequest:
@@ -75,3 +80,6 @@ class LocalBackend(Backend):
     async def metrics(self) -> tuple[bytes, str]:
         self._metrics.set_queue(*self.scheduler.counts())
         return self._metrics.render()
+
+    async def slots(self) -> list[Slot] | None:
+        return self.scheduler.slots()

@@ -1,6 +1,6 @@
 """llama.cpp's own completion routes (`POST /completion` and `/infill`), as its server answers them,
 over the completions route's work: the editors' code-completion plugins (llama.vim, llama.vscode)
-speak these. `props` answers its GET /props.
+speak these. `props` answers its GET /props, `slot_entry` a lane of its GET /slots.
 
 A body is read into a completions body of token ids (`translate`): /completion's prompt tokenized
 as llama.cpp tokenizes it; /infill's prompt laid out as llama.cpp lays it out, the other files
@@ -27,13 +27,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from importlib import metadata
 
-from forerun.base.config import is_whole
+from forerun.base.config import SamplingParams, is_whole
 from forerun.base.errors import ForerunError
 from forerun.models.tokenizer import NO_INFILL, Tokenizer, valid_unicode
 from forerun.serve.inflight import InFlight
 from forerun.serve.requests import BadRequest
 from forerun.serve.responses import error_body, floored
-from forerun.serve.scheduler import Delta, Failed
+from forerun.serve.scheduler import Delta, Failed, Slot
 from forerun.serve.state import ServerConfig
 from forerun.serve.stream import sse
 
@@ -65,23 +65,22 @@ BATCH = 2048  # llama.cpp's default batch, which its /infill fits the prefix and
 PROJECT = "myproject\n"  # the repository name llama.cpp's /infill writes
 
 
+SAMPLERS = ["top_k", "top_p", "min_p", "temperature"]  # forerun's, in llama.cpp's order
+
+
 def props(config: ServerConfig, tokenizer: Tokenizer | None) -> dict:
     """llama.cpp's GET /props for this server (`config`: its ServerConfig; `tokenizer` or None): the
     defaults /completion applies, the context, the slots (requests run at once; under Ray Serve, a
     replica's), the model, its chat templates and tokens. forerun has no web UI, no media and no
-    sleeping, and /props and /slots cannot be changed or listed; /metrics is served."""
+    sleeping, and /props cannot be changed; /slots and /metrics are served."""
     hf = getattr(tokenizer, "hf", None)
-    params = {**DEFAULTS, "n_predict": -1, "max_tokens": -1, "seed": LLAMACPP_SEED, "n_probs": 0}
     answer = {
-        "default_generation_settings": {
-            "params": {**params, "samplers": ["top_k", "top_p", "min_p", "temperature"]},  # in llama.cpp's order
-            "n_ctx": config.max_model_len,
-        },
+        "default_generation_settings": {"params": _default_params(), "n_ctx": config.max_model_len},
         "total_slots": config.max_num_seqs,
         "model_alias": config.served_model_name,
         "model_path": config.model_path,
         "modalities": {"vision": False, "video": False, "audio": False},
-        "endpoint_slots": False,
+        "endpoint_slots": True,
         "endpoint_props": False,
         "endpoint_metrics": True,
         "chat_template": tokenizer.template_text if tokenizer is not None else "",
@@ -94,6 +93,55 @@ def props(config: ServerConfig, tokenizer: Tokenizer | None) -> dict:
     if isinstance(named, dict) and isinstance(named.get("tool_use"), str):
         answer["chat_template_tool_use"] = named["tool_use"]
     return answer
+
+
+def slot_entry(slot: Slot, config: ServerConfig) -> dict:
+    """One lane as llama.cpp's GET /slots gives it: the request running there (`id_task` its id, its
+    sampling parameters, the tokens it has sent and may still send), or an idle lane with the
+    defaults /completion applies (`id_task` -1)."""
+    p, running = slot.params, slot.task is not None
+    params = _default_params() if p is None else _request_params(p)
+    return {
+        "id": slot.id,
+        "id_task": slot.task if running else -1,
+        "n_ctx": config.max_model_len,
+        "speculative": config.speculative_tokens > 0,
+        "is_processing": running,
+        "params": params | {"speculative.n_max": config.speculative_tokens, "speculative.n_min": 0},
+        "next_token": {
+            "has_next_token": running,
+            "has_new_line": slot.new_line,
+            "n_remain": max(p.max_tokens - slot.decoded, 0) if p is not None else -1,
+            "n_decoded": slot.decoded,
+        },
+    }
+
+
+def _default_params() -> dict:
+    """The sampling settings /completion applies where a request leaves them out (llama.cpp's)."""
+    params = {**DEFAULTS, "n_predict": -1, "max_tokens": -1, "seed": LLAMACPP_SEED, "n_probs": 0}
+    return params | {"samplers": SAMPLERS}
+
+
+def _request_params(p: SamplingParams) -> dict:
+    """A running request's sampling settings in llama.cpp's names (a sampler that is off at its
+    neutral value: top_k 0, top_p 1, min_p 0)."""
+    return {
+        "n_predict": p.max_tokens,
+        "max_tokens": p.max_tokens,
+        "seed": p.seed if p.seed is not None else LLAMACPP_SEED,
+        "temperature": p.temperature,
+        "top_k": max(p.top_k, 0),
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "repeat_penalty": p.repetition_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "ignore_eos": p.ignore_eos,
+        "n_probs": p.logprobs or 0,
+        "stop": list(p.stop),
+        "samplers": SAMPLERS,
+    }
 
 
 def _build_info() -> str:

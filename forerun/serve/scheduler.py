@@ -84,9 +84,23 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     like: Request | None = None  # the group's first request, whose prefill this one may share
     prompt_only: bool = False  # echo with max_tokens 0: its one token scores the prompt; the answer leaves it out
+    slot: int | None = None  # its lane's number while it runs: the lowest free when it started (GET /slots)
+    decoded: int = 0  # tokens sent so far
+    new_line: bool = False  # whether the text sent so far has a line break
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A lane as llama.cpp's GET /slots shows it: the request running there, if any."""
+
+    id: int
+    task: int | None = None  # the running request's id; None: the lane is idle
+    params: SamplingParams | None = None  # the running request's
+    decoded: int = 0  # tokens it has sent
+    new_line: bool = False  # whether its text so far has a line break
 
 
 # While requests decode, a step's pass carries prompt rows costing this many one-row passes (the
@@ -224,6 +238,15 @@ class Scheduler:
             self._waiting.extend(requests)
             self._cond.notify()
 
+    def slots(self) -> list[Slot]:
+        """Every lane by number, with the request running there (a cancelled one left out)."""
+        with self._cond:
+            taken = {r.slot: r for r in self._running.values() if r.slot is not None and not r.cancelled.is_set()}
+        return [
+            Slot(i, r.id, r.params, r.decoded, r.new_line) if (r := taken.get(i)) is not None else Slot(i)
+            for i in range(self.batch.max_seqs)
+        ]
+
     def counts(self) -> tuple[int, int]:
         """(running, waiting) requests, cancelled ones left out."""
         with self._cond:
@@ -250,6 +273,8 @@ class Scheduler:
                 open_lanes = self.batch.max_seqs - len(self._running)
                 admitted = [self._waiting.popleft() for _ in range(min(open_lanes, len(self._waiting)))]
                 for r in admitted:
+                    used = {running.slot for running in self._running.values()}
+                    r.slot = next(i for i in itertools.count() if i not in used)
                     self._running[r.id] = r
                 if admitted or self._running or not wait:
                     return admitted
@@ -435,7 +460,11 @@ class Scheduler:
 
 
 def _emit(request: Request, event: Event) -> None:
-    """Hand `event` on; a receiver that fails (its loop closed) cancels its own request only."""
+    """Hand `event` on (a Delta's tokens counted for GET /slots); a receiver that fails (its loop
+    closed) cancels its own request only."""
+    if isinstance(event, Delta):
+        request.decoded += len(event.token_ids)
+        request.new_line = request.new_line or "\n" in event.text
     try:
         request.on_event(request, event)
     except Exception:  # noqa: BLE001

@@ -41,6 +41,7 @@ class ServerConfig:
     aliases: tuple[str, ...] = ()  # other names a request may give the model (its answer names it so)
     max_num_seqs: int = 1  # requests run at once (llama.cpp's /props calls them slots)
     model_path: str = ""  # what --model named (llama.cpp's /props shows it)
+    speculative_tokens: int = 0  # the most tokens a step drafts; 0: no speculation (llama.cpp's /slots)
 
     @property
     def model_names(self) -> tuple[str, ...]:
