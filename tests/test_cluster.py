@@ -258,11 +258,18 @@ def test_the_key_and_client_mistakes_are_refused_as_forerun_serve_refuses_them(c
 
 
 def test_slots_number_both_replicas_lanes_on(cluster) -> None:
-    r = httpx.get(cluster.url + "/slots", headers=AUTH, timeout=30)
-    assert r.status_code == 200, r.text
-    lanes = r.json()
+    deadline = time.monotonic() + 10  # both replicas' last reports within the hub's five seconds
+    while True:
+        r = httpx.get(cluster.url + "/slots", headers=AUTH, timeout=30)
+        assert r.status_code == 200, r.text
+        lanes = r.json()
+        if len(lanes) == 16 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert [lane["id"] for lane in lanes] == list(range(16))  # two replicas of 8 lanes (--max-num-seqs)
     assert all(lane["speculative"] and lane["params"]["speculative.n_max"] == 5 for lane in lanes)
+    props = httpx.get(cluster.url + "/props", headers=AUTH, timeout=30).json()
+    assert props["total_slots"] == 16
 
 
 def test_requests_go_to_the_replica_their_key_prefers_and_spread_over_both(cluster) -> None:

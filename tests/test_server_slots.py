@@ -20,7 +20,8 @@ from forerun.api import LLM
 from forerun.base.config import SamplingParams
 from forerun.engine.batch import BatchEngine
 from forerun.engine.engine import Engine
-from forerun.serve.scheduler import Delta, Request, Scheduler, Slot
+from forerun.serve.backend import LocalBackend
+from forerun.serve.scheduler import Delta, Request, Scheduler, Slot, _emit
 
 STEP_S = 0.03  # a step of the slow engine: a request of 300 tokens runs about nine seconds
 
@@ -56,7 +57,8 @@ def test_idle_slots_show_every_lane_with_the_completion_defaults(idle) -> None:
         assert {k: v for k, v in lane["params"].items() if not k.startswith("speculative.")} == (
             props["default_generation_settings"]["params"]
         )
-        assert lane["next_token"] == {"has_next_token": False, "has_new_line": False, "n_remain": -1, "n_decoded": 0}
+        idle_token = {"has_next_token": False, "has_new_line": False, "n_remain": -1, "n_decoded": 0}
+        assert lane["next_token"] == [idle_token] and lane["n_prompt_tokens"] == 0
     assert slots(idle, "?fail_on_no_slot=1") == lanes  # a lane is idle: no 503
     assert httpx.get(idle.url + "/slots", timeout=30).status_code == 401
     assert "/slots" in httpx.get(idle.url + "/openapi.json").json()["paths"]
@@ -75,10 +77,13 @@ def test_a_running_request_shows_in_its_slot_and_leaves_it_when_its_client_goes(
             assert lane["is_processing"] is True and lane["id_task"] >= 0
             params = lane["params"]
             assert (params["temperature"], params["top_k"], params["seed"], params["n_predict"]) == (0.5, 7, 3, 300)
-            sent = lane["next_token"]["n_decoded"]
-            assert 1 <= sent < 300 and lane["next_token"]["n_remain"] == 300 - sent
+            assert lane["n_prompt_tokens"] == first["tokens_evaluated"] > 0
+            (token,) = lane["next_token"]
+            assert 1 <= token["n_decoded"] < 300 and token["n_remain"] == 300 - token["n_decoded"]
             busy = slots(served, "?fail_on_no_slot=1", 503)["error"]
             assert busy["type"] == "unavailable_error" and busy["message"] == "no slot available"
+            metrics = httpx.get(served.url + "/metrics", headers=AUTH, timeout=30).text
+            assert 'status="503"' not in metrics  # polling a busy server is no rejected request
             assert slots(served, "?fail_on_no_slot=")[0]["is_processing"] is True  # empty: not asked
         deadline = time.monotonic() + 5  # the client left: cancelled at the next step, long before its end
         while slots(served)[0]["is_processing"] and time.monotonic() < deadline:
@@ -98,15 +103,21 @@ def test_a_request_takes_the_lowest_free_lane_and_counts_what_it_sent(target_tok
     scheduler._waiting.append(requests[3])
     assert [r.slot for r in scheduler._admit(wait=False)] == [1]
     requests[2].cancel()  # a cancelled request is not shown in its lane
-    from forerun.serve import scheduler as scheduler_module
-
-    scheduler_module._emit(requests[3], Delta("x\ny", [5, 6]))
-    scheduler_module._emit(requests[3], Delta("z", [7]))
+    _emit(requests[3], Delta("x\ny", [5, 6]))
+    _emit(requests[3], Delta("z", [7]))
     assert scheduler.slots() == [
-        Slot(0, requests[0].id, requests[0].params),
-        Slot(1, requests[3].id, requests[3].params, decoded=3, new_line=True),
+        Slot(0, requests[0].id, requests[0].params, prompt_tokens=2),
+        Slot(1, requests[3].id, requests[3].params, decoded=3, new_line=True, prompt_tokens=2),
         Slot(2),
     ]
+
+
+def test_a_replica_sends_its_lanes_without_their_requests_bulky_settings() -> None:
+    params = SamplingParams(temperature=0.5, prediction="x" * 10_000, logit_bias={3: 1.0}, stop=["\n"])
+    light = Slot(0, 7, params, decoded=4, prompt_tokens=9).light()
+    assert light.params.prediction is None and light.params.logit_bias == ()
+    assert (light.params.temperature, light.params.stop, light.decoded, light.prompt_tokens) == (0.5, ("\n",), 4, 9)
+    assert Slot(1).light() == Slot(1)
 
 
 def test_a_speculating_server_says_so_in_every_lane(target_tok) -> None:
@@ -118,13 +129,21 @@ def test_a_speculating_server_says_so_in_every_lane(target_tok) -> None:
 
     assert drafted() == 0 and drafted("--speculative-model", "d") == 5
     assert drafted("--speculative-method", "suffix", "--num-speculative-tokens", "3") == 3
-    llm = LLM(target_tok, speculative_method="suffix", num_speculative_tokens=4)
-    served = Served(llm, max_num_seqs=1, speculative_tokens=4)
+    served = Served(LLM(target_tok), max_num_seqs=1, speculative_tokens=4)
     try:
         (lane,) = slots(served)
         assert lane["speculative"] is True and lane["params"]["speculative.n_max"] == 4
     finally:
         served.stop()
+
+
+def test_slots_not_known_now_are_a_503_that_says_so(idle, monkeypatch) -> None:
+    async def unknown(self):
+        return None
+
+    monkeypatch.setattr(LocalBackend, "slots", unknown)
+    error = slots(idle, "", 503)["error"]
+    assert error["code"] == "hub_unavailable" and "try again" in error["message"]
 
 
 def test_saving_restoring_or_erasing_a_slot_is_refused_as_not_done(idle) -> None:

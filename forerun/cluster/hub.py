@@ -23,6 +23,10 @@ import collections
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from forerun.serve.scheduler import Slot
 
 REPORT_TTL = 120.0  # seconds a replica's last counters stay after it stopped reporting
 GAUGE_TTL = 5.0  # seconds its last gauges stay (it reports every second)
@@ -67,7 +71,7 @@ class Report:
     text: str  # the replica's Prometheus text
     busy: int = 0  # its requests running or waiting
     draining: bool = False  # it heard of the shutdown
-    slots: list = field(default_factory=list)  # its lanes (forerun/serve/scheduler.Slot), for GET /slots
+    slots: list[Slot] = field(default_factory=list)  # its lanes, for GET /slots
 
 
 class Hub:
@@ -91,13 +95,13 @@ class Hub:
         return (self.epoch, seq), fresh
 
     async def report(
-        self, replica: str, text: str, busy: int = 0, draining: bool = False, slots: list | None = None
+        self, replica: str, text: str, busy: int = 0, draining: bool = False, slots: list[Slot] | None = None
     ) -> float | None:
         """A replica's metrics, state and lanes; the grace it should drain with once the app is stopping."""
         self.reports[replica] = Report(time.monotonic(), text, busy, draining, slots or [])
         return self.grace
 
-    async def slots(self) -> dict[str, list]:
+    async def slots(self) -> dict[str, list[Slot]]:
         """The lanes of every replica that reported within GAUGE_TTL seconds, by replica."""
         now = time.monotonic()
         return {r: report.slots for r, report in sorted(self.reports.items()) if now - report.when < GAUGE_TTL}

@@ -160,7 +160,7 @@ class EngineReplica:
             metrics.set_queue(running, waiting)
             try:
                 text = metrics.render()[0].decode()
-                busy, slots = running + waiting, scheduler.slots()
+                busy, slots = running + waiting, [slot.light() for slot in scheduler.slots()]
                 self.hear(await self.hub.report.remote(self.name, text, busy, scheduler.draining, slots))
             except Exception as exc:  # noqa: BLE001 - the hub restarting: report again later
                 log.warning("forerun: could not report metrics to the hub: %s", exc)

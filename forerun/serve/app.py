@@ -200,20 +200,22 @@ class _Routes:
     async def props(self, request: HTTPRequest) -> Response:
         if (denied := self.state.refusal(request)) is not None:
             return denied
-        return JSONResponse(llamacpp_api.props(self.state.config, self.state.tokenizer))
+        answer = llamacpp_api.props(self.state.config, self.state.tokenizer)
+        slots = await self.state.backend.slots()  # under Ray Serve, every replica's lanes
+        return JSONResponse(answer | ({"total_slots": len(slots)} if slots else {}))
 
     async def slots(self, request: HTTPRequest) -> Response:
         """GET /slots: every lane and the request it runs, as llama.cpp gives them; with a non-empty
         `fail_on_no_slot`, 503 while no lane is idle (llama.cpp's)."""
         if (denied := self.state.refusal(request)) is not None:
             return denied
+        # Neither 503 counts as a rejected request: a balancer may poll fail_on_no_slot many times a second.
         slots = await self.state.backend.slots()
         if slots is None:
             why = "the replicas' slots are unknown now: the hub did not answer; try again in a few seconds"
-            return self._unavailable(BadRequest(why, None, 503, "server_error", "hub_unavailable"))
+            return refused(BadRequest(why, None, 503, "server_error", "hub_unavailable"))
         if request.query_params.get("fail_on_no_slot") and all(slot.task is not None for slot in slots):
-            busy = BadRequest("no slot available", None, 503, "unavailable_error", "no_slot_available")
-            return self._unavailable(busy)
+            return refused(BadRequest("no slot available", None, 503, "unavailable_error", "no_slot_available"))
         return JSONResponse([llamacpp_api.slot_entry(slot, self.state.config) for slot in slots])
 
     async def slot_action(self, request: HTTPRequest, slot_id: str) -> Response:
@@ -226,10 +228,6 @@ class _Routes:
             "prompts by itself; send the request again and its cached prefix is reused"
         )
         return refused(BadRequest(why, None, 501, "not_supported_error", "not_supported"))
-
-    def _unavailable(self, exc: BadRequest) -> Response:
-        self.state.metrics.rejected(503)
-        return refused(exc)
 
     async def prometheus(self, request: HTTPRequest) -> Response:
         if (denied := self.state.refusal(request)) is not None:

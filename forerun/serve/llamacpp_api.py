@@ -1,23 +1,24 @@
 """llama.cpp's own completion routes (`POST /completion` and `/infill`), as its server answers them,
 over the completions route's work: the editors' code-completion plugins (llama.vim, llama.vscode)
-speak these. `props` answers its GET /props, `slot_entry` a lane of its GET /slots.
+speak these.
 
-A body is read into a completions body of token ids (`translate`): /completion's prompt tokenized
-as llama.cpp tokenizes it; /infill's prompt laid out as llama.cpp lays it out, the other files
-(`input_extra`) first under the repository-level markers where the vocabulary has them, then
-`[FIM_PRE] prefix prompt [FIM_SUF] suffix [FIM_MID]`, each side cut to fit as llama.cpp cuts it.
-llama.cpp's sampling defaults apply where a field is left out (temperature 0.8, top_k 40, top_p
-0.95, min_p 0.05), and `n_predict` -1 (its default) writes to the end of the context. The
-completions route's checks and engine then run it, so speculation drafts these answers too. The
-answer comes back in llama.cpp's shape (`content`, `stop`, `stop_type`, `tokens_predicted`,
-`timings`, ...), filtered by `response_fields`, or streamed as its `data:` chunks ending in one
-with `stop: true`; `n_probs` adds each token's `completion_probabilities` (the target's log
-probabilities before sampling). Fields of llama.cpp's that ask for something forerun does not do
-are refused by name. `samplers` says which of temperature, top_k, top_p and min_p apply (a sampler left out is
-off, as in llama.cpp; forerun applies them in its own order, and has no `infill` sampler); a few
-fields are taken and ignored: `model`, `cache_prompt` and `id_slot` (llama.cpp's cache and slots),
-`t_max_prompt_ms`, `t_max_predict_ms` and `n_indent` (its time and indentation limits: an answer
-here runs to its own end, `n_predict` or a stop), `n_keep`. A null field is a field left out.
+`props` answers llama.cpp's GET /props, `slot_entry` a lane of its GET /slots. A body is read into a
+completions body of token ids (`translate`): /completion's prompt tokenized as llama.cpp tokenizes
+it; /infill's prompt laid out as llama.cpp lays it out, the other files (`input_extra`) first under
+the repository-level markers where the vocabulary has them, then `[FIM_PRE] prefix prompt [FIM_SUF]
+suffix [FIM_MID]`, each side cut to fit as llama.cpp cuts it. llama.cpp's sampling defaults apply
+where a field is left out (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05), and `n_predict` -1
+(its default) writes to the end of the context. The completions route's checks and engine then run
+it, so speculation drafts these answers too. The answer comes back in llama.cpp's shape (`content`,
+`stop`, `stop_type`, `tokens_predicted`, `timings`, ...), filtered by `response_fields`, or streamed
+as its `data:` chunks ending in one with `stop: true`; `n_probs` adds each token's
+`completion_probabilities` (the target's log probabilities before sampling). Fields of llama.cpp's
+that ask for something forerun does not do are refused by name. `samplers` says which of
+temperature, top_k, top_p and min_p apply (a sampler left out is off, as in llama.cpp; forerun
+applies them in its own order, and has no `infill` sampler); a few fields are taken and ignored:
+`model`, `cache_prompt` and `id_slot` (llama.cpp's cache and slots), `t_max_prompt_ms`,
+`t_max_predict_ms` and `n_indent` (its time and indentation limits: an answer here runs to its own
+end, `n_predict` or a stop), `n_keep`. A null field is a field left out.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from forerun.serve.stream import sse
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}  # llama.cpp's
 PASSED_ON = {"temperature", "top_k", "top_p", "min_p", "stop", "ignore_eos"}
 OFF = {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0}  # a sampler `samplers` leaves out
+SAMPLERS = ["top_k", "top_p", "min_p", "temperature"]  # forerun's, in llama.cpp's order
 # Taken and ignored: the model's name, llama.cpp's cache and slots, its time and indentation limits.
 IGNORED = {"model", "cache_prompt", "id_slot", "t_max_prompt_ms", "t_max_predict_ms", "n_indent", "n_keep"}
 # Taken where they ask for nothing (llama.cpp's neutral values).
@@ -65,14 +67,11 @@ BATCH = 2048  # llama.cpp's default batch, which its /infill fits the prefix and
 PROJECT = "myproject\n"  # the repository name llama.cpp's /infill writes
 
 
-SAMPLERS = ["top_k", "top_p", "min_p", "temperature"]  # forerun's, in llama.cpp's order
-
-
 def props(config: ServerConfig, tokenizer: Tokenizer | None) -> dict:
     """llama.cpp's GET /props for this server (`config`: its ServerConfig; `tokenizer` or None): the
-    defaults /completion applies, the context, the slots (requests run at once; under Ray Serve, a
-    replica's), the model, its chat templates and tokens. forerun has no web UI, no media and no
-    sleeping, and /props cannot be changed; /slots and /metrics are served."""
+    defaults /completion applies, the context, the slots (requests run at once; under Ray Serve the
+    route counts every replica's), the model, its chat templates and tokens. forerun has no web UI,
+    no media and no sleeping, and /props cannot be changed; /slots and /metrics are served."""
     hf = getattr(tokenizer, "hf", None)
     answer = {
         "default_generation_settings": {"params": _default_params(), "n_ctx": config.max_model_len},
@@ -96,9 +95,10 @@ def props(config: ServerConfig, tokenizer: Tokenizer | None) -> dict:
 
 
 def slot_entry(slot: Slot, config: ServerConfig) -> dict:
-    """One lane as llama.cpp's GET /slots gives it: the request running there (`id_task` its id, its
-    sampling parameters, the tokens it has sent and may still send), or an idle lane with the
-    defaults /completion applies (`id_task` -1)."""
+    """One lane as llama.cpp's GET /slots gives it: the request running there (`id_task` its id; under
+    Ray Serve the replica's own number for it, which another replica's lane may share), its prompt's
+    length, its sampling parameters, the tokens it has sent and may still send; or an idle lane with
+    the defaults /completion applies (`id_task` -1)."""
     p, running = slot.params, slot.task is not None
     params = _default_params() if p is None else _request_params(p)
     return {
@@ -108,19 +108,23 @@ def slot_entry(slot: Slot, config: ServerConfig) -> dict:
         "speculative": config.speculative_tokens > 0,
         "is_processing": running,
         "params": params | {"speculative.n_max": config.speculative_tokens, "speculative.n_min": 0},
-        "next_token": {
-            "has_next_token": running,
-            "has_new_line": slot.new_line,
-            "n_remain": max(p.max_tokens - slot.decoded, 0) if p is not None else -1,
-            "n_decoded": slot.decoded,
-        },
+        "n_prompt_tokens": slot.prompt_tokens,
+        "next_token": [  # one entry a slot, as llama.cpp gives it
+            {
+                "has_next_token": running,
+                "has_new_line": slot.new_line,
+                "n_remain": max(p.max_tokens - slot.decoded, 0) if p is not None else -1,
+                "n_decoded": slot.decoded,
+            }
+        ],
     }
 
 
 def _default_params() -> dict:
     """The sampling settings /completion applies where a request leaves them out (llama.cpp's)."""
     params = {**DEFAULTS, "n_predict": -1, "max_tokens": -1, "seed": LLAMACPP_SEED, "n_probs": 0}
-    return params | {"samplers": SAMPLERS}
+    neutral = {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "ignore_eos": False}
+    return params | neutral | {"stop": [], "samplers": SAMPLERS}
 
 
 def _request_params(p: SamplingParams) -> dict:

@@ -37,6 +37,7 @@ while that one still prefills, it copies its prefill once done instead of runnin
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -101,6 +102,15 @@ class Slot:
     params: SamplingParams | None = None  # the running request's
     decoded: int = 0  # tokens it has sent
     new_line: bool = False  # whether its text so far has a line break
+    prompt_tokens: int = 0  # its prompt's length
+
+    def light(self) -> Slot:
+        """This lane with its request's bulky settings left out (a prediction's text, a schema, logit
+        biases): what a replica sends the hub every second."""
+        if self.params is None:
+            return self
+        params = dataclasses.replace(self.params, prediction=None, structured_outputs=None, logit_bias=())
+        return dataclasses.replace(self, params=params)
 
 
 # While requests decode, a step's pass carries prompt rows costing this many one-row passes (the
@@ -243,7 +253,9 @@ class Scheduler:
         with self._cond:
             taken = {r.slot: r for r in self._running.values() if r.slot is not None and not r.cancelled.is_set()}
         return [
-            Slot(i, r.id, r.params, r.decoded, r.new_line) if (r := taken.get(i)) is not None else Slot(i)
+            Slot(i, r.id, r.params, r.decoded, r.new_line, len(r.prompt_ids))
+            if (r := taken.get(i)) is not None
+            else Slot(i)
             for i in range(self.batch.max_seqs)
         ]
 

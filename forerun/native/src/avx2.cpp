@@ -104,8 +104,8 @@ inline __m256i scale_pairs(__m256i sc32) {
 }
 
 // One row of Q4_K takes both halves of a tile in one pass over its blocks, so that its inputs are
-// broadcast once for sixteen outputs (0.82x the time here; Q5_K so took twice its time, the code
-// GCC made for it spilling); more rows take a half at a time (their sums fill the registers).
+// broadcast once for sixteen outputs (0.80x the time here, run 158; Q5_K so took twice its time,
+// the code GCC made for it spilling); more rows take a half at a time (their sums fill the registers).
 template <int R, bool FIVE>
 void tile_q4k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
     constexpr int CB = FIVE ? q5k::BYTES : q4k::BYTES, HS = R == 1 && !FIVE ? 2 : 1;

@@ -51,9 +51,9 @@ constexpr int GGUF_BYTES_Q4_0 = 18, GGUF_BYTES_Q4_1 = 20, GGUF_BYTES_Q5_0 = 22, 
 //   k-group 4h + s                                                                  = 3360 bytes
 // Q8_0 (32 inputs): d[16] f16 | q[8 k-groups] i8                                    =  544 bytes
 // Q4_0: d[16] f16 | qs[4 nibble vectors]                                            =  288 bytes
-// Q5_0: d[16] f16 | qs[4 nibble vectors] | qh[64] (plane)                            =  352 bytes
+// Q5_0: d[16] f16 | qs[4 nibble vectors] | qh[64] (plane)                           =  352 bytes
 // Q4_1: d[16] f16 | m[16] f16 | qs[4 nibble vectors]                                =  320 bytes
-// Q5_1: d[16] f16 | m[16] f16 | qs[4 nibble vectors] | qh[64] (plane)                =  384 bytes
+// Q5_1: d[16] f16 | m[16] f16 | qs[4 nibble vectors] | qh[64] (plane)               =  384 bytes
 namespace q4k { constexpr int D = 0, DMIN = 32, SC = 64, MN = 192, QS = 320, QH = 2368, BYTES = 2368; }
 namespace q5k { constexpr int BYTES = 2880; }
 namespace q6k { constexpr int D = 0, SC = 32, QL = 288, QH = 2336, BYTES = 3360; }
