@@ -103,8 +103,9 @@ class ReplicaBackend(Backend):
         return self._metrics.merged(reports)
 
     async def slots(self) -> list[Slot] | None:
-        """Every replica's lanes as each last reported them (within a second or so), numbered on from
-        one replica to the next in the replicas' name order; None when the hub does not answer."""
+        """Every replica's lanes as each last reported them (every second; a replica silent for the
+        hub's GAUGE_TTL seconds left out), numbered on from one replica to the next in the replicas'
+        name order; None when the hub does not answer."""
         try:
             reported = await asyncio.wait_for(self.hub.slots.remote(), HUB_WAIT_S)
         except Exception as exc:  # noqa: BLE001 - the hub restarting: unknown now
