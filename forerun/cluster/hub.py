@@ -104,7 +104,7 @@ class Hub:
     async def slots(self) -> dict[str, list[Slot]]:
         """The lanes of every replica that reported within GAUGE_TTL seconds, by replica."""
         now = time.monotonic()
-        return {r: report.slots for r, report in sorted(self.reports.items()) if now - report.when < GAUGE_TTL}
+        return {r: report.slots for r, report in self.reports.items() if now - report.when < GAUGE_TTL}
 
     async def live(self, within_s: float) -> list[str]:
         """The replicas that reported within the last `within_s` seconds."""

@@ -200,9 +200,9 @@ class _Routes:
     async def props(self, request: HTTPRequest) -> Response:
         if (denied := self.state.refusal(request)) is not None:
             return denied
-        answer = llamacpp_api.props(self.state.config, self.state.tokenizer)
         slots = await self.state.backend.slots()  # under Ray Serve, every replica's lanes
-        return JSONResponse(answer | ({"total_slots": len(slots)} if slots else {}))
+        total = len(slots) if slots else self.state.config.max_num_seqs
+        return JSONResponse(llamacpp_api.props(self.state.config, self.state.tokenizer, total))
 
     async def slots(self, request: HTTPRequest) -> Response:
         """GET /slots: every lane and the request it runs, as llama.cpp gives them; with a non-empty

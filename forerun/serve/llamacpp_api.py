@@ -67,15 +67,15 @@ BATCH = 2048  # llama.cpp's default batch, which its /infill fits the prefix and
 PROJECT = "myproject\n"  # the repository name llama.cpp's /infill writes
 
 
-def props(config: ServerConfig, tokenizer: Tokenizer | None) -> dict:
+def props(config: ServerConfig, tokenizer: Tokenizer | None, total_slots: int) -> dict:
     """llama.cpp's GET /props for this server (`config`: its ServerConfig; `tokenizer` or None): the
-    defaults /completion applies, the context, the slots (requests run at once; under Ray Serve the
-    route counts every replica's), the model, its chat templates and tokens. forerun has no web UI,
+    defaults /completion applies, the context, the slots (`total_slots`: requests run at once, under
+    Ray Serve every replica's), the model, its chat templates and tokens. forerun has no web UI,
     no media and no sleeping, and /props cannot be changed; /slots and /metrics are served."""
     hf = getattr(tokenizer, "hf", None)
     answer = {
         "default_generation_settings": {"params": _default_params(), "n_ctx": config.max_model_len},
-        "total_slots": config.max_num_seqs,
+        "total_slots": total_slots,
         "model_alias": config.served_model_name,
         "model_path": config.model_path,
         "modalities": {"vision": False, "video": False, "audio": False},

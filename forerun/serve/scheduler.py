@@ -284,9 +284,10 @@ class Scheduler:
                     return self._drained()
                 open_lanes = self.batch.max_seqs - len(self._running)
                 admitted = [self._waiting.popleft() for _ in range(min(open_lanes, len(self._waiting)))]
+                used = {running.slot for running in self._running.values()}
                 for r in admitted:
-                    used = {running.slot for running in self._running.values()}
                     r.slot = next(i for i in itertools.count() if i not in used)
+                    used.add(r.slot)
                     self._running[r.id] = r
                 if admitted or self._running or not wait:
                     return admitted
