@@ -103,12 +103,18 @@ inline __m256i scale_pairs(__m256i sc32) {
     return _mm256_or_si256(_mm256_and_si256(sc32, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc32, 16));
 }
 
-// One row of Q4_K takes both halves of a tile in one pass over its blocks, so that its inputs are
-// broadcast once for sixteen outputs (0.80x the time here, run 158; Q5_K so took twice its time,
-// the code GCC made for it spilling); more rows take a half at a time (their sums fill the registers).
+// The tile kernels are never inlined: inlined into the dispatcher below, GCC compiled the legacy
+// formats' one to four rows into code 1.4-1.8x slower (Q4_0, Q4_1 and Q5_0; run 160), and which
+// kernels it inlined changed with edits elsewhere in this file.
+#define FR_TILE __attribute__((noinline))
+
+// One or two rows of Q4_K take both halves of a tile in one pass over its blocks, so that their
+// inputs are broadcast once for sixteen outputs (one row 0.80x the time here, run 158; two rows
+// 0.94x, run 160; Q5_K so took twice its time, the code GCC made for it spilling); more rows take a
+// half at a time (their sums fill the registers: three or four rows so were slower).
 template <int R, bool FIVE>
-void tile_q4k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
-    constexpr int CB = FIVE ? q5k::BYTES : q4k::BYTES, HS = R == 1 && !FIVE ? 2 : 1;
+FR_TILE void tile_q4k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
+    constexpr int CB = FIVE ? q5k::BYTES : q4k::BYTES, HS = R <= 2 && !FIVE ? 2 : 1;
     for (int h0 = 0; h0 < 2; h0 += HS) {
         __m256 acc[HS][R];
         for (int i = 0; i < HS * R; ++i) acc[i / R][i % R] = _mm256_setzero_ps();
@@ -160,7 +166,7 @@ void tile_q4k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o
 }
 
 template <int R>
-void tile_q6k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
+FR_TILE void tile_q6k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
     const __m256i top = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h) {
         __m256 acc[R];
@@ -213,7 +219,7 @@ void tile_q6k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o
 }
 
 template <int R, int TYPE>
-void tile_legacy(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
+FR_TILE void tile_legacy(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
     constexpr bool HAS_M = TYPE == Q4_1 || TYPE == Q5_1, FIVE = TYPE == Q5_0 || TYPE == Q5_1;
     constexpr int CB = TYPE == Q8_0 ? q8_0::BYTES : TYPE == Q4_0 ? q4_0::BYTES : TYPE == Q5_0 ? q5_0::BYTES
                      : TYPE == Q4_1 ? q4_1::BYTES : q5_1::BYTES;
