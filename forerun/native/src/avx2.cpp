@@ -110,7 +110,7 @@ inline __m256i scale_pairs(__m256i sc32) {
 
 // One or two rows of Q4_K take both halves of a tile in one pass over its blocks, so that their
 // inputs are broadcast once for sixteen outputs (one row 0.80x the time here, run 158; two rows
-// 0.94x, run 160; Q5_K so took twice its time, the code GCC made for it spilling); more rows take a
+// 0.93x, run 160; Q5_K so took twice its time, the code GCC made for it spilling); more rows take a
 // half at a time (their sums fill the registers: three or four rows so were slower).
 template <int R, bool FIVE>
 FR_TILE void tile_q4k(const uint8_t* tile, int64_t blocks, const ActRow* a, const Out& o) {
