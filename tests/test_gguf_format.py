@@ -454,10 +454,9 @@ def test_a_masked_or_batched_forward_keeps_the_pytorch_path(model, monkeypatch) 
     assert calls == []
 
 
-@pytest.mark.parametrize("kv", ["float32", "float16"])
-def test_every_path_computes_a_whole_forward_to_the_same_bits(model, monkeypatch, kv) -> None:
-    # 50 cached slots: a span of 32 keys scored sixteen at a time, then a part span key by key.
-    decoder = model.decoder
+def assert_every_path_forwards_to_the_same_bits(decoder, monkeypatch, kv: str, cached: int) -> None:
+    """A prompt of `cached` tokens, then a tree verified over it, on every path the CPU has: the
+    logits and the cache each path leaves equal the scalar path's bit for bit."""
     monkeypatch.setattr(decoder, "kv_cache_dtype", kv)
     prepared = native_layer.prepare(decoder)
     logits, caches = {}, {}
@@ -466,15 +465,37 @@ def test_every_path_computes_a_whole_forward_to_the_same_bits(model, monkeypatch
         monkeypatch.setattr(decoder, "_native", prepared)
         monkeypatch.setattr(decoder.lm_head, "kernel", path)
         tree = DraftTree([5, 6, 7, 8], [-1, 0, 1, 0])
-        cache = caches[path] = decoder.new_cache(60)
-        decoder(torch.arange(3, 53), torch.arange(50), cache)
+        cache = caches[path] = decoder.new_cache(cached + 10)
+        decoder(torch.arange(cached) % 50 + 3, torch.arange(cached), cache)
         logits[path] = decoder(
-            torch.tensor([4] + tree.tokens), tree.positions(50), cache, layout=row_layout(tree, 50)
+            torch.tensor([4] + tree.tokens), tree.positions(cached), cache, layout=row_layout(tree, cached)
         ).logits[0]
     assert caches["scalar"].k.dtype == getattr(torch, kv)
     for path, value in logits.items():
         assert torch.equal(value, logits["scalar"]), path
         assert torch.equal(caches[path].k, caches["scalar"].k) and torch.equal(caches[path].v, caches["scalar"].v)
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_every_path_computes_a_whole_forward_to_the_same_bits(model, monkeypatch, kv) -> None:
+    # 50 cached slots: a span of 32 keys scored sixteen at a time, then a part span key by key.
+    assert_every_path_forwards_to_the_same_bits(model.decoder, monkeypatch, kv, 50)
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+@pytest.mark.parametrize("heads,head_dim", [(12, 128), (14, 48)])
+def test_every_path_weighs_wide_head_groups_over_a_long_cache_to_the_same_bits(
+    home: Path, monkeypatch, kv, heads, head_dim
+) -> None:
+    # Six or seven query heads to a key/value head (each path weighs its own number of heads at
+    # once: six and one, four and three...), over 150 cached slots: several blocks of values, rows
+    # requested ahead, a part block at the end; 48 wide heads have no whole multiple of the columns
+    # a path weighs together.
+    sizes = dict(hidden_size=128, intermediate_size=256, num_heads=heads, num_kv_heads=2, head_dim=head_dim)
+    path = write_gguf(tiny_model(seed=13, num_layers=2, **sizes), home / f"wide{heads}.gguf", quant="Q8_0")
+    model = load_model(str(path), with_tokenizer=False, quantization="gguf")
+    assert model.decoder._native_layers() is not None
+    assert_every_path_forwards_to_the_same_bits(model.decoder, monkeypatch, kv, 150)
 
 
 def test_auto_keeps_a_float16_cache_where_the_native_layers_run(model, monkeypatch) -> None:

@@ -422,6 +422,8 @@ void silu_mul(float* gate, const float* up, int64_t n) {
     }
     for (; i < n; ++i) gate[i] = silu_mul_fr(gate[i], up[i]);
 }
+// Six heads' sums over 16 columns each: 12 of the 16 ymm registers, the rest for a value row and p.
+constexpr int WEIGH_HEADS = 6, WEIGH_SUMS = 6;
 #define FR_QUANTIZE quantize_avx2
 #define FR_MATMUL matmul_avx2
 #include "layer_impl.h"

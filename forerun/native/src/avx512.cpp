@@ -507,6 +507,8 @@ void silu_mul(float* gate, const float* up, int64_t n) {
     }
     for (; i < n; ++i) gate[i] = silu_mul_fr(gate[i], up[i]);
 }
+// Eight 16-lane sums: 8 of the 32 zmm registers.
+constexpr int WEIGH_HEADS = 4, WEIGH_SUMS = 8;
 #define FR_QUANTIZE quantize_avx512
 #define FR_MATMUL matmul_avx512
 #include "layer_impl.h"

@@ -11,7 +11,9 @@
 // silu_mul(gate, up, n): gate[i] = silu(gate[i]) * up[i], both exp_fr's operations, and
 // dot16(a, b, n), dot16_fr's (fr_math.h), dots16(q, keys, n, out): dot16 of q with 16 keys at
 // once, and to_half(x, h, n) / from_half(h, x, n): float16 rounded to nearest even and back
-// (f32_to_f16, f16_to_f32), n a multiple of 16.
+// (f32_to_f16, f16_to_f32), n a multiple of 16; and the constants WEIGH_HEADS (query heads weighed
+// together, at most 6) and WEIGH_SUMS (16-lane sums one weighing keeps in registers), which the
+// path's register file decides.
 // (The including file includes <math.h>, <omp.h>, <string.h> and kernels.h first, at file scope.)
 
 constexpr int L = 16;   // lanes of every reduction
@@ -80,7 +82,8 @@ inline void product(const Product& p, const PassDesc& pass, float* y, int id, in
     }
 }
 
-constexpr int64_t SPAN = 32;   // cache slots scored or weighed together (16 KB at head_dim 128)
+constexpr int64_t SPAN = 32;   // cache slots scored together (16 KB at head_dim 128)
+constexpr int64_t AHEAD = 64;  // slots weighed together; a float16 cache's rows are requested this far ahead
 constexpr int64_t HALF_DIM = 256;   // the widest head a float16 cache serves (its span's floats on the stack)
 
 // The slot of a row's j-th visible position.
@@ -88,6 +91,7 @@ inline int64_t slot(const RowDesc& row, int64_t j) { return j < row.prefix ? j :
 
 // Where a row's j-th visible key (or value) lies as float32: in a float32 cache itself...
 struct InCache {
+    static constexpr bool half = false;
     static constexpr bool in_l1 = false;   // rows far apart in memory: read each in turn
     const float* base;
     const RowDesc& row;
@@ -97,11 +101,27 @@ struct InCache {
 
 // ... or in a span of a float16 cache converted first (positions [j0, j0 + SPAN)).
 struct InSpan {
+    static constexpr bool half = false;
     static constexpr bool in_l1 = true;    // rows in L1: sixteen keys read side by side
     const float* buf;
     int64_t j0, d;
     const float* operator()(int64_t j) const { return buf + (j - j0) * d; }
 };
+
+// ... or in a float16 cache itself, each row widened as it is read (values: one read for all heads).
+struct InHalf {
+    static constexpr bool half = true;
+    const uint16_t* base;
+    const RowDesc& row;
+    int64_t d, n;   // n: the row's visible positions
+    const uint16_t* operator()(int64_t j) const { return base + slot(row, j) * d; }
+    const uint16_t* ahead(int64_t j) const { return base + slot(row, j + AHEAD < n ? j + AHEAD : j) * d; }
+};
+
+// The cache lines of `bytes` from p requested into L2, for a read soon after.
+inline void request(const void* p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char*)p + b, 0, 2);
+}
 
 // f(at, j0, j1) for each span [j0, j1) of a row's n visible keys (or values) from `base`, `at` an
 // InCache or an InSpan: a float32 cache read in place, a float16 one widened (exactly) into buf first.
@@ -110,8 +130,10 @@ inline void each_span(const RowDesc& row, const void* base, int64_t n, int64_t d
     for (int64_t j0 = 0; j0 < n; j0 += SPAN) {
         const int64_t j1 = j0 + SPAN < n ? j0 + SPAN : n;
         if (row.kv_half) {
-            for (int64_t j = j0; j < j1; ++j)
+            for (int64_t j = j0; j < j1; ++j) {
+                if (j + AHEAD < n) request((const uint16_t*)base + slot(row, j + AHEAD) * d, d * 2);
                 from_half((const uint16_t*)base + slot(row, j) * d, buf + (j - j0) * d, d);
+            }
             f(InSpan{buf, j0, d}, j0, j1);
         } else {
             f(InCache{(const float*)base, row, d}, j0, j1);
@@ -122,6 +144,7 @@ inline void each_span(const RowDesc& row, const void* base, int64_t n, int64_t d
 // Outputs [i0, i0 + 16 C) of H heads' running sum_j p[h][j] v_j over positions [j0, j1) (fma, j in
 // order), kept in registers over the span and carried in `o` from one span to the next. Each
 // output's sum is a chain of dependent fmas, so H x C of them run side by side to fill the units.
+// A float16 row is widened in registers, and the same columns AHEAD rows on requested.
 template <int H, int C, class At>
 inline void weigh(const float* p, int64_t stride, const At& at, int64_t j0, int64_t j1, int64_t d, int64_t i0,
                   float* o) {
@@ -130,7 +153,15 @@ inline void weigh(const float* p, int64_t stride, const At& at, int64_t j0, int6
     for (int h = 0; h < H; ++h)
         for (int l = 0; l < W; ++l) acc[h][l] = j0 == 0 ? 0.0f : o[h * d + i0 + l];
     for (int64_t j = j0; j < j1; ++j) {
-        const float* v = at(j) + i0;
+        const float* v;
+        alignas(64) float wide[W];
+        if constexpr (At::half) {
+            request(at.ahead(j) + i0, W * 2);
+            from_half(at(j) + i0, wide, W);
+            v = wide;
+        } else {
+            v = at(j) + i0;
+        }
         for (int h = 0; h < H; ++h) {
             const float pj = p[h * stride + j];
 #pragma omp simd
@@ -141,29 +172,36 @@ inline void weigh(const float* p, int64_t stride, const At& at, int64_t j0, int6
         for (int l = 0; l < W; ++l) o[h * d + i0 + l] = acc[h][l];
 }
 
-// H heads' weighed values over [j0, j1), C x 16 outputs at a time: about eight sums side by side.
+constexpr int floor2(int n) { return n < 2 ? 1 : 2 * floor2(n / 2); }
+
+// H heads' weighed values over [j0, j1), C x 16 outputs at a time: about WEIGH_SUMS sums side by side.
 template <int H, class At>
 inline void weigh_heads(const float* p, int64_t stride, const At& at, int64_t j0, int64_t j1, int64_t d, float* o) {
-    constexpr int C = H == 1 ? 8 : H == 2 ? 4 : 2;
+    constexpr int C = floor2(WEIGH_SUMS / H);
     int64_t i0 = 0;
     if ((d / L) % C == 0)
         for (; i0 < d; i0 += C * L) weigh<H, C>(p, stride, at, j0, j1, d, i0, o);
     for (; i0 < d; i0 += L) weigh<H, 1>(p, stride, at, j0, j1, d, i0, o);
 }
 
-// Every head's weighed values over [j0, j1): heads four (or fewer) at a time.
+// Every head's weighed values over [j0, j1): heads WEIGH_HEADS (or fewer) at a time.
 template <class At>
 inline void weigh_span(const float* p, int64_t stride, int64_t heads, const At& at, int64_t j0, int64_t j1, int64_t d,
                        float* out) {
+    static_assert(WEIGH_HEADS >= 1 && WEIGH_HEADS <= 6, "weigh_span takes one to six heads at a time");
     for (int64_t h = 0; h < heads;) {
         const float* ph = p + h * stride;
         float* oh = out + h * d;
-        switch (heads - h) {
-            case 1: weigh_heads<1>(ph, stride, at, j0, j1, d, oh); h += 1; break;
-            case 2: weigh_heads<2>(ph, stride, at, j0, j1, d, oh); h += 2; break;
-            case 3: weigh_heads<3>(ph, stride, at, j0, j1, d, oh); h += 3; break;
-            default: weigh_heads<4>(ph, stride, at, j0, j1, d, oh); h += 4; break;
+        const int64_t group = heads - h < WEIGH_HEADS ? heads - h : WEIGH_HEADS;
+        switch (group) {
+            case 1: weigh_heads<1>(ph, stride, at, j0, j1, d, oh); break;
+            case 2: weigh_heads<2>(ph, stride, at, j0, j1, d, oh); break;
+            case 3: weigh_heads<3>(ph, stride, at, j0, j1, d, oh); break;
+            case 4: weigh_heads<4>(ph, stride, at, j0, j1, d, oh); break;
+            case 5: weigh_heads<5>(ph, stride, at, j0, j1, d, oh); break;
+            default: weigh_heads<6>(ph, stride, at, j0, j1, d, oh); break;
         }
+        h += group;
     }
 }
 
@@ -195,8 +233,8 @@ inline void score_any(const float* q, int64_t heads, const At& at, int64_t j0, i
 }
 
 // Row r's attention for the query heads sharing key/value head g: out [heads sharing][head_dim].
-// A float16 cache's keys and values are read a span at a time, widened exactly to float32, so
-// the sums are those of a float32 cache that held the rounded entries.
+// A float16 cache's keys are read a span at a time and its values row by row, widened exactly to
+// float32, so the sums are those of a float32 cache that held the rounded entries.
 inline void attend(const LayerDesc& l, const RowDesc& row, int64_t layer, int64_t g, const float* q, float* out,
                    float* scores) {
     const int64_t d = l.head_dim, share_heads = l.heads / l.kv_heads, n = row.prefix + row.n_extra;
@@ -214,9 +252,13 @@ inline void attend(const LayerDesc& l, const RowDesc& row, int64_t layer, int64_
         exp_shift(p, n, peak);
         for (int64_t j = n; j < padded; ++j) p[j] = 0.0f;
     }
-    each_span(row, (const char*)row.v + at * entry, n, d, buf, [&](const auto& values, int64_t j0, int64_t j1) {
-        weigh_span(scores, padded, share_heads, values, j0, j1, d, out);
-    });
+    for (int64_t j0 = 0; j0 < n; j0 += AHEAD) {
+        const int64_t j1 = j0 + AHEAD < n ? j0 + AHEAD : n;
+        if (row.kv_half)
+            weigh_span(scores, padded, share_heads, InHalf{(const uint16_t*)row.v + at, row, d, n}, j0, j1, d, out);
+        else
+            weigh_span(scores, padded, share_heads, InCache{(const float*)row.v + at, row, d}, j0, j1, d, out);
+    }
     for (int64_t h = 0; h < share_heads; ++h) {
         const float total = sum16(scores + h * padded, padded);
         float* o = out + h * d;

@@ -159,6 +159,7 @@ void exp_shift(float* p, int64_t n, float sub) {
 void silu_mul(float* gate, const float* up, int64_t n) {
     for (int64_t i = 0; i < n; ++i) gate[i] = silu_mul_fr(gate[i], up[i]);
 }
+constexpr int WEIGH_HEADS = 4, WEIGH_SUMS = 8;   // the order of every sum is the same whatever these are
 #define FR_QUANTIZE quantize_scalar
 #define FR_MATMUL matmul_scalar
 #include "layer_impl.h"
