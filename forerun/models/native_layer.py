@@ -30,6 +30,7 @@ MAX_PARTS = 4
 SCRATCH_ROWS = 64  # forwards of at most this many rows (decoding, verification) reuse one set of buffers
 CACHE_DTYPES = (torch.float32, torch.float16)  # a float16 cache's entries are rounded to nearest even
 HALF_DIM = 256  # the widest head a float16 cache serves (layer_impl.h)
+ATTEND_ROWS = 8  # rows of one cache a thread attends together, each cache span read once for all
 _i64, _f32p, _u8p, _ptr = (
     ctypes.c_int64,
     ctypes.POINTER(ctypes.c_float),
@@ -305,8 +306,10 @@ def run_layers(
 
 
 def _scores_stride(cfg, most: int) -> int:
-    """Floats of attention scores a thread needs for rows that see at most `most` slots."""
-    return max(cfg.num_heads // cfg.num_kv_heads * (-(-most // 16) * 16), 16)
+    """Floats of attention scores a thread needs for rows that see at most `most` slots: room for
+    ATTEND_ROWS rows of one cache at once (layer_impl.h's attend_rows, which takes fewer where a
+    forward has fewer, or where their scores would not fit)."""
+    return ATTEND_ROWS * max(cfg.num_heads // cfg.num_kv_heads * (-(-most // 16) * 16), 16)
 
 
 def forward_rows(

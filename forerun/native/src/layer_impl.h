@@ -86,6 +86,9 @@ constexpr int64_t SPAN = 32;   // cache slots scored together (16 KB at head_dim
 constexpr int64_t AHEAD = 64;  // slots weighed together; a float16 cache's rows are requested this far ahead
 constexpr int64_t HALF_DIM = 256;   // the widest head a float16 cache serves (its span's floats on the stack)
 
+inline int64_t visible(const RowDesc& row) { return row.prefix + row.n_extra; }
+inline int64_t round16(int64_t n) { return (n + L - 1) / L * L; }
+
 // The slot of a row's j-th visible position.
 inline int64_t slot(const RowDesc& row, int64_t j) { return j < row.prefix ? j : row.extra[j - row.prefix]; }
 
@@ -123,11 +126,11 @@ inline void request(const void* p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char*)p + b, 0, 2);
 }
 
-// f(at, j0, j1) for each span [j0, j1) of a row's n visible keys (or values) from `base`, `at` an
-// InCache or an InSpan: a float32 cache read in place, a float16 one widened (exactly) into buf first.
+// f(at, j0, j1) for each span [j0, j1) of a row's visible keys (or values) [begin, n) from `base`, `at`
+// an InCache or an InSpan: a float32 cache read in place, a float16 one widened (exactly) into buf first.
 template <class F>
-inline void each_span(const RowDesc& row, const void* base, int64_t n, int64_t d, float* buf, F f) {
-    for (int64_t j0 = 0; j0 < n; j0 += SPAN) {
+inline void each_span(const RowDesc& row, const void* base, int64_t begin, int64_t n, int64_t d, float* buf, F f) {
+    for (int64_t j0 = begin; j0 < n; j0 += SPAN) {
         const int64_t j1 = j0 + SPAN < n ? j0 + SPAN : n;
         if (row.kv_half) {
             for (int64_t j = j0; j < j1; ++j) {
@@ -232,37 +235,75 @@ inline void score_any(const float* q, int64_t heads, const At& at, int64_t j0, i
     }
 }
 
-// Row r's attention for the query heads sharing key/value head g: out [heads sharing][head_dim].
-// A float16 cache's keys are read a span at a time and its values row by row, widened exactly to
-// float32, so the sums are those of a float32 cache that held the rounded entries.
-inline void attend(const LayerDesc& l, const RowDesc& row, int64_t layer, int64_t g, const float* q, float* out,
-                   float* scores) {
-    const int64_t d = l.head_dim, share_heads = l.heads / l.kv_heads, n = row.prefix + row.n_extra;
-    const int64_t padded = (n + L - 1) / L * L, at = layer * row.layer_stride + g * row.slots * d;
-    const size_t entry = row.kv_half ? 2 : 4;   // bytes
-    alignas(64) float buf[SPAN * HALF_DIM];       // a float16 cache's span, widened
-    each_span(row, (const char*)row.k + at * entry, n, d, buf, [&](const auto& keys, int64_t j0, int64_t j1) {
-        score_any(q, share_heads, keys, j0, j1, padded, scores, d);
-    });
-    for (int64_t h = 0; h < share_heads; ++h) {
-        float* p = scores + h * padded;
-        float peak = -INFINITY;
-#pragma omp simd reduction(max : peak)
-        for (int64_t j = 0; j < n; ++j) peak = p[j] > peak ? p[j] : peak;
-        exp_shift(p, n, peak);
-        for (int64_t j = n; j < padded; ++j) p[j] = 0.0f;
-    }
-    for (int64_t j0 = 0; j0 < n; j0 += AHEAD) {
-        const int64_t j1 = j0 + AHEAD < n ? j0 + AHEAD : n;
-        if (row.kv_half)
-            weigh_span(scores, padded, share_heads, InHalf{(const uint16_t*)row.v + at, row, d, n}, j0, j1, d, out);
+// Rows [r0, r1) of a pass, all reading one cache, attended over key/value head g: for each row its
+// query heads sharing g, out [heads sharing][head_dim]. The slots every row sees first (its prefix,
+// the least of the rows') are read once for all of them, a span or a block at a time, then each
+// row's own; each row's sums are the same as alone. A float16 cache's keys are widened a span at a
+// time and its values row by row, exactly to float32, so the sums are those of a float32 cache that
+// held the rounded entries. `scores`: (r1 - r0) x heads sharing x `padded` floats.
+struct Rows {
+    const LayerDesc& l;
+    const PassDesc& pass;
+    int64_t g, r0, r1, padded;   // padded: the most visible slots, rounded up to 16
+    float* scores;
+    int64_t share() const { return l.heads / l.kv_heads; }
+    const RowDesc& row(int64_t r) const { return pass.row[r]; }
+    int64_t n(int64_t r) const { return visible(pass.row[r]); }
+    const float* q(int64_t r) const { return pass.qkv + r * l.qkv.out + g * share() * l.head_dim; }
+    float* out(int64_t r) const { return pass.att + r * l.heads * l.head_dim + g * share() * l.head_dim; }
+    float* p(int64_t r) const { return scores + (r - r0) * share() * padded; }
+};
+
+// Values [j0, j1) weighed into each of the rows' sums, from row `via`'s view of the cache.
+inline void weigh_rows(const Rows& rs, const RowDesc& via, int64_t at, int64_t j0, int64_t j1, int64_t ra,
+                       int64_t rb) {
+    const int64_t d = rs.l.head_dim, seen = visible(via);
+    for (int64_t r = ra; r < rb; ++r) {
+        if (via.kv_half)
+            weigh_span(rs.p(r), rs.padded, rs.share(), InHalf{(const uint16_t*)via.v + at, via, d, seen}, j0, j1, d,
+                       rs.out(r));
         else
-            weigh_span(scores, padded, share_heads, InCache{(const float*)row.v + at, row, d}, j0, j1, d, out);
+            weigh_span(rs.p(r), rs.padded, rs.share(), InCache{(const float*)via.v + at, via, d}, j0, j1, d, rs.out(r));
     }
-    for (int64_t h = 0; h < share_heads; ++h) {
-        const float total = sum16(scores + h * padded, padded);
-        float* o = out + h * d;
-        for (int64_t i = 0; i < d; ++i) o[i] = o[i] / total;
+}
+
+inline void attend_rows(const Rows& rs, int64_t layer) {
+    const LayerDesc& l = rs.l;
+    const RowDesc& first = rs.row(rs.r0);
+    const int64_t d = l.head_dim, share = rs.share(), at = layer * first.layer_stride + rs.g * first.slots * d;
+    const size_t entry = first.kv_half ? 2 : 4;   // bytes
+    int64_t common = first.prefix;
+    for (int64_t r = rs.r0; r < rs.r1; ++r) common = rs.row(r).prefix < common ? rs.row(r).prefix : common;
+    alignas(64) float buf[SPAN * HALF_DIM];       // a float16 cache's span, widened
+    const char* keys = (const char*)first.k + at * entry;
+    each_span(first, keys, 0, common, d, buf, [&](const auto& span, int64_t j0, int64_t j1) {
+        for (int64_t r = rs.r0; r < rs.r1; ++r) score_any(rs.q(r), share, span, j0, j1, rs.padded, rs.p(r), d);
+    });
+    for (int64_t r = rs.r0; r < rs.r1; ++r) {
+        each_span(rs.row(r), keys, common, rs.n(r), d, buf, [&](const auto& span, int64_t j0, int64_t j1) {
+            score_any(rs.q(r), share, span, j0, j1, rs.padded, rs.p(r), d);
+        });
+        for (int64_t h = 0; h < share; ++h) {
+            float* p = rs.p(r) + h * rs.padded;
+            float peak = -INFINITY;
+            const int64_t n = rs.n(r);
+#pragma omp simd reduction(max : peak)
+            for (int64_t j = 0; j < n; ++j) peak = p[j] > peak ? p[j] : peak;
+            exp_shift(p, n, peak);
+            for (int64_t j = n; j < rs.padded; ++j) p[j] = 0.0f;
+        }
+    }
+    for (int64_t j0 = 0; j0 < common; j0 += AHEAD)   // a block of values stays in L1 over the rows
+        weigh_rows(rs, first, at, j0, j0 + AHEAD < common ? j0 + AHEAD : common, rs.r0, rs.r1);
+    for (int64_t r = rs.r0; r < rs.r1; ++r) {
+        const int64_t n = rs.n(r);
+        for (int64_t j0 = common; j0 < n; j0 += AHEAD)
+            weigh_rows(rs, rs.row(r), at, j0, j0 + AHEAD < n ? j0 + AHEAD : n, r, r + 1);
+        for (int64_t h = 0; h < share; ++h) {
+            const float total = sum16(rs.p(r) + h * rs.padded, rs.padded);
+            float* o = rs.out(r) + h * d;
+            for (int64_t i = 0; i < d; ++i) o[i] = o[i] / total;
+        }
     }
 }
 
@@ -305,10 +346,16 @@ inline void run_layer(const LayerDesc& l, const PassDesc& pass, int64_t layer, f
         store_entry(row, at, k, v, d);
     }
 #pragma omp barrier
-    for (int64_t u = u0; u < u1; ++u) {                 // every row's key and value are in place now
-        const int64_t r = u % t, g = u / t;             // a head's rows together: its cache stays in L2
-        attend(l, pass.row[r], layer, g, pass.qkv + r * l.qkv.out + g * share_heads * d,
-               pass.att + r * q_width + g * share_heads * d, pass.scores + id * pass.scores_stride);
+    for (int64_t u = u0; u < u1;) {                     // every row's key and value are in place now
+        const int64_t r = u % t, g = u / t;             // a head's rows together, those of one cache at once
+        int64_t e = u + 1, most = visible(pass.row[r]);
+        for (; e < u1 && e / t == g && pass.row[e % t].k == pass.row[r].k; ++e) {
+            const int64_t wider = visible(pass.row[e % t]) > most ? visible(pass.row[e % t]) : most;
+            if ((e - u + 1) * share_heads * round16(wider) > pass.scores_stride) break;   // what the scratch holds
+            most = wider;
+        }
+        attend_rows(Rows{l, pass, g, r, r + (e - u), round16(most), pass.scores + id * pass.scores_stride}, layer);
+        u = e;
     }
 #pragma omp barrier
     quantize_for(l.o, pass, pass.att, q_width, r0, r1);
