@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,6 +17,8 @@ from test_server_api import AUTH, post
 
 import forerun
 from forerun.api import LLM
+from forerun.models.source import ModelSource
+from forerun.serve.responses import model_list
 
 CHAT = [{"role": "user", "content": "hi there"}]
 
@@ -225,6 +228,19 @@ def test_apply_template_shows_the_tools_a_chat_sends(plain) -> None:
     assert "tools: get_weather" in text
     ids = ask(plain, "/tokenize", {"messages": CHAT, "tools": tools})["tokens"]
     assert plain.llm.tokenizer.hf.encode(text, add_special_tokens=False) == ids
+
+
+def test_the_model_list_carries_llama_servers_ollama_style_entries(plain) -> None:
+    listed = httpx.get(plain.url + "/v1/models", headers=AUTH, timeout=30).json()
+    assert [m["name"] for m in listed["models"]] == [m["model"] for m in listed["models"]] == [NAME]
+    (entry,) = listed["models"]
+    assert entry["type"] == "model" and entry["capabilities"] == ["completion"]
+    assert entry["details"]["format"] == "" == plain.llm.target.source.file_format  # a model built in memory
+    both = model_list((NAME, "alias"), 7, 64, None, "gguf")
+    assert [m["name"] for m in both["models"]] == [m["id"] for m in both["data"]] == [NAME, "alias"]
+    assert {m["details"]["format"] for m in both["models"]} == {"gguf"}
+    formats = [ModelSource(kind, Path("."), "m").file_format for kind in ("gguf", "hf", "memory")]
+    assert formats == ["gguf", "safetensors", ""]
 
 
 def test_llamacpps_names_for_the_routes_answer_as_they_do_there(plain) -> None:

@@ -88,7 +88,7 @@ class EngineReplica:
     async def facts(self) -> Facts:
         llm = self.engine.llm
         cfg = llm.target.decoder.cfg
-        return Facts(llm.tokenizer, cfg.vocab_size, cfg.max_position, llm.spec.method)
+        return Facts(llm.tokenizer, cfg.vocab_size, cfg.max_position, llm.spec.method, llm.target.source.file_format)
 
     async def generate(self, job: Job) -> AsyncIterator:
         """Started(this replica), then (sample index, Delta | Done | Failed) as the engine sends them,

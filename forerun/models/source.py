@@ -16,6 +16,12 @@ class ModelSource:
     path: Path  # the .gguf file or the model folder
     name: str  # what the user called it
 
+    @property
+    def file_format(self) -> str:
+        """The weights' file format as model lists name it: gguf or safetensors; "" for a model
+        built in memory."""
+        return {"gguf": "gguf", "hf": "safetensors"}.get(self.kind, "")
+
 
 def resolve(spec: str) -> ModelSource:
     """Find the weights behind `spec`, fetching an embedded model if needed."""

@@ -63,7 +63,8 @@ log = logging.getLogger("forerun.serve.app")
 def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
     """The app over a started `scheduler` running `llm`'s engine (llm gives the tokenizer)."""
     backend = LocalBackend(scheduler, metrics)
-    return app_for(ServerState.build(llm.tokenizer, llm.target.decoder.cfg.vocab_size, backend, config, metrics))
+    vocab, file_format = llm.target.decoder.cfg.vocab_size, llm.target.source.file_format
+    return app_for(ServerState.build(llm.tokenizer, vocab, backend, config, metrics, file_format))
 
 
 def app_for(state: ServerState) -> FastAPI:
@@ -195,7 +196,13 @@ class _Routes:
 
     def _listed(self) -> dict:
         config = self.state.config
-        return model_list(config.model_names, self.state.created, config.max_model_len, config.speculative_model)
+        return model_list(
+            config.model_names,
+            self.state.created,
+            config.max_model_len,
+            config.speculative_model,
+            self.state.model_format,
+        )
 
     async def props(self, request: HTTPRequest) -> Response:
         if (denied := self.state.refusal(request)) is not None:

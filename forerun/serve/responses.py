@@ -363,10 +363,14 @@ def refused(exc: BadRequest) -> JSONResponse:
     return JSONResponse(error_body(exc), status_code=exc.status)
 
 
-def model_list(names: tuple[str, ...], created: int, max_model_len: int, speculative_model: str | None) -> dict:
+def model_list(
+    names: tuple[str, ...], created: int, max_model_len: int, speculative_model: str | None, file_format: str = ""
+) -> dict:
     """/v1/models: the one served model under each of its names, naming the speculator that drafts
-    for it (None: none)."""
+    for it (None: none); beside OpenAI's `data`, llama.cpp's Ollama-style `models` (its fields
+    llama.cpp leaves empty left empty, the weights' `file_format` named in its details)."""
     return {
+        "models": [ollama_entry(name, file_format) for name in names],
         "object": "list",
         "data": [
             {
@@ -379,6 +383,24 @@ def model_list(names: tuple[str, ...], created: int, max_model_len: int, specula
             }
             for name in names
         ],
+    }
+
+
+def ollama_entry(name: str, file_format: str) -> dict:
+    """One name's entry of the `models` list llama-server gives (as Ollama's /api/tags lists a model)."""
+    details = {"parent_model": "", "format": file_format, "family": "", "families": [""], "parameter_size": ""}
+    return {
+        "name": name,
+        "model": name,
+        "modified_at": "",
+        "size": "",
+        "digest": "",
+        "type": "model",
+        "description": "",
+        "tags": [""],
+        "capabilities": ["completion"],
+        "parameters": "",
+        "details": details | {"quantization_level": ""},
     }
 
 
