@@ -30,7 +30,7 @@ MAX_PARTS = 4
 SCRATCH_ROWS = 64  # forwards of at most this many rows (decoding, verification) reuse one set of buffers
 CACHE_DTYPES = (torch.float32, torch.float16)  # a float16 cache's entries are rounded to nearest even
 HALF_DIM = 256  # the widest head a float16 cache serves (layer_impl.h)
-ATTEND_ROWS = 8  # rows of one cache a thread attends together, each cache span read once for all
+ATTEND_ROWS = 8  # rows that see every slot a thread's scores hold: one cache's rows attended together
 _i64, _f32p, _u8p, _ptr = (
     ctypes.c_int64,
     ctypes.POINTER(ctypes.c_float),
