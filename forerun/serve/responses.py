@@ -388,7 +388,6 @@ def model_list(
 
 def ollama_entry(name: str, file_format: str) -> dict:
     """One name's entry of the `models` list llama-server gives (as Ollama's /api/tags lists a model)."""
-    details = {"parent_model": "", "format": file_format, "family": "", "families": [""], "parameter_size": ""}
     return {
         "name": name,
         "model": name,
@@ -400,7 +399,14 @@ def ollama_entry(name: str, file_format: str) -> dict:
         "tags": [""],
         "capabilities": ["completion"],
         "parameters": "",
-        "details": details | {"quantization_level": ""},
+        "details": {
+            "parent_model": "",
+            "format": file_format,
+            "family": "",
+            "families": [""],
+            "parameter_size": "",
+            "quantization_level": "",
+        },
     }
 
 
