@@ -49,7 +49,7 @@ class Facts:
     vocab_size: int
     context: int  # the model's most positions
     method: str | None  # the speculation method, None: none
-    model_format: str = ""  # the weights' file format (ModelSource.file_format)
+    model_format: str  # the weights' file format (ModelSource.file_format)
 
 
 @dataclass

@@ -364,7 +364,7 @@ def refused(exc: BadRequest) -> JSONResponse:
 
 
 def model_list(
-    names: tuple[str, ...], created: int, max_model_len: int, speculative_model: str | None, file_format: str = ""
+    names: tuple[str, ...], created: int, max_model_len: int, speculative_model: str | None, file_format: str
 ) -> dict:
     """/v1/models: the one served model under each of its names, naming the speculator that drafts
     for it (None: none); beside OpenAI's `data`, llama.cpp's Ollama-style `models` (its fields

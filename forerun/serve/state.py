@@ -68,7 +68,7 @@ class ServerState:
         backend: Backend,
         config: ServerConfig,
         metrics: ServerMetrics,
-        model_format: str = "",
+        model_format: str,
     ) -> ServerState:
         """The state over `backend`, running a model of `vocab_size` tokens read by `tokenizer`, its
         weights a file of `model_format` (ModelSource.file_format)."""

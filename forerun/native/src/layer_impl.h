@@ -111,7 +111,8 @@ struct InSpan {
     const float* operator()(int64_t j) const { return buf + (j - j0) * d; }
 };
 
-// ... or in a float16 cache itself, each row widened as it is read (values: one read for all heads).
+// ... or in a float16 cache itself, as halves: the rows AHEAD slots on (the last row where fewer are
+// left) requested early; keys widened into a span, values in registers, one read for all heads.
 struct InHalf {
     static constexpr bool half = true;
     const uint16_t* base;
@@ -133,9 +134,10 @@ inline void each_span(const RowDesc& row, const void* base, int64_t begin, int64
     for (int64_t j0 = begin; j0 < n; j0 += SPAN) {
         const int64_t j1 = j0 + SPAN < n ? j0 + SPAN : n;
         if (row.kv_half) {
+            const InHalf rows{(const uint16_t*)base, row, d, n};
             for (int64_t j = j0; j < j1; ++j) {
-                if (j + AHEAD < n) request((const uint16_t*)base + slot(row, j + AHEAD) * d, d * 2);
-                from_half((const uint16_t*)base + slot(row, j) * d, buf + (j - j0) * d, d);
+                request(rows.ahead(j), d * 2);
+                from_half(rows(j), buf + (j - j0) * d, d);
             }
             f(InSpan{buf, j0, d}, j0, j1);
         } else {
@@ -350,7 +352,7 @@ inline void run_layer(const LayerDesc& l, const PassDesc& pass, int64_t layer, f
         const int64_t r = u % t, g = u / t;             // a head's rows together, those of one cache at once
         int64_t e = u + 1, most = visible(pass.row[r]);
         for (; e < u1 && e / t == g && pass.row[e % t].k == pass.row[r].k; ++e) {
-            const int64_t wider = visible(pass.row[e % t]) > most ? visible(pass.row[e % t]) : most;
+            const int64_t seen = visible(pass.row[e % t]), wider = seen > most ? seen : most;
             if ((e - u + 1) * share_heads * round16(wider) > pass.scores_stride) break;   // what the scratch holds
             most = wider;
         }
