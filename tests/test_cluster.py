@@ -270,6 +270,10 @@ def test_slots_number_both_replicas_lanes_on(cluster) -> None:
     assert all(lane["speculative"] and lane["params"]["speculative.n_max"] == 5 for lane in lanes)
     props = httpx.get(cluster.url + "/props", headers=AUTH, timeout=30).json()
     assert props["total_slots"] == 16
+    # The model's facts come from a replica: the folder's float32 tensors, counted.
+    assert props["model_ftype"] == "(guessed) all F32" and props["chat_template_caps"]["supports_tools"]
+    meta = httpx.get(cluster.url + "/v1/models", headers=AUTH, timeout=30).json()["data"][0]["meta"]
+    assert meta["n_params"] > 0 and meta["size"] == 4 * meta["n_params"]
 
 
 def test_requests_go_to_the_replica_their_key_prefers_and_spread_over_both(cluster) -> None:

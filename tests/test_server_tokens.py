@@ -17,6 +17,7 @@ from test_server_api import AUTH, post
 
 import forerun
 from forerun.api import LLM
+from forerun.models.card import ModelCard
 from forerun.models.source import ModelSource
 from forerun.serve.responses import model_list
 
@@ -192,6 +193,8 @@ def test_props_answers_as_llamacpp_does(plain) -> None:
     assert props["chat_template"] == tok.template_text and props["chat_template"].startswith("{%")
     assert props["eos_token"] == tok.hf.eos_token and props["modalities"]["vision"] is False
     assert props["build_info"] == f"forerun {forerun.__version__}"
+    assert props["chat_template_caps"] == tok.template_caps and props["chat_template_caps"]["supports_tools"]
+    assert props["model_ftype"] == "" and props["ui"] is False  # a model built in memory has no file type
     assert httpx.get(plain.url + "/props", timeout=30).status_code == 401
     assert "/props" in httpx.get(plain.url + "/openapi.json").json()["paths"]
 
@@ -236,9 +239,22 @@ def test_the_model_list_carries_llama_servers_ollama_style_entries(plain) -> Non
     (entry,) = listed["models"]
     assert entry["type"] == "model" and entry["capabilities"] == ["completion"]
     assert entry["details"]["format"] == "" == plain.llm.target.source.file_format  # a model built in memory
-    both = model_list((NAME, "alias"), 7, 64, None, "gguf")
+    cfg = plain.llm.target.decoder.cfg
+    assert listed["data"][0]["meta"] == {
+        "vocab_type": 0,
+        "n_vocab": cfg.vocab_size,
+        "n_ctx": CONTEXT,
+        "n_ctx_train": cfg.max_position,
+        "n_embd": cfg.hidden_size,
+        "n_params": 0,
+        "size": 0,
+        "ftype": "",
+    }
+    card = ModelCard("gguf", "Q4_K - Medium", 10, 20, 2, 99, 512, 64)
+    both = model_list((NAME, "alias"), 7, 64, None, card)
     assert [m["name"] for m in both["models"]] == [m["id"] for m in both["data"]] == [NAME, "alias"]
     assert {m["details"]["format"] for m in both["models"]} == {"gguf"}
+    assert [m["meta"] for m in both["data"]] == [card.meta(64)] * 2 and card.meta(64)["n_params"] == 10
     formats = [ModelSource(kind, Path("."), "m").file_format for kind in ("gguf", "hf", "memory")]
     assert formats == ["gguf", "safetensors", ""]
 

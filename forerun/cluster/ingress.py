@@ -48,7 +48,7 @@ class Ingress:
         metrics = IngressMetrics()
         backend = ReplicaBackend(engine, metrics, hub)
         config = server_config(args, facts.context)
-        self.state = ServerState.build(facts.tokenizer, facts.vocab_size, backend, config, metrics, facts.model_format)
+        self.state = ServerState.build(facts.tokenizer, facts.vocab_size, backend, config, metrics, facts.card)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return app_for(self.state)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from forerun.base.config import SamplingParams
+from forerun.models.card import ModelCard
 from forerun.models.tokenizer import Tokenizer
 from forerun.serve.requests import BadRequest
 
@@ -49,7 +50,7 @@ class Facts:
     vocab_size: int
     context: int  # the model's most positions
     method: str | None  # the speculation method, None: none
-    model_format: str  # the weights' file format (ModelSource.file_format)
+    card: ModelCard  # the model's facts /v1/models and /props give
 
 
 @dataclass

@@ -29,6 +29,7 @@ from ray import serve
 from forerun.cluster.jobs import Facts, Job, Refused, Started
 from forerun.commands.serve import ServedEngine, start_engine
 from forerun.drafters.suffix import SuffixMemory
+from forerun.models.card import model_card
 from forerun.serve.backend import refusal
 from forerun.serve.inflight import new_group
 from forerun.serve.scheduler import Done, Failed
@@ -88,7 +89,8 @@ class EngineReplica:
     async def facts(self) -> Facts:
         llm = self.engine.llm
         cfg = llm.target.decoder.cfg
-        return Facts(llm.tokenizer, cfg.vocab_size, cfg.max_position, llm.spec.method, llm.target.source.file_format)
+        card = model_card(llm.target.source, cfg)
+        return Facts(llm.tokenizer, cfg.vocab_size, cfg.max_position, llm.spec.method, card)
 
     async def generate(self, job: Job) -> AsyncIterator:
         """Started(this replica), then (sample index, Delta | Done | Failed) as the engine sends them,

@@ -81,8 +81,9 @@ class GGUFFile:
         n_tensors, n_fields = self._scalar("<Q"), self._scalar("<Q")
         self.fields: dict[str, Field] = {}
         for _ in range(n_fields):
-            key = self._string()
-            self.fields[key] = Field(self._value(self._scalar("<I"), keep=not key.startswith("tokenizer.")))
+            key, kind = self._string(), self._scalar("<I")
+            # A tokenizer's arrays (its vocabulary, merges, scores) are skipped; its strings kept.
+            self.fields[key] = Field(self._value(kind, keep=kind != _ARRAY or not key.startswith("tokenizer.")))
         infos = []
         for _ in range(n_tensors):
             name = self._string()

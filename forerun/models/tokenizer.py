@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import valid_unicode
 from forerun.base.tools import CALL_OPEN
+from forerun.models.template_caps import template_caps
 
 # Special tokens that end a turn or a document in the common families (and a code model's padding
 # and file separators, which end a filled-in middle); llama.cpp stops on the same.
@@ -236,6 +237,20 @@ class Tokenizer:
         """Whether the chat template teaches the model to write calls as `base.tools` reads them
         (<tool_call> blocks, as Qwen's and Hermes' templates do)."""
         return CALL_OPEN in self._template_text
+
+    @functools.cached_property
+    def template_caps(self) -> dict[str, bool]:
+        """What the chat template can show the model, as llama.cpp's /props reports it
+        (`models.template_caps`); {} without a template."""
+        if not getattr(self.hf, "chat_template", None):
+            return {}
+
+        def render(messages: list[dict], tools: list[dict] | None, variables: dict) -> str:
+            return self.hf.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=False, **variables
+            )
+
+        return template_caps(render)
 
     @property
     def template_text(self) -> str:

@@ -33,6 +33,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from forerun.models.card import model_card
 from forerun.serve import llamacpp_api, messages_api
 from forerun.serve.backend import LocalBackend
 from forerun.serve.generation import CLIENT_GONE, generation
@@ -63,8 +64,9 @@ log = logging.getLogger("forerun.serve.app")
 def create_app(llm, scheduler: Scheduler, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
     """The app over a started `scheduler` running `llm`'s engine (llm gives the tokenizer)."""
     backend = LocalBackend(scheduler, metrics)
-    vocab, file_format = llm.target.decoder.cfg.vocab_size, llm.target.source.file_format
-    return app_for(ServerState.build(llm.tokenizer, vocab, backend, config, metrics, file_format))
+    cfg = llm.target.decoder.cfg
+    card = model_card(llm.target.source, cfg)
+    return app_for(ServerState.build(llm.tokenizer, cfg.vocab_size, backend, config, metrics, card))
 
 
 def app_for(state: ServerState) -> FastAPI:
@@ -201,7 +203,7 @@ class _Routes:
             self.state.created,
             config.max_model_len,
             config.speculative_model,
-            self.state.model_format,
+            self.state.card,
         )
 
     async def props(self, request: HTTPRequest) -> Response:
@@ -209,7 +211,7 @@ class _Routes:
             return denied
         slots = await self.state.backend.slots()  # under Ray Serve, every replica's lanes
         total = len(slots) if slots else self.state.config.max_num_seqs
-        return JSONResponse(llamacpp_api.props(self.state.config, self.state.tokenizer, total))
+        return JSONResponse(llamacpp_api.props(self.state.config, self.state.tokenizer, total, self.state.card))
 
     async def slots(self, request: HTTPRequest) -> Response:
         """GET /slots: every lane and the request it runs, as llama.cpp gives them; with a non-empty

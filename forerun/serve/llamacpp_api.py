@@ -30,6 +30,7 @@ from importlib import metadata
 
 from forerun.base.config import SamplingParams, is_whole
 from forerun.base.errors import ForerunError
+from forerun.models.card import ModelCard
 from forerun.models.tokenizer import NO_INFILL, Tokenizer, valid_unicode
 from forerun.serve.inflight import InFlight
 from forerun.serve.requests import BadRequest
@@ -67,26 +68,32 @@ BATCH = 2048  # llama.cpp's default batch, which its /infill fits the prefix and
 PROJECT = "myproject\n"  # the repository name llama.cpp's /infill writes
 
 
-def props(config: ServerConfig, tokenizer: Tokenizer | None, total_slots: int) -> dict:
-    """llama.cpp's GET /props for this server (`config`: its ServerConfig; `tokenizer` or None): the
-    defaults /completion applies, the context, the slots (`total_slots`: requests run at once, under
-    Ray Serve every replica's), the model, its chat templates and tokens. forerun has no web UI,
-    no media and no sleeping, and /props cannot be changed; /slots and /metrics are served."""
+def props(config: ServerConfig, tokenizer: Tokenizer | None, total_slots: int, card: ModelCard) -> dict:
+    """llama.cpp's GET /props for this server (`config`: its ServerConfig; `tokenizer` or None; the
+    model's `card`): the defaults /completion applies, the context, the slots (`total_slots`: requests
+    run at once, under Ray Serve every replica's), the model and its file type, its chat templates and
+    what they can show, its tokens. forerun has no web UI, no media (so no `media_marker`) and no
+    sleeping, and /props cannot be changed; /slots and /metrics are served."""
     hf = getattr(tokenizer, "hf", None)
     answer = {
         "default_generation_settings": {"params": _default_params(), "n_ctx": config.max_model_len},
         "total_slots": total_slots,
         "model_alias": config.served_model_name,
+        "model_ftype": card.ftype,
         "model_path": config.model_path,
         "modalities": {"vision": False, "video": False, "audio": False},
         "endpoint_slots": True,
         "endpoint_props": False,
         "endpoint_metrics": True,
+        "ui": False,
+        "ui_settings": {},
         "chat_template": tokenizer.template_text if tokenizer is not None else "",
+        "chat_template_caps": tokenizer.template_caps if tokenizer is not None else {},
         "bos_token": getattr(hf, "bos_token", None) or "",
         "eos_token": getattr(hf, "eos_token", None) or "",
         "build_info": _build_info(),
         "is_sleeping": False,
+        "cors_proxy_enabled": False,
     }
     named = getattr(hf, "chat_template", None)
     if isinstance(named, dict) and isinstance(named.get("tool_use"), str):

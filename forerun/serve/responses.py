@@ -21,6 +21,7 @@ from forerun.base.reasoning import ReasoningReader, split
 from forerun.base.tools import CallReader
 from forerun.engine.engine import RequestOutput
 from forerun.engine.metrics import SpecMetrics
+from forerun.models.card import ModelCard
 from forerun.serve.requests import BadRequest, Checked
 from forerun.serve.scheduler import Delta
 
@@ -364,13 +365,14 @@ def refused(exc: BadRequest) -> JSONResponse:
 
 
 def model_list(
-    names: tuple[str, ...], created: int, max_model_len: int, speculative_model: str | None, file_format: str
+    names: tuple[str, ...], created: int, max_model_len: int, speculative_model: str | None, card: ModelCard
 ) -> dict:
     """/v1/models: the one served model under each of its names, naming the speculator that drafts
-    for it (None: none); beside OpenAI's `data`, llama.cpp's Ollama-style `models` (its fields
-    llama.cpp leaves empty left empty, the weights' `file_format` named in its details)."""
+    for it (None: none) and, as llama.cpp does, the model's facts (`meta`, from `card`); beside
+    OpenAI's `data`, llama.cpp's Ollama-style `models` (its fields llama.cpp leaves empty left empty,
+    the weights' file format named in its details)."""
     return {
-        "models": [ollama_entry(name, file_format) for name in names],
+        "models": [ollama_entry(name, card.file_format) for name in names],
         "object": "list",
         "data": [
             {
@@ -380,6 +382,7 @@ def model_list(
                 "owned_by": "forerun",
                 "max_model_len": max_model_len,
                 "speculative_model": speculative_model,
+                "meta": card.meta(max_model_len),
             }
             for name in names
         ],

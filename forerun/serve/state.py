@@ -16,6 +16,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
 from forerun.base.errors import ForerunError
+from forerun.models.card import ModelCard
 from forerun.models.tokenizer import Tokenizer
 from forerun.serve.backend import Backend
 from forerun.serve.metrics import ServerMetrics
@@ -57,8 +58,8 @@ class ServerState:
     tokenizer: Tokenizer | None  # None: a model without one, whose prompts come as token ids
     limits: Limits
     created: int  # when the app was made, in seconds since the epoch (/v1/models' `created`)
+    card: ModelCard  # the model's facts /v1/models and /props give
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored answers
-    model_format: str = ""  # the weights' file format (ModelSource.file_format), which /v1/models names
 
     @classmethod
     def build(
@@ -68,16 +69,16 @@ class ServerState:
         backend: Backend,
         config: ServerConfig,
         metrics: ServerMetrics,
-        model_format: str,
+        card: ModelCard,
     ) -> ServerState:
         """The state over `backend`, running a model of `vocab_size` tokens read by `tokenizer`, its
-        weights a file of `model_format` (ModelSource.file_format)."""
+        facts `card`."""
         if config.spec_stats not in SPEC_STATS:
             raise ForerunError(
                 f"per-request speculation figures must be one of {', '.join(SPEC_STATS)}, got {config.spec_stats!r}"
             )
         limits = Limits(config.max_model_len, vocab_size, config.max_body_bytes)
-        return cls(config, backend, metrics, tokenizer, limits, int(time.time()), model_format=model_format)
+        return cls(config, backend, metrics, tokenizer, limits, int(time.time()), card)
 
     def check_access(self, request: HTTPRequest) -> None:
         """BadRequest (401 or 413) unless the request carries the key and declares a body within the limit."""
