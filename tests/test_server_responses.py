@@ -467,3 +467,46 @@ def test_a_failure_mid_answer_ends_the_stream_with_response_failed(target_tok) -
         assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
     finally:
         failing.stop()
+
+
+def count(served, path: str, body: dict, status: int = 200, headers: dict | None = None) -> dict:
+    r = httpx.post(served.url + path, json=body, headers=AUTH if headers is None else headers, timeout=60)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("prefix", ["/v1", ""])
+def test_input_tokens_counts_the_prompt_the_request_would_run(served, prefix) -> None:
+    """OpenAI's /v1/responses/input_tokens and llama.cpp's /v1/chat/completions/input_tokens (and their
+    names without /v1): the prompt tokens the same body's answer reports as its usage."""
+    body = {"input": "count me", "instructions": "be brief", "tools": [FLIP]}
+    counted = count(served, prefix + "/responses/input_tokens", body)  # model may be left out
+    answered = respond(served, {**body, "max_output_tokens": 1, "store": False})["usage"]["input_tokens"]
+    assert counted == {"object": "response.input_tokens", "input_tokens": answered}
+    chat = {"messages": [{"role": "user", "content": "count me too"}], "tools": [CHAT_FLIP]}
+    counted = count(served, prefix + "/chat/completions/input_tokens", {**chat, "model": NAME})
+    usage = post(served, {**chat, "model": NAME, "max_tokens": 1}, "/v1/chat/completions")["usage"]
+    assert counted == {"object": "response.input_tokens", "input_tokens": usage["prompt_tokens"]}
+    # a stored response's conversation counts as it would run after it
+    first = respond(served, {"input": "go", "max_output_tokens": 2})
+    later = {"input": "again", "previous_response_id": first["id"]}
+    assert (
+        count(served, prefix + "/responses/input_tokens", later)["input_tokens"]
+        == (respond(served, {**later, "max_output_tokens": 1, "store": False})["usage"]["input_tokens"])
+    )
+
+
+def test_input_tokens_refuses_what_the_request_would_refuse_by_its_names(served) -> None:
+    tool = {**FLIP, "parameters": "none"}
+    bad = count(served, "/v1/responses/input_tokens", {"input": "x", "tools": [tool]}, 400)["error"]
+    assert bad == respond(served, {"input": "x", "tools": [tool]}, 400)["error"]
+    assert bad["message"].startswith("tools[0].parameters ")  # the Responses shape, not chat's tools[0].function
+    assert count(served, "/v1/responses/input_tokens", {"input": "x", "colour": 1}, 400)["error"]["param"] == "colour"
+    assert count(served, "/v1/chat/completions/input_tokens", {"messages": "x"}, 400)["error"]["param"] == "messages"
+    assert count(served, "/v1/chat/completions/input_tokens", {"messages": [], "model": "other"}, 404)["error"]
+    assert count(served, "/v1/responses/input_tokens", {"input": "x"}, 401, headers={})["error"]["code"] == (
+        "invalid_api_key"
+    )
+    paths = httpx.get(served.url + "/openapi.json").json()["paths"]
+    assert {"/v1/responses/input_tokens", "/v1/chat/completions/input_tokens"} <= set(paths)
+    assert not {"/responses", "/responses/input_tokens", "/chat/completions/input_tokens"} & set(paths)

@@ -275,7 +275,7 @@ def test_llamacpps_names_for_the_routes_answer_as_they_do_there(plain) -> None:
     )
 
 
-@pytest.mark.parametrize("path", ["/tokenize", "/apply-template"])
+@pytest.mark.parametrize("path", ["/tokenize", "/apply-template", "/v1/responses/input_tokens"])
 def test_a_client_that_hangs_up_mid_body_gets_499_and_no_error(plain, path, caplog) -> None:
     # The app itself, called with a body that stops half way and then the client's disconnect.
     app = plain.server.config.app

@@ -56,7 +56,13 @@ from forerun.serve.schemas import (
     request_body,
 )
 from forerun.serve.state import ServerConfig, ServerState
-from forerun.serve.tokens import apply_template_route, count_tokens_route, detokenize_route, tokenize_route
+from forerun.serve.tokens import (
+    apply_template_route,
+    count_tokens_route,
+    detokenize_route,
+    input_tokens_route,
+    tokenize_route,
+)
 
 log = logging.getLogger("forerun.serve.app")
 
@@ -97,7 +103,16 @@ def app_for(state: ServerState) -> FastAPI:
     stored = "a stored Responses API response"
     app.add_api_route("/v1/responses/{response_id}", routes.stored_response, methods=["GET"], summary=stored)
     app.add_api_route("/v1/responses/{response_id}", routes.forget_response, methods=["DELETE"], summary=stored)
-    posted = (
+    for path, handler, said, body in _posted(routes):
+        app.add_api_route(path, handler, methods=["POST"], summary=said, openapi_extra=request_body(body))
+    _llamacpp_names(app, routes)
+    app.openapi = partial(openapi_schema, app)
+    return app
+
+
+def _posted(routes: _Routes) -> tuple:
+    """The POST routes in the schema: (path, handler, summary, request body model) each."""
+    return (
         ("/v1/completions", routes.completions, "OpenAI's completions", CompletionRequest),
         ("/v1/chat/completions", routes.chat, "OpenAI's chat completions", ChatCompletionRequest),
         (
@@ -105,6 +120,18 @@ def app_for(state: ServerState) -> FastAPI:
             routes.responses,
             "OpenAI's Responses API: text, function tools, structured outputs",
             ResponsesRequest,
+        ),
+        (
+            "/v1/responses/input_tokens",
+            routes.responses_input_tokens,
+            "OpenAI's: the tokens of the prompt a Responses request runs",
+            ResponsesRequest,
+        ),
+        (
+            "/v1/chat/completions/input_tokens",
+            routes.chat_input_tokens,
+            "llama.cpp's: the tokens of the prompt a chat request runs",
+            ChatCompletionRequest,
         ),
         ("/v1/messages", routes.messages, "Anthropic's Messages API: text, tools, thinking", MessagesRequest),
         (
@@ -119,19 +146,17 @@ def app_for(state: ServerState) -> FastAPI:
         ("/detokenize", routes.detokenize, "vLLM's: the text of token ids", DetokenizeRequest),
         ("/apply-template", routes.apply_template, "llama.cpp's: a chat request's prompt text", ApplyTemplateRequest),
     )
-    for path, handler, said, body in posted:
-        app.add_api_route(path, handler, methods=["POST"], summary=said, openapi_extra=request_body(body))
-    _llamacpp_names(app, routes)
-    app.openapi = partial(openapi_schema, app)
-    return app
 
 
 def _llamacpp_names(app: FastAPI, routes: _Routes) -> None:
-    """llama.cpp's names for routes served above, out of the schema: /chat/completions and /models
-    (what an OpenAI client whose base URL leaves out /v1 calls), /completions (llama.cpp's own
-    /completion, as there) and /v1/health."""
+    """llama.cpp's names for routes served above, out of the schema: /chat/completions, /responses,
+    their /input_tokens and /models (what an OpenAI client whose base URL leaves out /v1 calls),
+    /completions (llama.cpp's own /completion, as there) and /v1/health."""
     for path, handler, method in (
         ("/chat/completions", routes.chat, "POST"),
+        ("/responses", routes.responses, "POST"),
+        ("/chat/completions/input_tokens", routes.chat_input_tokens, "POST"),
+        ("/responses/input_tokens", routes.responses_input_tokens, "POST"),
         ("/completions", routes.llamacpp_completion, "POST"),
         ("/models", routes.models, "GET"),
         ("/v1/health", routes.health, "GET"),
@@ -258,6 +283,12 @@ class _Routes:
 
     async def count_tokens(self, request: HTTPRequest) -> Response:
         return await count_tokens_route(self.state, request)
+
+    async def chat_input_tokens(self, request: HTTPRequest) -> Response:
+        return await input_tokens_route(self.state, request, responses=False)
+
+    async def responses_input_tokens(self, request: HTTPRequest) -> Response:
+        return await input_tokens_route(self.state, request, responses=True)
 
     async def llamacpp_completion(self, request: HTTPRequest) -> Response:
         return await generation(self.state, request, chat=False, api="completion")

@@ -11,7 +11,10 @@ be left out; given, it must be the served one. The fields are checked as the gen
 check them (`requests.check`), so a prompt that tokenizes here is the prompt a completion would
 run, and tokenizing runs on a worker thread, off the event loop. Anthropic's
 /v1/messages/count_tokens counts the prompt a Messages request would run the same way
-(`count_tokens_route`), answering `input_tokens` and refusing in Anthropic's shape.
+(`count_tokens_route`), answering `input_tokens` and refusing in Anthropic's shape; OpenAI's
+/v1/responses/input_tokens and llama.cpp's /v1/chat/completions/input_tokens count the prompt a
+Responses or chat request with that body would run (`input_tokens_route`: `model` may be left out,
+the rest checked as the request's), answering `{"object": "response.input_tokens", "input_tokens": n}`.
 
 A /tokenize body with `content` is llama.cpp's: `content` (text, or a list of texts and token ids,
 joined in order), `add_special` (BOS where the model has one, before a content that starts with
@@ -38,7 +41,7 @@ from forerun.base.config import is_whole
 from forerun.base.errors import ForerunError
 from forerun.base.prompts import in_vocabulary
 from forerun.models.tokenizer import Tokenizer
-from forerun.serve import messages_api
+from forerun.serve import messages_api, responses_api
 from forerun.serve.requests import (
     BadRequest,
     Limits,
@@ -100,6 +103,22 @@ async def count_tokens_route(state: ServerState, http: HTTPRequest) -> Response:
     except BadRequest as exc:
         state.metrics.rejected(exc.status)
         return messages_api.refused(messages_api.renamed(exc))
+
+
+async def input_tokens_route(state: ServerState, http: HTTPRequest, responses: bool) -> Response:
+    """The tokens of the prompt a chat request (`responses`: a Responses request) with this body runs."""
+    reader = None
+    try:
+        body = {"model": state.config.served_model_name, **await _body(state, http, None)}
+        if responses:
+            reader = responses_api.translate(body, state.responses)
+            body = reader.body
+        checked = check(body, True, state.config.model_names, state.limits)
+        ids = (await asyncio.to_thread(tokenize, checked, state.tokenizer, state.limits))[0]
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
+    except BadRequest as exc:
+        state.metrics.rejected(exc.status)
+        return refused(reader.renamed(exc) if reader is not None else exc)
 
 
 async def detokenize_route(state: ServerState, http: HTTPRequest) -> Response:
