@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test install kernels models peers clean
+.PHONY: run test test-avx512-emulated install kernels models peers clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,12 @@ test: models
 	$(VENV)/bin/ruff check forerun tests
 	$(VENV)/bin/ruff format --check forerun tests
 	$(VPY) -m pytest -q -rs
+
+# The avx512 path's bit-exactness tests on a CPU without AVX-512 (an AVX2 machine), its intrinsics
+# emulated through SIMDe (needs Debian's libsimde-dev; about ten minutes on 2 cores): what to run
+# after changing avx512.cpp or layer_impl.h where the CPU cannot run the path itself. Not in `make test`.
+test-avx512-emulated: $(STAMP)
+	FORERUN_EMULATE_AVX512=1 $(VPY) -m pytest -q -rs tests/test_native.py tests/test_gguf_format.py tests/test_q4_0_format.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -372,3 +372,26 @@ def test_a_failed_build_shows_what_the_compiler_said(monkeypatch, tmp_path) -> N
     with pytest.raises(build.BuildError, match="no-such-flag"):
         build.build()
     assert not list(tmp_path.rglob(build.LIBRARY))  # nothing half-built left behind
+
+
+def test_the_emulated_avx512_library_is_asked_for_by_name_and_needs_simde(monkeypatch) -> None:
+    """FORERUN_EMULATE_AVX512=1 compiles the avx512 path without AVX-512 instructions (its own key, so
+    never the real library); without SIMDe's headers it says what to install."""
+    import platform
+
+    from forerun.native import build
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the emulated path is x86-64's")
+    real = build.plan()
+    monkeypatch.setenv(build.EMULATE_ENV, "1")
+    monkeypatch.setattr(build, "_has_header", lambda cxx, header: header == build.SIMDE)
+    emulated = build.plan()
+    assert emulated.units["avx512.cpp"] == ["-mavx2", "-mfma", "-mf16c", "-DFORERUN_EMULATED"]
+    assert "-DFORERUN_EMULATED" in emulated.units["api.cpp"] and "-DFORERUN_EMULATED" not in real.units["api.cpp"]
+    assert emulated.key("v") != real.key("v")
+    monkeypatch.setattr(build, "_has_header", lambda cxx, header: False)
+    with pytest.raises(build.BuildError, match="apt-get install libsimde-dev"):
+        build.plan()
+    monkeypatch.setenv(build.EMULATE_ENV, "0")
+    assert build.plan() == real

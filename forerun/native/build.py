@@ -5,6 +5,11 @@ version and the flags, so an edit or a new compiler builds afresh and a rerun fi
 Every instruction-set path is compiled on x86-64 whatever this CPU is (`-m` flags only let the
 compiler emit those instructions); which path runs is decided at run time from the CPU's features.
 `python -m forerun.native.build` builds it ahead (what `make` does).
+
+With FORERUN_EMULATE_AVX512=1 it builds, beside the real one, a library whose avx512 path is
+compiled without AVX-512 instructions, its intrinsics emulated through SIMDe (`emulated_avx512.h`;
+Debian's libsimde-dev), and which says every CPU runs that path: the path's tests
+(`make test-avx512-emulated`) then run on a CPU without AVX-512, slowly. Never for anything else.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ X86_FLAGS = {
     "avx512.cpp": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
 }
 
+EMULATE_ENV = "FORERUN_EMULATE_AVX512"
+SIMDE = "simde/x86/avx512.h"  # the header the emulated avx512 path includes
+EMULATED_FLAGS = {"avx512.cpp": ["-mavx2", "-mfma", "-mf16c", "-DFORERUN_EMULATED"], "api.cpp": ["-DFORERUN_EMULATED"]}
+
 
 class BuildError(RuntimeError):
     """The library could not be built; the message says what the compiler said."""
@@ -74,7 +83,28 @@ def plan() -> Plan:
         raise BuildError("no C++ compiler found (install g++, or set CXX)")
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     units = {f.name: (X86_FLAGS.get(f.name, []) if x86 else []) for f in sorted(SOURCES.glob("*.cpp"))}
+    if os.environ.get(EMULATE_ENV, "").strip() == "1":
+        if not x86:
+            raise BuildError(f"{EMULATE_ENV}=1 emulates the x86-64 avx512 path, and this is {platform.machine()}")
+        if not _has_header(cxx, SIMDE):
+            raise BuildError(f"{EMULATE_ENV}=1 needs SIMDe's headers ({SIMDE}): apt-get install libsimde-dev")
+        units.update(EMULATED_FLAGS)
     return Plan(cxx, units)
+
+
+def _has_header(cxx: str, header: str) -> bool:
+    """Whether `cxx` finds `header` on its include path."""
+    try:
+        done = subprocess.run(
+            [cxx, "-x", "c++", "-fsyntax-only", "-"],
+            input=f"#include <{header}>\n",
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
 
 
 def _version(cxx: str) -> str:

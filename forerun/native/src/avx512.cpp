@@ -3,7 +3,11 @@
 // (4-way u8 x s8 dot products, vpdpbusd), so rows cost little beyond the first. The float
 // operations per lane are exactly the scalar reference's (kernels.h).
 #if defined(__x86_64__)
+#if defined(FORERUN_EMULATED)
+#include "emulated_avx512.h"   // the path's tests on a CPU without AVX-512 (build.py)
+#else
 #include <immintrin.h>
+#endif
 #include <string.h>
 
 #include <vector>
@@ -27,12 +31,20 @@ inline __m512 f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si2
 // load into these, and the separate vpbroadcastd measured 4 % slower over eight rows (Zen 4).
 using i32_alias = int32_t __attribute__((may_alias));
 inline __m512i dot(__m512i acc, __m512i w, const int8_t* x) {
+#if defined(FORERUN_EMULATED)
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(*(const i32_alias*)x));   // the same sums
+#else
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const i32_alias*)x));
     return acc;
+#endif
 }
 inline __m512i dot16(__m512i acc, __m512i w, const int16_t* p) {
+#if defined(FORERUN_EMULATED)
+    return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(*(const i32_alias*)p));
+#else
     __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const i32_alias*)p));
     return acc;
+#endif
 }
 
 // init + the dots of k-groups [g0, g0 + count) against x (4 bytes a group), summed over A
