@@ -480,7 +480,8 @@ def test_input_tokens_counts_the_prompt_the_request_would_run(served, prefix) ->
     """OpenAI's /v1/responses/input_tokens and llama.cpp's /v1/chat/completions/input_tokens (and their
     names without /v1): the prompt tokens the same body's answer reports as its usage."""
     body = {"input": "count me", "instructions": "be brief", "tools": [FLIP]}
-    counted = count(served, prefix + "/responses/input_tokens", body)  # model may be left out
+    counted = count(served, prefix + "/responses/input_tokens", body)  # model may be left out, or null
+    assert count(served, prefix + "/responses/input_tokens", {**body, "model": None}) == counted
     answered = respond(served, {**body, "max_output_tokens": 1, "store": False})["usage"]["input_tokens"]
     assert counted == {"object": "response.input_tokens", "input_tokens": answered}
     chat = {"messages": [{"role": "user", "content": "count me too"}], "tools": [CHAT_FLIP]}

@@ -109,7 +109,9 @@ async def input_tokens_route(state: ServerState, http: HTTPRequest, responses: b
     """The tokens of the prompt a chat request (`responses`: a Responses request) with this body runs."""
     reader = None
     try:
-        body = {"model": state.config.served_model_name, **await _body(state, http, None)}
+        body = await _body(state, http, None)
+        if body.get("model") is None:  # left out (or null): the served model
+            body = {**body, "model": state.config.served_model_name}
         if responses:
             reader = responses_api.translate(body, state.responses)
             body = reader.body
