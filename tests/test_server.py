@@ -18,6 +18,7 @@ import openai
 import pytest
 import uvicorn
 
+import forerun
 from forerun.api import LLM
 from forerun.base import cpu
 from forerun.base.config import SamplingParams
@@ -298,7 +299,7 @@ def test_an_oversized_body_is_refused(served) -> None:
 
 
 def test_the_api_key_guards_every_route_but_health(served) -> None:
-    for path in ("/v1/models", "/metrics"):
+    for path in ("/v1/models", "/metrics", "/version"):
         assert httpx.get(served.url + path).status_code == 401
         assert httpx.get(served.url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(served.url + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
@@ -309,6 +310,9 @@ def test_the_api_key_guards_every_route_but_health(served) -> None:
         openai.OpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(served.url + "/health").json() == {"status": "ok"}
     assert httpx.head(served.url + "/health").status_code == 200  # a load balancer's probe
+    assert httpx.get(served.url + "/ping").json() == httpx.post(served.url + "/ping").json() == {"status": "ok"}
+    version = httpx.get(served.url + "/version", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert version == {"version": forerun.__version__}
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:

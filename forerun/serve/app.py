@@ -5,17 +5,19 @@ Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent e
 `data: [DONE]`, or whole), POST /v1/responses (OpenAI's Responses API read as a chat request:
 forerun/serve/responses_api.py; GET and DELETE /v1/responses/{id} for the stored ones), POST
 /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API read as a chat request, its
-errors in Anthropic's shape: forerun/serve/messages_api.py), POST /completion and /infill
+errors in Anthropic's shape: forerun/serve/messages_api.py), POST /v1/responses/input_tokens and
+/v1/chat/completions/input_tokens (the prompt's tokens counted), POST /completion and /infill
 (llama.cpp's own, read as completions: forerun/serve/llamacpp_api.py), GET /props and /slots (llama.cpp's),
 POST /tokenize and /detokenize (vLLM's, and llama.cpp's shape), POST /apply-template (llama.cpp's),
-GET /v1/models and /v1/models/{id}, /health, /metrics (Prometheus text), /openapi.json and /docs;
-llama.cpp's names for some of them, out of the schema (POST /chat/completions, /completions as its
-/completion, GET /models, /v1/health). Fields are OpenAI's (checked in forerun/serve/requests.py)
+GET /v1/models and /v1/models/{id}, /health, /metrics (Prometheus text), /version (vLLM's),
+/openapi.json and /docs; llama.cpp's and vLLM's names for some of them, out of the schema (POST
+/chat/completions, /responses, both routes' /input_tokens, /completions as its /completion, GET
+/models, /v1/health, GET and POST /ping). Fields are OpenAI's (checked in forerun/serve/requests.py)
 plus vLLM's (`top_k`, `ignore_eos`, ...); `n` samples share the prompt's prefill; `logprobs` are the
 target's own; with speculation each choice can carry its speculation figures in vLLM's per-request
 shape. Anything wrong gets an HTTP 4xx in OpenAI's error shape naming the field, before the engine
 sees it, and is counted apart from engine failures. With an API key every route but /health (and
-/v1/health), /openapi.json and /docs wants `Authorization: Bearer <key>` or `x-api-key: <key>`
+/v1/health, /ping), /openapi.json and /docs wants `Authorization: Bearer <key>` or `x-api-key: <key>`
 (unknown routes too, so they reveal nothing without it).
 
 This module only wires: the handlers here are thin, the generation routes' work is in
@@ -92,6 +94,9 @@ def app_for(state: ServerState) -> FastAPI:
     summary = "200 while the engine runs; 503 once it stopped or is shutting down"
     app.add_api_route("/health", routes.health, methods=["GET"], summary=summary)
     app.add_api_route("/health", routes.health, methods=["HEAD"], include_in_schema=False)  # load balancers' probes
+    for method in ("GET", "POST"):  # vLLM's name for it (SageMaker's probe)
+        app.add_api_route("/ping", routes.health, methods=[method], include_in_schema=False)
+    app.add_api_route("/version", routes.version, methods=["GET"], summary="vLLM's: forerun's version")
     app.add_api_route("/v1/models", routes.models, methods=["GET"], summary="the served model (and its speculator)")
     app.add_api_route("/v1/models/{model:path}", routes.model, methods=["GET"], summary="one served model, by id")
     app.add_api_route("/metrics", routes.prometheus, methods=["GET"], summary="Prometheus metrics")
@@ -182,6 +187,11 @@ class _Routes:
     async def health(self) -> Response:
         status, body = await self.state.backend.health()
         return JSONResponse(body, status_code=status)
+
+    async def version(self, request: HTTPRequest) -> Response:
+        if (denied := self.state.refusal(request)) is not None:
+            return denied
+        return JSONResponse({"version": llamacpp_api.version()})
 
     async def models(self, request: HTTPRequest) -> Response:
         if (denied := self.state.refusal(request)) is not None:

@@ -157,10 +157,16 @@ def _request_params(p: SamplingParams) -> dict:
 
 def _build_info() -> str:
     """forerun and its installed version (llama.cpp gives its build's)."""
+    installed = version()
+    return f"forerun {installed}" if installed else "forerun"
+
+
+def version() -> str:
+    """forerun's installed version ("" where it is not installed as a package)."""
     try:
-        return f"forerun {metadata.version('forerun')}"
+        return metadata.version("forerun")
     except metadata.PackageNotFoundError:
-        return "forerun"
+        return ""
 
 
 def fields(infill: bool) -> set[str]:
