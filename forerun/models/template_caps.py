@@ -1,9 +1,11 @@
 """What a chat template can show the model, found as llama.cpp's server reports it (/props'
 `chat_template_caps`): the template is rendered with probe conversations and each capability is read
-from whether the probe's marker reaches the text (llama.cpp watches which values its own template
-engine reads; a value the text never shows is one the template ignores, so the two agree on the
-templates models ship). A probe the template refuses (its `raise_exception`, or an error on a value
-of the wrong shape) counts as that capability missing, as in llama.cpp.
+from whether the probe's marker reaches the text. llama.cpp watches instead which values its own
+template engine reads; the two agree where a template prints what it reads (on the embedded target's
+template they give the same answer: `tests/test_model_card.py`), and a value read but never printed
+(a condition on it alone) counts here as not shown. A probe the template refuses (its
+`raise_exception`, or an error on a value of the wrong shape) counts as that capability missing, as
+in llama.cpp.
 """
 
 from __future__ import annotations
