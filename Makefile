@@ -49,10 +49,15 @@ test: models
 	$(VPY) -m pytest -q -rs
 
 # The avx512 path's bit-exactness tests on a CPU without AVX-512 (an AVX2 machine), its intrinsics
-# emulated through SIMDe (needs Debian's libsimde-dev; about ten minutes on 2 cores): what to run
-# after changing avx512.cpp or layer_impl.h where the CPU cannot run the path itself. Not in `make test`.
+# emulated through SIMDe (needs Debian's libsimde-dev; about ten minutes on 2 cores), then the tiny
+# models' tests whose forwards go through the kernels, on the widest path (here the emulated one):
+# what to run after changing avx512.cpp or layer_impl.h where the CPU cannot run the path itself.
+# Not in `make test`.
+EMULATED_TESTS := tests/test_native.py tests/test_gguf_format.py tests/test_q4_0_format.py tests/test_qwen3.py \
+	tests/test_rope_scaling.py tests/test_heads.py tests/test_logprobs.py tests/test_prefix_cache.py \
+	tests/test_quantization.py tests/test_user_models.py tests/test_load.py
 test-avx512-emulated: $(STAMP)
-	FORERUN_EMULATE_AVX512=1 $(VPY) -m pytest -q -rs tests/test_native.py tests/test_gguf_format.py tests/test_q4_0_format.py
+	FORERUN_EMULATE_AVX512=1 $(VPY) -m pytest -q -rs -m "not real" $(EMULATED_TESTS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

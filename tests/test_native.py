@@ -383,6 +383,7 @@ def test_the_emulated_avx512_library_is_asked_for_by_name_and_needs_simde(monkey
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the emulated path is x86-64's")
+    monkeypatch.delenv(build.EMULATE_ENV, raising=False)  # the real library's plan, even under the emulated run
     real = build.plan()
     monkeypatch.setenv(build.EMULATE_ENV, "1")
     monkeypatch.setattr(build, "_has_header", lambda cxx, header: header == build.SIMDE)
