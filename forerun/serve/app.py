@@ -94,8 +94,6 @@ def app_for(state: ServerState) -> FastAPI:
     summary = "200 while the engine runs; 503 once it stopped or is shutting down"
     app.add_api_route("/health", routes.health, methods=["GET"], summary=summary)
     app.add_api_route("/health", routes.health, methods=["HEAD"], include_in_schema=False)  # load balancers' probes
-    for method in ("GET", "POST"):  # vLLM's name for it (SageMaker's probe)
-        app.add_api_route("/ping", routes.health, methods=[method], include_in_schema=False)
     app.add_api_route("/version", routes.version, methods=["GET"], summary="vLLM's: forerun's version")
     app.add_api_route("/v1/models", routes.models, methods=["GET"], summary="the served model (and its speculator)")
     app.add_api_route("/v1/models/{model:path}", routes.model, methods=["GET"], summary="one served model, by id")
@@ -154,9 +152,10 @@ def _posted(routes: _Routes) -> tuple:
 
 
 def _llamacpp_names(app: FastAPI, routes: _Routes) -> None:
-    """llama.cpp's names for routes served above, out of the schema: /chat/completions, /responses,
-    their /input_tokens and /models (what an OpenAI client whose base URL leaves out /v1 calls),
-    /completions (llama.cpp's own /completion, as there) and /v1/health."""
+    """llama.cpp's and vLLM's names for routes served above, out of the schema: /chat/completions,
+    /responses, their /input_tokens and /models (what an OpenAI client whose base URL leaves out /v1
+    calls), /completions (llama.cpp's own /completion, as there), /v1/health and vLLM's /ping (the
+    health probe SageMaker calls, GET or POST)."""
     for path, handler, method in (
         ("/chat/completions", routes.chat, "POST"),
         ("/responses", routes.responses, "POST"),
@@ -166,6 +165,8 @@ def _llamacpp_names(app: FastAPI, routes: _Routes) -> None:
         ("/models", routes.models, "GET"),
         ("/v1/health", routes.health, "GET"),
         ("/v1/health", routes.health, "HEAD"),
+        ("/ping", routes.health, "GET"),
+        ("/ping", routes.health, "POST"),
     ):
         app.add_api_route(path, handler, methods=[method], include_in_schema=False)
 

@@ -109,9 +109,7 @@ async def input_tokens_route(state: ServerState, http: HTTPRequest, responses: b
     """The tokens of the prompt a chat request (`responses`: a Responses request) with this body runs."""
     reader = None
     try:
-        body = await _body(state, http, None)
-        if body.get("model") is None:  # left out (or null): the served model
-            body = {**body, "model": state.config.served_model_name}
+        body = {**await _body(state, http, None), "model": state.config.served_model_name}  # a given one checked
         if responses:
             reader = responses_api.translate(body, state.responses)
             body = reader.body
